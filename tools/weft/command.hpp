@@ -1,0 +1,11 @@
+// Each `weft <command>` lives in its own file and registers itself on the CLI11 app here.
+// A command's callback returns through weft::Error on failure; main turns that into exit code 1.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace weft::tools {
+
+void register_info(CLI::App& app);
+
+}  // namespace weft::tools
