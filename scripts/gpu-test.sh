@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# On the GPU machine: configure against the NCCL that the machine's PyTorch ships (the device API
+# needs the library and the headers to be the same version), build with all cores, run the
+# `gpu`-labelled tests and the GPU benchmarks, keep full logs in OUT_DIR, print a summary last.
+#
+#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX]
+#
+# OUT_DIR receives: build.log, gpu-tests.log, bench.log, machine.txt, summary.txt.
+# The benchmarks run are the lines of bench/gpu-benchmarks.txt (commands relative to the build
+# folder; '#' starts a comment). Exit status: non-zero when the build, a test or a benchmark failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX]}
+shift
+run_bench=1
+only=""
+while (($#)); do
+  case "$1" in
+    --no-bench) run_bench=0 ;;
+    --only) only=$2; shift ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+if [[ -z "${NCCL_ROOT:-}" ]]; then
+  NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+fi
+[[ -n "$NCCL_ROOT" && -f "$NCCL_ROOT/include/nccl_device.h" ]] || {
+  note "FAIL: no NCCL with nccl_device.h (set NCCL_ROOT)"; exit 1; }
+export NCCL_ROOT
+export LD_LIBRARY_PATH="$NCCL_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared machines
+build_dir=${BUILD_DIR:-build-gpu}
+
+{
+  date -u +"%Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m
+  echo "nvcc: $(nvcc --version | tail -1)"
+  echo "cmake: $(cmake --version | head -1)"
+  echo "NCCL_ROOT=$NCCL_ROOT"
+} >"$out/machine.txt" 2>&1
+
+start=$(date +%s)
+if ! { cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DWEFT_WERROR=ON \
+         -DNCCL_ROOT="$NCCL_ROOT" -DWEFT_BUILD_BENCHMARKS=ON &&
+       cmake --build "$build_dir" -j "$(nproc)"; } >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"
+  note "FAIL: build (see build.log)"
+  exit 1
+fi
+note "build: ok in $(( $(date +%s) - start )) s"
+
+status=0
+ctest_args=(--test-dir "$build_dir" -L gpu --output-on-failure --timeout 900)
+[[ -n "$only" ]] && ctest_args+=(-R "$only")
+ctest "${ctest_args[@]}" >"$out/gpu-tests.log" 2>&1 || status=1
+note "gpu tests: $(grep -E 'tests passed|No tests were found' "$out/gpu-tests.log" | tail -1)"
+grep -E '\(Failed\)|\(Timeout\)|\(Subprocess' "$out/gpu-tests.log" | sed 's/^/  /' | tee -a "$summary"
+
+if ((run_bench)) && [[ -f bench/gpu-benchmarks.txt ]]; then
+  : >"$out/bench.log"
+  while IFS= read -r line; do
+    line=${line%%#*}
+    [[ -z "${line// }" ]] && continue
+    [[ -n "$only" && ! "$line" =~ $only ]] && continue
+    echo "==== $line" >>"$out/bench.log"
+    if (cd "$build_dir" && timeout 600 bash -c "$line") >>"$out/bench.log" 2>&1; then
+      note "bench ok:   $line"
+    else
+      note "bench FAIL: $line"
+      status=1
+    fi
+  done <bench/gpu-benchmarks.txt
+fi
+
+note "total: $(( $(date +%s) - start )) s, status $status"
+exit $status
