@@ -1,0 +1,78 @@
+// What the planner draws: one progress() of a schedule laid out in time, on host threads and on
+// GPU streams, with the cross-thread waits and the rule that caused each. Produced by the
+// simulator (simulate.hpp) or read from a real run's Chrome trace (trace_reader.hpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace weft::plan {
+
+// Why a task waited for a task on another host thread (or stream) inside one progress().
+enum class WaitRule {
+  kSameLookahead,  // ordering edge (slot read-after-write or depends_on), producer.la == consumer.la
+  kSyncCpu,        // same_progress_sync edge, CPU side
+  kSyncGpu,        // same_progress_sync edge, GPU side (the consumer's stream waits)
+  kSyncBoth,       // same_progress_sync edge, both sides
+  kTicket,         // collective ticket order: an earlier collective of this progress still enqueuing
+  kStreamOrder,    // two threads feed one stream: run order kept on that stream
+};
+
+const char* to_string(WaitRule rule) noexcept;
+
+// The placement of one task: which stream it enqueues on, which thread runs it, how far ahead.
+struct TaskPlacement {
+  std::string task;
+  std::string stream;
+  std::string thread;
+  int lookahead = 0;
+  bool collective = false;
+};
+
+struct HostSpan {
+  std::string task;
+  std::string thread;
+  double start_us = 0;
+  double end_us = 0;
+  long long batch = -1;  // the batch index the task worked on; -1 when unknown
+  int ticket = -1;       // collective ticket, -1 for non-collective tasks
+};
+
+struct GpuSpan {
+  std::string task;
+  std::string stream;
+  double start_us = 0;
+  double end_us = 0;
+};
+
+struct WaitEdge {
+  std::string producer;
+  std::string consumer;
+  std::string producer_thread;
+  std::string consumer_thread;
+  WaitRule rule = WaitRule::kSameLookahead;
+  double released_at_us = 0;  // when the producer side finished and the consumer could go on
+  double waited_us = 0;       // how long the consumer's thread (or stream) sat idle for it
+};
+
+// One progress() in steady state. Times are relative to the start of that progress().
+struct Timeline {
+  std::vector<std::string> threads;  // host threads, in drawing order
+  std::vector<std::string> streams;  // GPU streams, in drawing order
+  std::vector<HostSpan> host;
+  std::vector<GpuSpan> gpu;
+  std::vector<WaitEdge> waits;
+  double host_step_us = 0;  // makespan of the host threads in this progress()
+  double step_us = 0;       // steady-state period of a training step (host or GPU bound)
+};
+
+// Per-thread accounting of one progress().
+struct ThreadLoad {
+  std::string thread;
+  double busy_us = 0;  // running task bodies
+  double wait_us = 0;  // blocked on a cross-thread wait
+};
+
+std::vector<ThreadLoad> thread_loads(const Timeline& timeline);
+
+}  // namespace weft::plan
