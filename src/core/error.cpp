@@ -25,9 +25,8 @@ const char* short_file_name(const char* path) noexcept {
 
 void throw_check_failure(const char* condition, const std::string& message,
                          std::source_location where) {
-  std::string text = message.empty() ? std::string("check failed: ") + condition
-                                     : message + " (check failed: " + condition + ")";
-  throw Error(text, where);
+  // A message written for the user says what went wrong; the bare condition is only the fallback.
+  throw Error(message.empty() ? std::string("check failed: ") + condition : message, where);
 }
 
 }  // namespace detail

@@ -205,7 +205,7 @@ void write_gantt(std::ostringstream& out, const VariantReport& variant) {
     y = row.y + kBarHeight + kRowGap;
   }
   const double height = y + 6;
-  const double width = kLabelWidth + kPlotWidth + 20;
+  const double width = kLabelWidth + kPlotWidth + 190;  // room for labels of the last bars
 
   out << "<svg class=gantt xmlns='http://www.w3.org/2000/svg' width='" << fmt(width, 0)
       << "' height='" << fmt(height, 0) << "' viewBox='0 0 " << fmt(width, 0) << " "

@@ -7,5 +7,6 @@
 namespace weft::tools {
 
 void register_info(CLI::App& app);
+void register_plan(CLI::App& app);
 
 }  // namespace weft::tools

@@ -10,12 +10,14 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", weft::version());
   app.require_subcommand(1);
   weft::tools::register_info(app);
+  weft::tools::register_plan(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const weft::Error& e) {
-    std::fprintf(stderr, "weft: error: %s\n", e.what());
+    std::fprintf(stderr, "weft: error: %s\n  (reported at %s:%u)\n", e.message().c_str(),
+                 e.file(), e.line());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "weft: error: %s\n", e.what());

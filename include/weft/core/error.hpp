@@ -1,7 +1,8 @@
 // weft::Error and the check macros every part of weft uses.
 //
 // Contract: every error weft reports is a weft::Error (or a subclass) whose what() reads
-// "file:line: message", where file:line is the place in weft's sources that detected it.
+// "file:line: message", where file:line is the place in weft's sources that detected it. A check
+// without a message reports "check failed: <condition>".
 // The check macros evaluate each argument at most once, and build the message only on failure.
 //
 //   WEFT_CHECK(num_tokens <= max_tokens, "num_tokens ", num_tokens, " exceeds ", max_tokens);

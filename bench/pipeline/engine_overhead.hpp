@@ -1,0 +1,36 @@
+// Host overhead of one Engine::progress() of the HSTU schedule with empty task bodies, per
+// variant; shared by the host-backend and CUDA-backend benchmark programs.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "weft/pipeline/pipeline.hpp"
+
+namespace weft::pipeline::bench {
+
+// Registers one benchmark per HSTU variant; make_backend gives each engine its backend.
+inline void register_engine_overhead(
+    const std::string& backend_name,
+    std::function<std::unique_ptr<Backend>()> make_backend) {
+  for (const HstuVariant& variant : hstu_variants()) {
+    const std::string name = "progress/" + backend_name + "/" + std::string(variant.name);
+    benchmark::RegisterBenchmark(name.c_str(), [variant, make_backend](benchmark::State& state) {
+      Engine engine(hstu_schedule({.cascade = variant.cascade}),
+                    ThreadMap::preset(variant.thread_map), make_backend());
+      engine.set_source([](Batch&) { return true; });  // endless: steady state only
+      for (int i = 0; i < 100; ++i) engine.progress();  // prefill and warm-up
+      for (auto _ : state) {
+        auto step = engine.progress();
+        benchmark::DoNotOptimize(step);
+      }
+      engine.synchronize();
+      state.counters["threads"] = static_cast<double>(engine.threads().num_threads());
+    })->UseRealTime()->Unit(benchmark::kMicrosecond);
+  }
+}
+
+}  // namespace weft::pipeline::bench

@@ -1,0 +1,150 @@
+// weft::ep::Buffer: expert-parallel dispatch and combine over NVLink, on NCCL's device API.
+//
+// One process per GPU (every rank calls, with the same config):
+//   weft::ep::Buffer ep(comm, {.max_tokens = 8192, .hidden = 7168, .num_experts = 256, .top_k = 8});
+//   auto recv = ep.dispatch({.x = x, .topk_idx = idx, .topk_weights = w}, stream);  // no host sync
+//   ... expert GEMMs read recv.recv_x[0 .. *recv.num_recv_device) ...
+//   ep.combine({.expert_out = y}, recv.handle, out, stream);
+//
+// One process driving every local GPU (tests, tools): launch every rank's call before any host
+// wait, since each rank's kernel waits on device for its peers' kernels:
+//   auto eps = weft::ep::Buffer::create_local(2, config);
+//   for (r...) res[r] = eps[r]->dispatch(in[r], streams[r], weft::ep::CountMode::kExact);
+//   for (r...) eps[r]->wait_num_recv(res[r]);       // host waits only after all launches
+//
+// Contracts
+//  - Collective: every rank makes the same sequence of dispatch/combine calls on its Buffer. The
+//    calls of one Buffer must be ordered on the device (one stream, or ordered by events).
+//  - Zero copy: a DispatchResult's arrays live in the Buffer's symmetric window and stay valid
+//    until the next dispatch or combine on this Buffer is *launched*: read them (expert GEMMs),
+//    or copy them out, in between. expert_out given to combine may be recv_x itself.
+//  - No host synchronisation inside dispatch or combine: both are single kernels, usable under
+//    CUDA graph capture (the call sequence number lives on the device). CountMode::kExact only
+//    adds an asynchronous 4-byte device-to-host copy; wait_num_recv() is the one host wait.
+//  - Errors: bad arguments the host can see throw weft::Error at once. Bad data found on the
+//    device (an expert id out of range: that selection is dropped, nothing out of bounds is
+//    touched) and timed-out waits (the message names the rank and what it waited for) are
+//    recorded in a pinned device flag and thrown by the next call on this Buffer, by
+//    wait_num_recv(), or by check() after the stream was synchronised. After a timeout the
+//    ranks no longer agree on the call sequence: destroy the Buffers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "weft/ep/types.hpp"
+
+namespace weft::ep {
+
+struct BufferOptions {
+  int num_sms = 0;                 // blocks per kernel (one per SM); 0 = every SM of the device
+  double timeout_s = 20.0;         // bound of every device-side wait
+  int combine_send_warps = 24;     // of the 32 warps of a combine block; the rest reduce
+};
+
+// Identifies one dispatch of one Buffer; what combine needs of the layout stays in the Buffer.
+// A handle is stale once the next dispatch on its Buffer was launched.
+struct Handle {
+  uint64_t buffer_id = 0;
+  uint64_t sequence = 0;
+  int64_t num_tokens = 0;
+  int64_t num_recv = -1;  // known only after wait_num_recv()
+};
+
+struct DispatchInputs {
+  TensorView x;             // [T, hidden] bf16, 16-byte aligned
+  TensorView topk_idx;      // [T, top_k] int32 or int64; -1 = no selection
+  TensorView topk_weights;  // [T, top_k] float32
+};
+
+// Worst-case sized views into the window (capacity = num_ranks * max_tokens rows); the first
+// *num_recv_device rows are valid, in (source rank, source token) order.
+struct DispatchResult {
+  const uint16_t* recv_x = nullptr;          // [capacity, hidden] bf16
+  const int32_t* recv_expert_idx = nullptr;  // [capacity, top_k] local expert id or -1
+  const float* recv_weights = nullptr;       // [capacity, top_k] weight, 0 where not local
+  const int32_t* recv_src = nullptr;         // [capacity, 2] (source rank, source token)
+  const int32_t* tokens_per_local_expert = nullptr;  // [num_local_experts], on the device
+  const int32_t* num_recv_device = nullptr;  // device scalar: rows received
+  int64_t capacity = 0;
+  int64_t num_recv = -1;                     // set by wait_num_recv()
+  Handle handle;
+};
+
+enum class CountMode {
+  kOnDevice,  // the count stays on the device: no host sync, graph-capturable
+  kExact,     // also copies the count to pinned host memory; wait_num_recv() returns it
+};
+
+struct CombineInputs {
+  TensorView expert_out{};  // [rows >= num_recv, hidden] bf16 in the received-row order
+  TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
+  TensorView bias1{};       // optional [T, hidden] bf16
+};
+
+namespace detail {
+struct BufferGroup;
+struct BufferState;
+}  // namespace detail
+
+class Buffer {
+ public:
+  // Over an existing communicator (not owned); collective over it. The device current at the
+  // call must be the communicator's.
+  Buffer(ncclComm_t comm, const BufferConfig& config, const BufferOptions& options = {});
+  // From launcher variables: rank (RANK or OMPI_COMM_WORLD_RANK), world size (WORLD_SIZE or
+  // OMPI_COMM_WORLD_SIZE), local rank (LOCAL_RANK or OMPI_COMM_WORLD_LOCAL_RANK, else rank) and
+  // NCCL's own rendezvous NCCL_COMM_ID=host:port. Owns the communicator it creates.
+  static std::unique_ptr<Buffer> from_env(const BufferConfig& config,
+                                          const BufferOptions& options = {});
+  // One process drives devices 0..num_devices-1 (ncclCommInitAll); element r is rank r.
+  static std::vector<std::unique_ptr<Buffer>> create_local(int num_devices,
+                                                           const BufferConfig& config,
+                                                           const BufferOptions& options = {});
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  DispatchResult dispatch(const DispatchInputs& inputs, cudaStream_t stream,
+                          CountMode mode = CountMode::kOnDevice);
+  // kExact only: waits for this dispatch's count (host wait on its event), checks the device
+  // flag, stores and returns result.num_recv (also in result.handle).
+  int64_t wait_num_recv(DispatchResult& result);
+
+  // out: [handle.num_tokens, hidden] bf16, fully written.
+  void combine(const CombineInputs& inputs, const Handle& handle, void* out, cudaStream_t stream);
+
+  // Throws the recorded device error, if any. Call after the work has completed.
+  void check();
+
+  int rank() const noexcept { return rank_; }
+  int num_ranks() const noexcept { return num_ranks_; }
+  int device() const noexcept { return device_; }
+  const BufferConfig& config() const noexcept { return config_; }
+  int64_t capacity() const noexcept { return int64_t(num_ranks_) * config_.max_tokens; }
+  int num_blocks() const noexcept { return num_blocks_; }
+
+ private:
+  Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index, const BufferConfig& config,
+         const BufferOptions& options);
+  static void handshake(std::vector<Buffer*> buffers);
+  void throw_if_device_error();
+
+  std::shared_ptr<detail::BufferGroup> group_;
+  std::size_t index_ = 0;
+  std::unique_ptr<detail::BufferState> state_;
+  BufferConfig config_;
+  BufferOptions options_;
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  int device_ = 0;
+  int num_blocks_ = 0;
+  uint64_t id_ = 0;
+  uint64_t dispatch_sequence_ = 0;
+};
+
+}  // namespace weft::ep

@@ -1,0 +1,65 @@
+// weft::pipeline::Backend: the streams and events the engine drives (host or CUDA).
+//
+// The engine calls bind() once, then, for every task it runs: wait() for each cross-stream
+// producer (on the producer's event for the producer's batch), the body, then record() on the
+// task's own stream. Events are indexed by (task, ring slot): ring slot = batch index modulo
+// in_flight, so each event is reused, never re-created. The engine guarantees that an event is
+// recorded before anything waits on it, and that no two threads use one event at once.
+// record() and wait() are called from the engine's threads concurrently (for different tasks).
+//
+// Implementations: HostBackend (host_backend.hpp), CudaBackend (cuda_backend.hpp, weft::cuda).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "weft/pipeline/compiled_schedule.hpp"
+
+namespace weft::pipeline {
+
+// A GPU span of one task run, in microseconds since the trace's reference point.
+struct GpuSpan {
+  TaskId task = 0;
+  StreamId stream = 0;
+  std::int64_t batch = 0;
+  double begin_us = 0;
+  double end_us = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string_view name() const noexcept = 0;
+  // Creates the schedule's streams (with their priorities) and one event per task per ring slot.
+  // Called once, before any other call, on the thread that constructs the engine.
+  virtual void bind(const CompiledSchedule& schedule) = 0;
+  // Called on every engine thread (and, for the sequential executor, on the caller's thread)
+  // before it runs a task: e.g. selects the CUDA device.
+  virtual void on_thread_start() {}
+
+  virtual void* stream_handle(StreamId stream) = 0;
+  // Records the task's event for ring slot `ring_slot` on `stream`.
+  virtual void record(TaskId task, std::uint32_t ring_slot, StreamId stream) = 0;
+  // Makes `stream` wait for the producer's event of `ring_slot` (never for the whole stream).
+  virtual void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) = 0;
+  // Blocks until all work on all streams is done; throws the first error of that work.
+  virtual void synchronize() = 0;
+
+  // GPU spans (only while the engine traces). A backend without them keeps the defaults.
+  virtual void set_gpu_spans(bool enabled) { (void)enabled; }
+  virtual std::uint64_t begin_gpu_span(TaskId task, StreamId stream, std::int64_t batch) {
+    (void)task, (void)stream, (void)batch;
+    return 0;
+  }
+  virtual void end_gpu_span(std::uint64_t span, StreamId stream) { (void)span, (void)stream; }
+  // Synchronizes and returns the spans since the last call, timed from `origin_ns` (a
+  // steady_clock time_since_epoch in ns, the trace's origin).
+  virtual std::vector<GpuSpan> take_gpu_spans(std::int64_t origin_ns) {
+    (void)origin_ns;
+    return {};
+  }
+};
+
+}  // namespace weft::pipeline

@@ -1,0 +1,90 @@
+// weft::pipeline::CudaBackend: the engine's streams and events on one CUDA device (weft::cuda).
+//
+// bind() creates one non-blocking stream per schedule stream, with priority mapped onto the
+// device's range (schedule priority 0 = the device's default, each +1 one step more urgent,
+// clamped at the device's greatest), and one event per task per ring slot (timing disabled),
+// created once and reused for as long as the backend lives. record() is cudaEventRecord on the
+// task's stream; wait() is cudaStreamWaitEvent on that one event, never a whole-stream sync.
+// While the engine traces, each task run also records a pair of timing events (pooled) and
+// take_gpu_spans() turns them into GPU spans on the trace's clock (approximately aligned: the
+// reference event is recorded on the first traced task's stream).
+//
+//   Engine engine(std::move(schedule), ThreadMap::preset("full_split"), CudaBackend(0));
+//   ... Task("forward").body([](TaskContext& c) { kernel<<<g, b, 0, cuda_stream(c)>>>(...); });
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "weft/pipeline/backend.hpp"
+
+namespace weft::pipeline {
+
+class TaskContext;
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device = 0);
+  CudaBackend(CudaBackend&&) noexcept;
+  CudaBackend& operator=(CudaBackend&&) = delete;
+  // Synchronizes the streams, then destroys events and streams (errors are not thrown here).
+  ~CudaBackend() override;
+
+  std::string_view name() const noexcept override { return "cuda"; }
+  void bind(const CompiledSchedule& schedule) override;
+  void on_thread_start() override;
+  void* stream_handle(StreamId stream) override;
+  void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override;
+  void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override;
+  void synchronize() override;
+
+  void set_gpu_spans(bool enabled) override { gpu_spans_ = enabled; }
+  std::uint64_t begin_gpu_span(TaskId task, StreamId stream, std::int64_t batch) override;
+  void end_gpu_span(std::uint64_t span, StreamId stream) override;
+  std::vector<GpuSpan> take_gpu_spans(std::int64_t origin_ns) override;
+
+  int device() const noexcept { return device_; }
+  cudaStream_t stream(StreamId id) const { return streams_.at(id); }
+  // The CUDA priority each stream got.
+  int cuda_priority(StreamId id) const { return priorities_.at(id); }
+  // Events created for record()/wait(): num_tasks * in_flight, whatever the number of steps.
+  std::size_t num_events() const noexcept { return events_.size(); }
+  cudaEvent_t event(TaskId task, std::uint32_t ring_slot) const {
+    return events_.at(task * in_flight_ + ring_slot);
+  }
+
+ private:
+  struct PendingSpan {
+    TaskId task;
+    StreamId stream;
+    std::int64_t batch;
+    cudaEvent_t begin;
+    cudaEvent_t end;
+  };
+  cudaEvent_t pooled_timing_event();
+  void release() noexcept;
+
+  int device_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<int> priorities_;
+  std::vector<cudaEvent_t> events_;  // [task * in_flight + ring_slot]
+  std::uint32_t in_flight_ = 0;
+  bool gpu_spans_ = false;
+  // Tracing only: guarded by spans_mutex_ (engine threads trace concurrently).
+  std::unique_ptr<std::mutex> spans_mutex_ = std::make_unique<std::mutex>();
+  std::vector<PendingSpan> spans_;
+  std::vector<cudaEvent_t> free_timing_events_;
+  cudaEvent_t reference_ = nullptr;
+  std::int64_t reference_host_ns_ = 0;
+};
+
+// The task's CUDA stream (or another schedule stream, by name); throws unless the engine runs
+// on a CudaBackend.
+cudaStream_t cuda_stream(TaskContext& context);
+cudaStream_t cuda_stream(TaskContext& context, std::string_view stream);
+
+}  // namespace weft::pipeline

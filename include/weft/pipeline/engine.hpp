@@ -1,0 +1,109 @@
+// weft::pipeline::Engine: runs a schedule over a data source, one step per progress().
+//
+//   Engine engine(hstu_schedule({.cascade = HstuCascade::kD3, .bodies = bodies}),
+//                 ThreadMap::preset("full_split"), HostBackend());
+//   engine.set_source(loader);                  // each batch enters the ring at the furthest slot
+//   while (auto step = engine.progress()) log(step->get<float>("loss"));
+//
+// Semantics (docs/pipeline.md has the long form):
+//  - progress() runs internal iterations (StepRule) until the la = 0 tasks finish a batch, and
+//    returns that batch (valid until the next progress()), or std::nullopt at end of data. M
+//    batches in give exactly M results.
+//  - set_source() starts a new data source and resets the ring; calling it while batches of the
+//    previous source are in flight (not all results returned) is an error: drain first, or reset().
+//  - Threaded executor (any map but legacy): persistent threads, one per thread of the map, each
+//    running its tasks in run order; progress() returns when all have finished. Cross-thread waits
+//    follow wait_edges(); collectives take tickets in run order (same order on every rank).
+//
+// Error contract: if a task body (or a backend call) throws, every waiting thread wakes, the
+// remaining tasks of that progress are skipped, and progress() rethrows the first error on the
+// caller's thread. The engine is then failed: the batches in flight are partially processed,
+// GPU work already enqueued stays enqueued, the threads are idle and alive. progress() keeps
+// throwing until reset() or set_source(), which discard the in-flight batches (after
+// synchronising the backend) and make the engine usable again. The destructor joins every thread,
+// also after an error. Collectives a failed step enqueued on some ranks but not on others leave
+// the communicator unusable; abort it (ncclCommAbort) before resetting.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string_view>
+
+#include "weft/pipeline/backend.hpp"
+#include "weft/pipeline/batch.hpp"
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/schedule.hpp"
+#include "weft/pipeline/thread_map.hpp"
+#include "weft/pipeline/trace.hpp"
+
+namespace weft::pipeline {
+
+namespace detail {
+class EngineCore;
+}
+
+// Fills the batch's input slots and returns true, or returns false at end of data.
+using Source = std::function<bool(Batch&)>;
+
+struct EngineOptions {
+  bool trace = false;  // record host spans, waits and (CUDA backend) GPU spans
+};
+
+// The batch a progress() finished: valid until the next progress(), reset() or set_source().
+class Step {
+ public:
+  std::int64_t batch_index() const noexcept { return batch_->index(); }
+  const Batch& batch() const noexcept { return *batch_; }
+  template <typename T>
+  const T& get(std::string_view slot) const {
+    return batch_->get<T>(slot);
+  }
+
+ private:
+  friend class detail::EngineCore;
+  explicit Step(const Batch* batch) noexcept : batch_(batch) {}
+  const Batch* batch_;
+};
+
+class Engine {
+ public:
+  // Validates the schedule, resolves the thread map, binds the backend, starts the threads and
+  // runs every task's init() on its thread. Throws weft::Error (threads already joined).
+  Engine(Schedule schedule, ThreadMap threads, std::unique_ptr<Backend> backend,
+         EngineOptions options = {});
+  template <std::derived_from<Backend> B>
+  Engine(Schedule schedule, ThreadMap threads, B backend, EngineOptions options = {})
+      : Engine(std::move(schedule), std::move(threads),
+               std::make_unique<B>(std::move(backend)), options) {}
+  // Host backend.
+  Engine(Schedule schedule, ThreadMap threads, EngineOptions options = {});
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+  ~Engine();
+
+  void set_source(Source source);
+  std::optional<Step> progress();
+  // Discards the batches in flight and any error; the source is kept and restarts from where it
+  // is (the next batch it gives is batch 0 of a new ring).
+  void reset();
+  // Waits for all GPU (stream) work; rethrows the backend's first error.
+  void synchronize();
+
+  const CompiledSchedule& schedule() const noexcept;
+  const ThreadAssignment& threads() const noexcept;
+  Backend& backend() noexcept;
+  bool failed() const noexcept;
+  // Batches pulled from the current source and not yet returned by progress().
+  std::int64_t num_in_flight() const noexcept;
+
+  // The recording so far (tracing on); call between progress() calls. Clears the recording.
+  Trace take_trace();
+
+ private:
+  std::unique_ptr<detail::EngineCore> core_;
+};
+
+}  // namespace weft::pipeline

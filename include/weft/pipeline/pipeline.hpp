@@ -1,0 +1,19 @@
+// weft::pipeline, the CPU part: tasks, schedules, thread maps, wait rules, the engine with its
+// host backend, traces, JSON schedule configs and the HSTU presets. The CUDA backend is an opt-in
+// include: weft/pipeline/cuda_backend.hpp (weft::cuda).
+#pragma once
+
+#include "weft/pipeline/backend.hpp"
+#include "weft/pipeline/batch.hpp"
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/engine.hpp"
+#include "weft/pipeline/host_backend.hpp"
+#include "weft/pipeline/hstu.hpp"
+#include "weft/pipeline/schedule.hpp"
+#include "weft/pipeline/schedule_config.hpp"
+#include "weft/pipeline/step_rule.hpp"
+#include "weft/pipeline/task.hpp"
+#include "weft/pipeline/task_context.hpp"
+#include "weft/pipeline/thread_map.hpp"
+#include "weft/pipeline/trace.hpp"
+#include "weft/pipeline/wait_edges.hpp"

@@ -1,0 +1,134 @@
+// weft::pipeline::Task: one unit of a training step, described by a builder.
+//
+// A task is bound to a stream (where its GPU work goes), to a lookahead la >= 0 (it works on the
+// batch la steps ahead of the one la = 0 tasks work on) and to its edges:
+//  - reads/writes: named slots of the batch it works on (one writer per slot; a read makes the
+//    slot's writer a producer of this task for the same batch);
+//  - depends_on: a producer for the same batch without a slot in between;
+//  - cross_iter_depends_on: a producer working on an older batch (offset < 0);
+//  - same_progress_sync: a producer that must have run in this very progress() call, whatever its
+//    lookahead, on the host (kCpu), on the GPU (kGpu) or both.
+// A producer may appear in at most one edge kind of a consumer. The body runs once per progress
+// in which the task is active; the optional init runs once, on the task's engine thread, when the
+// engine is constructed.
+//
+//   Task("h2d").stream("memcpy").lookahead(2).reads("batch_cpu").writes("batch_gpu", "ctx")
+//       .body([](TaskContext& c) { c.set("batch_gpu", copy(c.get<HostBatch>("batch_cpu"))); });
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace weft::pipeline {
+
+class TaskContext;
+
+// Runs on an engine thread; throwing aborts the progress() call (see Engine).
+using TaskBody = std::function<void(TaskContext&)>;
+
+// Which side of a same_progress_sync consumer waits for the producer of this progress.
+//  kCpu:  the consumer's body starts after the producer's body returned; no stream wait.
+//  kGpu:  the consumer's stream waits on the producer's event. The event must exist before it can
+//         be waited on, so the consumer's thread also waits until the producer has been enqueued.
+//  kBoth: both.
+enum class SyncSide : std::uint8_t { kCpu, kGpu, kBoth };
+
+std::string_view to_string(SyncSide side) noexcept;
+// Accepts "cpu", "gpu", "both"; throws weft::Error otherwise.
+SyncSide parse_sync_side(std::string_view text);
+
+// One collective a task enqueues per run (the per-task inventory the planner and reports read).
+// `stream` names the stream the collective's kernel lands on, which may be a comm stream used
+// inside the task rather than the task's own stream.
+struct CollectiveOp {
+  std::string kind;             // e.g. "AllGather", "SendRecv", "AllReduce"
+  std::string stream;
+  std::size_t num_bytes = 0;    // payload per rank and call, an estimate where it varies
+  int count = 1;                // calls per run of the task
+
+  bool operator==(const CollectiveOp&) const = default;
+};
+
+struct CrossIterEdge {
+  std::string producer;
+  int offset = -1;  // the producer's batch is the consumer's batch + offset; offset < 0
+  bool operator==(const CrossIterEdge&) const = default;
+};
+
+struct SyncEdge {
+  std::string producer;
+  SyncSide side = SyncSide::kBoth;
+  bool operator==(const SyncEdge&) const = default;
+};
+
+template <typename T>
+concept NameLike = std::convertible_to<const T&, std::string_view>;
+
+class Task {
+ public:
+  explicit Task(std::string name);
+
+  Task& stream(std::string name);
+  Task& lookahead(int la);
+  template <NameLike... Slots>
+    requires(sizeof...(Slots) > 0)
+  Task& reads(const Slots&... slots) {
+    (reads_.emplace_back(std::string_view(slots)), ...);
+    return *this;
+  }
+  template <NameLike... Slots>
+    requires(sizeof...(Slots) > 0)
+  Task& writes(const Slots&... slots) {
+    (writes_.emplace_back(std::string_view(slots)), ...);
+    return *this;
+  }
+  template <NameLike... Producers>
+    requires(sizeof...(Producers) > 0)
+  Task& depends_on(const Producers&... producers) {
+    (depends_on_.emplace_back(std::string_view(producers)), ...);
+    return *this;
+  }
+  Task& cross_iter_depends_on(std::string producer, int offset);
+  Task& same_progress_sync(std::string producer, SyncSide side = SyncSide::kBoth);
+  // Marks the task as enqueuing collectives: it runs holding this progress's ticket for it.
+  Task& collective(std::vector<CollectiveOp> inventory = {});
+  Task& body(TaskBody body);
+  Task& init(TaskBody init);
+
+  const std::string& name() const noexcept { return name_; }
+  const std::string& stream() const noexcept { return stream_; }
+  int lookahead() const noexcept { return lookahead_; }
+  const std::vector<std::string>& reads() const noexcept { return reads_; }
+  const std::vector<std::string>& writes() const noexcept { return writes_; }
+  const std::vector<std::string>& depends_on() const noexcept { return depends_on_; }
+  const std::vector<CrossIterEdge>& cross_iter_depends_on() const noexcept { return cross_iter_; }
+  const std::vector<SyncEdge>& same_progress_sync() const noexcept { return sync_; }
+  bool is_collective() const noexcept { return collective_; }
+  const std::vector<CollectiveOp>& collectives() const noexcept { return inventory_; }
+  const TaskBody& body() const noexcept { return body_; }
+  const TaskBody& init() const noexcept { return init_; }
+
+  // Adds or replaces the same_progress_sync edge from `producer` (used by ScheduleConfig).
+  void set_same_progress_sync(std::string producer, SyncSide side);
+
+ private:
+  std::string name_;
+  std::string stream_ = "default";
+  int lookahead_ = 0;
+  std::vector<std::string> reads_;
+  std::vector<std::string> writes_;
+  std::vector<std::string> depends_on_;
+  std::vector<CrossIterEdge> cross_iter_;
+  std::vector<SyncEdge> sync_;
+  bool collective_ = false;
+  std::vector<CollectiveOp> inventory_;
+  TaskBody body_;
+  TaskBody init_;
+};
+
+}  // namespace weft::pipeline

@@ -1,0 +1,56 @@
+// weft::pipeline::Trace: what an engine recorded while tracing, and its Chrome/Perfetto export.
+//
+// Host spans: one per task run (thread, batch, lookahead, iteration, ticket). Waits: every
+// cross-thread wait edge that actually blocked a consumer (the export draws it as a flow arrow
+// from the producer's span to the consumer's). GPU spans: from backend events (CUDA backend).
+// Times are in microseconds from the trace origin (when tracing was enabled).
+//
+//   Engine engine(schedule, ThreadMap::preset("full_split"), HostBackend(), {.trace = true});
+//   while (engine.progress()) {}
+//   engine.trace().write_chrome_json("engine.trace.json");   // open in ui.perfetto.dev
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weft/pipeline/backend.hpp"
+#include "weft/pipeline/wait_edges.hpp"
+
+namespace weft::pipeline {
+
+struct HostSpan {
+  TaskId task = 0;
+  std::uint32_t thread = 0;
+  std::int64_t batch = 0;
+  int lookahead = 0;
+  std::int64_t iteration = 0;
+  int ticket = -1;
+  double begin_us = 0;
+  double end_us = 0;
+};
+
+struct WaitRecord {
+  TaskId producer = 0;
+  TaskId consumer = 0;
+  WaitRule rule = WaitRule::kOrderingSameProgress;
+  std::int64_t iteration = 0;
+  double begin_us = 0;  // when the consumer started waiting
+  double end_us = 0;    // when it saw the producer done
+};
+
+struct Trace {
+  std::vector<std::string> task_names;
+  std::vector<std::string> thread_names;
+  std::vector<std::string> stream_names;
+  std::vector<HostSpan> host_spans;  // sorted by begin
+  std::vector<WaitRecord> waits;
+  std::vector<GpuSpan> gpu_spans;
+
+  // Chrome trace-event JSON: process "host" (one track per engine thread), process "gpu" (one
+  // track per stream), flow events for the waits.
+  std::string to_chrome_json() const;
+  void write_chrome_json(const std::string& path) const;
+};
+
+}  // namespace weft::pipeline

@@ -1,0 +1,58 @@
+// weft::plan::CostModel: how long each task keeps its host thread busy, and how long its GPU work
+// runs on which stream. Loaded from JSON:
+//
+//   {
+//     "default_host_us": 20,                       // tasks the file does not list
+//     "tasks": {
+//       "h2d":      {"host_us": 150, "gpu": [{"stream": "memcpy", "us": 420}]},
+//       "backward": {"host_us": 2500, "gpu": [{"stream": "default", "us": 25000},
+//                                             {"stream": "comm", "us": 1600}]}
+//     }
+//   }
+//
+// A task's GPU segments run one after the other, each on its stream, after the task's body has
+// enqueued them. Every figure is >= 0. Unknown keys and, when checked against a schedule, tasks
+// the schedule lacks are errors whose message starts with the JSON path ("$.tasks.h2d.host_us").
+#pragma once
+
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weft/pipeline/compiled_schedule.hpp"
+
+namespace weft::plan {
+
+struct GpuSegment {
+  std::string stream;
+  double us = 0;
+  bool operator==(const GpuSegment&) const = default;
+};
+
+struct TaskCost {
+  double host_us = 0;
+  std::vector<GpuSegment> gpu;
+  bool operator==(const TaskCost&) const = default;
+};
+
+struct CostModel {
+  double default_host_us = 20;
+  std::map<std::string, TaskCost, std::less<>> tasks;
+
+  static CostModel parse(std::string_view json_text);
+  static CostModel load(const std::string& path);
+  std::string to_json() const;
+
+  // The cost of a task (default_host_us and no GPU work when the model does not list it).
+  TaskCost cost_of(std::string_view task) const;
+  // Throws weft::Error naming the first task of the model that the schedule lacks.
+  void check_against(const pipeline::CompiledSchedule& schedule) const;
+
+  // Rough figures for the HSTU preset tasks (see docs/planner.md for where they come from).
+  static CostModel hstu_defaults();
+
+  bool operator==(const CostModel&) const = default;
+};
+
+}  // namespace weft::plan

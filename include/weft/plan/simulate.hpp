@@ -1,0 +1,44 @@
+// weft::plan::simulate: a discrete-event simulation of steady-state progress() calls of a
+// schedule under a thread map and a cost model, following the engine's own wait rules.
+//
+// Model. Every progress() runs every task once (steady state). Each engine thread runs its tasks
+// in run order; a task starts when its thread is free and
+//  - every host-wait edge of wait_edges() (same-progress ordering across threads, same-progress
+//    syncs, stream order) has its producer's body finished in this progress;
+//  - if it is a collective, the previous collective in ticket order has finished (tickets are
+//    held while a task enqueues).
+// progress() returns when every thread is done; the next one starts then (the legacy map runs
+// everything on one thread). A task's GPU segments start after its body ended, when their stream
+// is free and every stream-wait producer's GPU work (of the producer's batch) has ended.
+// The step time is the steady-state period of GPU completion (or of the host, without GPU work).
+// The drawn timeline is the second-to-last progress(): its host spans, and the GPU activity of any
+// progress during one step period from its start.
+//
+//   auto compiled = pipeline::CompiledSchedule(pipeline::hstu_schedule());
+//   auto threads = pipeline::ThreadMap::preset("full_split").assign(compiled);
+//   Timeline t = simulate(compiled, threads, CostModel::hstu_defaults());
+#pragma once
+
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/thread_map.hpp"
+#include "weft/plan/cost_model.hpp"
+#include "weft/plan/timeline.hpp"
+
+namespace weft::plan {
+
+struct SimulationOptions {
+  int num_progress = 12;  // progress() calls simulated; the drawn one is the second to last
+  // The host may start progress p only when all GPU work of progress p - max_host_runahead has
+  // finished (a training loop reads some result of an earlier step, e.g. its loss).
+  int max_host_runahead = 2;
+};
+
+Timeline simulate(const pipeline::CompiledSchedule& schedule,
+                  const pipeline::ThreadAssignment& threads, const CostModel& costs,
+                  const SimulationOptions& options = {});
+
+// Where each task runs, in run order (for the report's topology).
+std::vector<TaskPlacement> placement(const pipeline::CompiledSchedule& schedule,
+                                     const pipeline::ThreadAssignment& threads);
+
+}  // namespace weft::plan

@@ -1,0 +1,390 @@
+#include "weft/ep/buffer.hpp"
+
+#include <atomic>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "kernels.hpp"
+#include "weft/core/error.hpp"
+#include "weft/cuda/check.hpp"
+#include "weft/cuda/device_error.hpp"
+#include "weft/cuda/nccl.hpp"
+
+namespace weft::ep {
+namespace detail {
+
+// The NCCL objects shared by the Buffers of one process (one per local rank).
+struct BufferGroup {
+  cuda::Communicators comms;
+  cuda::DevComms dev_comms;
+  cuda::SymmetricWindows windows;
+  WindowLayout layout;
+};
+
+// Per-Buffer device allocations (on the Buffer's device) and host-side sync objects.
+struct BufferState {
+  int device = 0;
+  DeviceState* state = nullptr;  // one cudaMalloc holding everything below, zeroed
+  int32_t* block_counts = nullptr;
+  int32_t* expert_counts = nullptr;
+  int32_t* send_slot = nullptr;
+  int32_t* tokens_per_expert = nullptr;
+  int32_t* host_count = nullptr;  // pinned
+  cudaEvent_t count_event = nullptr;
+  uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
+  cuda::DeviceErrorFlag error;
+
+  ~BufferState() {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    if (count_event != nullptr) cudaEventDestroy(count_event);
+    if (host_count != nullptr) cudaFreeHost(host_count);
+    if (state != nullptr) cudaFree(state);
+    cudaSetDevice(previous);
+  }
+};
+
+}  // namespace detail
+
+namespace {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) WEFT_CUDA_CHECK(cudaSetDevice(device));
+    switched_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+std::atomic<uint64_t> g_next_buffer_id{1};
+
+const char* wait_name(int64_t what) {
+  switch (what) {
+    case detail::kWaitHandshake: return "the construction handshake of a peer";
+    case detail::kWaitCounts: return "a peer's count vector (dispatch count exchange)";
+    case detail::kWaitDispatchDone: return "a peer's dispatched rows (dispatch completion)";
+    case detail::kWaitCombineEntry: return "a peer to enter combine (its slots to be free)";
+    case detail::kWaitCombineRow: return "a peer's expert output row (combine store-back)";
+    case detail::kWaitGridBarrier: return "the other blocks of its own kernel (grid barrier)";
+    default: return "an unknown event";
+  }
+}
+
+std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& config,
+                     double timeout_s) {
+  std::ostringstream out;
+  switch (r.code) {
+    case detail::kErrBadExpert:
+      out << "weft::ep dispatch on rank " << r.rank << ": token " << r.args[0] << " selection "
+          << r.args[1] << " has expert id " << r.args[2] << ", out of range [0, "
+          << config.num_experts << ") and not -1 (the selection was dropped)";
+      break;
+    case detail::kErrTimeout:
+      out << "weft::ep on rank " << r.rank << " timed out after " << timeout_s
+          << " s waiting for " << wait_name(r.args[0]);
+      if (r.args[1] >= 0) out << " from rank " << r.args[1];
+      out << " in call " << r.args[2]
+          << "; the ranks no longer agree on the call sequence, destroy the Buffers";
+      break;
+    case detail::kErrTooManyRows:
+      out << "weft::ep combine on rank " << r.rank << ": " << r.args[0]
+          << " rows were received but expert_out has only " << r.args[1] << " rows";
+      break;
+    default:
+      out << "weft::ep on rank " << r.rank << ": device error code " << r.code;
+  }
+  return out.str();
+}
+
+void check_view(const TensorView& v, const char* name, std::initializer_list<DType> dtypes,
+                int64_t rows, int64_t cols) {
+  bool dtype_ok = false;
+  std::string allowed;
+  for (DType d : dtypes) {
+    dtype_ok |= v.dtype == d;
+    allowed += allowed.empty() ? dtype_name(d) : std::string(" or ") + dtype_name(d);
+  }
+  WEFT_CHECK(dtype_ok, name, " must be ", allowed, ", got ", dtype_name(v.dtype));
+  WEFT_CHECK(v.rows == rows && v.cols == cols, name, " must be [", rows, ", ", cols, "], got [",
+             v.rows, ", ", v.cols, "]");
+  WEFT_CHECK(rows == 0 || v.data != nullptr, name, " is null");
+}
+
+int env_int(const char* a, const char* b, int fallback) {
+  for (const char* name : {a, b}) {
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  }
+  WEFT_CHECK(fallback >= 0, "launcher variable ", a, " (or ", b, ") is not set");
+  return fallback;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
+               const BufferConfig& config, const BufferOptions& options)
+    : group_(std::move(group)), index_(index), config_(config), options_(options) {
+  rank_ = group_->comms.rank(index);
+  num_ranks_ = group_->comms.num_ranks();
+  device_ = group_->comms.device(index);
+  id_ = g_next_buffer_id.fetch_add(1);
+  WEFT_CHECK(options.timeout_s > 0, "timeout_s must be positive");
+  WEFT_CHECK(options.combine_send_warps >= 1 && options.combine_send_warps < detail::kThreads / 32,
+             "combine_send_warps must be in 1..", detail::kThreads / 32 - 1);
+  DeviceGuard guard(device_);
+  int num_sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
+  num_blocks_ = options.num_sms > 0 ? options.num_sms : num_sms;
+  WEFT_CHECK(num_blocks_ <= num_sms && num_blocks_ <= detail::kMaxBlocks, "num_sms ",
+             options.num_sms, " exceeds the device's ", num_sms, " SMs");
+
+  state_ = std::make_unique<detail::BufferState>();
+  state_->device = device_;
+  const std::size_t R = std::size_t(num_ranks_);
+  const std::size_t words = sizeof(detail::DeviceState) / 4 + 64 + detail::kMaxBlocks * R +
+                            std::size_t(config.num_experts) +
+                            std::size_t(config.max_tokens) * R +
+                            std::size_t(config.num_local_experts(num_ranks_));
+  void* memory = nullptr;
+  WEFT_CUDA_CHECK(cudaMalloc(&memory, words * 4));
+  WEFT_CUDA_CHECK(cudaMemset(memory, 0, words * 4));
+  state_->state = static_cast<detail::DeviceState*>(memory);
+  int32_t* at = reinterpret_cast<int32_t*>(memory) + sizeof(detail::DeviceState) / 4 + 64;
+  state_->block_counts = at;
+  at += detail::kMaxBlocks * R;
+  state_->expert_counts = at;
+  at += config.num_experts;
+  state_->send_slot = at;
+  at += config.max_tokens * int64_t(R);
+  state_->tokens_per_expert = at;
+  void* host = nullptr;
+  WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int32_t), cudaHostAllocDefault));
+  state_->host_count = static_cast<int32_t*>(host);
+  WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
+}
+
+Buffer::~Buffer() = default;
+
+namespace {
+std::shared_ptr<detail::BufferGroup> make_group(cuda::Communicators comms,
+                                                const BufferConfig& config) {
+  cuda::check_nccl_runtime();
+  const int num_ranks = comms.num_ranks();
+  config.validate(num_ranks);
+  // The device communicator first: its creation checks that every rank is reachable by
+  // load/store, which ncclCommWindowRegister would not (it "succeeds" with a garbage window).
+  auto dev_comms = cuda::DevComms::create(comms, {.num_lsa_barriers = 1});
+  const auto layout = detail::make_window_layout(num_ranks, config.max_tokens, config.hidden,
+                                                 config.top_k, config.num_experts);
+  auto windows = cuda::SymmetricWindows::allocate(comms, layout.total_bytes);
+  for (std::size_t i = 0; i < comms.size(); ++i) {
+    DeviceGuard guard(comms.device(i));
+    WEFT_CUDA_CHECK(cudaMemset(windows.local_ptr(i), 0, windows.num_bytes()));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  return std::make_shared<detail::BufferGroup>(
+      detail::BufferGroup{std::move(comms), std::move(dev_comms), std::move(windows), layout});
+}
+}  // namespace
+
+void Buffer::handshake(std::vector<Buffer*> buffers) {
+  // A host barrier (an NCCL all-reduce) first: no peer may write a flag into a window whose owner
+  // is still zeroing it.
+  std::vector<cudaStream_t> streams(buffers.size());
+  WEFT_NCCL_CHECK(ncclGroupStart());
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    Buffer& b = *buffers[i];
+    DeviceGuard guard(b.device_);
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
+    WEFT_NCCL_CHECK(ncclAllReduce(b.state_->block_counts, b.state_->block_counts, 1, ncclInt32,
+                                  ncclSum, b.group_->comms[b.index_], streams[i]));
+  }
+  WEFT_NCCL_CHECK(ncclGroupEnd());
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    DeviceGuard guard(buffers[i]->device_);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+  }
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    Buffer& b = *buffers[i];
+    DeviceGuard guard(b.device_);
+    detail::HandshakeParams params{};
+    params.comm = {b.group_->windows.window(b.index_), b.group_->layout, b.rank_, b.num_ranks_,
+                   b.state_->state, b.state_->error.device_record(),
+                   uint64_t(b.options_.timeout_s * 1e9)};
+    detail::launch_handshake(params, streams[i]);
+  }
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    Buffer& b = *buffers[i];
+    DeviceGuard guard(b.device_);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+    WEFT_CUDA_CHECK(cudaMemset(b.state_->block_counts, 0, sizeof(int32_t)));
+    WEFT_CUDA_CHECK(cudaStreamDestroy(streams[i]));
+    b.throw_if_device_error();
+  }
+}
+
+Buffer::Buffer(ncclComm_t comm, const BufferConfig& config, const BufferOptions& options)
+    : Buffer(make_group(cuda::Communicators({comm}, /*owned=*/false), config), 0, config,
+             options) {
+  handshake({this});
+}
+
+std::unique_ptr<Buffer> Buffer::from_env(const BufferConfig& config,
+                                         const BufferOptions& options) {
+  const int rank = env_int("RANK", "OMPI_COMM_WORLD_RANK", -1);
+  const int world = env_int("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", -1);
+  const int local_rank = env_int("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", rank);
+  WEFT_CHECK(std::getenv("NCCL_COMM_ID") != nullptr,
+             "Buffer::from_env needs NCCL_COMM_ID=host:port (NCCL's own rendezvous) on every rank");
+  WEFT_CHECK(rank >= 0 && rank < world, "RANK ", rank, " is not in [0, WORLD_SIZE=", world, ")");
+  WEFT_CUDA_CHECK(cudaSetDevice(local_rank));
+  ncclUniqueId id;
+  WEFT_NCCL_CHECK(ncclGetUniqueId(&id));  // with NCCL_COMM_ID set, the same id on every rank
+  ncclComm_t comm = nullptr;
+  WEFT_NCCL_CHECK(ncclCommInitRank(&comm, world, id, rank));
+  auto group = make_group(cuda::Communicators({comm}, /*owned=*/true), config);
+  std::unique_ptr<Buffer> buffer(new Buffer(std::move(group), 0, config, options));
+  handshake({buffer.get()});
+  return buffer;
+}
+
+std::vector<std::unique_ptr<Buffer>> Buffer::create_local(int num_devices,
+                                                          const BufferConfig& config,
+                                                          const BufferOptions& options) {
+  auto group = make_group(cuda::Communicators::init_all(num_devices), config);
+  std::vector<std::unique_ptr<Buffer>> buffers;
+  std::vector<Buffer*> raw;
+  for (int i = 0; i < num_devices; ++i) {
+    buffers.emplace_back(new Buffer(group, std::size_t(i), config, options));
+    raw.push_back(buffers.back().get());
+  }
+  handshake(raw);
+  return buffers;
+}
+
+void Buffer::throw_if_device_error() {
+  state_->error.throw_if_raised([&](const cuda::DeviceErrorRecord& r) {
+    return describe(r, config_, options_.timeout_s);
+  });
+}
+
+void Buffer::check() { throw_if_device_error(); }
+
+DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, CountMode mode) {
+  throw_if_device_error();
+  const int64_t T = in.x.rows;
+  WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "dispatch of ", T,
+             " tokens, but the buffer was sized for at most ", config_.max_tokens);
+  check_view(in.x, "x", {DType::kBFloat16}, T, config_.hidden);
+  check_view(in.topk_idx, "topk_idx", {DType::kInt32, DType::kInt64}, T, config_.top_k);
+  check_view(in.topk_weights, "topk_weights", {DType::kFloat32}, T, config_.top_k);
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.x.data) % 16 == 0, "x must be 16-byte aligned");
+  DeviceGuard guard(device_);
+  const auto& layout = group_->layout;
+  detail::DispatchParams p{};
+  p.comm = {group_->windows.window(index_), layout, rank_, num_ranks_, state_->state,
+            state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
+  p.x = static_cast<const uint16_t*>(in.x.data);
+  p.topk_idx = in.topk_idx.data;
+  p.topk_idx_int64 = in.topk_idx.dtype == DType::kInt64;
+  p.topk_weights = static_cast<const float*>(in.topk_weights.data);
+  p.num_tokens = T;
+  p.hidden = config_.hidden;
+  p.max_tokens = config_.max_tokens;
+  p.top_k = config_.top_k;
+  p.num_experts = config_.num_experts;
+  p.block_counts = state_->block_counts;
+  p.expert_counts = state_->expert_counts;
+  p.send_slot = state_->send_slot;
+  p.tokens_per_expert = state_->tokens_per_expert;
+  detail::launch_dispatch(p, num_blocks_, stream);
+  ++dispatch_sequence_;
+
+  char* base = static_cast<char*>(group_->windows.local_ptr(index_));
+  DispatchResult r;
+  r.recv_x = reinterpret_cast<const uint16_t*>(base + layout.recv_x);
+  r.recv_expert_idx = reinterpret_cast<const int32_t*>(base + layout.recv_expert_idx);
+  r.recv_weights = reinterpret_cast<const float*>(base + layout.recv_weights);
+  r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
+  r.tokens_per_local_expert = state_->tokens_per_expert;
+  r.num_recv_device = &state_->state->num_recv;
+  r.capacity = capacity();
+  r.handle = {id_, dispatch_sequence_, T, -1};
+  if (mode == CountMode::kExact) {
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream));
+    WEFT_CUDA_CHECK(cudaEventRecord(state_->count_event, stream));
+    state_->count_sequence = dispatch_sequence_;
+  }
+  return r;
+}
+
+int64_t Buffer::wait_num_recv(DispatchResult& result) {
+  WEFT_CHECK(result.handle.buffer_id == id_, "wait_num_recv: the result is from another Buffer");
+  WEFT_CHECK(result.handle.sequence == state_->count_sequence,
+             "wait_num_recv needs the latest dispatch made with CountMode::kExact");
+  DeviceGuard guard(device_);
+  WEFT_CUDA_CHECK(cudaEventSynchronize(state_->count_event));
+  throw_if_device_error();
+  result.num_recv = *state_->host_count;
+  result.handle.num_recv = result.num_recv;
+  return result.num_recv;
+}
+
+void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
+                     cudaStream_t stream) {
+  throw_if_device_error();
+  WEFT_CHECK(handle.buffer_id == id_, "combine: the handle is from another Buffer");
+  WEFT_CHECK(handle.sequence == dispatch_sequence_, "combine: the handle is stale (dispatch ",
+             handle.sequence, ", but dispatch ", dispatch_sequence_,
+             " has been launched on this Buffer since)");
+  const int64_t T = handle.num_tokens;
+  WEFT_CHECK(in.expert_out.dtype == DType::kBFloat16, "expert_out must be bfloat16, got ",
+             dtype_name(in.expert_out.dtype));
+  WEFT_CHECK(in.expert_out.cols == config_.hidden, "expert_out must have ", config_.hidden,
+             " columns, got ", in.expert_out.cols);
+  WEFT_CHECK(in.expert_out.rows >= 0 && in.expert_out.rows <= capacity(),
+             "expert_out has ", in.expert_out.rows, " rows, at most ", capacity(), " allowed");
+  WEFT_CHECK(handle.num_recv < 0 || in.expert_out.rows >= handle.num_recv, "expert_out has ",
+             in.expert_out.rows, " rows but ", handle.num_recv, " were received");
+  WEFT_CHECK(in.expert_out.rows == 0 || in.expert_out.data != nullptr, "expert_out is null");
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.expert_out.data) % 16 == 0,
+             "expert_out must be 16-byte aligned");
+  if (in.bias0.data != nullptr) check_view(in.bias0, "bias0", {DType::kBFloat16}, T, config_.hidden);
+  if (in.bias1.data != nullptr) check_view(in.bias1, "bias1", {DType::kBFloat16}, T, config_.hidden);
+  WEFT_CHECK(T == 0 || out != nullptr, "out is null");
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(in.bias0.data) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(in.bias1.data) % 16 == 0,
+             "out and biases must be 16-byte aligned");
+  DeviceGuard guard(device_);
+  detail::CombineParams p{};
+  p.comm = {group_->windows.window(index_), group_->layout, rank_, num_ranks_, state_->state,
+            state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
+  p.expert_out = static_cast<const uint16_t*>(in.expert_out.data);
+  p.expert_out_rows = in.expert_out.rows;
+  p.bias0 = static_cast<const uint16_t*>(in.bias0.data);
+  p.bias1 = static_cast<const uint16_t*>(in.bias1.data);
+  p.out = static_cast<uint16_t*>(out);
+  p.num_tokens = T;
+  p.hidden = config_.hidden;
+  p.max_tokens = config_.max_tokens;
+  p.send_slot = state_->send_slot;
+  p.num_send_warps = options_.combine_send_warps;
+  detail::launch_combine(p, num_blocks_, stream);
+}
+
+}  // namespace weft::ep

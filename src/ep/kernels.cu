@@ -1,0 +1,576 @@
+// weft::ep dispatch and combine kernels.
+//
+// Cross-rank protocol. Every call (dispatch, combine, the construction handshake) has a number
+// `seq`, the same on every rank: the previous call's number (DeviceState::sequence, advanced by
+// the last block of each kernel) plus one. Flags in the window carry call numbers, so nothing is
+// ever reset and a flag from an older call never satisfies a wait (waits test flag >= seq).
+// Writers publish with st.release.sys after their data; readers poll with ld.acquire.sys.
+// Why no rank overwrites a peer's data that is still in use: every call starts with a wait on
+// every peer having entered it (dispatch: the count exchange; combine: the entry flags), so a
+// rank is at most one call ahead of any peer; regions written per call by peers (counts) are
+// double-buffered by call parity, the others are rewritten only after that entry wait.
+#include <cuda_bf16.h>
+#include <nccl_device.h>
+
+#include "kernels.hpp"
+#include "weft/cuda/check.hpp"
+#include "weft/cuda/device_error.cuh"
+
+namespace weft::ep::detail {
+namespace {
+
+using weft::cuda::raise_device_error;
+using weft::cuda::spin_wait;
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// Streaming 16-byte load of data read once (no L1 allocation).
+__device__ __forceinline__ int4 ld_stream(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ char* peer_base(const CommParams& c, int peer) {
+  return static_cast<char*>(ncclGetLsaPointer(c.window, 0, peer));
+}
+__device__ __forceinline__ uint64_t* flag_ptr(char* base, const CommParams& c, int kind, int src) {
+  return reinterpret_cast<uint64_t*>(base + c.layout.flags) + kind * kMaxRanks + src;
+}
+
+// Thread 0 only: waits until this rank's flag[kind][s] >= seq for every s; on timeout reports
+// (rank, what, peer, seq) and returns false.
+__device__ bool wait_all_peers(const CommParams& c, char* local, int kind, uint64_t seq,
+                               WaitKind what) {
+  for (int s = 0; s < c.num_ranks; ++s) {
+    const uint64_t* f = flag_ptr(local, c, kind, s);
+    if (!spin_wait([&] { return ld_acquire_sys(f) >= seq; }, c.timeout_ns)) {
+      raise_device_error(c.error, kErrTimeout, c.rank, what, s, int64_t(seq));
+      return false;
+    }
+  }
+  return true;
+}
+
+// Barrier over the blocks of this (cooperative) grid; false on timeout. All threads call it.
+__device__ bool grid_barrier(const CommParams& c, uint64_t seq) {
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ok = 1;
+    DeviceState* st = c.state;
+    const uint32_t generation = ld_acquire_gpu(&st->barrier_generation);
+    __threadfence();
+    if (atomicAdd(&st->barrier_count, 1u) == gridDim.x - 1) {
+      atomicExch(&st->barrier_count, 0u);
+      __threadfence();
+      atomicAdd(&st->barrier_generation, 1u);
+    } else if (!spin_wait([&] { return ld_acquire_gpu(&st->barrier_generation) != generation; },
+                          c.timeout_ns)) {
+      raise_device_error(c.error, kErrTimeout, c.rank, kWaitGridBarrier, -1, int64_t(seq));
+      ok = 0;
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// Called by every block once its last store is issued. The last block to arrive resets the
+// counter, advances the call number and returns true (all threads of that block).
+__device__ bool finish_block(const CommParams& c, uint64_t seq) {
+  __shared__ int last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(&c.state->done_counter, 1u) == gridDim.x - 1;
+    if (last) {
+      atomicExch(&c.state->done_counter, 0u);
+      __threadfence_system();
+      c.state->sequence = seq;
+    }
+  }
+  __syncthreads();
+  return last != 0;
+}
+
+// Destination mask of one token (bit d: a selection is on rank d). Out-of-range expert ids are
+// reported and dropped.
+template <bool kReport>
+__device__ uint32_t token_mask(const DispatchParams& p, int64_t t, int epr) {
+  uint32_t mask = 0;
+  for (int k = 0; k < p.top_k; ++k) {
+    const int64_t i = t * p.top_k + k;
+    const int64_t e = p.topk_idx_int64 ? static_cast<const int64_t*>(p.topk_idx)[i]
+                                       : static_cast<const int32_t*>(p.topk_idx)[i];
+    if (e == -1) continue;
+    if (e < 0 || e >= p.num_experts) {
+      if (kReport) raise_device_error(p.comm.error, kErrBadExpert, p.comm.rank, t, k, e);
+      continue;
+    }
+    mask |= 1u << static_cast<uint32_t>(e / epr);
+  }
+  return mask;
+}
+
+__device__ __forceinline__ int64_t load_expert(const DispatchParams& p, int64_t i) {
+  return p.topk_idx_int64 ? static_cast<const int64_t*>(p.topk_idx)[i]
+                          : static_cast<const int32_t*>(p.topk_idx)[i];
+}
+
+// One warp copies a row of n16 16-byte vectors.
+__device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src,
+                                              int64_t n16, int lane) {
+  constexpr int kUnroll = 7;
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n16; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_stream(src + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
+  }
+  for (; i < n16; i += 32) dst[i] = ld_stream(src + i);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: one cooperative grid of G blocks; block b owns tokens [b*chunk, (b+1)*chunk).
+//  1. count: per (block, destination) rows after dedup, per expert selections (global atomics);
+//  2. grid barrier; block 0 publishes this rank's count vector and per-expert counts to every
+//     peer (slot [seq parity][rank]) and raises kFlagCount; every block waits for all peers'
+//     kFlagCount, then knows its rows' final index at every destination:
+//        base(d) = sum_{s < rank} count[s][d] + sum_{b' < b} block_count[b'][d] + slot in block;
+//  3. scatter: one warp per (token, destination) writes row + metadata straight to the peer's
+//     window; the last block then raises kFlagDone at every peer and waits for all peers' done.
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
+  extern __shared__ int32_t smem[];
+  const CommParams& c = p.comm;
+  const int R = c.num_ranks;
+  const int epr = p.num_experts / R;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  const int parity = int(seq & 1);
+
+  // Shared memory: histogram [num_experts] | counts [R] | base [R] | mask [kSub] |
+  //                row [kSub][R] | items [kSub * R] (token << 8 | dst)
+  int32_t* s_hist = smem;
+  int32_t* s_count = s_hist + p.num_experts;
+  int32_t* s_base = s_count + kMaxRanks;
+  uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_base + kMaxRanks);
+  int32_t* s_row = reinterpret_cast<int32_t*>(s_mask + kSubChunkTokens);
+  int32_t* s_item = s_row + kSubChunkTokens * R;
+  __shared__ char* s_peer[kMaxRanks];
+  __shared__ int s_num_items;
+  __shared__ int s_ok;
+
+  const int64_t chunk = (p.num_tokens + gridDim.x - 1) / gridDim.x;
+  const int64_t t_begin = min(p.num_tokens, int64_t(blockIdx.x) * chunk);
+  const int64_t t_end = min(p.num_tokens, t_begin + chunk);
+
+  for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) s_hist[i] = 0;
+  if (threadIdx.x < kMaxRanks) s_count[threadIdx.x] = 0;
+  if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
+  __syncthreads();
+
+  // 1. Count.
+  for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
+    const uint32_t mask = token_mask<true>(p, t, epr);
+    for (int d = 0; d < R; ++d) {
+      if (mask >> d & 1u) atomicAdd(&s_count[d], 1);
+    }
+    for (int k = 0; k < p.top_k; ++k) {
+      const int64_t e = load_expert(p, t * p.top_k + k);
+      if (e < 0 || e >= p.num_experts) continue;
+      bool repeated = false;  // a token counts once per expert
+      for (int k2 = 0; k2 < k; ++k2) repeated |= load_expert(p, t * p.top_k + k2) == e;
+      if (!repeated) atomicAdd(&s_hist[e], 1);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < R) p.block_counts[blockIdx.x * R + threadIdx.x] = s_count[threadIdx.x];
+  for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
+    if (s_hist[i] != 0) atomicAdd(&p.expert_counts[i], s_hist[i]);
+  }
+  bool ok = grid_barrier(c, seq);
+
+  // 2. Exchange. Block 0 publishes; warp d sums destination d over all blocks.
+  char* local = s_peer[c.rank];
+  if (blockIdx.x == 0) {
+    if (warp < R) {
+      int32_t total = 0;
+      for (int b = lane; b < int(gridDim.x); b += 32) total += p.block_counts[b * R + warp];
+      for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+      if (lane == 0) s_count[warp] = total;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+      const int peer = i / R, d = i % R;
+      int32_t* m = reinterpret_cast<int32_t*>(s_peer[peer] + c.layout.count_matrix);
+      m[(parity * R + c.rank) * R + d] = s_count[d];
+    }
+    for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
+      const int peer = i / epr;
+      int32_t* m = reinterpret_cast<int32_t*>(s_peer[peer] + c.layout.expert_matrix);
+      m[(parity * R + c.rank) * epr + (i % epr)] = p.expert_counts[i];
+      p.expert_counts[i] = 0;  // every block's atomics precede the grid barrier above
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int peer = 0; peer < R; ++peer) {
+        st_release_sys(flag_ptr(s_peer[peer], c, kFlagCount, c.rank), seq);
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    s_ok = ok && wait_all_peers(c, local, kFlagCount, seq, kWaitCounts);
+  }
+  __syncthreads();
+  ok = s_ok != 0;
+  const int32_t* count_matrix =
+      reinterpret_cast<const int32_t*>(local + c.layout.count_matrix) + parity * R * R;
+  if (warp < R) {  // base of this block's rows at destination `warp`
+    const int d = warp;
+    int32_t base = 0;
+    for (int s = lane; s < c.rank; s += 32) base += count_matrix[s * R + d];
+    for (int b = lane; b < int(blockIdx.x); b += 32) base += p.block_counts[b * R + d];
+    for (int o = 16; o > 0; o /= 2) base += __shfl_xor_sync(0xffffffffu, base, o);
+    if (lane == 0) s_base[d] = base;
+  }
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      int32_t n = 0;
+      for (int s = 0; s < R; ++s) n += count_matrix[s * R + c.rank];
+      c.state->num_recv = n;
+    }
+    const int32_t* em =
+        reinterpret_cast<const int32_t*>(local + c.layout.expert_matrix) + parity * R * epr;
+    for (int e = threadIdx.x; e < epr; e += blockDim.x) {
+      int32_t n = 0;
+      for (int s = 0; s < R; ++s) n += em[s * epr + e];
+      p.tokens_per_expert[e] = n;
+    }
+  }
+  __syncthreads();
+
+  // 3. Scatter, kSubChunkTokens tokens at a time.
+  const int64_t n16 = p.hidden * 2 / 16;
+  for (int64_t sub = t_begin; ok && sub < t_end; sub += kSubChunkTokens) {
+    const int n = int(min(int64_t(kSubChunkTokens), t_end - sub));
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s_mask[i] = token_mask<false>(p, sub + i, epr);
+    __syncthreads();
+    if (warp == 0) {
+      // Slots in token order per destination (ballot prefix), and the (token, dst) item list.
+      int items = 0;
+      int32_t my_base = lane < R ? s_base[lane] : 0;  // lane d: next row at destination d
+      for (int g = 0; g < n; g += 32) {
+        const int i = g + lane;
+        const uint32_t m = i < n ? s_mask[i] : 0u;
+        const uint32_t lt = (1u << lane) - 1u;
+        const int cnt = __popc(m);
+        int scan = cnt;
+        for (int o = 1; o < 32; o *= 2) {
+          const int v = __shfl_up_sync(0xffffffffu, scan, o);
+          if (lane >= o) scan += v;
+        }
+        int item = items + scan - cnt;
+        items += __shfl_sync(0xffffffffu, scan, 31);
+        for (int d = 0; d < R; ++d) {
+          const uint32_t bit = m >> d & 1u;
+          const uint32_t ballot = __ballot_sync(0xffffffffu, bit);
+          const int32_t base_d = __shfl_sync(0xffffffffu, my_base, d);
+          if (i < n) {
+            int32_t row = -1;
+            if (bit) {
+              row = base_d + __popc(ballot & lt);
+              s_item[item++] = (i << 8) | d;
+            }
+            s_row[i * R + d] = row;
+            p.send_slot[(sub + i) * R + d] = row;
+          }
+          if (lane == d) my_base += __popc(ballot);
+        }
+      }
+      if (lane < R) s_base[lane] = my_base;
+      if (lane == 0) s_num_items = items;
+    }
+    __syncthreads();
+    const int num_items = s_num_items;
+    for (int it = warp; it < num_items; it += kThreads / 32) {
+      const int i = s_item[it] >> 8;
+      const int d = s_item[it] & 0xff;
+      const int64_t t = sub + i;
+      const int64_t row = s_row[i * R + d];
+      char* base = s_peer[d];
+      warp_copy_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16,
+                    reinterpret_cast<const int4*>(p.x) + t * n16, n16, lane);
+      if (lane < p.top_k) {
+        const int64_t e = load_expert(p, t * p.top_k + lane);
+        const bool here = e >= 0 && e < p.num_experts && e / epr == d;
+        reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * p.top_k + lane] =
+            here ? int32_t(e - int64_t(d) * epr) : -1;
+        reinterpret_cast<float*>(base + c.layout.recv_weights)[row * p.top_k + lane] =
+            here ? p.topk_weights[t * p.top_k + lane] : 0.0f;
+      }
+      if (lane == 0) {
+        reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
+      }
+    }
+    __syncthreads();
+  }
+  // A block that timed out still records its rows as unsent, so combine reads nothing stale.
+  if (!ok) {
+    for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
+      for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
+    }
+  }
+
+  if (finish_block(c, seq)) {
+    if (threadIdx.x == 0) {
+      for (int peer = 0; peer < R; ++peer) {
+        st_release_sys(flag_ptr(s_peer[peer], c, kFlagDone, c.rank), seq);
+      }
+      wait_all_peers(c, local, kFlagDone, seq, kWaitDispatchDone);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine: warps [0, num_send_warps) of every block store back expert outputs of rows received
+// from peers into the peer's comb_x[rank][token] (then comb_flags[rank][token] = seq); the other
+// warps reduce this rank's tokens: bias0 + bias1 + contributions in ascending rank order, the
+// own rank's read straight from expert_out (the slot would only be a local copy of it).
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
+  const CommParams& c = p.comm;
+  const int R = c.num_ranks;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  __shared__ char* s_peer[kMaxRanks];
+  __shared__ int s_ok;
+  if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
+  __syncthreads();
+  char* local = s_peer[c.rank];
+  const int64_t n16 = p.hidden * 2 / 16;
+
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    for (int peer = 0; peer < R; ++peer) {
+      st_release_sys(flag_ptr(s_peer[peer], c, kFlagEntry, c.rank), seq);
+    }
+  }
+
+  if (warp < p.num_send_warps) {
+    const int num_send_threads = p.num_send_warps * 32;
+    if (threadIdx.x == 0) s_ok = wait_all_peers(c, local, kFlagEntry, seq, kWaitCombineEntry);
+    asm volatile("bar.sync 1, %0;" ::"r"(num_send_threads) : "memory");
+    const int32_t num_recv = c.state->num_recv;
+    if (s_ok && num_recv > p.expert_out_rows) {
+      if (threadIdx.x == 0) {
+        raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
+      }
+    } else if (s_ok) {
+      // Rows go out in batches of kSendBatch consecutive rows per warp; one system fence per
+      // batch (lane 0, after the warp's stores) then lane 0 marks each row's slot as landed.
+      constexpr int kSendBatch = 4;
+      const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
+      const int total_warps = int(gridDim.x) * p.num_send_warps;
+      const int64_t num_batches = (int64_t(num_recv) + kSendBatch - 1) / kSendBatch;
+      for (int64_t b = int64_t(blockIdx.x) * p.num_send_warps + warp; b < num_batches;
+           b += total_warps) {
+        const int64_t j0 = b * kSendBatch;
+        const int64_t j1 = min(int64_t(num_recv), j0 + kSendBatch);
+        for (int64_t j = j0; j < j1; ++j) {
+          const int2 src = recv_src[j];
+          if (src.x == c.rank) continue;  // reduced locally, straight from expert_out
+          warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
+                            (int64_t(c.rank) * p.max_tokens + src.y) * n16,
+                        reinterpret_cast<const int4*>(p.expert_out) + j * n16, n16, lane);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
+          for (int64_t j = j0; j < j1; ++j) {
+            const int2 src = recv_src[j];
+            if (src.x == c.rank) continue;
+            uint64_t* flag = reinterpret_cast<uint64_t*>(s_peer[src.x] + c.layout.comb_flags) +
+                             int64_t(c.rank) * p.max_tokens + src.y;
+            st_relaxed_sys(flag, seq);
+          }
+        }
+        __syncwarp();
+      }
+    }
+  } else {
+    const int num_reduce_warps = kThreads / 32 - p.num_send_warps;
+    const int total_warps = int(gridDim.x) * num_reduce_warps;
+    const uint64_t* comb_flags = reinterpret_cast<const uint64_t*>(local + c.layout.comb_flags);
+    const int4* comb_x = reinterpret_cast<const int4*>(local + c.layout.comb_x);
+    for (int64_t t = int64_t(blockIdx.x) * num_reduce_warps + (warp - p.num_send_warps);
+         t < p.num_tokens; t += total_warps) {
+      bool arrived = true;
+      for (int d = 0; d < R && arrived; ++d) {
+        if (d == c.rank || p.send_slot[t * R + d] < 0) continue;
+        const uint64_t* f = comb_flags + int64_t(d) * p.max_tokens + t;
+        arrived = spin_wait(
+            [&] {
+              if (ld_acquire_sys(f) >= seq) return true;
+              __nanosleep(32);  // leave issue slots and L2 to the senders
+              return false;
+            },
+            c.timeout_ns);
+        if (!arrived && lane == 0) {
+          raise_device_error(c.error, kErrTimeout, c.rank, kWaitCombineRow, d, int64_t(seq));
+        }
+      }
+      if (!arrived) continue;
+      // kVec 16-byte vectors (8 elements each) per lane per step, in fp32 accumulators.
+      constexpr int kVec = 2;
+      for (int64_t v0 = 0; v0 < n16; v0 += 32 * kVec) {
+        float acc[kVec][8];
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+        }
+        auto add = [&](const int4* row, bool coherent) {
+#pragma unroll
+          for (int u = 0; u < kVec; ++u) {
+            const int64_t v = v0 + u * 32 + lane;
+            if (v < n16) {
+              const int4 q = coherent ? row[v] : ld_stream(row + v);
+              const uint32_t w[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                acc[u][2 * e] += __uint_as_float(w[e] << 16);
+                acc[u][2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+              }
+            }
+          }
+        };
+        if (p.bias0 != nullptr) add(reinterpret_cast<const int4*>(p.bias0) + t * n16, false);
+        if (p.bias1 != nullptr) add(reinterpret_cast<const int4*>(p.bias1) + t * n16, false);
+        for (int d = 0; d < R; ++d) {
+          const int32_t row = p.send_slot[t * R + d];
+          if (row < 0) continue;
+          if (d == c.rank) {
+            add(reinterpret_cast<const int4*>(p.expert_out) + int64_t(row) * n16, false);
+          } else {
+            add(comb_x + (int64_t(d) * p.max_tokens + t) * n16, true);  // written by a peer now
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+          const int64_t v = v0 + u * 32 + lane;
+          if (v < n16) {
+            uint32_t w[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              // round to nearest even, as the reference
+              const __nv_bfloat162 h = __floats2bfloat162_rn(acc[u][2 * e], acc[u][2 * e + 1]);
+              w[e] = *reinterpret_cast<const uint32_t*>(&h);
+            }
+            reinterpret_cast<int4*>(p.out)[t * n16 + v] = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+          }
+        }
+      }
+    }
+  }
+  finish_block(c, seq);
+}
+
+// Construction: every rank writes its flag into every peer's window and waits for all of them,
+// which proves the window's LSA mapping works before the first real call.
+__global__ void handshake_kernel(const HandshakeParams p) {
+  const CommParams& c = p.comm;
+  const uint64_t seq = c.state->sequence + 1;
+  if (threadIdx.x == 0) {
+    for (int peer = 0; peer < c.num_ranks; ++peer) {
+      st_release_sys(flag_ptr(peer_base(c, peer), c, kFlagHandshake, c.rank), seq);
+    }
+    wait_all_peers(c, peer_base(c, c.rank), kFlagHandshake, seq, kWaitHandshake);
+    c.state->sequence = seq;
+  }
+}
+
+template <typename Params>
+void launch_cooperative(void (*kernel)(const Params), const Params& params, int num_blocks,
+                        std::size_t smem_bytes, cudaStream_t stream) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(num_blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeCooperative;
+  attribute.val.cooperative = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  WEFT_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, params));
+}
+
+uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidden, int top_k,
+                                int num_experts) {
+  const auto R = uint64_t(num_ranks);
+  const auto cap = R * uint64_t(max_tokens);
+  WindowLayout l;
+  uint64_t at = 0;
+  auto region = [&](uint64_t bytes) {
+    const uint64_t start = at;
+    at = align_up(at + bytes, 256);
+    return start;
+  };
+  l.flags = region(sizeof(uint64_t) * kNumFlagKinds * kMaxRanks);
+  l.count_matrix = region(sizeof(int32_t) * 2 * R * R);
+  l.expert_matrix = region(sizeof(int32_t) * 2 * uint64_t(num_experts));
+  l.comb_flags = region(sizeof(uint64_t) * R * uint64_t(max_tokens));
+  l.recv_src = region(sizeof(int32_t) * 2 * cap);
+  l.recv_expert_idx = region(sizeof(int32_t) * cap * uint64_t(top_k));
+  l.recv_weights = region(sizeof(float) * cap * uint64_t(top_k));
+  l.recv_x = region(2 * cap * uint64_t(hidden));
+  l.comb_x = region(2 * cap * uint64_t(hidden));
+  l.total_bytes = at;
+  return l;
+}
+
+void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream) {
+  const int R = params.comm.num_ranks;
+  const std::size_t smem = sizeof(int32_t) * (std::size_t(params.num_experts) + 2 * kMaxRanks +
+                                              kSubChunkTokens * (1 + 2 * std::size_t(R)));
+  if (smem > 48 * 1024) {
+    WEFT_CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  }
+  launch_cooperative(dispatch_kernel, params, num_blocks, smem, stream);
+}
+
+void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream) {
+  launch_cooperative(combine_kernel, params, num_blocks, 0, stream);
+}
+
+void launch_handshake(const HandshakeParams& params, cudaStream_t stream) {
+  handshake_kernel<<<1, 32, 0, stream>>>(params);
+  WEFT_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace weft::ep::detail

@@ -1,0 +1,120 @@
+// weft::ep kernels: parameter structs and launchers (internal). Kernels take raw pointers, one
+// params struct and a stream; nothing here knows Buffer.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+
+#include "weft/cuda/device_error.hpp"
+
+namespace weft::ep::detail {
+
+constexpr int kThreads = 1024;      // every EP kernel: 32 warps per block, one block per SM
+constexpr int kMaxBlocks = 1024;
+constexpr int kMaxRanks = 32;
+constexpr int kSubChunkTokens = 256;  // dispatch scatters a block's tokens in pieces of this size
+
+// Device error codes of weft::ep (DeviceErrorRecord::code) and what the args hold.
+enum ErrorCode : uint32_t {
+  kErrBadExpert = 1,   // args: token, selection k, expert id
+  kErrTimeout = 2,     // args: WaitKind, peer rank (or -1), call sequence number
+  kErrTooManyRows = 3, // args: rows received, rows of expert_out
+};
+enum WaitKind : int64_t {
+  kWaitHandshake = 1,
+  kWaitCounts = 2,       // dispatch: a peer's count vector
+  kWaitDispatchDone = 3, // dispatch: a peer's rows
+  kWaitCombineEntry = 4, // combine: a peer entering the call (its slots are free)
+  kWaitCombineRow = 5,   // combine: a peer's expert output for one of our tokens
+  kWaitGridBarrier = 6,  // the blocks of our own kernel
+};
+
+// Byte offsets of the regions of the symmetric window; identical on every rank.
+//   flags        [kNumFlagKinds][kMaxRanks] uint64: per-source flags carrying call numbers
+//   count_matrix [2 (call parity)][R source][R destination] int32
+//   expert_matrix[2][R source][E/R] int32: rows source sends to this rank, per local expert
+//   comb_flags   [R][max_tokens] uint64: call number once rank r's row for token t landed
+//   recv_src     [cap][2] int32, recv_expert_idx [cap][top_k] int32, recv_weights [cap][top_k]
+//   recv_x       [cap][hidden] bf16, cap = R * max_tokens
+//   comb_x       [R][max_tokens][hidden] bf16: rank r's expert output for our token t
+// Regions start on 256-byte boundaries.
+enum FlagKind : int { kFlagHandshake = 0, kFlagCount = 1, kFlagDone = 2, kFlagEntry = 3,
+                      kNumFlagKinds = 4 };
+struct WindowLayout {
+  uint64_t flags = 0;
+  uint64_t count_matrix = 0;
+  uint64_t expert_matrix = 0;
+  uint64_t comb_flags = 0;
+  uint64_t recv_src = 0;
+  uint64_t recv_expert_idx = 0;
+  uint64_t recv_weights = 0;
+  uint64_t recv_x = 0;
+  uint64_t comb_x = 0;
+  uint64_t total_bytes = 0;
+};
+WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidden, int top_k,
+                                int num_experts);
+
+// Per-rank device state outside the window (cudaMalloc'd, zeroed at creation).
+struct DeviceState {
+  uint64_t sequence;       // number of the last call that completed on this rank
+  uint32_t done_counter;   // blocks of the running kernel that finished (last one resets it)
+  uint32_t barrier_count;  // grid barrier arrivals
+  uint32_t barrier_generation;
+  int32_t num_recv;        // rows received by the last dispatch
+};
+
+// What every kernel needs to talk to its peers.
+struct CommParams {
+  ncclWindow_t window;
+  WindowLayout layout;
+  int rank;
+  int num_ranks;
+  DeviceState* state;
+  cuda::DeviceErrorRecord* error;
+  uint64_t timeout_ns;
+};
+
+struct DispatchParams {
+  CommParams comm;
+  const uint16_t* x;           // [num_tokens, hidden] bf16
+  const void* topk_idx;        // [num_tokens, top_k] int32 or int64
+  bool topk_idx_int64;
+  const float* topk_weights;   // [num_tokens, top_k]
+  int64_t num_tokens;
+  int64_t hidden;
+  int64_t max_tokens;
+  int top_k;
+  int num_experts;
+  int32_t* block_counts;       // [kMaxBlocks][num_ranks] scratch: rows per (block, destination)
+  int32_t* expert_counts;      // [num_experts] scratch, zero between calls
+  int32_t* send_slot;          // [max_tokens][num_ranks] out: row of token t at rank d, or -1
+  int32_t* tokens_per_expert;  // [num_experts / num_ranks] out
+};
+
+struct CombineParams {
+  CommParams comm;
+  const uint16_t* expert_out;  // [expert_out_rows, hidden] bf16
+  int64_t expert_out_rows;
+  const uint16_t* bias0;       // [num_tokens, hidden] or null
+  const uint16_t* bias1;
+  uint16_t* out;               // [num_tokens, hidden]
+  int64_t num_tokens;
+  int64_t hidden;
+  int64_t max_tokens;
+  const int32_t* send_slot;    // [num_tokens][num_ranks] from the dispatch
+  int num_send_warps;          // warps per block that store back; the others reduce
+};
+
+struct HandshakeParams {
+  CommParams comm;
+};
+
+// Cooperative launches (all blocks resident: the kernels wait on each other).
+void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream);
+void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream);
+void launch_handshake(const HandshakeParams& params, cudaStream_t stream);
+
+}  // namespace weft::ep::detail

@@ -1,0 +1,477 @@
+#include "weft/pipeline/engine.hpp"
+
+#include <algorithm>
+#include <utility>
+
+#include "engine_core.hpp"
+#include "weft/core/error.hpp"
+#include "weft/pipeline/host_backend.hpp"
+#include "weft/pipeline/step_rule.hpp"
+#include "weft/pipeline/task_context.hpp"
+
+namespace weft::pipeline {
+namespace detail {
+
+EngineCore::WorkerThreads::~WorkerThreads() {
+  if (threads.empty()) return;
+  stop();
+  for (std::thread& t : threads) t.join();
+}
+
+EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Backend> backend,
+                       EngineOptions options)
+    : schedule_(std::move(schedule)),
+      threads_(threads.assign(schedule_)),
+      backend_(std::move(backend)),
+      options_(options) {
+  WEFT_CHECK(backend_ != nullptr, "engine: no backend");
+  backend_->bind(schedule_);
+  max_lookahead_ = schedule_.max_lookahead();
+  in_flight_ = static_cast<std::uint32_t>(schedule_.in_flight());
+  const auto num_tasks = static_cast<TaskId>(schedule_.num_tasks());
+
+  plans_.resize(num_tasks);
+  for (TaskId t = 0; t < num_tasks; ++t) {
+    TaskPlan& plan = plans_[t];
+    plan.id = t;
+    plan.stream = schedule_.stream_of(t);
+    plan.lookahead = schedule_.task(t).lookahead();
+    plan.collective = schedule_.task(t).is_collective();
+  }
+  for (const WaitEdge& w : wait_edges(schedule_, threads_)) {
+    TaskPlan& plan = plans_[w.consumer];
+    if (w.host_wait) {
+      const bool known = std::any_of(plan.host_waits.begin(), plan.host_waits.end(),
+                                     [&](const auto& h) { return h.producer == w.producer; });
+      if (!known) plan.host_waits.push_back({w.producer, w.rule});
+    }
+    if (w.stream_wait) plan.stream_waits.push_back({w.producer, w.batch_offset});
+  }
+  for (StreamId s = 0; s < schedule_.num_streams(); ++s) {
+    stream_handles_.push_back(backend_->stream_handle(s));
+  }
+
+  ring_.reserve(in_flight_);
+  for (std::uint32_t i = 0; i < in_flight_; ++i) ring_.emplace_back(schedule_);
+  result_ = Batch(schedule_);
+  const auto num_la = static_cast<std::size_t>(max_lookahead_) + 1;
+  active_by_la_.assign(num_la, 0);
+  batch_by_la_.assign(num_la, -1);
+  ring_slot_by_la_.assign(num_la, 0);
+  ticket_of_task_.assign(num_tasks, -1);
+  done_ = std::make_unique<Signal[]>(num_tasks);
+
+  tracing_ = options_.trace;
+  origin_ = std::chrono::steady_clock::now();
+  spans_by_thread_.resize(threads_.num_threads());
+  waits_by_thread_.resize(threads_.num_threads());
+  backend_->set_gpu_spans(tracing_);
+
+  if (threads_.sequential) {
+    backend_->on_thread_start();
+    run_inits(0);
+  } else {
+    start_workers();
+    if (aborted_.load()) throw_failure();  // an init failed; workers_ joins on unwinding
+  }
+}
+
+void EngineCore::run_inits(std::uint32_t thread) {
+  for (TaskId t : threads_.tasks_of_thread[thread]) {
+    const Task& task = schedule_.task(t);
+    if (!task.init()) continue;
+    TaskContext context(this, t, nullptr, -1, -1, thread);
+    task.init()(context);
+  }
+}
+
+void EngineCore::start_workers() {
+  const auto num_threads = static_cast<std::uint32_t>(threads_.num_threads());
+  workers_.stop = [this] {
+    stopping_.store(true, std::memory_order_release);
+    go_.value.fetch_add(1, std::memory_order_release);
+    go_.value.notify_all();
+  };
+  remaining_.value.store(num_threads, std::memory_order_relaxed);
+  workers_.threads.reserve(num_threads);
+  for (std::uint32_t t = 0; t < num_threads; ++t) {
+    workers_.threads.emplace_back([this, t] { worker_main(t); });
+  }
+  std::uint32_t r;
+  while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
+    remaining_.value.wait(r, std::memory_order_acquire);
+  }
+}
+
+void EngineCore::worker_main(std::uint32_t thread) {
+  std::uint32_t seen = 0;  // go_ is not bumped before every worker has reported below
+  auto report_done = [this] {
+    if (remaining_.value.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      remaining_.value.notify_one();
+    }
+  };
+  try {
+    backend_->on_thread_start();
+    run_inits(thread);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  report_done();
+  const std::vector<TaskId>& tasks = threads_.tasks_of_thread[thread];
+  while (true) {
+    std::uint32_t v;
+    while ((v = go_.value.load(std::memory_order_acquire)) == seen) {
+      go_.value.wait(seen, std::memory_order_acquire);
+    }
+    seen = v;
+    if (stopping_.load(std::memory_order_acquire)) return;
+    for (TaskId t : tasks) {
+      try {
+        run_task(plans_[t], thread, true);
+      } catch (const AbortSignal&) {
+        break;
+      } catch (...) {
+        fail(std::current_exception());
+        break;
+      }
+    }
+    report_done();
+  }
+}
+
+void EngineCore::fail(std::exception_ptr error) noexcept {
+  {
+    std::lock_guard lock(error_mutex_);
+    if (!first_error_) first_error_ = std::move(error);
+  }
+  aborted_.store(true, std::memory_order_seq_cst);
+  // Change every value a thread may be blocked on, so that it wakes and sees aborted_.
+  for (std::size_t t = 0; t < schedule_.num_tasks(); ++t) {
+    done_[t].value.fetch_add(1, std::memory_order_acq_rel);
+    done_[t].value.notify_all();
+  }
+  ticket_.value.fetch_add(1, std::memory_order_acq_rel);
+  ticket_.value.notify_all();
+}
+
+void EngineCore::throw_failure() const {
+  std::exception_ptr error;
+  {
+    std::lock_guard lock(const_cast<std::mutex&>(error_mutex_));
+    error = first_error_;
+  }
+  if (error) std::rethrow_exception(error);
+  WEFT_FAIL("engine: aborted without an error");
+}
+
+void EngineCore::wait_value(Signal& signal, std::uint32_t target) {
+  std::uint32_t v = signal.value.load(std::memory_order_acquire);
+  while (v != target) {
+    if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
+    signal.value.wait(v, std::memory_order_acquire);
+    v = signal.value.load(std::memory_order_acquire);
+  }
+}
+
+void EngineCore::wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, TaskId consumer,
+                           std::uint32_t thread) {
+  Signal& signal = done_[wait.producer];
+  if (signal.value.load(std::memory_order_acquire) == epoch) return;
+  if (!tracing_) {
+    wait_value(signal, epoch);
+    return;
+  }
+  const double begin = now_us();
+  wait_value(signal, epoch);
+  waits_by_thread_[thread].push_back({.producer = wait.producer, .consumer = consumer,
+                                      .rule = wait.rule, .iteration = iteration_,
+                                      .begin_us = begin, .end_us = now_us()});
+}
+
+void EngineCore::mark_done(TaskId task, std::uint32_t epoch) noexcept {
+  done_[task].value.store(epoch, std::memory_order_release);
+  done_[task].value.notify_all();
+}
+
+double EngineCore::now_us() const noexcept {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - origin_)
+      .count();
+}
+
+void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded) {
+  const std::uint32_t epoch = epoch_;
+  if (!active_by_la_[static_cast<std::size_t>(plan.lookahead)]) {
+    if (threaded) mark_done(plan.id, epoch);
+    return;
+  }
+  const int ticket = ticket_of_task_[plan.id];
+  if (threaded) {
+    if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
+    for (const TaskPlan::HostWait& w : plan.host_waits) wait_done(w, epoch, plan.id, thread);
+    if (ticket >= 0) wait_value(ticket_, ticket_base_ + static_cast<std::uint32_t>(ticket));
+    if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
+  }
+  const auto la = static_cast<std::size_t>(plan.lookahead);
+  const std::int64_t batch = batch_by_la_[la];
+  const std::uint32_t ring_slot = ring_slot_by_la_[la];
+  for (const TaskPlan::StreamWait& w : plan.stream_waits) {
+    const std::int64_t producer_batch = batch + w.batch_offset;
+    if (producer_batch < 0 || producer_batch >= num_pulled_) continue;  // never ran on it
+    backend_->wait(plan.stream, w.producer,
+                   static_cast<std::uint32_t>(producer_batch % in_flight_));
+  }
+  const Task& task = schedule_.task(plan.id);
+  double begin_us = 0;
+  std::uint64_t gpu_span = 0;
+  if (tracing_) {
+    begin_us = now_us();
+    gpu_span = backend_->begin_gpu_span(plan.id, plan.stream, batch);
+  }
+  if (task.body()) {
+    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread);
+    task.body()(context);
+  }
+  backend_->record(plan.id, ring_slot, plan.stream);
+  if (tracing_) {
+    backend_->end_gpu_span(gpu_span, plan.stream);
+    spans_by_thread_[thread].push_back({.task = plan.id, .thread = thread, .batch = batch,
+                                        .lookahead = plan.lookahead, .iteration = iteration_,
+                                        .ticket = ticket, .begin_us = begin_us,
+                                        .end_us = now_us()});
+  }
+  if (threaded) {
+    if (ticket >= 0) {
+      ticket_.value.store(ticket_base_ + static_cast<std::uint32_t>(ticket) + 1,
+                          std::memory_order_release);
+      ticket_.value.notify_all();
+    }
+    mark_done(plan.id, epoch);
+  }
+}
+
+void EngineCore::set_source(Source source) {
+  WEFT_CHECK(source != nullptr, "engine: set_source() needs a callable source");
+  WEFT_CHECK(failed_ || ended_ || num_pulled_ == num_returned_, "engine: set_source() while ",
+             num_pulled_ - num_returned_,
+             " batches of the current source are in flight (rule: no switch mid-flight; call "
+             "progress() until it returns no step, or reset())");
+  reset();
+  source_ = std::move(source);
+}
+
+void EngineCore::reset() {
+  try {
+    backend_->synchronize();
+  } catch (const std::exception&) {
+    // Errors of discarded work are discarded with it (see Engine's error contract).
+  }
+  for (Batch& b : ring_) b.clear();
+  result_.clear();
+  iteration_ = 0;
+  num_pulled_ = 0;
+  num_returned_ = 0;
+  exhausted_ = false;
+  ended_ = false;
+  failed_ = false;
+  epoch_ = 0;
+  ticket_base_ = 0;
+  for (std::size_t t = 0; t < schedule_.num_tasks(); ++t) done_[t].value.store(0);
+  ticket_.value.store(0);
+  first_error_ = nullptr;
+  aborted_.store(false);
+}
+
+void EngineCore::pull() {
+  if (exhausted_) return;
+  Batch& batch = ring_[static_cast<std::size_t>(iteration_ % in_flight_)];
+  batch.clear();
+  batch.index_ = iteration_;
+  bool more = false;
+  try {
+    more = source_(batch);
+  } catch (...) {
+    failed_ = true;
+    first_error_ = std::current_exception();
+    throw;
+  }
+  if (more) {
+    ++num_pulled_;
+  } else {
+    exhausted_ = true;
+    batch.clear();
+  }
+}
+
+void EngineCore::prepare_iteration() {
+  const StepRule rule(max_lookahead_);
+  for (int la = 0; la <= max_lookahead_; ++la) {
+    const auto k = static_cast<std::size_t>(la);
+    const std::int64_t batch = rule.batch_at(la, iteration_);
+    active_by_la_[k] = rule.runs(la, iteration_, num_pulled_) ? 1 : 0;
+    batch_by_la_[k] = batch;
+    ring_slot_by_la_[k] = batch >= 0 ? static_cast<std::uint32_t>(batch % in_flight_) : 0;
+  }
+  int next_ticket = 0;
+  for (TaskId t : schedule_.collective_order()) {
+    const bool active = active_by_la_[static_cast<std::size_t>(plans_[t].lookahead)] != 0;
+    ticket_of_task_[t] = active ? next_ticket++ : -1;
+  }
+  if (++epoch_ == 0) epoch_ = 1;  // 0 is every done_ counter's value after reset()
+}
+
+void EngineCore::run_iteration() {
+  if (threads_.sequential) {
+    backend_->on_thread_start();
+    for (TaskId t : schedule_.run_order()) {
+      try {
+        run_task(plans_[t], 0, false);
+      } catch (...) {
+        fail(std::current_exception());
+        break;
+      }
+    }
+  } else {
+    remaining_.value.store(static_cast<std::uint32_t>(workers_.threads.size()),
+                           std::memory_order_relaxed);
+    go_.value.fetch_add(1, std::memory_order_release);
+    go_.value.notify_all();
+    std::uint32_t r;
+    while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
+      remaining_.value.wait(r, std::memory_order_acquire);
+    }
+  }
+  int num_tickets = 0;
+  for (TaskId t : schedule_.collective_order()) num_tickets += ticket_of_task_[t] >= 0 ? 1 : 0;
+  ticket_base_ += static_cast<std::uint32_t>(num_tickets);
+  if (aborted_.load(std::memory_order_acquire)) {
+    failed_ = true;
+    throw_failure();
+  }
+}
+
+std::optional<Step> EngineCore::progress() {
+  WEFT_CHECK(source_ != nullptr, "engine: progress() before set_source()");
+  if (failed_) {
+    try {
+      throw_failure();
+    } catch (const std::exception& e) {
+      WEFT_FAIL("engine: failed in an earlier progress() (", e.what(),
+                "); call reset() or set_source() first");
+    }
+  }
+  while (!ended_) {
+    pull();
+    if (exhausted_ && (num_pulled_ == 0 || iteration_ >= num_pulled_ + max_lookahead_)) {
+      ended_ = true;
+      break;
+    }
+    prepare_iteration();
+    run_iteration();
+    const bool finished = active_by_la_[0] != 0;
+    const std::int64_t batch = batch_by_la_[0];
+    ++iteration_;
+    if (finished) {
+      Batch& done = ring_[static_cast<std::size_t>(batch % in_flight_)];
+      std::swap(result_.values_, done.values_);
+      result_.index_ = batch;
+      done.clear();
+      ++num_returned_;
+      return Step(&result_);
+    }
+  }
+  return std::nullopt;
+}
+
+Trace EngineCore::take_trace() {
+  Trace trace;
+  for (const Task& t : schedule_.tasks()) trace.task_names.push_back(t.name());
+  trace.thread_names = threads_.thread_names;
+  for (StreamId s = 0; s < schedule_.num_streams(); ++s) {
+    trace.stream_names.push_back(schedule_.stream(s).name);
+  }
+  for (auto& spans : spans_by_thread_) {
+    trace.host_spans.insert(trace.host_spans.end(), spans.begin(), spans.end());
+    spans.clear();
+  }
+  std::sort(trace.host_spans.begin(), trace.host_spans.end(),
+            [](const HostSpan& a, const HostSpan& b) { return a.begin_us < b.begin_us; });
+  for (auto& waits : waits_by_thread_) {
+    trace.waits.insert(trace.waits.end(), waits.begin(), waits.end());
+    waits.clear();
+  }
+  const auto origin_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(origin_.time_since_epoch()).count();
+  trace.gpu_spans = backend_->take_gpu_spans(origin_ns);
+  return trace;
+}
+
+}  // namespace detail
+
+// TaskContext ---------------------------------------------------------------------------------
+
+const CompiledSchedule& TaskContext::schedule() const { return core_->schedule(); }
+const Task& TaskContext::task() const { return core_->schedule().task(task_); }
+std::string_view TaskContext::name() const { return task().name(); }
+int TaskContext::lookahead() const { return task().lookahead(); }
+StreamId TaskContext::stream_id() const { return core_->schedule().stream_of(task_); }
+void* TaskContext::stream_handle() const { return core_->stream_handle(stream_id()); }
+Backend& TaskContext::backend() const { return core_->backend(); }
+
+void* TaskContext::stream_handle(std::string_view stream) const {
+  const auto id = core_->schedule().find_stream(stream);
+  WEFT_CHECK(id.has_value(), "task '", name(), "': no stream '", stream, "' in the schedule");
+  return core_->stream_handle(*id);
+}
+
+Batch& TaskContext::batch() {
+  WEFT_CHECK(batch_ != nullptr, "task '", name(), "': no batch in init()");
+  return *batch_;
+}
+
+const std::any& TaskContext::readable(std::string_view slot) const {
+  WEFT_CHECK(batch_ != nullptr, "task '", name(), "': no batch in init()");
+  const CompiledSchedule& s = core_->schedule();
+  const auto id = s.find_slot(slot);
+  const bool declared =
+      id && (std::ranges::find(s.reads_of(task_), *id) != s.reads_of(task_).end() ||
+             std::ranges::find(s.writes_of(task_), *id) != s.writes_of(task_).end());
+  WEFT_CHECK(declared, "task '", name(), "' reads slot '", slot,
+             "' without declaring it in reads() or writes()");
+  return batch_->values_[*id];
+}
+
+std::any& TaskContext::writable(std::string_view slot) {
+  WEFT_CHECK(batch_ != nullptr, "task '", name(), "': no batch in init()");
+  const CompiledSchedule& s = core_->schedule();
+  const auto id = s.find_slot(slot);
+  const bool declared =
+      id && std::ranges::find(s.writes_of(task_), *id) != s.writes_of(task_).end();
+  WEFT_CHECK(declared, "task '", name(), "' writes slot '", slot,
+             "' without declaring it in writes()");
+  return batch_->values_[*id];
+}
+
+// Engine --------------------------------------------------------------------------------------
+
+Engine::Engine(Schedule schedule, ThreadMap threads, std::unique_ptr<Backend> backend,
+               EngineOptions options)
+    : core_(std::make_unique<detail::EngineCore>(std::move(schedule), std::move(threads),
+                                                 std::move(backend), options)) {}
+
+Engine::Engine(Schedule schedule, ThreadMap threads, EngineOptions options)
+    : Engine(std::move(schedule), std::move(threads), std::make_unique<HostBackend>(), options) {}
+
+Engine::~Engine() = default;
+
+void Engine::set_source(Source source) { core_->set_source(std::move(source)); }
+std::optional<Step> Engine::progress() { return core_->progress(); }
+void Engine::reset() { core_->reset(); }
+void Engine::synchronize() { core_->synchronize(); }
+const CompiledSchedule& Engine::schedule() const noexcept { return core_->schedule(); }
+const ThreadAssignment& Engine::threads() const noexcept { return core_->threads(); }
+Backend& Engine::backend() noexcept { return core_->backend(); }
+bool Engine::failed() const noexcept { return core_->failed(); }
+std::int64_t Engine::num_in_flight() const noexcept { return core_->num_in_flight(); }
+Trace Engine::take_trace() { return core_->take_trace(); }
+
+}  // namespace weft::pipeline

@@ -1,0 +1,157 @@
+// weft::pipeline::detail::EngineCore: the engine's state and both executors (private header).
+//
+// Synchronisation (threaded executor), all on 32-bit atomics with futex-backed wait/notify:
+//  - go_: the caller bumps it to start an iteration; workers wait for a change.
+//  - remaining_: threads still running this iteration; the last one wakes the caller.
+//  - done_[task]: the epoch of the last iteration in which the task finished or was passed
+//    (inactive tasks are passed by their thread, so waiting on one means "its thread got past
+//    it", which keeps stream-order chains transitive across inactive tasks).
+//  - ticket_: the ticket now serving; a collective task waits for ticket_base_ + its ticket.
+// Every wait is on a task earlier in run order, and each thread runs its tasks in run order, so
+// the earliest unfinished task can always proceed: no deadlock. On failure, aborted_ is set and
+// every counter is bumped and notified; every wait loop checks aborted_ and unwinds with
+// AbortSignal, and run_task checks aborted_ again after its last wait.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "weft/pipeline/backend.hpp"
+#include "weft/pipeline/batch.hpp"
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/engine.hpp"
+#include "weft/pipeline/thread_map.hpp"
+#include "weft/pipeline/trace.hpp"
+#include "weft/pipeline/wait_edges.hpp"
+
+namespace weft::pipeline::detail {
+
+struct alignas(64) Signal {
+  std::atomic<std::uint32_t> value{0};
+};
+
+// Thrown inside the engine when a wait is cut short because another task failed.
+struct AbortSignal {};
+
+// Everything run_task needs about one task, precomputed at construction.
+struct TaskPlan {
+  struct HostWait {
+    TaskId producer;
+    WaitRule rule;
+  };
+  struct StreamWait {
+    TaskId producer;
+    int batch_offset;
+  };
+  TaskId id = 0;
+  StreamId stream = 0;
+  int lookahead = 0;
+  bool collective = false;
+  std::vector<HostWait> host_waits;  // one per producer
+  std::vector<StreamWait> stream_waits;
+};
+
+class EngineCore {
+ public:
+  EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Backend> backend,
+             EngineOptions options);
+  EngineCore(const EngineCore&) = delete;
+  EngineCore& operator=(const EngineCore&) = delete;
+  ~EngineCore() = default;
+
+  void set_source(Source source);
+  std::optional<Step> progress();
+  void reset();
+  void synchronize() { backend_->synchronize(); }
+  Trace take_trace();
+
+  const CompiledSchedule& schedule() const noexcept { return schedule_; }
+  const ThreadAssignment& threads() const noexcept { return threads_; }
+  Backend& backend() noexcept { return *backend_; }
+  bool failed() const noexcept { return failed_; }
+  std::int64_t num_in_flight() const noexcept { return num_pulled_ - num_returned_; }
+  void* stream_handle(StreamId id) const { return stream_handles_.at(id); }
+
+ private:
+  // Joins the workers when destroyed; declared last so that it is destroyed first.
+  struct WorkerThreads {
+    std::vector<std::thread> threads;
+    std::function<void()> stop;
+    WorkerThreads() = default;
+    WorkerThreads(const WorkerThreads&) = delete;
+    WorkerThreads& operator=(const WorkerThreads&) = delete;
+    ~WorkerThreads();
+  };
+
+  void start_workers();
+  void worker_main(std::uint32_t thread);
+  void run_inits(std::uint32_t thread);
+  void pull();
+  void prepare_iteration();
+  void run_iteration();
+  void run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded);
+  void wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, TaskId consumer,
+                 std::uint32_t thread);
+  void wait_value(Signal& signal, std::uint32_t target);
+  void mark_done(TaskId task, std::uint32_t epoch) noexcept;
+  void fail(std::exception_ptr error) noexcept;
+  [[noreturn]] void throw_failure() const;
+  double now_us() const noexcept;
+
+  CompiledSchedule schedule_;
+  ThreadAssignment threads_;
+  std::unique_ptr<Backend> backend_;
+  EngineOptions options_;
+  std::vector<TaskPlan> plans_;
+  std::vector<void*> stream_handles_;
+  int max_lookahead_ = 0;
+  std::uint32_t in_flight_ = 1;
+
+  // Ring: ring_[batch % in_flight] holds the batch; result_ the last finished one.
+  std::vector<Batch> ring_;
+  Batch result_;
+  Source source_;
+  std::int64_t iteration_ = 0;
+  std::int64_t num_pulled_ = 0;
+  std::int64_t num_returned_ = 0;
+  bool exhausted_ = false;
+  bool ended_ = false;
+  bool failed_ = false;
+
+  // The current iteration, written by the caller before go_ is bumped.
+  std::uint32_t epoch_ = 0;
+  std::vector<std::uint8_t> active_by_la_;
+  std::vector<std::int64_t> batch_by_la_;
+  std::vector<std::uint32_t> ring_slot_by_la_;
+  std::vector<int> ticket_of_task_;  // -1: no ticket this iteration
+  std::uint32_t ticket_base_ = 0;
+
+  std::unique_ptr<Signal[]> done_;
+  Signal ticket_;
+  Signal go_;
+  Signal remaining_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> aborted_{false};
+  std::mutex error_mutex_;
+  std::exception_ptr first_error_;
+
+  // Tracing: one buffer per thread, appended to only by that thread.
+  bool tracing_ = false;
+  std::chrono::steady_clock::time_point origin_;
+  std::vector<std::vector<HostSpan>> spans_by_thread_;
+  std::vector<std::vector<WaitRecord>> waits_by_thread_;
+
+  WorkerThreads workers_;
+
+  friend class weft::pipeline::TaskContext;
+};
+
+}  // namespace weft::pipeline::detail

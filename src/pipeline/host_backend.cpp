@@ -1,0 +1,124 @@
+#include "weft/pipeline/host_backend.hpp"
+
+#include <utility>
+
+#include "weft/core/error.hpp"
+#include "weft/pipeline/task_context.hpp"
+
+namespace weft::pipeline {
+
+HostStream::HostStream(std::string name) : name_(std::move(name)), worker_([this] { run(); }) {}
+
+HostStream::~HostStream() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_one();
+  worker_.join();
+}
+
+void HostStream::enqueue(std::function<void()> work) {
+  {
+    std::lock_guard lock(mutex_);
+    WEFT_CHECK(!stopping_, "host stream '", name_, "' is shutting down");
+    queue_.push_back(std::move(work));
+    num_enqueued_.fetch_add(1, std::memory_order_release);
+  }
+  wake_.notify_one();
+}
+
+void HostStream::run() {
+  while (true) {
+    std::function<void()> work;
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything queued has run
+      work = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    try {
+      work();
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      if (!first_error_) first_error_ = std::current_exception();
+    }
+    num_completed_.fetch_add(1, std::memory_order_release);
+    num_completed_.notify_all();
+  }
+}
+
+void HostStream::wait_for(std::uint64_t position) const {
+  std::uint64_t done;
+  while ((done = num_completed_.load(std::memory_order_acquire)) < position) {
+    num_completed_.wait(done, std::memory_order_acquire);
+  }
+}
+
+void HostStream::synchronize() {
+  wait_for(num_enqueued());
+  std::exception_ptr error;
+  {
+    std::lock_guard lock(mutex_);
+    error = std::exchange(first_error_, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+HostBackend::~HostBackend() {
+  // Each stream drains before it stops; markers only wait on work recorded earlier, which a
+  // stream destroyed later still runs, so destroy in reverse creation order only after all drain.
+  for (auto& s : streams_) s->wait_for(s->num_enqueued());
+}
+
+void HostBackend::bind(const CompiledSchedule& schedule) {
+  WEFT_CHECK(streams_.empty(), "HostBackend: bound twice (one backend per engine)");
+  for (StreamId s = 0; s < schedule.num_streams(); ++s) {
+    streams_.push_back(std::make_unique<HostStream>(schedule.stream(s).name));
+  }
+  in_flight_ = static_cast<std::uint32_t>(schedule.in_flight());
+  events_.assign(schedule.num_tasks() * in_flight_, Event{});
+}
+
+void* HostBackend::stream_handle(StreamId stream) { return streams_.at(stream).get(); }
+
+void HostBackend::record(TaskId task, std::uint32_t ring_slot, StreamId stream) {
+  events_[task * in_flight_ + ring_slot] = {stream, streams_[stream]->num_enqueued()};
+}
+
+void HostBackend::wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) {
+  const Event event = events_[producer * in_flight_ + ring_slot];
+  if (event.stream == stream) return;  // FIFO order already
+  HostStream& source = *streams_[event.stream];
+  if (source.num_completed() >= event.position) return;
+  num_wait_markers_->fetch_add(1, std::memory_order_relaxed);
+  streams_[stream]->enqueue([&source, position = event.position] { source.wait_for(position); });
+}
+
+void HostBackend::synchronize() {
+  std::exception_ptr error;
+  for (auto& s : streams_) {
+    try {
+      s->synchronize();
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+HostStream& host_stream(TaskContext& context) {
+  return host_stream(context, context.schedule().stream(context.stream_id()).name);
+}
+
+HostStream& host_stream(TaskContext& context, std::string_view stream) {
+  auto* backend = dynamic_cast<HostBackend*>(&context.backend());
+  WEFT_CHECK(backend != nullptr, "host_stream(): task '", context.name(), "' runs on the ",
+             context.backend().name(), " backend, not the host backend");
+  const auto id = context.schedule().find_stream(stream);
+  WEFT_CHECK(id.has_value(), "host_stream(): no stream '", stream, "' in the schedule");
+  return backend->stream(*id);
+}
+
+}  // namespace weft::pipeline

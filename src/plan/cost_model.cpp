@@ -1,0 +1,141 @@
+#include "weft/plan/cost_model.hpp"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "weft/core/error.hpp"
+
+namespace weft::plan {
+namespace {
+
+using nlohmann::json;
+
+double non_negative(const json& value, const std::string& path) {
+  WEFT_CHECK(value.is_number(), path, ": expected a number, got ", value.dump());
+  const double x = value.get<double>();
+  WEFT_CHECK(x >= 0, path, ": expected a cost >= 0, got ", x);
+  return x;
+}
+
+void only_keys(const json& object, const std::string& path,
+               std::initializer_list<std::string_view> allowed) {
+  WEFT_CHECK(object.is_object(), path, ": expected an object, got ", object.dump());
+  for (const auto& [key, _] : object.items()) {
+    bool known = false;
+    for (auto a : allowed) known = known || key == a;
+    WEFT_CHECK(known, path, ".", key, ": unknown key");
+  }
+}
+
+}  // namespace
+
+CostModel CostModel::parse(std::string_view json_text) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    WEFT_FAIL("$: not valid JSON: ", e.what());
+  }
+  only_keys(root, "$", {"default_host_us", "tasks"});
+  CostModel model;
+  if (root.contains("default_host_us")) {
+    model.default_host_us = non_negative(root["default_host_us"], "$.default_host_us");
+  }
+  if (root.contains("tasks")) {
+    const json& tasks = root["tasks"];
+    WEFT_CHECK(tasks.is_object(), "$.tasks: expected an object of task name -> cost");
+    for (const auto& [name, entry] : tasks.items()) {
+      const std::string path = "$.tasks." + name;
+      only_keys(entry, path, {"host_us", "gpu"});
+      TaskCost cost;
+      if (entry.contains("host_us")) cost.host_us = non_negative(entry["host_us"], path + ".host_us");
+      if (entry.contains("gpu")) {
+        const json& gpu = entry["gpu"];
+        WEFT_CHECK(gpu.is_array(), path, ".gpu: expected an array of {stream, us}");
+        for (std::size_t i = 0; i < gpu.size(); ++i) {
+          const std::string seg_path = path + ".gpu[" + std::to_string(i) + "]";
+          only_keys(gpu[i], seg_path, {"stream", "us"});
+          WEFT_CHECK(gpu[i].contains("stream") && gpu[i]["stream"].is_string() &&
+                         !gpu[i]["stream"].get<std::string>().empty(),
+                     seg_path, ".stream: expected a stream name");
+          WEFT_CHECK(gpu[i].contains("us"), seg_path, ".us: missing");
+          cost.gpu.push_back({gpu[i]["stream"].get<std::string>(),
+                              non_negative(gpu[i]["us"], seg_path + ".us")});
+        }
+      }
+      model.tasks.emplace(name, std::move(cost));
+    }
+  }
+  return model;
+}
+
+CostModel CostModel::load(const std::string& path) {
+  std::ifstream in(path);
+  WEFT_CHECK(in.good(), "cannot read cost file '", path, "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return parse(text.str());
+  } catch (const Error& e) {
+    WEFT_FAIL(path, ": ", e.message());
+  }
+}
+
+std::string CostModel::to_json() const {
+  json root;
+  root["default_host_us"] = default_host_us;
+  root["tasks"] = json::object();
+  for (const auto& [name, cost] : tasks) {
+    json entry;
+    entry["host_us"] = cost.host_us;
+    entry["gpu"] = json::array();
+    for (const auto& seg : cost.gpu) entry["gpu"].push_back({{"stream", seg.stream}, {"us", seg.us}});
+    root["tasks"][name] = entry;
+  }
+  return root.dump(2);
+}
+
+TaskCost CostModel::cost_of(std::string_view task) const {
+  auto it = tasks.find(task);
+  if (it != tasks.end()) return it->second;
+  TaskCost cost;
+  cost.host_us = default_host_us;
+  return cost;
+}
+
+void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const {
+  for (const auto& [name, _] : tasks) {
+    WEFT_CHECK(schedule.find_task(name).has_value(), "$.tasks.", name,
+               ": the schedule has no task of that name");
+  }
+}
+
+CostModel CostModel::hstu_defaults() {
+  // Host figures: the relative CPU widths of the seed's Gantt page (HSTU on one 8xH100 node,
+  // prefetch on), scaled so forward's host time is about 4 ms. GPU figures: forward and backward
+  // about 25 ms each on the default stream (the seed's measurement); collectives estimated from
+  // the seed's NCCL inventory payloads at intranode NVLink rates; copies at pinned PCIe rates.
+  CostModel model;
+  model.default_host_us = 20;
+  auto add = [&](const char* task, double host_us, std::vector<GpuSegment> gpu) {
+    model.tasks[task] = TaskCost{host_us, std::move(gpu)};
+  };
+  add("h2d", 300, {{"memcpy", 800}});
+  add("start_shuffle", 400, {{"memcpy", 40}});
+  add("finish_shuffle", 900, {{"memcpy", 600}});
+  add("start_input_dist", 1200, {{"data_dist", 60}});
+  add("wait_input_dist", 1000, {{"data_dist", 500}});
+  add("prefetch_embeddings", 1500, {{"prefetch", 2000}});
+  add("zero_grad", 150, {{"default", 100}});
+  add("global_tokens_allreduce", 200, {{"default", 40}});
+  add("compute_output_dist", 1200, {{"comm", 1800}});
+  add("forward", 4000, {{"default", 25000}});
+  add("backward", 3000, {{"default", 25000}, {"comm", 1800}});
+  add("finalize_model_grads", 600, {{"default", 2500}});
+  add("optimizer_step", 800, {{"default", 1500}});
+  add("watchdog", 100, {});
+  return model;
+}
+
+}  // namespace weft::plan

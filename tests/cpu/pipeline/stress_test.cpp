@@ -1,0 +1,154 @@
+// Concurrency stress: several engines act as ranks of one communicator; failure injection.
+#include <gtest/gtest.h>
+
+#include "test_support.hpp"
+
+namespace weft::pipeline {
+namespace {
+
+// What NCCL needs from the ranks: the n-th collective enqueued is the same on every rank.
+// The first rank to reach position n defines it; every other rank must match.
+class CollectiveOrderChecker {
+ public:
+  void enqueue(int rank, const std::string& what) {
+    std::lock_guard lock(mutex_);
+    auto& position = positions_[rank];
+    if (position == order_.size()) {
+      order_.push_back(what);
+    } else if (order_[position] != what) {
+      ++num_mismatches_;
+      if (first_mismatch_.empty()) {
+        first_mismatch_ = "rank " + std::to_string(rank) + " position " +
+                          std::to_string(position) + ": " + what + " vs " + order_[position];
+      }
+    }
+    ++position;
+  }
+  explicit CollectiveOrderChecker(int num_ranks) : positions_(static_cast<std::size_t>(num_ranks), 0) {}
+  std::size_t num_mismatches() const { return num_mismatches_; }
+  const std::string& first_mismatch() const { return first_mismatch_; }
+  std::size_t size() const { return order_.size(); }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::string> order_;
+  std::vector<std::size_t> positions_;
+  std::size_t num_mismatches_ = 0;
+  std::string first_mismatch_;
+};
+
+// Every rank runs the HSTU schedule of one cascade under a different thread map; collective
+// bodies report (task, batch) to the checker with random delays around them, and assert that
+// no two collectives of one rank are ever inside their bodies at once.
+void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
+  std::vector<std::string> maps;
+  for (auto name : ThreadMap::preset_names()) maps.emplace_back(name);
+  const int num_ranks = static_cast<int>(maps.size());
+  CollectiveOrderChecker checker(num_ranks);
+  std::atomic<int> overlap_violations{0};
+  std::vector<std::thread> ranks;
+  std::vector<std::string> errors(maps.size());
+  for (int r = 0; r < num_ranks; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        testing::Jitter jitter(seed + static_cast<std::uint64_t>(r));
+        std::atomic<bool> in_collective{false};
+        HstuOptions options{.cascade = cascade};
+        for (auto name : hstu_task_names()) {
+          options.bodies[std::string(name)] = [&, r](TaskContext& c) {
+            jitter();
+            if (!c.task().is_collective()) return;
+            if (in_collective.exchange(true)) ++overlap_violations;
+            checker.enqueue(r, std::string(c.name()) + "@" + std::to_string(c.batch_index()));
+            jitter();
+            in_collective.store(false);
+          };
+        }
+        Engine engine(hstu_schedule(options), ThreadMap::preset(maps[static_cast<std::size_t>(r)]));
+        engine.set_source([n = 0, num_batches](Batch&) mutable { return n++ < num_batches; });
+        int num_steps = 0;
+        while (engine.progress()) ++num_steps;
+        if (num_steps != num_batches) errors[static_cast<std::size_t>(r)] = "wrong step count";
+      } catch (const std::exception& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+  EXPECT_EQ(checker.num_mismatches(), 0u) << checker.first_mismatch() << " (seed " << seed << ")";
+  EXPECT_EQ(overlap_violations.load(), 0) << "seed " << seed;
+  EXPECT_EQ(checker.size(), static_cast<std::size_t>(num_batches) * 8) << "seed " << seed;
+}
+
+TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD3) { run_ranks(HstuCascade::kD3, 42, 1500); }
+TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD6) { run_ranks(HstuCascade::kD6, 7, 1500); }
+
+// A task throws at a random step: progress() rethrows that error, nobody hangs, the engine can
+// be reset and run to the end; over every thread map and many seeds.
+TEST(FailureInjection, RandomTaskThrowsOnRandomStep) {
+  for (auto map : ThreadMap::preset_names()) {
+    for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+      SCOPED_TRACE(std::string(map) + " seed " + std::to_string(seed));
+      std::mt19937_64 rng(seed);
+      const auto names = hstu_task_names();
+      const std::string victim(names[rng() % names.size()]);
+      const int bad_batch = static_cast<int>(rng() % 20);
+      testing::Jitter jitter(seed);
+      std::atomic<bool> armed{true};
+      HstuOptions options{.cascade = seed % 2 ? HstuCascade::kD3 : HstuCascade::kD6};
+      for (auto name : names) {
+        options.bodies[std::string(name)] = [&, n = std::string(name)](TaskContext& c) {
+          jitter();
+          if (n == victim && c.batch_index() == bad_batch && armed.exchange(false)) {
+            throw std::runtime_error("injected failure in " + n);
+          }
+        };
+      }
+      Engine engine(hstu_schedule(options), ThreadMap::preset(map));
+      engine.set_source([n = 0](Batch&) mutable { return n++ < 30; });
+      int num_steps = 0;
+      bool thrown = false;
+      try {
+        while (engine.progress()) ++num_steps;
+      } catch (const std::runtime_error& e) {
+        thrown = true;
+        EXPECT_EQ(std::string(e.what()), "injected failure in " + victim);
+      }
+      EXPECT_TRUE(thrown);
+      EXPECT_TRUE(engine.failed());
+      EXPECT_THROW(engine.progress(), weft::Error);
+      engine.reset();
+      EXPECT_FALSE(engine.failed());
+      int num_after = 0;
+      while (engine.progress()) ++num_after;
+      // The source went on from where it was; every batch it still gives comes out.
+      EXPECT_GT(num_after, 0);
+      EXPECT_LE(num_steps + num_after, 30);
+    }
+  }
+}
+
+TEST(FailureInjection, InitFailureJoinsThreadsAndThrows) {
+  Schedule s;
+  s.add(Task("ok"));
+  s.add(Task("bad").init([](TaskContext&) { throw std::runtime_error("init failed"); }));
+  EXPECT_THROW(Engine(s, ThreadMap::per_task()), std::runtime_error);
+  EXPECT_THROW(Engine(s, ThreadMap::legacy()), std::runtime_error);
+}
+
+TEST(FailureInjection, SourceFailureIsReported) {
+  Schedule s;
+  s.add(Task("a"));
+  Engine engine(std::move(s), ThreadMap::per_task());
+  engine.set_source([](Batch&) -> bool { throw std::runtime_error("loader broke"); });
+  EXPECT_THROW(engine.progress(), std::runtime_error);
+  EXPECT_TRUE(engine.failed());
+  engine.set_source([n = 0](Batch&) mutable { return n++ < 3; });
+  int num = 0;
+  while (engine.progress()) ++num;
+  EXPECT_EQ(num, 3);
+}
+
+}  // namespace
+}  // namespace weft::pipeline

@@ -1,0 +1,220 @@
+// The seed's statements about the HSTU presets, as tests of the simulator (which uses the
+// engine's own wait rules), plus exact timings on small schedules computed by hand.
+#include "weft/plan/simulate.hpp"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "weft/core/error.hpp"
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/hstu.hpp"
+#include "weft/plan/schedule_file.hpp"
+
+namespace {
+
+using weft::pipeline::CompiledSchedule;
+using weft::pipeline::ThreadMap;
+using weft::plan::CostModel;
+using weft::plan::Timeline;
+using weft::plan::WaitRule;
+
+Timeline simulate_variant(const weft::pipeline::HstuVariant& v) {
+  const CompiledSchedule compiled(weft::pipeline::hstu_schedule({.cascade = v.cascade}));
+  const auto threads = ThreadMap::preset(v.thread_map).assign(compiled);
+  return weft::plan::simulate(compiled, threads, CostModel::hstu_defaults());
+}
+
+bool seed_rule(WaitRule rule) { return rule != WaitRule::kTicket && rule != WaitRule::kStreamOrder; }
+
+const std::set<std::string> kIoTasks = {"h2d", "start_shuffle", "finish_shuffle"};
+
+TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
+  for (const auto& v : weft::pipeline::hstu_variants()) {
+    const Timeline t = simulate_variant(v);
+    bool io_to_non_io = false;
+    bool shuffle_to_input_dist = false;
+    for (const auto& w : t.waits) {
+      if (!seed_rule(w.rule)) continue;
+      if (kIoTasks.count(w.producer) && !kIoTasks.count(w.consumer)) io_to_non_io = true;
+      if (w.producer == "finish_shuffle" && w.consumer == "start_input_dist") {
+        shuffle_to_input_dist = true;
+        EXPECT_EQ(w.rule, WaitRule::kSameLookahead);
+      }
+    }
+    const std::string name(v.name);
+    if (v.cascade == weft::pipeline::HstuCascade::kD3) {
+      EXPECT_FALSE(io_to_non_io) << name;
+    } else if (name == "default_d6" || name == "full_split_d6") {
+      EXPECT_TRUE(shuffle_to_input_dist) << name;
+    }
+  }
+}
+
+TEST(HstuPlan, PrefetchToBackwardDrawnWheneverOnDifferentThreads) {
+  for (const auto& v : weft::pipeline::hstu_variants()) {
+    const CompiledSchedule compiled(weft::pipeline::hstu_schedule({.cascade = v.cascade}));
+    const auto threads = ThreadMap::preset(v.thread_map).assign(compiled);
+    const auto prefetch = compiled.task_id("prefetch_embeddings");
+    const auto backward = compiled.task_id("backward");
+    const bool apart = threads.thread_of_task[prefetch] != threads.thread_of_task[backward];
+    const Timeline t = weft::plan::simulate(compiled, threads, CostModel::hstu_defaults());
+    bool drawn = false;
+    for (const auto& w : t.waits) {
+      if (w.producer == "prefetch_embeddings" && w.consumer == "backward") {
+        drawn = true;
+        EXPECT_TRUE(w.rule == WaitRule::kSyncBoth || w.rule == WaitRule::kSyncCpu ||
+                    w.rule == WaitRule::kSyncGpu);
+      }
+    }
+    EXPECT_EQ(drawn, apart) << v.name;
+  }
+}
+
+TEST(HstuPlan, PerTaskBackwardWaitsForForwardAndLegacyNeverWaits) {
+  const Timeline per_task = simulate_variant(weft::pipeline::hstu_variant("per_task_d3"));
+  bool backward_after_forward = false;
+  for (const auto& w : per_task.waits) {
+    if (w.producer == "forward" && w.consumer == "backward" &&
+        w.rule == WaitRule::kSameLookahead) {
+      backward_after_forward = true;
+    }
+  }
+  EXPECT_TRUE(backward_after_forward);
+  double forward_end = -1, backward_start = -1;
+  for (const auto& s : per_task.host) {
+    if (s.task == "forward") forward_end = s.end_us;
+    if (s.task == "backward") backward_start = s.start_us;
+  }
+  EXPECT_GE(backward_start, forward_end);
+
+  const Timeline legacy = simulate_variant(weft::pipeline::hstu_variant("legacy_none"));
+  EXPECT_TRUE(legacy.waits.empty());
+  EXPECT_EQ(legacy.threads.size(), 1u);
+}
+
+TEST(HstuPlan, EveryTaskRunsOnceAndThreadsNeverOverlap) {
+  for (const auto& v : weft::pipeline::hstu_variants()) {
+    const Timeline t = simulate_variant(v);
+    EXPECT_EQ(t.host.size(), weft::pipeline::hstu_task_names().size()) << v.name;
+    for (const auto& a : t.host) {
+      for (const auto& b : t.host) {
+        if (&a == &b || a.thread != b.thread) continue;
+        EXPECT_TRUE(a.end_us <= b.start_us || b.end_us <= a.start_us)
+            << v.name << ": " << a.task << " and " << b.task << " overlap on " << a.thread;
+      }
+    }
+    EXPECT_GT(t.step_us, 0) << v.name;
+  }
+}
+
+// Two threads, A -> B at the same lookahead; B's stream waits for A's GPU work.
+//   host: A [0,10] on t0, B [10,15] on t1 (waits 10 us for A)
+//   GPU:  A 100 us on s1, B 50 us on s2 after A: the step is s1-bound, 100 us per step.
+TEST(Simulate, HandComputedTwoThreadSchedule) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["s1", "s2"],
+    "tasks": [
+      {"name": "A", "stream": "s1", "writes": ["x"]},
+      {"name": "B", "stream": "s2", "reads": ["x"]}
+    ],
+    "thread_maps": [{"groups": {"t0": ["A"], "t1": ["B"]}}],
+    "costs": {"tasks": {"A": {"host_us": 10, "gpu": [{"stream": "s1", "us": 100}]},
+                        "B": {"host_us": 5, "gpu": [{"stream": "s2", "us": 50}]}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  const Timeline t = weft::plan::simulate(compiled, threads, *file.costs);
+  EXPECT_DOUBLE_EQ(t.step_us, 100);
+  EXPECT_DOUBLE_EQ(t.host_step_us, 15);
+  ASSERT_EQ(t.host.size(), 2u);
+  EXPECT_DOUBLE_EQ(t.host[1].start_us, 10);
+  ASSERT_EQ(t.waits.size(), 1u);
+  EXPECT_EQ(t.waits[0].producer, "A");
+  EXPECT_EQ(t.waits[0].rule, WaitRule::kSameLookahead);
+  EXPECT_DOUBLE_EQ(t.waits[0].waited_us, 10);
+}
+
+// Collectives on two threads and two streams: the second in run order waits for nothing but
+// the first's ticket.
+TEST(Simulate, CollectiveTicketsSerialiseAcrossThreads) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm"],
+    "tasks": [
+      {"name": "c1", "collective": true},
+      {"name": "c2", "stream": "comm", "collective": true}
+    ],
+    "thread_maps": ["per_task"],
+    "costs": {"tasks": {"c1": {"host_us": 30}, "c2": {"host_us": 5}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const Timeline t =
+      weft::plan::simulate(compiled, file.thread_maps.at(0).assign(compiled), *file.costs);
+  ASSERT_EQ(t.host.size(), 2u);
+  EXPECT_DOUBLE_EQ(t.host[1].start_us, 30);
+  EXPECT_EQ(t.host[1].ticket, 1);
+  ASSERT_EQ(t.waits.size(), 1u);
+  EXPECT_EQ(t.waits[0].rule, WaitRule::kTicket);
+  EXPECT_DOUBLE_EQ(t.waits[0].waited_us, 30);
+}
+
+TEST(CostModel, BadInputNamesTheProblem) {
+  auto message = [](const char* json) {
+    try {
+      CostModel::parse(json);
+    } catch (const weft::Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(R"({"tasks": {"h2d": {"host_us": -1}}})"),
+            "$.tasks.h2d.host_us: expected a cost >= 0, got -1");
+  EXPECT_EQ(message(R"({"tasks": {"h2d": {"hots_us": 1}}})"), "$.tasks.h2d.hots_us: unknown key");
+  EXPECT_EQ(message(R"({"tasks": {"h2d": {"gpu": [{"stream": "memcpy", "us": "x"}]}}})"),
+            "$.tasks.h2d.gpu[0].us: expected a number, got \"x\"");
+  EXPECT_NE(message("{not json").find("$: not valid JSON"), std::string::npos);
+
+  const CompiledSchedule compiled(weft::pipeline::hstu_schedule());
+  auto costs = CostModel::hstu_defaults();
+  costs.tasks["warp_drive"] = {};
+  try {
+    costs.check_against(compiled);
+    FAIL() << "unknown task accepted";
+  } catch (const weft::Error& e) {
+    EXPECT_EQ(e.message(), "$.tasks.warp_drive: the schedule has no task of that name");
+  }
+}
+
+TEST(CostModel, JsonRoundTrip) {
+  const auto model = CostModel::hstu_defaults();
+  EXPECT_EQ(CostModel::parse(model.to_json()), model);
+}
+
+TEST(ScheduleFile, BadInputNamesThePath) {
+  auto message = [](const char* json) {
+    try {
+      const auto file = weft::plan::ScheduleFile::parse(json);
+      CompiledSchedule compiled(file.schedule);
+    } catch (const weft::Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(R"({"tasks": [{"name": "a", "lookahead": "x"}]})"),
+            "$.tasks[0].lookahead: expected an integer, got \"x\"");
+  EXPECT_EQ(message(R"({"tasks": [{"name": "a", "colour": 1}]})"), "$.tasks[0].colour: unknown key");
+  EXPECT_EQ(message(R"({"tasks": []})"), "$.tasks: expected a non-empty array of tasks");
+  EXPECT_NE(message(R"({"tasks": [{"name": "a"}], "thread_maps": ["no_such_map"]})")
+                .find("$.thread_maps[0]"),
+            std::string::npos);
+  EXPECT_NE(message(R"({"tasks": [{"name": "a"}], "costs": {"tasks": {"a": {"host_us": -2}}}})")
+                .find("$.costs.tasks.a.host_us"),
+            std::string::npos);
+  // A cycle is the engine's validation error; it names the tasks.
+  const std::string cycle = message(R"({"tasks": [
+      {"name": "a", "depends_on": ["b"]}, {"name": "b", "depends_on": ["a"]}]})");
+  EXPECT_NE(cycle.find("cycle"), std::string::npos) << cycle;
+}
+
+}  // namespace

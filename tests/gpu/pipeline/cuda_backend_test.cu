@@ -1,0 +1,206 @@
+// CUDA backend of the engine: events per (task, ring slot), cross-stream waits on one event,
+// priorities, GPU spans. Needs one GPU; skips without.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "weft/cuda/check.hpp"
+#include "weft/cuda/nccl.hpp"
+#include "weft/pipeline/cuda_backend.hpp"
+#include "weft/pipeline/pipeline.hpp"
+
+namespace weft::pipeline {
+namespace {
+
+__global__ void spin_kernel(std::uint64_t duration_ns) {
+  std::uint64_t start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  std::uint64_t now = start;
+  while (now - start < duration_ns) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+}
+
+__global__ void write_kernel(int* target, int value) { *target = value; }
+__global__ void copy_kernel(const int* source, int* target) { *target = *source; }
+
+class DeviceInts {
+ public:
+  explicit DeviceInts(std::size_t n) : n_(n) {
+    WEFT_CUDA_CHECK(cudaMalloc(&data_, n * sizeof(int)));
+    WEFT_CUDA_CHECK(cudaMemset(data_, 0, n * sizeof(int)));
+  }
+  ~DeviceInts() { cudaFree(data_); }
+  int* get() const { return data_; }
+  std::vector<int> read() const {
+    std::vector<int> out(n_);
+    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), data_, n_ * sizeof(int), cudaMemcpyDeviceToHost));
+    return out;
+  }
+
+ private:
+  int* data_ = nullptr;
+  std::size_t n_;
+};
+
+#define WEFT_NEED_GPUS(n) \
+  if (weft::cuda::device_count() < (n)) GTEST_SKIP() << "needs " << (n) << " GPU(s)"
+
+TEST(CudaBackendTest, OneEventPerTaskPerRingSlotReused) {
+  WEFT_NEED_GPUS(1);
+  Schedule s;
+  s.add_stream("side");
+  s.add(Task("a").lookahead(1).stream("side").writes("x"));
+  s.add(Task("b").reads("x"));
+  s.add(Task("c").depends_on("b"));
+  auto backend = std::make_unique<CudaBackend>(0);
+  CudaBackend* cuda = backend.get();
+  Engine engine(std::move(s), ThreadMap::per_task(), std::move(backend));
+  ASSERT_EQ(cuda->num_events(), 3u * 2u);
+  std::vector<cudaEvent_t> before;
+  for (TaskId t = 0; t < 3; ++t) {
+    for (std::uint32_t slot = 0; slot < 2; ++slot) before.push_back(cuda->event(t, slot));
+  }
+  engine.set_source([n = 0](Batch&) mutable { return n++ < 100; });
+  int num_steps = 0;
+  while (engine.progress()) ++num_steps;
+  EXPECT_EQ(num_steps, 100);
+  engine.synchronize();
+  EXPECT_EQ(cuda->num_events(), 6u);
+  std::size_t i = 0;
+  for (TaskId t = 0; t < 3; ++t) {
+    for (std::uint32_t slot = 0; slot < 2; ++slot) EXPECT_EQ(cuda->event(t, slot), before[i++]);
+  }
+}
+
+// q (stream b) depends on p (stream a); "later" runs 300 ms on stream a after p's event. q must
+// see p's write, and must finish while "later" still runs: it waited on p's event, not stream a.
+TEST(CudaBackendTest, CrossStreamWaitIsOnTheProducersEventNotTheStream) {
+  WEFT_NEED_GPUS(1);
+  for (const char* map : {"legacy", "per_task"}) {
+    SCOPED_TRACE(map);
+    constexpr int kNumBatches = 3;
+    DeviceInts x(kNumBatches);
+    DeviceInts out(kNumBatches);
+    Schedule s;
+    s.add_stream("a").add_stream("b");
+    s.add(Task("p").stream("a").writes("x").body([&](TaskContext& c) {
+      spin_kernel<<<1, 1, 0, cuda_stream(c)>>>(20'000'000);  // 20 ms, then write
+      write_kernel<<<1, 1, 0, cuda_stream(c)>>>(x.get() + c.batch_index(),
+                                                static_cast<int>(c.batch_index()) + 1);
+      WEFT_CUDA_CHECK_LAUNCH();
+    }));
+    s.add(Task("later").stream("a").depends_on("p").body([&](TaskContext& c) {
+      spin_kernel<<<1, 1, 0, cuda_stream(c)>>>(300'000'000);
+      WEFT_CUDA_CHECK_LAUNCH();
+    }));
+    s.add(Task("q").stream("b").reads("x").body([&](TaskContext& c) {
+      copy_kernel<<<1, 1, 0, cuda_stream(c)>>>(x.get() + c.batch_index(),
+                                               out.get() + c.batch_index());
+      WEFT_CUDA_CHECK_LAUNCH();
+    }));
+    auto backend = std::make_unique<CudaBackend>(0);
+    CudaBackend* cuda = backend.get();
+    Engine engine(std::move(s), ThreadMap::preset(map), std::move(backend));
+    const StreamId a = *engine.schedule().find_stream("a");
+    const StreamId b = *engine.schedule().find_stream("b");
+    engine.set_source([n = 0](Batch&) mutable { return n++ < kNumBatches; });
+    int step = 0;
+    while (engine.progress()) {
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(cuda->stream(b)));
+      EXPECT_EQ(out.read()[static_cast<std::size_t>(step)], step + 1);
+      EXPECT_EQ(cudaStreamQuery(cuda->stream(a)), cudaErrorNotReady)
+          << "q waited for the whole producer stream";
+      ++step;
+    }
+    engine.synchronize();
+    EXPECT_EQ(step, kNumBatches);
+  }
+}
+
+// A same_progress_sync edge of side kGpu from a larger-lookahead consumer: the consumer's stream
+// waits on the producer's event of this progress.
+TEST(CudaBackendTest, SameProgressSyncGpuSideWaitsOnThisProgressEvent) {
+  WEFT_NEED_GPUS(1);
+  DeviceInts flag(1);
+  DeviceInts seen(64);
+  Schedule s;
+  s.add_stream("a").add_stream("b");
+  s.add(Task("p").stream("a").body([&](TaskContext& c) {
+    spin_kernel<<<1, 1, 0, cuda_stream(c)>>>(2'000'000);
+    write_kernel<<<1, 1, 0, cuda_stream(c)>>>(flag.get(), static_cast<int>(c.iteration()) + 1);
+    WEFT_CUDA_CHECK_LAUNCH();
+  }));
+  s.add(Task("c").stream("b").lookahead(1).same_progress_sync("p", SyncSide::kGpu)
+            .body([&](TaskContext& c) {
+              copy_kernel<<<1, 1, 0, cuda_stream(c)>>>(flag.get(),
+                                                       seen.get() + c.iteration());
+              WEFT_CUDA_CHECK_LAUNCH();
+            }));
+  Engine engine(std::move(s), ThreadMap::per_task(), CudaBackend(0));
+  engine.set_source([n = 0](Batch&) mutable { return n++ < 20; });
+  while (engine.progress()) {
+  }
+  engine.synchronize();
+  const auto values = seen.read();
+  // Iteration 0 is prefill (p does not run): c sees nothing. From then on p of the same
+  // iteration has written iteration + 1 before c copies.
+  for (int i = 1; i < 20; ++i) EXPECT_EQ(values[static_cast<std::size_t>(i)], i + 1) << i;
+}
+
+TEST(CudaBackendTest, StreamPrioritiesFollowTheSchedule) {
+  WEFT_NEED_GPUS(1);
+  Schedule s;
+  s.add_stream("urgent", 1).add_stream("most_urgent", 100);
+  s.add(Task("a").stream("urgent")).add(Task("b").stream("most_urgent")).add(Task("c"));
+  auto backend = std::make_unique<CudaBackend>(0);
+  CudaBackend* cuda = backend.get();
+  Engine engine(std::move(s), ThreadMap::legacy(), std::move(backend));
+  int least = 0;
+  int greatest = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  const auto& c = engine.schedule();
+  const StreamId normal = *c.find_stream("default");
+  const StreamId urgent = *c.find_stream("urgent");
+  const StreamId most = *c.find_stream("most_urgent");
+  EXPECT_EQ(cuda->cuda_priority(normal), least);
+  EXPECT_EQ(cuda->cuda_priority(urgent), std::max(greatest, least - 1));
+  EXPECT_EQ(cuda->cuda_priority(most), greatest);
+  for (StreamId id : {normal, urgent, most}) {
+    int actual = 0;
+    WEFT_CUDA_CHECK(cudaStreamGetPriority(cuda->stream(id), &actual));
+    EXPECT_EQ(actual, cuda->cuda_priority(id));
+  }
+}
+
+TEST(CudaBackendTest, TraceHasGpuSpans) {
+  WEFT_NEED_GPUS(1);
+  Schedule s;
+  s.add_stream("a");
+  s.add(Task("p").stream("a").writes("x").body([](TaskContext& c) {
+    spin_kernel<<<1, 1, 0, cuda_stream(c)>>>(100'000);
+  }));
+  s.add(Task("q").reads("x").body([](TaskContext& c) {
+    spin_kernel<<<1, 1, 0, cuda_stream(c)>>>(100'000);
+  }));
+  Engine engine(std::move(s), ThreadMap::per_task(), CudaBackend(0), {.trace = true});
+  engine.set_source([n = 0](Batch&) mutable { return n++ < 5; });
+  while (engine.progress()) {
+  }
+  const Trace trace = engine.take_trace();
+  ASSERT_EQ(trace.gpu_spans.size(), 10u);
+  for (const GpuSpan& g : trace.gpu_spans) {
+    EXPECT_GE(g.end_us - g.begin_us, 90.0);  // the 100 us kernel is inside the span
+  }
+  EXPECT_NE(trace.to_chrome_json().find("\"gpu\""), std::string::npos);
+}
+
+TEST(CudaBackendTest, CudaStreamNeedsTheCudaBackend) {
+  Schedule s;
+  s.add(Task("a").body([](TaskContext& c) { cuda_stream(c); }));
+  Engine engine(std::move(s), ThreadMap::legacy());  // host backend
+  engine.set_source([n = 0](Batch&) mutable { return n++ < 1; });
+  EXPECT_THROW(engine.progress(), weft::Error);
+}
+
+}  // namespace
+}  // namespace weft::pipeline

@@ -1,0 +1,244 @@
+// `weft plan`: simulate schedules under thread maps and draw them into one self-contained HTML
+// report (Gantt of one progress(), topology, variants table, collective inventory).
+//
+//   weft plan                                  # the nine HSTU variants, default costs
+//   weft plan --variant full_split_d6 --costs my_costs.json -o hstu.html
+//   weft plan --schedule my_schedule.json --json waits.json
+//   weft plan --trace run.trace.json           # a real run's trace, drawn the same way
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "weft/core/error.hpp"
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/hstu.hpp"
+#include "weft/plan/report.hpp"
+#include "weft/plan/schedule_file.hpp"
+#include "weft/plan/simulate.hpp"
+#include "weft/plan/trace_reader.hpp"
+
+namespace weft::tools {
+namespace {
+
+struct PlanOptions {
+  std::string out = "weft-plan.html";
+  std::vector<std::string> variants;
+  std::string costs_path;
+  std::string schedule_path;
+  std::vector<std::string> traces;
+  std::string json_path;
+  int num_progress = 12;
+};
+
+// Writes through a temporary file and a rename, so a failed run leaves no partial file behind.
+void write_file_atomically(const std::string& path, const std::string& content) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    WEFT_CHECK(out.good(), "cannot write '", tmp, "'");
+    out << content;
+    out.close();
+    WEFT_CHECK(out.good(), "writing '", tmp, "' failed");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp);
+    WEFT_FAIL("cannot move the report to '", path, "': ", ec.message());
+  }
+}
+
+std::string describe_thread_map(const pipeline::ThreadMap& map,
+                                const pipeline::ThreadAssignment& threads) {
+  using Kind = pipeline::ThreadMap::Kind;
+  if (threads.sequential) return "- (legacy, one thread)";
+  const std::string count = " (" + std::to_string(threads.num_threads()) + ")";
+  if (map.kind() == Kind::kByStream) return "by_stream" + count;
+  if (map.kind() == Kind::kPerTask) return "per_task" + count;
+  std::string text;
+  for (const auto& name : threads.thread_names) text += (text.empty() ? "" : " / ") + name;
+  return text + count;
+}
+
+plan::VariantReport simulate_variant(std::string name, std::string cascade,
+                                     const pipeline::CompiledSchedule& compiled,
+                                     const pipeline::ThreadMap& map, const plan::CostModel& costs,
+                                     int num_progress) {
+  const auto threads = map.assign(compiled);
+  plan::VariantReport report;
+  report.name = std::move(name);
+  report.cascade = std::move(cascade);
+  report.thread_map = describe_thread_map(map, threads);
+  report.source = "simulated";
+  report.placement = plan::placement(compiled, threads);
+  report.timeline = plan::simulate(compiled, threads, costs, {.num_progress = num_progress});
+  return report;
+}
+
+void add_inventory(const pipeline::CompiledSchedule& compiled, plan::ReportOptions& options) {
+  for (const auto& task : compiled.tasks()) {
+    for (const auto& op : task.collectives()) {
+      options.collectives[task.name()].push_back(
+          {op.kind, op.stream, double(op.num_bytes), op.count, ""});
+    }
+  }
+}
+
+nlohmann::json timeline_json(const plan::VariantReport& v) {
+  using nlohmann::json;
+  json out = {{"name", v.name},
+              {"cascade", v.cascade},
+              {"thread_map", v.thread_map},
+              {"source", v.source},
+              {"step_us", v.timeline.step_us},
+              {"host_step_us", v.timeline.host_step_us},
+              {"threads", v.timeline.threads},
+              {"streams", v.timeline.streams}};
+  out["placement"] = json::array();
+  for (const auto& p : v.placement) {
+    out["placement"].push_back({{"task", p.task},
+                                {"stream", p.stream},
+                                {"thread", p.thread},
+                                {"lookahead", p.lookahead},
+                                {"collective", p.collective}});
+  }
+  out["host"] = json::array();
+  for (const auto& s : v.timeline.host) {
+    out["host"].push_back({{"task", s.task},
+                           {"thread", s.thread},
+                           {"start_us", s.start_us},
+                           {"end_us", s.end_us},
+                           {"ticket", s.ticket}});
+  }
+  out["gpu"] = json::array();
+  for (const auto& s : v.timeline.gpu) {
+    out["gpu"].push_back(
+        {{"task", s.task}, {"stream", s.stream}, {"start_us", s.start_us}, {"end_us", s.end_us}});
+  }
+  out["waits"] = json::array();
+  for (const auto& w : v.timeline.waits) {
+    out["waits"].push_back({{"producer", w.producer},
+                            {"consumer", w.consumer},
+                            {"producer_thread", w.producer_thread},
+                            {"consumer_thread", w.consumer_thread},
+                            {"rule", plan::to_string(w.rule)},
+                            {"released_at_us", w.released_at_us},
+                            {"waited_us", w.waited_us}});
+  }
+  return out;
+}
+
+void run_plan(const PlanOptions& options) {
+  WEFT_CHECK(options.schedule_path.empty() || options.variants.empty(),
+             "--variant names HSTU variants; it cannot be combined with --schedule");
+  std::vector<plan::VariantReport> reports;
+  plan::ReportOptions report_options;
+  std::optional<plan::CostModel> costs;
+  if (!options.costs_path.empty()) costs = plan::CostModel::load(options.costs_path);
+  auto check_costs = [&](const pipeline::CompiledSchedule& compiled) {
+    try {
+      costs->check_against(compiled);
+    } catch (const Error& e) {
+      WEFT_FAIL(options.costs_path.empty() ? "costs" : options.costs_path, ": ", e.message());
+    }
+  };
+
+  const bool draw_hstu = options.schedule_path.empty() &&
+                         (options.traces.empty() || !options.variants.empty());
+  if (!options.schedule_path.empty()) {
+    auto file = plan::ScheduleFile::load(options.schedule_path);
+    if (!costs) costs = file.costs;
+    if (!costs) {
+      std::fprintf(stderr, "weft plan: no costs given; every task counts %.0f us on the host\n",
+                   plan::CostModel{}.default_host_us);
+      costs = plan::CostModel{};
+    }
+    const pipeline::CompiledSchedule compiled(std::move(file.schedule));
+    check_costs(compiled);
+    add_inventory(compiled, report_options);
+    report_options.title = "weft plan: " + options.schedule_path;
+    for (std::size_t i = 0; i < file.thread_maps.size(); ++i) {
+      std::fprintf(stderr, "[%zu/%zu] %s\n", i + 1, file.thread_maps.size(),
+                   file.thread_map_names[i].c_str());
+      reports.push_back(simulate_variant(file.thread_map_names[i], "custom", compiled,
+                                         file.thread_maps[i], *costs, options.num_progress));
+    }
+  } else if (draw_hstu) {
+    if (!costs) costs = plan::CostModel::hstu_defaults();
+    report_options.title = "weft plan: HSTU thread-map presets";
+    std::vector<const pipeline::HstuVariant*> chosen;
+    if (options.variants.empty()) {
+      for (const auto& v : pipeline::hstu_variants()) chosen.push_back(&v);
+    } else {
+      for (const auto& name : options.variants) chosen.push_back(&pipeline::hstu_variant(name));
+    }
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+      const auto& v = *chosen[i];
+      const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = v.cascade}));
+      check_costs(compiled);
+      if (i == 0) add_inventory(compiled, report_options);
+      std::fprintf(stderr, "[%zu/%zu] simulating %.*s\n", i + 1, chosen.size(),
+                   int(v.name.size()), v.name.data());
+      reports.push_back(simulate_variant(std::string(v.name),
+                                         std::string(pipeline::to_string(v.cascade)), compiled,
+                                         pipeline::ThreadMap::preset(v.thread_map), *costs,
+                                         options.num_progress));
+    }
+  }
+  for (const auto& path : options.traces) {
+    std::fprintf(stderr, "reading trace %s\n", path.c_str());
+    reports.push_back(plan::read_chrome_trace(path));
+  }
+
+  const std::string html = plan::render_html(reports, report_options);
+  std::string json_text;
+  if (!options.json_path.empty()) {
+    nlohmann::json root = {{"variants", nlohmann::json::array()}};
+    for (const auto& r : reports) root["variants"].push_back(timeline_json(r));
+    json_text = root.dump(2);
+  }
+  write_file_atomically(options.out, html);
+  if (!options.json_path.empty()) write_file_atomically(options.json_path, json_text);
+  for (const auto& r : reports) {
+    std::printf("%-26s step %9.1f us   host %8.1f us   %2zu threads   %zu waits\n",
+                r.name.c_str(), r.timeline.step_us, r.timeline.host_step_us,
+                r.timeline.threads.size(), r.timeline.waits.size());
+  }
+  std::printf("wrote %s%s%s\n", options.out.c_str(), options.json_path.empty() ? "" : " and ",
+              options.json_path.c_str());
+}
+
+}  // namespace
+
+void register_plan(CLI::App& app) {
+  auto options = std::make_shared<PlanOptions>();
+  auto* command = app.add_subcommand(
+      "plan", "Simulate schedules under thread maps and draw them into one HTML report");
+  command->add_option("-o,--out", options->out, "HTML report to write")
+      ->capture_default_str();
+  command->add_option("--variant", options->variants,
+                      "HSTU variant to draw (repeatable; default: all nine)");
+  command->add_option("--costs", options->costs_path, "cost file (JSON) for the simulation")
+      ->check(CLI::ExistingFile);
+  command->add_option("--schedule", options->schedule_path,
+                      "a schedule of your own (JSON) instead of the HSTU presets")
+      ->check(CLI::ExistingFile);
+  command->add_option("--trace", options->traces,
+                      "Chrome trace of a real run to draw as well (repeatable)")
+      ->check(CLI::ExistingFile);
+  command->add_option("--json", options->json_path,
+                      "also write the timelines and every wait as JSON");
+  command->add_option("--steps", options->num_progress,
+                      "progress() calls to simulate; the second to last is drawn")
+      ->capture_default_str()
+      ->check(CLI::Range(4, 10000));
+  command->callback([options] { run_plan(*options); });
+}
+
+}  // namespace weft::tools
