@@ -129,9 +129,9 @@ CostModel CostModel::hstu_defaults() {
   add("prefetch_embeddings", 1500, {{"prefetch", 2000}});
   add("zero_grad", 150, {{"default", 100}});
   add("global_tokens_allreduce", 200, {{"default", 40}});
-  add("compute_output_dist", 1200, {{"comm", 1800}});
+  add("compute_output_dist", 1200, {{"output_dist_comm", 1800}});
   add("forward", 4000, {{"default", 25000}});
-  add("backward", 3000, {{"default", 25000}, {"comm", 1800}});
+  add("backward", 3000, {{"default", 25000}, {"output_dist_comm", 1800}});
   add("finalize_model_grads", 600, {{"default", 2500}});
   add("optimizer_step", 800, {{"default", 1500}});
   add("watchdog", 100, {});

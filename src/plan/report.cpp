@@ -350,7 +350,7 @@ void write_topology(std::ostringstream& out, const VariantReport& variant) {
 std::string stream_colour(const std::string& stream) {
   static const std::map<std::string, std::string> kKnown = {
       {"default", "#4e79a7"}, {"memcpy", "#f28e2b"}, {"data_dist", "#59a14f"},
-      {"prefetch", "#b07aa1"}, {"comm", "#e15759"}};
+      {"prefetch", "#b07aa1"}, {"output_dist_comm", "#e15759"}};
   auto it = kKnown.find(stream);
   return it != kKnown.end() ? it->second : hashed_colour(stream);
 }

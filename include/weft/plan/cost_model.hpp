@@ -6,7 +6,7 @@
 //     "tasks": {
 //       "h2d":      {"host_us": 150, "gpu": [{"stream": "memcpy", "us": 420}]},
 //       "backward": {"host_us": 2500, "gpu": [{"stream": "default", "us": 25000},
-//                                             {"stream": "comm", "us": 1600}]}
+//                                             {"stream": "output_dist_comm", "us": 1600}]}
 //     }
 //   }
 //
