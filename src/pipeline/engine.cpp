@@ -12,6 +12,22 @@
 namespace weft::pipeline {
 namespace detail {
 
+void wait_for_change(const std::atomic<std::uint32_t>& signal, std::uint32_t old) noexcept {
+  constexpr int kNumPauses = 128;
+  constexpr int kNumYields = 16;
+  for (int i = 0; i < kNumPauses; ++i) {
+    if (signal.load(std::memory_order_acquire) != old) return;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  for (int i = 0; i < kNumYields; ++i) {
+    if (signal.load(std::memory_order_acquire) != old) return;
+    std::this_thread::yield();
+  }
+  signal.wait(old, std::memory_order_acquire);
+}
+
 EngineCore::WorkerThreads::~WorkerThreads() {
   if (threads.empty()) return;
   stop();
@@ -99,7 +115,7 @@ void EngineCore::start_workers() {
   }
   std::uint32_t r;
   while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-    remaining_.value.wait(r, std::memory_order_acquire);
+    wait_for_change(remaining_.value, r);
   }
 }
 
@@ -121,7 +137,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
   while (true) {
     std::uint32_t v;
     while ((v = go_.value.load(std::memory_order_acquire)) == seen) {
-      go_.value.wait(seen, std::memory_order_acquire);
+      wait_for_change(go_.value, seen);
     }
     seen = v;
     if (stopping_.load(std::memory_order_acquire)) return;
@@ -168,7 +184,7 @@ void EngineCore::wait_value(Signal& signal, std::uint32_t target) {
   std::uint32_t v = signal.value.load(std::memory_order_acquire);
   while (v != target) {
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
-    signal.value.wait(v, std::memory_order_acquire);
+    wait_for_change(signal.value, v);
     v = signal.value.load(std::memory_order_acquire);
   }
 }
@@ -337,7 +353,7 @@ void EngineCore::run_iteration() {
     go_.value.notify_all();
     std::uint32_t r;
     while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-      remaining_.value.wait(r, std::memory_order_acquire);
+      wait_for_change(remaining_.value, r);
     }
   }
   int num_tickets = 0;

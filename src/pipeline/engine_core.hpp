@@ -38,6 +38,11 @@ struct alignas(64) Signal {
   std::atomic<std::uint32_t> value{0};
 };
 
+// Returns once signal != old: spins briefly (pause, then yield) before blocking in the futex,
+// because the hand-offs inside one progress() are microseconds apart and a futex sleep/wake
+// costs several microseconds per thread.
+void wait_for_change(const std::atomic<std::uint32_t>& signal, std::uint32_t old) noexcept;
+
 // Thrown inside the engine when a wait is cut short because another task failed.
 struct AbortSignal {};
 

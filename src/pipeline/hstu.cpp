@@ -97,9 +97,10 @@ Schedule hstu_schedule(const HstuOptions& options) {
   Task output_dist = task("compute_output_dist");
   output_dist.depends_on("wait_input_dist");
   if (options.prefetch) output_dist.depends_on("prefetch_embeddings");
-  output_dist.collective({{"SendRecv", "output_dist_comm", 32 * kMiB, 1}});
+  // The embedding outputs the forward pass consumes: forward waits for them in its progress.
+  output_dist.writes("embeddings").collective({{"SendRecv", "output_dist_comm", 32 * kMiB, 1}});
   s.add(std::move(output_dist));
-  s.add(task("forward").writes("losses", "output"));
+  s.add(task("forward").reads("embeddings").writes("losses", "output"));
   Task backward = task("backward");
   backward.reads("losses", "global_tokens").depends_on("zero_grad")
       .collective({{"SendRecv", "output_dist_comm", 32 * kMiB, 1}});
