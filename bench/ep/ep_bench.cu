@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
   std::vector<int> topk_list{8};
   std::vector<int> experts_list{256};
   std::vector<int> sms_list{0};
-  std::vector<int> send_warps_list{24};
+  std::vector<int> send_warps_list{4};
   int warmup = 20, iters = 100, num_gpus = 0;
   double mask_ratio = 0.0;
   bool no_baseline = false;

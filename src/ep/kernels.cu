@@ -96,9 +96,11 @@ __device__ bool grid_barrier(const CommParams& c, uint64_t seq) {
 // counter, advances the call number and returns true (all threads of that block).
 __device__ bool finish_block(const CommParams& c, uint64_t seq) {
   __shared__ int last;
-  __threadfence_system();
+  // bar.sync orders every thread's stores before thread 0's fence, which is cumulative: one
+  // system fence per block, not one per thread (as cooperative groups' grid sync does).
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     last = atomicAdd(&c.state->done_counter, 1u) == gridDim.x - 1;
     if (last) {
       atomicExch(&c.state->done_counter, 0u);
@@ -231,9 +233,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       m[(parity * R + c.rank) * epr + (i % epr)] = p.expert_counts[i];
       p.expert_counts[i] = 0;  // every block's atomics precede the grid barrier above
     }
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
+      __threadfence_system();  // cumulative over the block's stores ordered by bar.sync
       for (int peer = 0; peer < R; ++peer) {
         st_release_sys(flag_ptr(s_peer[peer], c, kFlagCount, c.rank), seq);
       }
@@ -418,15 +420,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       }
     }
   } else {
+    // Work unit: (token, piece of kPieceVecs 16-byte vectors), so even a few tokens spread over
+    // many warps. Per step each lane loads kVec vectors of up to kGroup sources before adding,
+    // to keep enough bytes in flight; the additions keep the reference's order.
+    constexpr int kVec = 2;
+    constexpr int kGroup = 2;
+    constexpr int64_t kPieceVecs = 32 * kVec * 2;
     const int num_reduce_warps = kThreads / 32 - p.num_send_warps;
     const int total_warps = int(gridDim.x) * num_reduce_warps;
     const uint64_t* comb_flags = reinterpret_cast<const uint64_t*>(local + c.layout.comb_flags);
     const int4* comb_x = reinterpret_cast<const int4*>(local + c.layout.comb_x);
-    for (int64_t t = int64_t(blockIdx.x) * num_reduce_warps + (warp - p.num_send_warps);
-         t < p.num_tokens; t += total_warps) {
+    const int64_t num_pieces = (n16 + kPieceVecs - 1) / kPieceVecs;
+    const int num_bias = (p.bias0 != nullptr) + (p.bias1 != nullptr);
+    for (int64_t unit = int64_t(blockIdx.x) * num_reduce_warps + (warp - p.num_send_warps);
+         unit < p.num_tokens * num_pieces; unit += total_warps) {
+      const int64_t t = unit / num_pieces;
+      const int64_t piece = unit % num_pieces;
+      uint32_t ranks = 0;  // contributing ranks of token t
       bool arrived = true;
-      for (int d = 0; d < R && arrived; ++d) {
-        if (d == c.rank || p.send_slot[t * R + d] < 0) continue;
+      for (int d = 0; d < R; ++d) {
+        if (p.send_slot[t * R + d] < 0) continue;
+        ranks |= 1u << d;
+        if (d == c.rank || !arrived) continue;
         const uint64_t* f = comb_flags + int64_t(d) * p.max_tokens + t;
         arrived = spin_wait(
             [&] {
@@ -440,45 +455,61 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         }
       }
       if (!arrived) continue;
-      // kVec 16-byte vectors (8 elements each) per lane per step, in fp32 accumulators.
-      constexpr int kVec = 2;
-      for (int64_t v0 = 0; v0 < n16; v0 += 32 * kVec) {
+      const int num_sources = num_bias + __popc(ranks);
+      // Source i in the reference's order: bias0, bias1, then contributing ranks ascending.
+      auto source = [&](int i, bool& coherent) -> const int4* {
+        coherent = false;
+        if (p.bias0 != nullptr && i-- == 0) return reinterpret_cast<const int4*>(p.bias0) + t * n16;
+        if (p.bias1 != nullptr && i-- == 0) return reinterpret_cast<const int4*>(p.bias1) + t * n16;
+        const int d = int(__fns(ranks, 0, i + 1));
+        if (d == c.rank) {
+          return reinterpret_cast<const int4*>(p.expert_out) + int64_t(p.send_slot[t * R + d]) * n16;
+        }
+        coherent = true;  // written by a peer during this kernel: no non-coherent cache
+        return comb_x + (int64_t(d) * p.max_tokens + t) * n16;
+      };
+      const int64_t v_end = min(n16, (piece + 1) * kPieceVecs);
+      for (int64_t v0 = piece * kPieceVecs; v0 < v_end; v0 += 32 * kVec) {
         float acc[kVec][8];
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
         }
-        auto add = [&](const int4* row, bool coherent) {
+        for (int g = 0; g < num_sources; g += kGroup) {
+          int4 q[kGroup][kVec];
 #pragma unroll
-          for (int u = 0; u < kVec; ++u) {
-            const int64_t v = v0 + u * 32 + lane;
-            if (v < n16) {
-              const int4 q = coherent ? row[v] : ld_stream(row + v);
-              const uint32_t w[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+          for (int k = 0; k < kGroup; ++k) {
+            if (g + k < num_sources) {
+              bool coherent;
+              const int4* row = source(g + k, coherent);
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                acc[u][2 * e] += __uint_as_float(w[e] << 16);
-                acc[u][2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+              for (int u = 0; u < kVec; ++u) {
+                const int64_t v = v0 + u * 32 + lane;
+                if (v < v_end) q[k][u] = coherent ? row[v] : ld_stream(row + v);
               }
             }
           }
-        };
-        if (p.bias0 != nullptr) add(reinterpret_cast<const int4*>(p.bias0) + t * n16, false);
-        if (p.bias1 != nullptr) add(reinterpret_cast<const int4*>(p.bias1) + t * n16, false);
-        for (int d = 0; d < R; ++d) {
-          const int32_t row = p.send_slot[t * R + d];
-          if (row < 0) continue;
-          if (d == c.rank) {
-            add(reinterpret_cast<const int4*>(p.expert_out) + int64_t(row) * n16, false);
-          } else {
-            add(comb_x + (int64_t(d) * p.max_tokens + t) * n16, true);  // written by a peer now
+#pragma unroll
+          for (int k = 0; k < kGroup; ++k) {
+            if (g + k < num_sources) {
+#pragma unroll
+              for (int u = 0; u < kVec; ++u) {
+                const uint32_t w[4] = {uint32_t(q[k][u].x), uint32_t(q[k][u].y),
+                                       uint32_t(q[k][u].z), uint32_t(q[k][u].w)};
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  acc[u][2 * e] += __uint_as_float(w[e] << 16);
+                  acc[u][2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+                }
+              }
+            }
           }
         }
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
           const int64_t v = v0 + u * 32 + lane;
-          if (v < n16) {
+          if (v < v_end) {
             uint32_t w[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -486,7 +517,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
               const __nv_bfloat162 h = __floats2bfloat162_rn(acc[u][2 * e], acc[u][2 * e + 1]);
               w[e] = *reinterpret_cast<const uint32_t*>(&h);
             }
-            reinterpret_cast<int4*>(p.out)[t * n16 + v] = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+            reinterpret_cast<int4*>(p.out)[t * n16 + v] =
+                make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
           }
         }
       }

@@ -43,7 +43,7 @@ namespace weft::ep {
 struct BufferOptions {
   int num_sms = 0;                 // blocks per kernel (one per SM); 0 = every SM of the device
   double timeout_s = 20.0;         // bound of every device-side wait
-  int combine_send_warps = 24;     // of the 32 warps of a combine block; the rest reduce
+  int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
 };
 
 // Identifies one dispatch of one Buffer; what combine needs of the layout stays in the Buffer.
