@@ -1,15 +1,15 @@
 #include "weft/plan/cost_model.hpp"
 
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "json_input.hpp"
 #include "weft/core/error.hpp"
 
 namespace weft::plan {
 namespace {
 
 using nlohmann::json;
+using detail::only_keys;
 
 double non_negative(const json& value, const std::string& path) {
   WEFT_CHECK(value.is_number(), path, ": expected a number, got ", value.dump());
@@ -18,25 +18,10 @@ double non_negative(const json& value, const std::string& path) {
   return x;
 }
 
-void only_keys(const json& object, const std::string& path,
-               std::initializer_list<std::string_view> allowed) {
-  WEFT_CHECK(object.is_object(), path, ": expected an object, got ", object.dump());
-  for (const auto& [key, _] : object.items()) {
-    bool known = false;
-    for (auto a : allowed) known = known || key == a;
-    WEFT_CHECK(known, path, ".", key, ": unknown key");
-  }
-}
-
 }  // namespace
 
 CostModel CostModel::parse(std::string_view json_text) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    WEFT_FAIL("$: not valid JSON: ", e.what());
-  }
+  const json root = detail::parse_json(json_text);
   only_keys(root, "$", {"default_host_us", "tasks"});
   CostModel model;
   if (root.contains("default_host_us")) {
@@ -71,15 +56,7 @@ CostModel CostModel::parse(std::string_view json_text) {
 }
 
 CostModel CostModel::load(const std::string& path) {
-  std::ifstream in(path);
-  WEFT_CHECK(in.good(), "cannot read cost file '", path, "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return parse(text.str());
-  } catch (const Error& e) {
-    WEFT_FAIL(path, ": ", e.message());
-  }
+  return detail::load_json_file(path, "cost file", parse);
 }
 
 std::string CostModel::to_json() const {

@@ -1,9 +1,8 @@
 #include "weft/plan/schedule_file.hpp"
 
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "json_input.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/schedule_config.hpp"
 
@@ -11,16 +10,7 @@ namespace weft::plan {
 namespace {
 
 using nlohmann::json;
-
-void only_keys(const json& object, const std::string& path,
-               std::initializer_list<std::string_view> allowed) {
-  WEFT_CHECK(object.is_object(), path, ": expected an object, got ", object.dump());
-  for (const auto& [key, _] : object.items()) {
-    bool known = false;
-    for (auto a : allowed) known = known || key == a;
-    WEFT_CHECK(known, path, ".", key, ": unknown key");
-  }
-}
+using detail::only_keys;
 
 std::string string_at(const json& value, const std::string& path) {
   WEFT_CHECK(value.is_string() && !value.get<std::string>().empty(), path,
@@ -126,12 +116,7 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
 }  // namespace
 
 ScheduleFile ScheduleFile::parse(std::string_view json_text) {
-  json root;
-  try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    WEFT_FAIL("$: not valid JSON: ", e.what());
-  }
+  const json root = detail::parse_json(json_text);
   only_keys(root, "$", {"streams", "inputs", "tasks", "thread_maps", "costs"});
   ScheduleFile file;
   if (root.contains("streams")) {
@@ -194,15 +179,7 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
 }
 
 ScheduleFile ScheduleFile::load(const std::string& path) {
-  std::ifstream in(path);
-  WEFT_CHECK(in.good(), "cannot read schedule file '", path, "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return parse(text.str());
-  } catch (const Error& e) {
-    WEFT_FAIL(path, ": ", e.message());
-  }
+  return detail::load_json_file(path, "schedule file", parse);
 }
 
 }  // namespace weft::plan
