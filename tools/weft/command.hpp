@@ -8,5 +8,8 @@ namespace weft::tools {
 
 void register_info(CLI::App& app);
 void register_plan(CLI::App& app);
+#ifdef WEFT_TOOLS_WITH_CUDA
+void register_run(CLI::App& app);
+#endif
 
 }  // namespace weft::tools

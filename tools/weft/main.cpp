@@ -11,6 +11,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   weft::tools::register_info(app);
   weft::tools::register_plan(app);
+#ifdef WEFT_TOOLS_WITH_CUDA
+  weft::tools::register_run(app);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

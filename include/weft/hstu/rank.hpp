@@ -1,0 +1,102 @@
+// weft::hstu::HstuRank: one rank's HSTU training step as the 14 task bodies of
+// weft::pipeline::hstu_schedule, on one GPU and one NCCL communicator (docs/hstu.md).
+//
+//   HstuRank rank(config, comm, device, num_steps);
+//   for (const auto& variant : pipeline::hstu_variants()) {
+//     rank.reset();                                  // same initial parameters every run
+//     pipeline::Engine engine(rank.schedule(variant.cascade),
+//                             pipeline::ThreadMap::preset(variant.thread_map),
+//                             pipeline::CudaBackend(device));
+//     engine.set_source(rank.source());
+//     while (engine.progress()) {}
+//     engine.synchronize();
+//     auto losses = rank.losses();
+//   }
+//
+// Contracts:
+//  - every rank of the communicator runs the same schedule over the same number of steps; the
+//    engine's tickets give every rank the same collective order whatever the thread map;
+//  - the computation does not depend on the thread map or the cascade: the embedding-cache
+//    prefetch of batch i always reads the table as updated by batches <= i - 2 (it runs one step
+//    ahead, before batch i - 1's update, which waits for it), and everything else is ordered by
+//    the schedule's edges, so every variant gives bit-identical losses and parameters;
+//  - device buffers of batch i are reused by batch i + num_buffer_sets only after batch i's last
+//    task (watchdog) finished on the GPU;
+//  - collectives are NCCL calls on the rank's one communicator: grouped send/recv for the
+//    all-to-alls, grouped broadcasts for the AllGatherV. Each call is also recorded in a per-task
+//    inventory (kind, stream, bytes, calls per step).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "weft/hstu/config.hpp"
+#include "weft/pipeline/engine.hpp"
+#include "weft/pipeline/hstu.hpp"
+
+namespace weft::hstu {
+
+// One collective of a task, as measured: bytes this rank sent per call (averaged over the runs
+// of the task), and calls per run of the task.
+struct InventoryEntry {
+  std::string task;
+  std::string kind;
+  std::string stream;
+  double bytes_per_call = 0;
+  double calls_per_step = 0;
+};
+
+// The default stream over one steady-state step (from CUDA events recorded inside the bodies).
+struct StepTiming {
+  double step_us = 0;          // previous step's end to this step's end on the default stream
+  double idle_us = 0;          // gaps between default-stream tasks (waiting on inputs or host)
+  double join_stall_us = 0;    // waiting inside compute_output_dist / backward for the a2a
+  double comm_on_default_us = 0;  // global-token and gradient AllReduces (on the default stream)
+  double busy_fraction() const { return step_us > 0 ? 1.0 - (idle_us + join_stall_us) / step_us : 0; }
+  double exposed_comm_us() const { return join_stall_us + comm_on_default_us; }
+};
+
+class HstuRank {
+ public:
+  // `num_steps`: batches per run (the data is generated once for them). `device` must be the
+  // communicator's device.
+  HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::int64_t num_steps);
+  ~HstuRank();
+  HstuRank(const HstuRank&) = delete;
+  HstuRank& operator=(const HstuRank&) = delete;
+
+  // Back to the initial parameters and empty records; call before each run.
+  void reset();
+  // hstu_schedule with this rank's bodies (and prefetch on).
+  pipeline::Schedule schedule(pipeline::HstuCascade cascade);
+  // Gives the run's num_steps batches, then end of data.
+  pipeline::Source source();
+
+  // After a run (engine synchronized). Loss: this rank's share of the global loss per step (the
+  // global loss is the sum over ranks).
+  std::vector<float> losses() const;
+  std::vector<float> global_tokens() const;
+  // Dense fp32 master weights, then this rank's embedding-table shard.
+  std::vector<float> parameters() const;
+  // Steps 1..num_steps-1 (step 0 has no predecessor).
+  std::vector<StepTiming> step_timings() const;
+  std::vector<InventoryEntry> inventory() const;
+  // Waits for step `step`'s last task on the GPU and returns its loss share.
+  float wait_loss(std::int64_t step) const;
+
+  const HstuConfig& config() const noexcept { return config_; }
+  std::int64_t num_steps() const noexcept;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  HstuConfig config_;
+};
+
+}  // namespace weft::hstu

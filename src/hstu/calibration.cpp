@@ -1,0 +1,44 @@
+#include "weft/hstu/calibration.hpp"
+
+#include <algorithm>
+#include <vector>
+
+#include "weft/core/error.hpp"
+
+namespace weft::hstu {
+namespace {
+
+double median_after(std::vector<double> values, double skip_fraction) {
+  const auto skip = std::size_t(double(values.size()) * skip_fraction);
+  values.erase(values.begin(), values.begin() + std::ptrdiff_t(skip));
+  if (values.empty()) return 0;
+  std::nth_element(values.begin(), values.begin() + std::ptrdiff_t(values.size() / 2), values.end());
+  return values[values.size() / 2];
+}
+
+}  // namespace
+
+plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_fraction) {
+  WEFT_CHECK(skip_fraction >= 0 && skip_fraction < 1, "calibration: skip_fraction ", skip_fraction);
+  const std::size_t num_tasks = trace.task_names.size();
+  std::vector<std::vector<double>> host(num_tasks), gpu(num_tasks);
+  std::vector<std::uint32_t> gpu_stream(num_tasks, 0);
+  for (const auto& span : trace.host_spans) host.at(span.task).push_back(span.end_us - span.begin_us);
+  for (const auto& span : trace.gpu_spans) {
+    gpu.at(span.task).push_back(span.end_us - span.begin_us);
+    gpu_stream[span.task] = span.stream;
+  }
+  plan::CostModel model;
+  for (std::size_t t = 0; t < num_tasks; ++t) {
+    if (host[t].empty()) continue;
+    plan::TaskCost cost{.host_us = median_after(host[t], skip_fraction), .gpu = {}};
+    if (!gpu[t].empty()) {
+      cost.gpu.push_back({.stream = trace.stream_names.at(gpu_stream[t]),
+                          .us = median_after(gpu[t], skip_fraction)});
+    }
+    model.tasks[trace.task_names[t]] = std::move(cost);
+  }
+  return model;
+}
+
+}  // namespace weft::hstu

@@ -1,0 +1,337 @@
+// `weft run hstu`: the HSTU-shaped training step (docs/hstu.md) on real GPUs, through the engine,
+// under the seed's variants. Per variant: step time (median, range), how busy the default stream
+// is, communication left exposed, the engine's host overhead, a Chrome trace; then the planner
+// calibrated on the legacy run predicts every variant, next to what was measured.
+//
+//   mpirun -np 2 weft run hstu --variant all --steps 200 --out-dir out
+//   RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NCCL_COMM_ID=127.0.0.1:29600 weft run hstu ... &  (rank 1 too)
+//   weft run hstu --local-gpus 2 --variant full_split_d3      # one process, a thread per GPU
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "command.hpp"
+#include "weft/core/error.hpp"
+#include "weft/cuda/check.hpp"
+#include "weft/cuda/nccl.hpp"
+#include "weft/hstu/calibration.hpp"
+#include "weft/hstu/launch.hpp"
+#include "weft/hstu/rank.hpp"
+#include "weft/pipeline/cuda_backend.hpp"
+#include "weft/pipeline/pipeline.hpp"
+#include "weft/plan/report.hpp"
+#include "weft/plan/simulate.hpp"
+#include "weft/plan/trace_reader.hpp"
+
+namespace weft::tools {
+namespace {
+
+struct RunOptions {
+  std::vector<std::string> variants{"all"};
+  int num_steps = 200;
+  double warmup_fraction = 0.25;
+  std::string out_dir = "weft-run-hstu";
+  int local_gpus = 0;
+  std::string rendezvous;
+  // The planner's costs come from this variant's trace (the last variant run when it is not run).
+  // A threaded run's GPU spans are GPU time; the legacy run's are stretched by its host pace.
+  std::string calibrate_from = "full_split_d3";
+  hstu::HstuConfig shape;
+};
+
+struct Range {
+  double median = 0, min = 0, max = 0;
+};
+
+Range range_of(std::vector<double> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
+struct VariantResult {
+  std::string name;
+  Range step_us, busy, exposed_comm_us;
+  double overhead_us = 0;
+  double predicted_us = 0;
+  double first_loss = 0, last_loss = 0;  // global loss, mean of the first / last 5 steps
+  std::string trace_path;
+};
+
+// Median host time of one progress() of the variant's schedule with empty bodies on the CUDA
+// backend: what the engine itself costs per step (events, waits, tickets, thread hand-offs).
+double engine_overhead_us(const pipeline::HstuVariant& v, int device) {
+  pipeline::Engine engine(pipeline::hstu_schedule({.cascade = v.cascade}),
+                          pipeline::ThreadMap::preset(v.thread_map), pipeline::CudaBackend(device));
+  engine.set_source([](pipeline::Batch&) { return true; });
+  for (int i = 0; i < 50; ++i) engine.progress();
+  std::vector<double> samples;
+  for (int i = 0; i < 300; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    engine.progress();
+    samples.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+  }
+  engine.synchronize();
+  return range_of(samples).median;
+}
+
+// Sum over ranks of a host vector (through NCCL, on the rank's device).
+std::vector<float> all_reduce_sum(const std::vector<float>& values, ncclComm_t comm) {
+  float* buffer = nullptr;
+  WEFT_CUDA_CHECK(cudaMalloc(&buffer, values.size() * sizeof(float)));
+  std::vector<float> out(values.size());
+  try {
+    WEFT_CUDA_CHECK(cudaMemcpy(buffer, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice));
+    WEFT_NCCL_CHECK(ncclAllReduce(buffer, buffer, values.size(), ncclFloat, ncclSum, comm, nullptr));
+    WEFT_CUDA_CHECK(cudaMemcpy(out.data(), buffer, values.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  } catch (...) {
+    cudaFree(buffer);
+    throw;
+  }
+  WEFT_CUDA_CHECK(cudaFree(buffer));
+  return out;
+}
+
+std::string human_bytes(double bytes) {
+  char text[32];
+  if (bytes >= 1 << 20) std::snprintf(text, sizeof text, "%.2f MiB", bytes / double(1 << 20));
+  else if (bytes >= 1 << 10) std::snprintf(text, sizeof text, "%.1f KiB", bytes / 1024.0);
+  else std::snprintf(text, sizeof text, "%.0f B", bytes);
+  return text;
+}
+
+// One rank's whole run. Rank 0 prints and writes the files.
+void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t comm, int device) {
+  const bool lead = config.rank == 0;
+  std::vector<const pipeline::HstuVariant*> chosen;
+  for (const auto& name : options.variants) {
+    if (name == "all") {
+      for (const auto& v : pipeline::hstu_variants()) chosen.push_back(&v);
+    } else {
+      chosen.push_back(&pipeline::hstu_variant(name));
+    }
+  }
+  if (lead) {
+    std::filesystem::create_directories(options.out_dir);
+    std::printf("weft run hstu: %d ranks, %zu variants x %d steps; local batch %d, Zipf(%.2f) <= %d, "
+                "dim %d, %d x %d dense\n", config.world_size, chosen.size(), options.num_steps,
+                config.local_batch, config.zipf_alpha, config.max_seq_len, config.embedding_dim,
+                config.num_layers, config.hidden);
+    std::fflush(stdout);
+  }
+  WEFT_CUDA_CHECK(cudaSetDevice(device));
+  hstu::HstuRank rank(config, comm, device, options.num_steps);
+  const auto skip = std::size_t(double(options.num_steps) * options.warmup_fraction);
+  const int print_every = std::max(1, options.num_steps / 4);
+
+  std::vector<VariantResult> results;
+  std::vector<hstu::InventoryEntry> inventory;
+  std::vector<plan::VariantReport> measured;
+  std::optional<plan::CostModel> costs;
+  std::string calibrated_on;
+  for (std::size_t vi = 0; vi < chosen.size(); ++vi) {
+    const auto& v = *chosen[vi];
+    rank.reset();
+    pipeline::Engine engine(rank.schedule(v.cascade), pipeline::ThreadMap::preset(v.thread_map),
+                            pipeline::CudaBackend(device), {.trace = true});
+    engine.set_source(rank.source());
+    const auto t0 = std::chrono::steady_clock::now();
+    while (auto step = engine.progress()) {
+      const std::int64_t i = step->batch_index();
+      if (lead && (i + 1) % print_every == 0) {
+        std::printf("[%zu/%zu] %-24.*s step %4lld/%d  loss share %.5f  %.1f s\n", vi + 1,
+                    chosen.size(), int(v.name.size()), v.name.data(), static_cast<long long>(i + 1),
+                    options.num_steps, double(rank.wait_loss(i)),
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        std::fflush(stdout);
+      }
+    }
+    engine.synchronize();
+    const pipeline::Trace trace = engine.take_trace();
+    VariantResult r;
+    r.name = std::string(v.name);
+    std::vector<double> step_us, busy, exposed;
+    const auto timings = rank.step_timings();
+    for (std::size_t i = skip; i < timings.size(); ++i) {
+      step_us.push_back(timings[i].step_us);
+      busy.push_back(timings[i].busy_fraction());
+      exposed.push_back(timings[i].exposed_comm_us());
+    }
+    r.step_us = range_of(step_us);
+    r.busy = range_of(busy);
+    r.exposed_comm_us = range_of(exposed);
+    const std::vector<float> global_loss = all_reduce_sum(rank.losses(), comm);
+    const std::size_t n = global_loss.size(), k = std::min<std::size_t>(5, n);
+    for (std::size_t i = 0; i < k; ++i) {
+      r.first_loss += global_loss[i] / double(k);
+      r.last_loss += global_loss[n - 1 - i] / double(k);
+    }
+    r.overhead_us = engine_overhead_us(v, device);
+    if (lead) {
+      r.trace_path = options.out_dir + "/" + r.name + ".rank0.trace.json";
+      trace.write_chrome_json(r.trace_path);
+      measured.push_back(plan::read_chrome_trace(r.trace_path));
+      measured.back().name = r.name + " (measured)";
+      const bool last = vi + 1 == chosen.size();
+      if (r.name == options.calibrate_from || (last && !costs)) {
+        costs = hstu::cost_model_from_trace(trace, options.warmup_fraction);
+        calibrated_on = r.name;
+      }
+      if (inventory.empty()) inventory = rank.inventory();
+      std::printf("[%zu/%zu] %-24s step %.3f ms [%.3f-%.3f]  default busy %.1f%%  exposed comm "
+                  "%.3f ms  loss %.4f -> %.4f\n", vi + 1, chosen.size(), r.name.c_str(),
+                  r.step_us.median / 1e3, r.step_us.min / 1e3, r.step_us.max / 1e3,
+                  100 * r.busy.median, r.exposed_comm_us.median / 1e3, r.first_loss, r.last_loss);
+      std::fflush(stdout);
+    }
+    results.push_back(std::move(r));
+  }
+  if (!lead) return;
+
+  // Calibrated planner: costs from one variant's trace, every variant simulated.
+  std::vector<plan::VariantReport> reports;
+  for (auto& r : results) {
+    const auto& v = pipeline::hstu_variant(r.name);
+    const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = v.cascade}));
+    const auto map = pipeline::ThreadMap::preset(v.thread_map);
+    plan::VariantReport sim;
+    sim.name = r.name + " (calibrated plan)";
+    sim.cascade = std::string(pipeline::to_string(v.cascade));
+    sim.thread_map = std::string(v.thread_map);
+    sim.source = "simulated, costs from " + calibrated_on;
+    sim.placement = plan::placement(compiled, map.assign(compiled));
+    sim.timeline = plan::simulate(compiled, map.assign(compiled), *costs);
+    r.predicted_us = sim.timeline.step_us;
+    reports.push_back(std::move(sim));
+  }
+  for (auto& m : measured) reports.push_back(std::move(m));
+  plan::ReportOptions report_options{.title = "weft run hstu: measured vs calibrated plan", .collectives = {}};
+  for (const auto& e : inventory) {
+    report_options.collectives[e.task].push_back(
+        {e.kind, e.stream, e.bytes_per_call, int(e.calls_per_step + 0.5), "measured"});
+  }
+  {
+    std::ofstream html(options.out_dir + "/report.html");
+    html << plan::render_html(reports, report_options);
+    std::ofstream costs_file(options.out_dir + "/costs.json");
+    costs_file << costs->to_json();
+  }
+
+  std::printf("\nNCCL inventory per step (rank 0, measured in %s):\n", results.front().name.c_str());
+  std::printf("  %-24s %-30s %-17s %12s %6s\n", "task", "collective", "stream", "bytes/call", "calls");
+  int num_calls = 0;
+  for (const auto& e : inventory) {
+    std::printf("  %-24s %-30s %-17s %12s %6.2f\n", e.task.c_str(), e.kind.c_str(), e.stream.c_str(),
+                human_bytes(e.bytes_per_call).c_str(), e.calls_per_step);
+    num_calls += int(e.calls_per_step + 0.5);
+  }
+  std::printf("  %d collective calls per step\n\n", num_calls);
+  const double legacy_us = results.front().name == "legacy_none" ? results.front().step_us.median : 0;
+  std::printf("planner calibrated on the trace of %s\n", calibrated_on.c_str());
+  std::printf("%-24s %-24s %8s %10s %12s %9s %16s %9s\n", "variant", "step ms median [min-max]",
+              "vs legacy", "busy %", "exposed ms", "engine us", "plan ms (err)", "loss");
+  nlohmann::json root = {{"world_size", config.world_size}, {"steps", options.num_steps},
+                         {"calibrated_on", calibrated_on},
+                         {"variants", nlohmann::json::array()}, {"inventory", nlohmann::json::array()}};
+  for (const auto& r : results) {
+    char range[64], vs[16], plan_text[32];
+    std::snprintf(range, sizeof range, "%.3f [%.3f-%.3f]", r.step_us.median / 1e3, r.step_us.min / 1e3,
+                  r.step_us.max / 1e3);
+    std::snprintf(vs, sizeof vs, "%+.1f%%", legacy_us > 0 ? 100 * (r.step_us.median / legacy_us - 1) : 0.0);
+    std::snprintf(plan_text, sizeof plan_text, "%.3f (%+.0f%%)", r.predicted_us / 1e3,
+                  100 * (r.predicted_us / r.step_us.median - 1));
+    std::printf("%-24s %-24s %8s %9.1f%% %12.3f %5.0f %4.2f%% %16s %.3f\n", r.name.c_str(), range,
+                legacy_us > 0 ? vs : "-", 100 * r.busy.median, r.exposed_comm_us.median / 1e3,
+                r.overhead_us, 100 * r.overhead_us / r.step_us.median, plan_text, r.last_loss);
+    root["variants"].push_back({{"name", r.name}, {"step_us", {r.step_us.median, r.step_us.min, r.step_us.max}},
+                                {"default_busy", {r.busy.median, r.busy.min, r.busy.max}},
+                                {"exposed_comm_us", {r.exposed_comm_us.median, r.exposed_comm_us.min, r.exposed_comm_us.max}},
+                                {"engine_overhead_us", r.overhead_us}, {"predicted_step_us", r.predicted_us},
+                                {"loss_first", r.first_loss}, {"loss_last", r.last_loss}, {"trace", r.trace_path}});
+  }
+  for (const auto& e : inventory) {
+    root["inventory"].push_back({{"task", e.task}, {"kind", e.kind}, {"stream", e.stream},
+                                 {"bytes_per_call", e.bytes_per_call}, {"calls_per_step", e.calls_per_step}});
+  }
+  std::ofstream(options.out_dir + "/results.json") << root.dump(2);
+  std::printf("\nwrote %s/{results.json, report.html, costs.json, <variant>.rank0.trace.json}\n",
+              options.out_dir.c_str());
+}
+
+void run_hstu(const RunOptions& options) {
+  WEFT_CHECK(options.num_steps >= 8, "--steps must be >= 8");
+  cuda::check_nccl_runtime();
+  if (options.local_gpus > 0) {
+    WEFT_CHECK(cuda::device_count() >= options.local_gpus, "--local-gpus ", options.local_gpus,
+               " but ", cuda::device_count(), " CUDA devices");
+    auto comms = cuda::Communicators::init_all(options.local_gpus);
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(std::size_t(options.local_gpus));
+    for (int r = 0; r < options.local_gpus; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          hstu::HstuConfig config = options.shape;
+          config.rank = r;
+          config.world_size = options.local_gpus;
+          run_rank(options, config, comms[std::size_t(r)], r);
+        } catch (...) {
+          errors[std::size_t(r)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    return;
+  }
+  const hstu::LaunchEnv env = hstu::detect_launch_env(options.rendezvous);
+  if (env.rank == 0) {
+    std::printf("launcher: %s, world %d, rendezvous %s\n", env.launcher.c_str(), env.world_size,
+                env.rendezvous.empty() ? "-" : env.rendezvous.c_str());
+  }
+  cuda::Communicators comms({hstu::init_communicator(env)});
+  hstu::HstuConfig config = options.shape;
+  config.rank = env.rank;
+  config.world_size = env.world_size;
+  run_rank(options, config, comms[0], env.local_rank);
+}
+
+}  // namespace
+
+void register_run(CLI::App& app) {
+  auto options = std::make_shared<RunOptions>();
+  auto* run = app.add_subcommand("run", "Run a preset workload on real GPUs through the engine");
+  run->require_subcommand(1);
+  auto* hstu = run->add_subcommand("hstu", "The HSTU training step under the seed's variants");
+  hstu->add_option("--variant", options->variants, "variant name, or all (repeatable)")
+      ->capture_default_str();
+  hstu->add_option("--steps", options->num_steps, "training steps per variant")->capture_default_str();
+  hstu->add_option("--warmup", options->warmup_fraction, "fraction of steps left out of the figures")
+      ->capture_default_str()->check(CLI::Range(0.0, 0.9));
+  hstu->add_option("--out-dir", options->out_dir, "traces, results.json, report.html, costs.json")
+      ->capture_default_str();
+  hstu->add_option("--local-gpus", options->local_gpus,
+                   "one process drives this many GPUs (a thread each) instead of one per process");
+  hstu->add_option("--rendezvous", options->rendezvous, "host:port of rank 0's NCCL bootstrap");
+  hstu->add_option("--calibrate-from", options->calibrate_from,
+                   "variant whose trace gives the planner's task costs")->capture_default_str();
+  hstu->add_option("--local-batch", options->shape.local_batch)->capture_default_str();
+  hstu->add_option("--max-seq-len", options->shape.max_seq_len)->capture_default_str();
+  hstu->add_option("--hidden", options->shape.hidden)->capture_default_str();
+  hstu->add_option("--layers", options->shape.num_layers)->capture_default_str();
+  hstu->add_option("--seed", options->shape.seed)->capture_default_str();
+  hstu->callback([options] { run_hstu(*options); });
+}
+
+}  // namespace weft::tools
