@@ -104,7 +104,7 @@ ScheduleConfig ScheduleConfig::parse(std::string_view json_text) {
       edge.producer = expect_string(e.at("producer"), path + ".producer", "a task name");
       edge.consumer = expect_string(e.at("consumer"), path + ".consumer", "a task name");
       if (e.contains("side")) {
-        const std::string& side = expect_string(e.at("side"), path + ".side", "cpu|gpu|both");
+        const std::string side = expect_string(e.at("side"), path + ".side", "cpu|gpu|both");
         try {
           edge.side = parse_sync_side(side);
         } catch (const Error& error) {
