@@ -7,7 +7,8 @@
 #
 # OUT_DIR receives: build.log, gpu-tests.log, bench.log, machine.txt, summary.txt.
 # The benchmarks run are the lines of bench/gpu-benchmarks.txt (commands relative to the build
-# folder; '#' starts a comment). Exit status: non-zero when the build, a test or a benchmark failed.
+# folder; '#' starts a comment), each stopped after BENCH_TIMEOUT seconds (default 300).
+# Exit status: non-zero when the build, a test or a benchmark failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,7 +72,7 @@ if ((run_bench)) && [[ -f bench/gpu-benchmarks.txt ]]; then
     [[ -z "${line// }" ]] && continue
     [[ -n "$only" && ! "$line" =~ $only ]] && continue
     echo "==== $line" >>"$out/bench.log"
-    if (cd "$build_dir" && timeout 600 bash -c "$line") >>"$out/bench.log" 2>&1; then
+    if (cd "$build_dir" && timeout "${BENCH_TIMEOUT:-300}" bash -c "$line") >>"$out/bench.log" 2>&1; then
       note "bench ok:   $line"
     else
       note "bench FAIL: $line"

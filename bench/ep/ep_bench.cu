@@ -2,9 +2,12 @@
 // every local GPU), against a baseline built on NCCL's own collectives, on the same inputs.
 //
 //   weft-ep-bench --tokens 128,8192 --hidden 7168 --topk 8 --experts 256 --num-sms 0
-//                 --warmup 20 --iters 100
+//                 --tokens-per-block 4 --send-warps 4 --warmup 20 --iters 100
 //
-// Columns, per call (the slowest rank): time_us, logical GB/s = received rows x row bytes / time
+// The `blk` column is the blocks of each kernel: ceil(T / tokens-per-block), at most num-sms.
+//
+// Columns, per call (the slowest rank): time_us, host_us (the issuing thread's time per call),
+// logical GB/s = received rows x row bytes / time
 // (counts rows a rank sends to itself; DeepEP's figure), nvlink GB/s = rows that crossed to a peer
 // x row bytes / time, #wrong = elements that differ from the CPU reference after the timed loop.
 // Dispatch is timed in the no-host-sync mode (CountMode::kOnDevice), layout included: back-to-back
@@ -110,7 +113,8 @@ int main(int argc, char** argv) {
   std::vector<int> topk_list{8};
   std::vector<int> experts_list{256};
   std::vector<int> sms_list{0};
-  std::vector<int> send_warps_list{4};
+  std::vector<int> send_warps_list{weft::ep::BufferOptions{}.combine_send_warps};
+  std::vector<int> tpb_list{weft::ep::BufferOptions{}.tokens_per_block};
   int warmup = 20, iters = 100, num_gpus = 0;
   double mask_ratio = 0.0;
   bool no_baseline = false;
@@ -119,6 +123,7 @@ int main(int argc, char** argv) {
   app.add_option("--topk", topk_list, "top-k (list)")->delimiter(',');
   app.add_option("--experts", experts_list, "experts (list)")->delimiter(',');
   app.add_option("--num-sms", sms_list, "blocks per kernel, 0 = all SMs (list)")->delimiter(',');
+  app.add_option("--tokens-per-block", tpb_list, "tokens per block (list)")->delimiter(',');
   app.add_option("--send-warps", send_warps_list, "combine store-back warps per block (list)")
       ->delimiter(',');
   app.add_option("--warmup", warmup, "untimed calls before timing");
@@ -135,8 +140,8 @@ int main(int argc, char** argv) {
   }
   std::printf("# weft-ep-bench: %d ranks, warmup %d, iters %d, mask %.2f\n", R, warmup, iters,
               mask_ratio);
-  std::printf("# %-6s %6s %4s %5s %4s %3s | %-8s %9s %8s %8s %7s | %9s %8s\n", "tokens", "hidden",
-              "topk", "exp", "sms", "sw", "op", "time_us", "logGB/s", "nvlGB/s", "#wrong",
+  std::printf("# %-6s %6s %4s %5s %4s %3s | %-8s %9s %8s %8s %8s %7s | %9s %8s\n", "tokens", "hidden",
+              "topk", "exp", "blk", "sw", "op", "time_us", "host_us", "logGB/s", "nvlGB/s", "#wrong",
               "nccl_us", "ratio");
   long total_wrong = 0;
   for (int64_t T : tokens_list)
@@ -144,9 +149,10 @@ int main(int argc, char** argv) {
   for (int K : topk_list)
   for (int E : experts_list)
   for (int sms : sms_list)
+  for (int tpb : tpb_list)
   for (int send_warps : send_warps_list) {
     const weft::ep::BufferConfig config{.max_tokens = T, .hidden = H, .num_experts = E, .top_k = K};
-    auto eps = weft::ep::Buffer::create_local(R, config, {.num_sms = sms, .combine_send_warps = send_warps});
+    auto eps = weft::ep::Buffer::create_local(R, config, {.num_sms = sms, .tokens_per_block = tpb, .combine_send_warps = send_warps});
     const int epr = E / R;
     const int64_t n16 = H * 2 / 16;
     std::mt19937 rng(12345 + uint32_t(T));
@@ -213,6 +219,9 @@ int main(int argc, char** argv) {
     };
     // weft::ep is timed as it is deployed: one host thread per GPU (a process per GPU has the
     // same), each issuing its rank's calls back to back; events on each rank's stream.
+    // host_us: the issuing thread's time per call (launch cost); time_us near it means the
+    // figure is bound by the host, not by the device.
+    std::vector<double> host_us(std::size_t(R), 0.0);
     auto time_per_rank = [&](auto&& op) {
       std::vector<float> ms(std::size_t(R), 0.f);
       std::barrier sync_point(R);
@@ -225,7 +234,10 @@ int main(int argc, char** argv) {
           WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
           sync_point.arrive_and_wait();
           WEFT_CUDA_CHECK(cudaEventRecord(d.start, d.stream));
+          const auto issue_begin = std::chrono::steady_clock::now();
           for (int i = 0; i < iters; ++i) op(r);
+          host_us[std::size_t(r)] = std::chrono::duration<double, std::micro>(
+                                        std::chrono::steady_clock::now() - issue_begin).count() / iters;
           WEFT_CUDA_CHECK(cudaEventRecord(d.stop, d.stream));
           WEFT_CUDA_CHECK(cudaEventSynchronize(d.stop));
           WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[std::size_t(r)], d.start, d.stop));
@@ -254,12 +266,14 @@ int main(int argc, char** argv) {
       return 1e3 * double(worst_ms) / iters;
     };
     const double dispatch_us = time_per_rank(dispatch_rank);
+    const double dispatch_host_us = *std::max_element(host_us.begin(), host_us.end());
     dispatch_all();
     for (auto& d : rk) {
       WEFT_CUDA_CHECK(cudaSetDevice(d.device));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
     }
     const double combine_us = time_per_rank(combine_rank);
+    const double combine_host_us = *std::max_element(host_us.begin(), host_us.end());
     // The baseline's loop is single-threaded: NCCL's grouped calls over several communicators
     // need one thread, and its host sync per call dominates its host cost anyway.
     // Correctness of what the timed calls produce: one more round, every element checked.
@@ -403,15 +417,16 @@ int main(int argc, char** argv) {
       if (base_wrong != 0) std::printf("# baseline round trip: %ld wrong elements (baseline only)\n", base_wrong);
     }
     const double row_bytes = double(H) * 2;
-    const int sms_used = eps[0]->num_blocks();
-    auto line = [&](const char* op, double us, long wrong, double base_us) {
-      std::printf("  %-6ld %6ld %4d %5d %4d %3d | %-8s %9.1f %8.1f %8.1f %7ld | %9.1f %8.2f\n",
-                  long(T), long(H), K, E, sms_used, send_warps, op, us, double(max_recv) * row_bytes / us / 1e3,
+    const int sms_used = eps[0]->num_blocks(T);
+    auto line = [&](const char* op, double us, double issue_us, long wrong, double base_us) {
+      std::printf("  %-6ld %6ld %4d %5d %4d %3d | %-8s %9.1f %8.1f %8.1f %8.1f %7ld | %9.1f %8.2f\n",
+                  long(T), long(H), K, E, sms_used, send_warps, op, us, issue_us,
+                  double(max_recv) * row_bytes / us / 1e3,
                   double(max_remote) * row_bytes / us / 1e3, wrong, base_us,
                   base_us > 0 ? base_us / us : 0.0);
     };
-    line("dispatch", dispatch_us, wrong_dispatch, base_dispatch_us);
-    line("combine", combine_us, wrong_combine, base_combine_us);
+    line("dispatch", dispatch_us, dispatch_host_us, wrong_dispatch, base_dispatch_us);
+    line("combine", combine_us, combine_host_us, wrong_combine, base_combine_us);
     std::fflush(stdout);
     for (auto& d : rk) {
       cudaSetDevice(d.device);

@@ -1,5 +1,6 @@
 #include "weft/ep/buffer.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <sstream>
@@ -142,6 +143,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   device_ = group_->comms.device(index);
   id_ = g_next_buffer_id.fetch_add(1);
   WEFT_CHECK(options.timeout_s > 0, "timeout_s must be positive");
+  WEFT_CHECK(options.tokens_per_block >= 1, "tokens_per_block must be at least 1");
   WEFT_CHECK(options.combine_send_warps >= 1 && options.combine_send_warps < detail::kThreads / 32,
              "combine_send_warps must be in 1..", detail::kThreads / 32 - 1);
   DeviceGuard guard(device_);
@@ -275,6 +277,11 @@ std::vector<std::unique_ptr<Buffer>> Buffer::create_local(int num_devices,
   return buffers;
 }
 
+int Buffer::num_blocks(int64_t num_tokens) const noexcept {
+  const int64_t wanted = (num_tokens + options_.tokens_per_block - 1) / options_.tokens_per_block;
+  return int(std::clamp<int64_t>(wanted, 1, num_blocks_));
+}
+
 void Buffer::throw_if_device_error() {
   state_->error.throw_if_raised([&](const cuda::DeviceErrorRecord& r) {
     return describe(r, config_, options_.timeout_s);
@@ -300,6 +307,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.x = static_cast<const uint16_t*>(in.x.data);
   p.topk_idx = in.topk_idx.data;
   p.topk_idx_int64 = in.topk_idx.dtype == DType::kInt64;
+  p.local_count = T <= detail::kLocalCountMaxTokens;
   p.topk_weights = static_cast<const float*>(in.topk_weights.data);
   p.num_tokens = T;
   p.hidden = config_.hidden;
@@ -310,7 +318,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.expert_counts = state_->expert_counts;
   p.send_slot = state_->send_slot;
   p.tokens_per_expert = state_->tokens_per_expert;
-  detail::launch_dispatch(p, num_blocks_, stream);
+  detail::launch_dispatch(p, num_blocks(T), stream);
   ++dispatch_sequence_;
 
   char* base = static_cast<char*>(group_->windows.local_ptr(index_));
@@ -384,7 +392,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
-  detail::launch_combine(p, num_blocks_, stream);
+  detail::launch_combine(p, num_blocks(T), stream);
 }
 
 }  // namespace weft::ep

@@ -152,12 +152,21 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch: one cooperative grid of G blocks; block b owns tokens [b*chunk, (b+1)*chunk).
-//  1. count: per (block, destination) rows after dedup, per expert selections (global atomics);
-//  2. grid barrier; block 0 publishes this rank's count vector and per-expert counts to every
-//     peer (slot [seq parity][rank]) and raises kFlagCount; every block waits for all peers'
-//     kFlagCount, then knows its rows' final index at every destination:
-//        base(d) = sum_{s < rank} count[s][d] + sum_{b' < b} block_count[b'][d] + slot in block;
+// Dispatch: G blocks (G = f(T), see launch_dispatch); block b owns tokens [b*chunk, (b+1)*chunk).
+//  1. count, in one of two modes (DispatchParams::local_count):
+//     - local (small T): every block counts the destinations of the tokens before its chunk
+//       itself (at most T*K index loads, from L2); block 0 counts all T tokens and the per-expert
+//       histogram. No grid barrier: block 0 publishes as soon as it has counted.
+//     - grid (large T): each block counts its chunk (block_counts, global per-expert atomics), a
+//       grid barrier, then block 0 sums and publishes; a block's prefix is the sum of the
+//       block_counts before it.
+//  2. exchange: block 0 writes this rank's count vector [R] and per-local-expert counts into
+//     every rank's window as *tagged words* (call number in the high half, count in the low
+//     half; slot [seq parity][rank]). A tagged word needs no fence before a flag: a reader polls
+//     each word until its tag is this call's. Every block waits for all R x R count words (so
+//     every peer has entered this call: no rank runs more than one call ahead) and then knows
+//     its rows' final index at every destination:
+//        base(d) = sum_{s < rank} count[s][d] + prefix_b(d) + slot in block;
 //  3. scatter: one warp per (token, destination) writes row + metadata straight to the peer's
 //     window; the last block then raises kFlagDone at every peer and waits for all peers' done.
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
@@ -171,13 +180,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int parity = int(seq & 1);
 
   // Shared memory: histogram [num_experts] | counts [R] | base [R] | mask [kSub] |
-  //                row [kSub][R] | items [kSub * R] (token << 8 | dst)
+  //                row [kSub][R] | items [kSub * R] (token << 8 | dst) | count words [R][R]
   int32_t* s_hist = smem;
   int32_t* s_count = s_hist + p.num_experts;
   int32_t* s_base = s_count + kMaxRanks;
   uint32_t* s_mask = reinterpret_cast<uint32_t*>(s_base + kMaxRanks);
   int32_t* s_row = reinterpret_cast<int32_t*>(s_mask + kSubChunkTokens);
   int32_t* s_item = s_row + kSubChunkTokens * R;
+  int32_t* s_matrix = s_item + kSubChunkTokens * R;  // count[s][d] of this call
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_num_items;
   __shared__ int s_ok;
@@ -191,82 +201,127 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
   __syncthreads();
 
-  // 1. Count.
-  for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
-    const uint32_t mask = token_mask<true>(p, t, epr);
-    for (int d = 0; d < R; ++d) {
-      if (mask >> d & 1u) atomicAdd(&s_count[d], 1);
-    }
-    for (int k = 0; k < p.top_k; ++k) {
-      const int64_t e = load_expert(p, t * p.top_k + k);
-      if (e < 0 || e >= p.num_experts) continue;
-      bool repeated = false;  // a token counts once per expert
-      for (int k2 = 0; k2 < k; ++k2) repeated |= load_expert(p, t * p.top_k + k2) == e;
-      if (!repeated) atomicAdd(&s_hist[e], 1);
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x < R) p.block_counts[blockIdx.x * R + threadIdx.x] = s_count[threadIdx.x];
-  for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
-    if (s_hist[i] != 0) atomicAdd(&p.expert_counts[i], s_hist[i]);
-  }
-  bool ok = grid_barrier(c, seq);
-
-  // 2. Exchange. Block 0 publishes; warp d sums destination d over all blocks.
-  char* local = s_peer[c.rank];
-  if (blockIdx.x == 0) {
-    if (warp < R) {
-      int32_t total = 0;
-      for (int b = lane; b < int(gridDim.x); b += 32) total += p.block_counts[b * R + warp];
-      for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-      if (lane == 0) s_count[warp] = total;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
-      const int peer = i / R, d = i % R;
-      int32_t* m = reinterpret_cast<int32_t*>(s_peer[peer] + c.layout.count_matrix);
-      m[(parity * R + c.rank) * R + d] = s_count[d];
-    }
-    for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
-      const int peer = i / epr;
-      int32_t* m = reinterpret_cast<int32_t*>(s_peer[peer] + c.layout.expert_matrix);
-      m[(parity * R + c.rank) * epr + (i % epr)] = p.expert_counts[i];
-      p.expert_counts[i] = 0;  // every block's atomics precede the grid barrier above
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();  // cumulative over the block's stores ordered by bar.sync
-      for (int peer = 0; peer < R; ++peer) {
-        st_release_sys(flag_ptr(s_peer[peer], c, kFlagCount, c.rank), seq);
+  // 1. Count tokens [begin, end) into s_count (rows per destination, after dedup) and, with
+  // `hist`, s_hist (tokens per expert). Bad expert ids are reported by the block that counts its
+  // own chunk (grid mode) or by block 0 (local mode), so each is reported by one block.
+  auto count_tokens = [&](int64_t begin, int64_t end, bool hist, bool report) {
+    for (int64_t t = begin + threadIdx.x; t < end; t += blockDim.x) {
+      const uint32_t mask = report ? token_mask<true>(p, t, epr) : token_mask<false>(p, t, epr);
+      for (int d = 0; d < R; ++d) {
+        if (mask >> d & 1u) atomicAdd(&s_count[d], 1);
+      }
+      if (!hist) continue;
+      for (int k = 0; k < p.top_k; ++k) {
+        const int64_t e = load_expert(p, t * p.top_k + k);
+        if (e < 0 || e >= p.num_experts) continue;
+        bool repeated = false;  // a token counts once per expert
+        for (int k2 = 0; k2 < k; ++k2) repeated |= load_expert(p, t * p.top_k + k2) == e;
+        if (!repeated) atomicAdd(&s_hist[e], 1);
       }
     }
+    __syncthreads();
+  };
+  bool ok = true;
+  if (p.local_count) {
+    // s_count = this block's prefix (blocks > 0) or the rank's totals (block 0, whose prefix is 0).
+    if (blockIdx.x == 0) {
+      count_tokens(0, p.num_tokens, true, true);
+    } else {
+      count_tokens(0, t_begin, false, false);
+      if (warp < R && lane == 0) s_base[warp] = s_count[warp];
+    }
+  } else {
+    count_tokens(t_begin, t_end, true, true);
+    if (threadIdx.x < R) p.block_counts[blockIdx.x * R + threadIdx.x] = s_count[threadIdx.x];
+    for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
+      if (s_hist[i] != 0) atomicAdd(&p.expert_counts[i], s_hist[i]);
+    }
+    ok = grid_barrier(c, seq);
+    if (warp < R) {  // prefix of this block at destination `warp`
+      int32_t prefix = 0;
+      for (int b = lane; b < int(blockIdx.x); b += 32) prefix += p.block_counts[b * R + warp];
+      for (int o = 16; o > 0; o /= 2) prefix += __shfl_xor_sync(0xffffffffu, prefix, o);
+      if (lane == 0) s_base[warp] = prefix;
+    }
+    if (blockIdx.x == 0) {  // the rank's totals and histogram
+      if (warp < R) {
+        int32_t total = 0;
+        for (int b = lane; b < int(gridDim.x); b += 32) total += p.block_counts[b * R + warp];
+        for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+        if (lane == 0) s_count[warp] = total;
+      }
+      for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
+        s_hist[i] = p.expert_counts[i];
+        p.expert_counts[i] = 0;  // every block's atomics precede the grid barrier above
+      }
+    }
+    __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    s_ok = ok && wait_all_peers(c, local, kFlagCount, seq, kWaitCounts);
+
+  // 2. Exchange. Block 0 publishes (a timed-out grid barrier publishes nothing: peers time out).
+  char* local = s_peer[c.rank];
+  const uint64_t tag = uint64_t(uint32_t(seq)) << 32;
+  if (blockIdx.x == 0 && ok) {
+    if (threadIdx.x < R * R) {
+      const int peer = threadIdx.x / R, d = threadIdx.x % R;
+      uint64_t* m = reinterpret_cast<uint64_t*>(s_peer[peer] + c.layout.count_matrix);
+      st_relaxed_sys(m + (parity * R + c.rank) * R + d, tag | uint32_t(s_count[d]));
+    }
+    for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
+      uint64_t* m = reinterpret_cast<uint64_t*>(s_peer[i / epr] + c.layout.expert_matrix);
+      st_relaxed_sys(m + (parity * R + c.rank) * epr + (i % epr), tag | uint32_t(s_hist[i]));
+    }
+  }
+  // Thread i < R*R waits for count[s = i / R][d = i % R]; on timeout it reports source s.
+  if (threadIdx.x == 0) s_ok = ok;
+  __syncthreads();
+  if (ok && threadIdx.x < R * R) {
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(local + c.layout.count_matrix) +
+                        parity * R * R + threadIdx.x;
+    uint64_t v = 0;
+    if (spin_wait([&] { return ((v = ld_acquire_sys(w)) & ~0xffffffffull) == tag; },
+                  c.timeout_ns)) {
+      s_matrix[threadIdx.x] = int32_t(uint32_t(v));
+    } else {
+      raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, threadIdx.x / R,
+                         int64_t(seq));
+      s_ok = 0;
+    }
   }
   __syncthreads();
   ok = s_ok != 0;
-  const int32_t* count_matrix =
-      reinterpret_cast<const int32_t*>(local + c.layout.count_matrix) + parity * R * R;
-  if (warp < R) {  // base of this block's rows at destination `warp`
+  if (ok && warp < R) {  // base of this block's rows at destination `warp`
     const int d = warp;
     int32_t base = 0;
-    for (int s = lane; s < c.rank; s += 32) base += count_matrix[s * R + d];
-    for (int b = lane; b < int(blockIdx.x); b += 32) base += p.block_counts[b * R + d];
+    for (int s = lane; s < c.rank; s += 32) base += s_matrix[s * R + d];
     for (int o = 16; o > 0; o /= 2) base += __shfl_xor_sync(0xffffffffu, base, o);
-    if (lane == 0) s_base[d] = base;
+    if (lane == 0) s_base[d] = (blockIdx.x == 0 ? 0 : s_base[d]) + base;
   }
-  if (blockIdx.x == 0) {
+  if (ok && blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       int32_t n = 0;
-      for (int s = 0; s < R; ++s) n += count_matrix[s * R + c.rank];
+      for (int s = 0; s < R; ++s) n += s_matrix[s * R + c.rank];
       c.state->num_recv = n;
+      int32_t own_begin = 0;
+      for (int s = 0; s < c.rank; ++s) own_begin += s_matrix[s * R + c.rank];
+      c.state->own_begin = own_begin;
+      c.state->own_count = s_matrix[c.rank * R + c.rank];
     }
-    const int32_t* em =
-        reinterpret_cast<const int32_t*>(local + c.layout.expert_matrix) + parity * R * epr;
+    // Per-expert counts of every source: all sources' count words have arrived, but the expert
+    // words are separate stores, so each is polled for its tag too.
+    const uint64_t* em =
+        reinterpret_cast<const uint64_t*>(local + c.layout.expert_matrix) + parity * R * epr;
     for (int e = threadIdx.x; e < epr; e += blockDim.x) {
       int32_t n = 0;
-      for (int s = 0; s < R; ++s) n += em[s * epr + e];
+      for (int s = 0; s < R; ++s) {
+        uint64_t v = 0;
+        if (!spin_wait([&] { return ((v = ld_acquire_sys(em + s * epr + e)) & ~0xffffffffull) == tag; },
+                       c.timeout_ns)) {
+          raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, s, int64_t(seq));
+          break;
+        }
+        n += int32_t(uint32_t(v));
+      }
       p.tokens_per_expert[e] = n;
     }
   }
@@ -388,19 +443,29 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
       }
     } else if (s_ok) {
-      // Rows go out in batches of kSendBatch consecutive rows per warp; one system fence per
-      // batch (lane 0, after the warp's stores) then lane 0 marks each row's slot as landed.
-      constexpr int kSendBatch = 4;
+      // Only rows from peers go out (the own rank's rows, [own_begin, own_begin + own_count) of
+      // the received order, are reduced locally straight from expert_out): remote row r is
+      // received row j = r < own_begin ? r : r + own_count. They go out in batches of up to
+      // kMaxSendBatch consecutive remote rows per warp; one system fence per batch (lane 0, after
+      // the warp's stores), then lane 0 marks each row's slot as landed. With few rows (small T)
+      // a batch is one row, so that every row has its own warp and all are in flight at once.
+      constexpr int kMaxSendBatch = 4;
       const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
+      const int64_t own_begin = c.state->own_begin;
+      const int64_t own_count = c.state->own_count;
+      const int64_t num_remote = int64_t(num_recv) - own_count;
       const int total_warps = int(gridDim.x) * p.num_send_warps;
-      const int64_t num_batches = (int64_t(num_recv) + kSendBatch - 1) / kSendBatch;
+      const int64_t batch =
+          min(int64_t(kMaxSendBatch), max(int64_t(1), (num_remote + total_warps - 1) / total_warps));
+      const int64_t num_batches = (num_remote + batch - 1) / batch;
+      auto received_row = [&](int64_t r) { return r < own_begin ? r : r + own_count; };
       for (int64_t b = int64_t(blockIdx.x) * p.num_send_warps + warp; b < num_batches;
            b += total_warps) {
-        const int64_t j0 = b * kSendBatch;
-        const int64_t j1 = min(int64_t(num_recv), j0 + kSendBatch);
-        for (int64_t j = j0; j < j1; ++j) {
+        const int64_t r0 = b * batch;
+        const int64_t r1 = min(num_remote, r0 + batch);
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t j = received_row(r);
           const int2 src = recv_src[j];
-          if (src.x == c.rank) continue;  // reduced locally, straight from expert_out
           warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
                             (int64_t(c.rank) * p.max_tokens + src.y) * n16,
                         reinterpret_cast<const int4*>(p.expert_out) + j * n16, n16, lane);
@@ -408,9 +473,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         __syncwarp();
         if (lane == 0) {
           __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
-          for (int64_t j = j0; j < j1; ++j) {
-            const int2 src = recv_src[j];
-            if (src.x == c.rank) continue;
+          for (int64_t r = r0; r < r1; ++r) {
+            const int2 src = recv_src[received_row(r)];
             uint64_t* flag = reinterpret_cast<uint64_t*>(s_peer[src.x] + c.layout.comb_flags) +
                              int64_t(c.rank) * p.max_tokens + src.y;
             st_relaxed_sys(flag, seq);
@@ -573,8 +637,8 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
     return start;
   };
   l.flags = region(sizeof(uint64_t) * kNumFlagKinds * kMaxRanks);
-  l.count_matrix = region(sizeof(int32_t) * 2 * R * R);
-  l.expert_matrix = region(sizeof(int32_t) * 2 * uint64_t(num_experts));
+  l.count_matrix = region(sizeof(uint64_t) * 2 * R * R);
+  l.expert_matrix = region(sizeof(uint64_t) * 2 * uint64_t(num_experts));
   l.comb_flags = region(sizeof(uint64_t) * R * uint64_t(max_tokens));
   l.recv_src = region(sizeof(int32_t) * 2 * cap);
   l.recv_expert_idx = region(sizeof(int32_t) * cap * uint64_t(top_k));
@@ -587,8 +651,9 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
 
 void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream) {
   const int R = params.comm.num_ranks;
-  const std::size_t smem = sizeof(int32_t) * (std::size_t(params.num_experts) + 2 * kMaxRanks +
-                                              kSubChunkTokens * (1 + 2 * std::size_t(R)));
+  const std::size_t smem =
+      sizeof(int32_t) * (std::size_t(params.num_experts) + 2 * kMaxRanks +
+                         kSubChunkTokens * (1 + 2 * std::size_t(R)) + std::size_t(R) * R);
   if (smem > 48 * 1024) {
     WEFT_CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

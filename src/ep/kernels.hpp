@@ -15,6 +15,9 @@ constexpr int kThreads = 1024;      // every EP kernel: 32 warps per block, one 
 constexpr int kMaxBlocks = 1024;
 constexpr int kMaxRanks = 32;
 constexpr int kSubChunkTokens = 256;  // dispatch scatters a block's tokens in pieces of this size
+// Up to this many tokens, dispatch counts in local mode (every block counts the tokens before its
+// chunk itself, no grid barrier): at most kLocalCountMaxTokens * top_k index loads per block.
+constexpr int64_t kLocalCountMaxTokens = 1024;
 
 // Device error codes of weft::ep (DeviceErrorRecord::code) and what the args hold.
 enum ErrorCode : uint32_t {
@@ -24,7 +27,7 @@ enum ErrorCode : uint32_t {
 };
 enum WaitKind : int64_t {
   kWaitHandshake = 1,
-  kWaitCounts = 2,       // dispatch: a peer's count vector
+  kWaitCounts = 2,       // dispatch: a peer's count words
   kWaitDispatchDone = 3, // dispatch: a peer's rows
   kWaitCombineEntry = 4, // combine: a peer entering the call (its slots are free)
   kWaitCombineRow = 5,   // combine: a peer's expert output for one of our tokens
@@ -33,15 +36,15 @@ enum WaitKind : int64_t {
 
 // Byte offsets of the regions of the symmetric window; identical on every rank.
 //   flags        [kNumFlagKinds][kMaxRanks] uint64: per-source flags carrying call numbers
-//   count_matrix [2 (call parity)][R source][R destination] int32
-//   expert_matrix[2][R source][E/R] int32: rows source sends to this rank, per local expert
+//   count_matrix [2 (call parity)][R source][R destination] uint64 tagged words
+//   expert_matrix[2][R source][E/R] uint64 tagged words: rows source sends here, per local expert
+//   (tagged word = (call number mod 2^32) << 32 | count: valid once its tag is the call's)
 //   comb_flags   [R][max_tokens] uint64: call number once rank r's row for token t landed
 //   recv_src     [cap][2] int32, recv_expert_idx [cap][top_k] int32, recv_weights [cap][top_k]
 //   recv_x       [cap][hidden] bf16, cap = R * max_tokens
 //   comb_x       [R][max_tokens][hidden] bf16: rank r's expert output for our token t
 // Regions start on 256-byte boundaries.
-enum FlagKind : int { kFlagHandshake = 0, kFlagCount = 1, kFlagDone = 2, kFlagEntry = 3,
-                      kNumFlagKinds = 4 };
+enum FlagKind : int { kFlagHandshake = 0, kFlagDone = 1, kFlagEntry = 2, kNumFlagKinds = 3 };
 struct WindowLayout {
   uint64_t flags = 0;
   uint64_t count_matrix = 0;
@@ -64,6 +67,8 @@ struct DeviceState {
   uint32_t barrier_count;  // grid barrier arrivals
   uint32_t barrier_generation;
   int32_t num_recv;        // rows received by the last dispatch
+  int32_t own_begin;       // ... of which [own_begin, own_begin + own_count) came from this rank
+  int32_t own_count;
 };
 
 // What every kernel needs to talk to its peers.
@@ -82,14 +87,15 @@ struct DispatchParams {
   const uint16_t* x;           // [num_tokens, hidden] bf16
   const void* topk_idx;        // [num_tokens, top_k] int32 or int64
   bool topk_idx_int64;
+  bool local_count;            // count mode: local (no grid barrier) or grid; see dispatch_kernel
   const float* topk_weights;   // [num_tokens, top_k]
   int64_t num_tokens;
   int64_t hidden;
   int64_t max_tokens;
   int top_k;
   int num_experts;
-  int32_t* block_counts;       // [kMaxBlocks][num_ranks] scratch: rows per (block, destination)
-  int32_t* expert_counts;      // [num_experts] scratch, zero between calls
+  int32_t* block_counts;       // grid mode: [kMaxBlocks][num_ranks] rows per (block, destination)
+  int32_t* expert_counts;      // grid mode: [num_experts] scratch, zero between calls
   int32_t* send_slot;          // [max_tokens][num_ranks] out: row of token t at rank d, or -1
   int32_t* tokens_per_expert;  // [num_experts / num_ranks] out
 };
@@ -112,7 +118,8 @@ struct HandshakeParams {
   CommParams comm;
 };
 
-// Cooperative launches (all blocks resident: the kernels wait on each other).
+// Cooperative launches (all blocks resident: the kernels wait on each other). num_blocks is the
+// caller's choice (Buffer: one block per BufferOptions::tokens_per_block tokens, up to num_sms).
 void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream);
 void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream);
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream);

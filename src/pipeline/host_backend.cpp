@@ -44,16 +44,18 @@ void HostStream::run() {
       std::lock_guard lock(mutex_);
       if (!first_error_) first_error_ = std::current_exception();
     }
-    num_completed_.fetch_add(1, std::memory_order_release);
-    num_completed_.notify_all();
+    {
+      std::lock_guard lock(completed_mutex_);
+      num_completed_.fetch_add(1, std::memory_order_release);
+    }
+    completed_.notify_all();
   }
 }
 
 void HostStream::wait_for(std::uint64_t position) const {
-  std::uint64_t done;
-  while ((done = num_completed_.load(std::memory_order_acquire)) < position) {
-    num_completed_.wait(done, std::memory_order_acquire);
-  }
+  if (num_completed_.load(std::memory_order_acquire) >= position) return;
+  std::unique_lock lock(completed_mutex_);
+  completed_.wait(lock, [&] { return num_completed_.load(std::memory_order_acquire) >= position; });
 }
 
 void HostStream::synchronize() {

@@ -41,7 +41,10 @@
 namespace weft::ep {
 
 struct BufferOptions {
-  int num_sms = 0;                 // blocks per kernel (one per SM); 0 = every SM of the device
+  int num_sms = 0;                 // most blocks per kernel (one per SM); 0 = every SM of the device
+  // A call of T tokens runs ceil(T / tokens_per_block) blocks (at least 1, at most num_sms): at
+  // small T fewer blocks make the launch and the in-kernel synchronisation cheaper.
+  int tokens_per_block = 4;
   double timeout_s = 20.0;         // bound of every device-side wait
   int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
 };
@@ -126,7 +129,8 @@ class Buffer {
   int device() const noexcept { return device_; }
   const BufferConfig& config() const noexcept { return config_; }
   int64_t capacity() const noexcept { return int64_t(num_ranks_) * config_.max_tokens; }
-  int num_blocks() const noexcept { return num_blocks_; }
+  int num_blocks() const noexcept { return num_blocks_; }  // the most blocks per kernel
+  int num_blocks(int64_t num_tokens) const noexcept;      // blocks of a call of num_tokens
 
  private:
   Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index, const BufferConfig& config,

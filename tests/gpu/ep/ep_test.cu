@@ -1,10 +1,19 @@
-// weft::ep dispatch/combine on 2+ GPUs (one process driving all of them), checked element by
+// weft::ep dispatch/combine on 2+ GPUs (one process driving all of them, and one process per GPU
+// through Buffer::from_env and Buffer(ncclComm_t, ...)), checked element by
 // element against the CPU reference. Every payload element is a hash of (source rank, source
 // token, column), so a misrouted row cannot look plausible; outputs are poisoned before each
 // call; inputs are drawn fresh per round.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <memory>
 #include <random>
 #include <string>
@@ -122,6 +131,7 @@ struct RankDevice {
 
 class EpTest : public ::testing::Test {
  protected:
+  // The options default to BufferOptions{} (combine_send_warps, tokens_per_block as shipped).
   void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
     config = c;
     R = num_gpus();
@@ -285,11 +295,12 @@ class EpTest : public ::testing::Test {
 
 TEST_F(EpTest, RandomRoutingMatchesReference) {
   REQUIRE_GPUS();
-  make({.max_tokens = 1024, .hidden = 2048, .num_experts = 64, .top_k = 8});
+  make({.max_tokens = 2500, .hidden = 2048, .num_experts = 64, .top_k = 8});
   std::mt19937 rng(std::random_device{}());
   int trial = 0;
   for (double mask : {0.0, 0.25}) {
-    for (int64_t T : {1, 128, 1000, 1024}) {
+    // Dispatch counts in local mode up to 1024 tokens and in grid mode above (kernels.hpp).
+    for (int64_t T : {1, 128, 1000, 1025, 2500}) {
       for (int bias = 0; bias <= 2; ++bias) {
         RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = mask};
         spec.tokens[0] = T - (T > 1 ? 1 : 0);  // ranks with different T
@@ -486,6 +497,177 @@ TEST_F(EpTest, AMissingPeerTimesOutWithRankAndReason) {
     EXPECT_NE(what.find("rank 0 timed out"), std::string::npos) << what;
     EXPECT_NE(what.find("count vector"), std::string::npos) << what;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One process per GPU. The parent test starts two copies of this binary (fork + exec of
+// /proc/self/exe, filtered to EpOneProcessPerGpu.Child) with RANK, WORLD_SIZE, LOCAL_RANK and
+// NCCL_COMM_ID=127.0.0.1:<free port>; each child builds its Buffer (from the environment, or over
+// a communicator it created itself) and runs checked dispatch + combine rounds. Both children
+// must exit 0 within the deadline.
+constexpr const char* kChildModeVariable = "WEFT_EP_TEST_CHILD_MODE";  // "env" or "comm"
+
+int free_tcp_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+// Rounds of dispatch + combine on this process's rank, checked in full against the reference
+// computed for every rank from the same seeds (both processes draw the same inputs).
+void checked_rounds_one_rank(weft::ep::Buffer& ep) {
+  const BufferConfig& config = ep.config();
+  const int R = ep.num_ranks();
+  const int rank = ep.rank();
+  const int64_t H = config.hidden;
+  const int K = config.top_k;
+  cudaStream_t stream = nullptr;
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int round = 0;
+  for (int64_t T : {config.max_tokens, int64_t(100), int64_t(1), config.max_tokens}) {
+    SCOPED_TRACE(testing::Message() << "rank " << rank << " round " << round << " T " << T);
+    std::mt19937 rng(uint32_t(1000 + round++));
+    RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.1};
+    const auto inputs = make_inputs(config, R, spec, rng);
+    const auto layouts = ref::dispatch(config, inputs);
+    const auto& in = inputs[std::size_t(rank)];
+    const auto& L = layouts[std::size_t(rank)];
+    auto x = upload(ep.device(), in.x);
+    auto idx = upload(ep.device(), in.topk_idx);
+    auto w = upload(ep.device(), in.topk_weights);
+    auto r = ep.dispatch({.x = {x.ptr, DType::kBFloat16, T, H},
+                          .topk_idx = {idx.ptr, DType::kInt64, T, K},
+                          .topk_weights = {w.ptr, DType::kFloat32, T, K}},
+                         stream, weft::ep::CountMode::kExact);
+    const int64_t n = ep.wait_num_recv(r);
+    ASSERT_EQ(n, L.num_recv);
+    ASSERT_EQ(download<uint16_t>(ep.device(), r.recv_x, std::size_t(n * H)), L.recv_x);
+    const auto src = download<int32_t>(ep.device(), r.recv_src, std::size_t(n * 2));
+    for (int64_t j = 0; j < n; ++j) {
+      ASSERT_EQ(src[std::size_t(2 * j)], L.recv_src_rank[std::size_t(j)]) << "row " << j;
+      ASSERT_EQ(src[std::size_t(2 * j + 1)], L.recv_src_token[std::size_t(j)]) << "row " << j;
+    }
+    EXPECT_EQ(download<int32_t>(ep.device(), r.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
+    EXPECT_EQ(download<float>(ep.device(), r.recv_weights, std::size_t(n * K)), L.recv_weights);
+    EXPECT_EQ(download<int32_t>(ep.device(), r.tokens_per_local_expert,
+                                std::size_t(config.num_local_experts(R))),
+              L.tokens_per_local_expert);
+    std::vector<uint16_t> bias(std::size_t(T * H));
+    for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = identity_value(20 + rank, i / H, i % H);
+    auto dbias = upload(ep.device(), bias);
+    DeviceArray out(ep.device(), std::size_t(T * H * 2));
+    WEFT_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0xFF, std::size_t(T * H * 2), stream));
+    ep.combine({.expert_out = {r.recv_x, DType::kBFloat16, r.capacity, H},
+                .bias0 = {dbias.ptr, DType::kBFloat16, T, H}},
+               r.handle, out.ptr, stream);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+    ep.check();
+    std::vector<std::vector<uint16_t>> expert_out;
+    for (const auto& Ld : layouts) expert_out.push_back(Ld.recv_x);
+    const auto want = ref::combine(config, rank, layouts, expert_out, bias, {});
+    ASSERT_EQ(download<uint16_t>(ep.device(), out.ptr, want.size()), want);
+  }
+  WEFT_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+const BufferConfig kOneProcessConfig{.max_tokens = 256, .hidden = 1024, .num_experts = 16,
+                                     .top_k = 4};
+
+TEST(EpOneProcessPerGpu, Child) {
+  const char* mode = std::getenv(kChildModeVariable);
+  if (mode == nullptr) GTEST_SKIP() << "runs only as a child of the other EpOneProcessPerGpu tests";
+  if (std::string(mode) == "env") {
+    auto ep = weft::ep::Buffer::from_env(kOneProcessConfig);
+    checked_rounds_one_rank(*ep);
+    return;
+  }
+  // "comm": this process makes its communicator (NCCL's rendezvous through NCCL_COMM_ID) and the
+  // Buffer borrows it.
+  WEFT_CUDA_CHECK(cudaSetDevice(std::atoi(std::getenv("LOCAL_RANK"))));
+  ncclUniqueId id;
+  WEFT_NCCL_CHECK(ncclGetUniqueId(&id));
+  ncclComm_t comm = nullptr;
+  WEFT_NCCL_CHECK(ncclCommInitRank(&comm, std::atoi(std::getenv("WORLD_SIZE")), id,
+                                   std::atoi(std::getenv("RANK"))));
+  {
+    weft::ep::Buffer ep(comm, kOneProcessConfig);
+    checked_rounds_one_rank(ep);
+  }
+  WEFT_NCCL_CHECK(ncclCommDestroy(comm));
+}
+
+// Starts one child per rank in `mode` and waits (at most 120 s) for both to exit 0.
+void run_one_process_per_gpu(const char* mode) {
+  constexpr int kRanks = 2;
+  const int port = free_tcp_port();
+  ASSERT_GT(port, 0) << "no free TCP port on 127.0.0.1";
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    env.push_back("RANK=" + std::to_string(rank));
+    env.push_back("WORLD_SIZE=" + std::to_string(kRanks));
+    env.push_back("LOCAL_RANK=" + std::to_string(rank));
+    env.push_back("NCCL_COMM_ID=127.0.0.1:" + std::to_string(port));
+    env.push_back(std::string(kChildModeVariable) + "=" + mode);
+    std::vector<char*> envp;
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    std::string filter = "--gtest_filter=EpOneProcessPerGpu.Child";
+    char exe[] = "/proc/self/exe";
+    char* argv[] = {exe, filter.data(), nullptr};
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0) << "fork failed";
+    if (pid == 0) {
+      execve(exe, argv, envp.data());
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  std::vector<int> status(pids.size(), -1);
+  std::size_t running = pids.size();
+  while (running > 0 && std::chrono::steady_clock::now() < deadline) {
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (status[i] != -1) continue;
+      int st = 0;
+      if (waitpid(pids[i], &st, WNOHANG) == pids[i]) {
+        status[i] = st;
+        --running;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (std::size_t i = 0; i < pids.size(); ++i) {
+    if (status[i] != -1) {
+      EXPECT_TRUE(WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0)
+          << "rank " << i << " (" << mode << ") failed: status " << status[i];
+      continue;
+    }
+    kill(pids[i], SIGKILL);
+    waitpid(pids[i], nullptr, 0);
+    ADD_FAILURE() << "rank " << i << " (" << mode << ") did not finish within 120 s";
+  }
+}
+
+TEST(EpOneProcessPerGpu, FromEnv) {
+  REQUIRE_GPUS();
+  run_one_process_per_gpu("env");
+}
+
+TEST(EpOneProcessPerGpu, OverAnExistingCommunicator) {
+  REQUIRE_GPUS();
+  run_one_process_per_gpu("comm");
 }
 
 }  // namespace

@@ -76,6 +76,16 @@ TEST(CudaBackendTest, OneEventPerTaskPerRingSlotReused) {
 // see p's write, and must finish while "later" still runs: it waited on p's event, not stream a.
 TEST(CudaBackendTest, CrossStreamWaitIsOnTheProducersEventNotTheStream) {
   WEFT_NEED_GPUS(1);
+  {
+    // Load the kernels first: with lazy module loading, a kernel's first launch waits for the
+    // device, which would make q wait for "later" whatever the engine does.
+    DeviceInts scratch(2);
+    spin_kernel<<<1, 1>>>(0);
+    write_kernel<<<1, 1>>>(scratch.get(), 1);
+    copy_kernel<<<1, 1>>>(scratch.get(), scratch.get() + 1);
+    WEFT_CUDA_CHECK_LAUNCH();
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   for (const char* map : {"legacy", "per_task"}) {
     SCOPED_TRACE(map);
     constexpr int kNumBatches = 3;
