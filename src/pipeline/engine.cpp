@@ -1,7 +1,16 @@
 #include "weft/pipeline/engine.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <utility>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ctime>
+#endif
 
 #include "engine_core.hpp"
 #include "weft/core/error.hpp"
@@ -12,20 +21,42 @@
 namespace weft::pipeline {
 namespace detail {
 
-void wait_for_change(const std::atomic<std::uint32_t>& signal, std::uint32_t old) noexcept {
+void wait_for_change(Signal& signal, std::uint32_t old) noexcept {
   constexpr int kNumPauses = 128;
   constexpr int kNumYields = 16;
   for (int i = 0; i < kNumPauses; ++i) {
-    if (signal.load(std::memory_order_acquire) != old) return;
+    if (signal.value.load(std::memory_order_acquire) != old) return;
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
 #endif
   }
   for (int i = 0; i < kNumYields; ++i) {
-    if (signal.load(std::memory_order_acquire) != old) return;
+    if (signal.value.load(std::memory_order_acquire) != old) return;
     std::this_thread::yield();
   }
-  signal.wait(old, std::memory_order_acquire);
+  while (signal.value.load(std::memory_order_acquire) == old) {
+    signal.num_sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (signal.value.load(std::memory_order_seq_cst) == old) {
+#if defined(__linux__)
+      // The kernel re-checks value == old atomically before sleeping.
+      timespec timeout{0, 50'000'000};
+      syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&signal.value), FUTEX_WAIT_PRIVATE, old,
+              &timeout, nullptr, 0);
+#else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+#endif
+    }
+    signal.num_sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+void wake_all(Signal& signal) noexcept {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (signal.num_sleepers.load(std::memory_order_seq_cst) == 0) return;
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&signal.value), FUTEX_WAKE_PRIVATE, INT_MAX,
+          nullptr, nullptr, 0);
+#endif
 }
 
 EngineCore::WorkerThreads::~WorkerThreads() {
@@ -106,7 +137,7 @@ void EngineCore::start_workers() {
   workers_.stop = [this] {
     stopping_.store(true, std::memory_order_release);
     go_.value.fetch_add(1, std::memory_order_release);
-    go_.value.notify_all();
+    wake_all(go_);
   };
   remaining_.value.store(num_threads, std::memory_order_relaxed);
   workers_.threads.reserve(num_threads);
@@ -115,7 +146,7 @@ void EngineCore::start_workers() {
   }
   std::uint32_t r;
   while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-    wait_for_change(remaining_.value, r);
+    wait_for_change(remaining_, r);
   }
 }
 
@@ -123,7 +154,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
   std::uint32_t seen = 0;  // go_ is not bumped before every worker has reported below
   auto report_done = [this] {
     if (remaining_.value.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      remaining_.value.notify_one();
+      wake_all(remaining_);
     }
   };
   try {
@@ -137,7 +168,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
   while (true) {
     std::uint32_t v;
     while ((v = go_.value.load(std::memory_order_acquire)) == seen) {
-      wait_for_change(go_.value, seen);
+      wait_for_change(go_, seen);
     }
     seen = v;
     if (stopping_.load(std::memory_order_acquire)) return;
@@ -164,10 +195,10 @@ void EngineCore::fail(std::exception_ptr error) noexcept {
   // Change every value a thread may be blocked on, so that it wakes and sees aborted_.
   for (std::size_t t = 0; t < schedule_.num_tasks(); ++t) {
     done_[t].value.fetch_add(1, std::memory_order_acq_rel);
-    done_[t].value.notify_all();
+    wake_all(done_[t]);
   }
   ticket_.value.fetch_add(1, std::memory_order_acq_rel);
-  ticket_.value.notify_all();
+  wake_all(ticket_);
 }
 
 void EngineCore::throw_failure() const {
@@ -184,7 +215,7 @@ void EngineCore::wait_value(Signal& signal, std::uint32_t target) {
   std::uint32_t v = signal.value.load(std::memory_order_acquire);
   while (v != target) {
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
-    wait_for_change(signal.value, v);
+    wait_for_change(signal, v);
     v = signal.value.load(std::memory_order_acquire);
   }
 }
@@ -206,7 +237,7 @@ void EngineCore::wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, 
 
 void EngineCore::mark_done(TaskId task, std::uint32_t epoch) noexcept {
   done_[task].value.store(epoch, std::memory_order_release);
-  done_[task].value.notify_all();
+  wake_all(done_[task]);
 }
 
 double EngineCore::now_us() const noexcept {
@@ -259,7 +290,7 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     if (ticket >= 0) {
       ticket_.value.store(ticket_base_ + static_cast<std::uint32_t>(ticket) + 1,
                           std::memory_order_release);
-      ticket_.value.notify_all();
+      wake_all(ticket_);
     }
     mark_done(plan.id, epoch);
   }
@@ -350,10 +381,10 @@ void EngineCore::run_iteration() {
     remaining_.value.store(static_cast<std::uint32_t>(workers_.threads.size()),
                            std::memory_order_relaxed);
     go_.value.fetch_add(1, std::memory_order_release);
-    go_.value.notify_all();
+    wake_all(go_);
     std::uint32_t r;
     while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-      wait_for_change(remaining_.value, r);
+      wait_for_change(remaining_, r);
     }
   }
   int num_tickets = 0;

@@ -34,14 +34,24 @@
 
 namespace weft::pipeline::detail {
 
+// A 32-bit value threads wait on, with the engine's own futex protocol: a waker that changed
+// `value` calls wake_all(); it makes the futex call only when some thread sleeps on the signal
+// (`num_sleepers`, read after a seq_cst fence, against the sleeper's seq_cst increment before
+// its last check, so one of the two always sees the other). The protocol does not go through
+// std::atomic::wait: the engine benchmark hung on a 32-core machine with it, in a way never
+// reproduced on 2 cores, and owning the protocol leaves no hidden state between wake and wait.
 struct alignas(64) Signal {
   std::atomic<std::uint32_t> value{0};
+  std::atomic<std::uint32_t> num_sleepers{0};
 };
 
-// Returns once signal != old: spins briefly (pause, then yield) before blocking in the futex,
-// because the hand-offs inside one progress() are microseconds apart and a futex sleep/wake
-// costs several microseconds per thread.
-void wait_for_change(const std::atomic<std::uint32_t>& signal, std::uint32_t old) noexcept;
+// Returns once signal.value != old: spins briefly (pause, then yield) before sleeping, because
+// the hand-offs inside one progress() are microseconds apart and a sleep/wake costs several
+// microseconds per thread. A sleep lasts at most 50 ms before the value is checked again, so a
+// wake-up lost anywhere below the engine costs a delay, never a hang.
+void wait_for_change(Signal& signal, std::uint32_t old) noexcept;
+// Wakes every thread sleeping in wait_for_change on this signal. Call after changing the value.
+void wake_all(Signal& signal) noexcept;
 
 // Thrown inside the engine when a wait is cut short because another task failed.
 struct AbortSignal {};
