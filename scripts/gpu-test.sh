@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: configure against the NCCL that the machine's PyTorch ships (the device API
 # needs the library and the headers to be the same version), build with all cores, run the
-# `gpu`-labelled tests and the GPU benchmarks, keep full logs in OUT_DIR, print a summary last.
+# `gpu`-labelled tests, the engine's concurrency tests (a many-core machine exposes races that the
+# 2-core CI machine cannot), and the GPU benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
 #   scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX]
 #
-# OUT_DIR receives: build.log, gpu-tests.log, bench.log, machine.txt, summary.txt.
+# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, bench.log, machine.txt, summary.txt.
 # The benchmarks run are the lines of bench/gpu-benchmarks.txt (commands relative to the build
 # folder; '#' starts a comment), each stopped after BENCH_TIMEOUT seconds (default 300).
 # Exit status: non-zero when the build, a test or a benchmark failed.
@@ -64,6 +65,13 @@ ctest_args=(--test-dir "$build_dir" -L gpu --output-on-failure --timeout 900)
 ctest "${ctest_args[@]}" >"$out/gpu-tests.log" 2>&1 || status=1
 note "gpu tests: $(grep -E 'tests passed|No tests were found' "$out/gpu-tests.log" | tail -1)"
 grep -E '\(Failed\)|\(Timeout\)|\(Subprocess' "$out/gpu-tests.log" | sed 's/^/  /' | tee -a "$summary"
+
+if [[ -z "$only" ]]; then
+  # The engine's CPU tests (stress, multi-rank, failure injection) on all of this machine's cores.
+  ctest --test-dir "$build_dir" -L cpu -R 'Pipeline|Engine|Stress|MultiRank|Failure|Wait|Step' \
+    --output-on-failure --timeout 300 -j 4 >"$out/cpu-stress.log" 2>&1 || status=1
+  note "engine tests on $(nproc) cores: $(grep -E 'tests passed' "$out/cpu-stress.log" | tail -1)"
+fi
 
 if ((run_bench)) && [[ -f bench/gpu-benchmarks.txt ]]; then
   : >"$out/bench.log"
