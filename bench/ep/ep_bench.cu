@@ -330,6 +330,29 @@ int main(int argc, char** argv) {
       }
       std::vector<std::vector<int32_t>> send_counts(static_cast<std::size_t>(R), std::vector<int32_t>(static_cast<std::size_t>(R)));
       std::vector<std::vector<int32_t>> recv_counts = send_counts;
+      // Grouped ncclSend/ncclRecv of exact-size row blocks, one per peer in rank order: the
+      // dispatch direction sends `send` and receives `recv`; back = true returns `recv` into `back`.
+      auto exchange_rows = [&](bool back) {
+        WEFT_NCCL_CHECK(ncclGroupStart());
+        for (int r = 0; r < R; ++r) {
+          auto& d = rk[std::size_t(r)];
+          const auto& out_counts = back ? recv_counts[std::size_t(r)] : send_counts[std::size_t(r)];
+          const auto& in_counts = back ? send_counts[std::size_t(r)] : recv_counts[std::size_t(r)];
+          char* out = static_cast<char*>(back ? d.recv : d.send);
+          char* in = static_cast<char*>(back ? d.back : d.recv);
+          int64_t out_rows = 0, in_rows = 0;
+          for (int p = 0; p < R; ++p) {
+            const int64_t num_out = out_counts[std::size_t(p)], num_in = in_counts[std::size_t(p)];
+            WEFT_NCCL_CHECK(ncclSend(out + out_rows * H * 2, std::size_t(num_out * H), ncclBfloat16, p,
+                                     nccl[std::size_t(r)], d.stream));
+            WEFT_NCCL_CHECK(ncclRecv(in + in_rows * H * 2, std::size_t(num_in * H), ncclBfloat16, p,
+                                     nccl[std::size_t(r)], d.stream));
+            out_rows += num_out;
+            in_rows += num_in;
+          }
+        }
+        WEFT_NCCL_CHECK(ncclGroupEnd());
+      };
       auto base_dispatch = [&] {
         for (int r = 0; r < R; ++r) {
           auto& d = rk[std::size_t(r)];
@@ -363,34 +386,10 @@ int main(int argc, char** argv) {
           baseline_permute<<<132, 512, 0, d.stream>>>(static_cast<const int4*>(d.x), T, R, n16, d.pos, d.offsets, static_cast<int4*>(d.send));
           WEFT_CUDA_CHECK_LAUNCH();
         }
-        WEFT_NCCL_CHECK(ncclGroupStart());
-        for (int r = 0; r < R; ++r) {
-          auto& d = rk[std::size_t(r)];
-          int64_t so = 0, ro = 0;
-          for (int p = 0; p < R; ++p) {
-            const int64_t sc = send_counts[std::size_t(r)][std::size_t(p)], rc = recv_counts[std::size_t(r)][std::size_t(p)];
-            WEFT_NCCL_CHECK(ncclSend(static_cast<char*>(d.send) + so * H * 2, std::size_t(sc * H), ncclBfloat16, p, nccl[std::size_t(r)], d.stream));
-            WEFT_NCCL_CHECK(ncclRecv(static_cast<char*>(d.recv) + ro * H * 2, std::size_t(rc * H), ncclBfloat16, p, nccl[std::size_t(r)], d.stream));
-            so += sc;
-            ro += rc;
-          }
-        }
-        WEFT_NCCL_CHECK(ncclGroupEnd());
+        exchange_rows(false);
       };
       auto base_combine = [&] {
-        WEFT_NCCL_CHECK(ncclGroupStart());
-        for (int r = 0; r < R; ++r) {
-          auto& d = rk[std::size_t(r)];
-          int64_t so = 0, ro = 0;
-          for (int p = 0; p < R; ++p) {
-            const int64_t sc = send_counts[std::size_t(r)][std::size_t(p)], rc = recv_counts[std::size_t(r)][std::size_t(p)];
-            WEFT_NCCL_CHECK(ncclSend(static_cast<char*>(d.recv) + ro * H * 2, std::size_t(rc * H), ncclBfloat16, p, nccl[std::size_t(r)], d.stream));
-            WEFT_NCCL_CHECK(ncclRecv(static_cast<char*>(d.back) + so * H * 2, std::size_t(sc * H), ncclBfloat16, p, nccl[std::size_t(r)], d.stream));
-            so += sc;
-            ro += rc;
-          }
-        }
-        WEFT_NCCL_CHECK(ncclGroupEnd());
+        exchange_rows(true);
         for (int r = 0; r < R; ++r) {
           auto& d = rk[std::size_t(r)];
           WEFT_CUDA_CHECK(cudaSetDevice(r));
