@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
+#include <string>
 #include <utility>
 
 #if defined(__linux__)
@@ -34,7 +36,7 @@ void wait_for_change(Signal& signal, std::uint32_t old) noexcept {
     if (signal.value.load(std::memory_order_acquire) != old) return;
     std::this_thread::yield();
   }
-  while (signal.value.load(std::memory_order_acquire) == old) {
+  if (signal.value.load(std::memory_order_acquire) == old) {
     signal.num_sleepers.fetch_add(1, std::memory_order_seq_cst);
     if (signal.value.load(std::memory_order_seq_cst) == old) {
 #if defined(__linux__)
@@ -107,6 +109,7 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   ring_slot_by_la_.assign(num_la, 0);
   ticket_of_task_.assign(num_tasks, -1);
   done_ = std::make_unique<Signal[]>(num_tasks);
+  progress_by_thread_ = std::make_unique<ThreadProgress[]>(threads_.num_threads());
 
   tracing_ = options_.trace;
   origin_ = std::chrono::steady_clock::now();
@@ -144,10 +147,58 @@ void EngineCore::start_workers() {
   for (std::uint32_t t = 0; t < num_threads; ++t) {
     workers_.threads.emplace_back([this, t] { worker_main(t); });
   }
+  wait_for_workers();
+}
+
+void EngineCore::wait_for_workers() {
+  const auto start = std::chrono::steady_clock::now();
+  bool reported = options_.stall_report_s <= 0;
   std::uint32_t r;
   while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
     wait_for_change(remaining_, r);
+    if (reported) continue;
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds >= options_.stall_report_s) {
+      report_stall(seconds);
+      reported = true;
+    }
   }
+}
+
+void EngineCore::report_stall(double seconds) const {
+  char header[160];
+  std::snprintf(header, sizeof(header),
+                "weft engine: progress() has waited %.1f s for its threads (iteration %lld):\n",
+                seconds, static_cast<long long>(iteration_));
+  std::string text = header;
+  for (std::uint32_t t = 0; t < threads_.num_threads(); ++t) {
+    const ThreadProgress& p = progress_by_thread_[t];
+    const auto& tasks = threads_.tasks_of_thread[t];
+    const std::uint32_t position = p.position.load(std::memory_order_relaxed);
+    text += "  thread '" + threads_.thread_names[t] + "': ";
+    if (position >= tasks.size()) {
+      text += "done\n";
+      continue;
+    }
+    text += "in task '" + schedule_.task(tasks[position]).name() + "'";
+    switch (p.wait.load(std::memory_order_relaxed)) {
+      case ThreadProgress::kTask:
+        text += ", waiting for task '" +
+                schedule_.task(p.wait_target.load(std::memory_order_relaxed)).name() + "'";
+        break;
+      case ThreadProgress::kTicket:
+        text += ", waiting for collective ticket " +
+                std::to_string(p.wait_target.load(std::memory_order_relaxed) - ticket_base_) +
+                " (now serving " +
+                std::to_string(ticket_.value.load(std::memory_order_relaxed) - ticket_base_) + ")";
+        break;
+      default:
+        text += ", running its body";
+    }
+    text += "\n";
+  }
+  std::fputs(text.c_str(), stderr);
 }
 
 void EngineCore::worker_main(std::uint32_t thread) {
@@ -172,7 +223,11 @@ void EngineCore::worker_main(std::uint32_t thread) {
     }
     seen = v;
     if (stopping_.load(std::memory_order_acquire)) return;
-    for (TaskId t : tasks) {
+    ThreadProgress& progress = progress_by_thread_[thread];
+    for (std::uint32_t i = 0; i < tasks.size(); ++i) {
+      const TaskId t = tasks[i];
+      progress.position.store(i, std::memory_order_relaxed);
+      progress.wait.store(ThreadProgress::kNone, std::memory_order_relaxed);
       try {
         run_task(plans_[t], thread, true);
       } catch (const AbortSignal&) {
@@ -182,6 +237,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
         break;
       }
     }
+    progress.position.store(static_cast<std::uint32_t>(tasks.size()), std::memory_order_relaxed);
     report_done();
   }
 }
@@ -224,6 +280,9 @@ void EngineCore::wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, 
                            std::uint32_t thread) {
   Signal& signal = done_[wait.producer];
   if (signal.value.load(std::memory_order_acquire) == epoch) return;
+  ThreadProgress& progress = progress_by_thread_[thread];
+  progress.wait_target.store(wait.producer, std::memory_order_relaxed);
+  progress.wait.store(ThreadProgress::kTask, std::memory_order_relaxed);
   if (!tracing_) {
     wait_value(signal, epoch);
     return;
@@ -255,7 +314,14 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
   if (threaded) {
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
     for (const TaskPlan::HostWait& w : plan.host_waits) wait_done(w, epoch, plan.id, thread);
-    if (ticket >= 0) wait_value(ticket_, ticket_base_ + static_cast<std::uint32_t>(ticket));
+    if (ticket >= 0) {
+      const std::uint32_t target = ticket_base_ + static_cast<std::uint32_t>(ticket);
+      ThreadProgress& progress = progress_by_thread_[thread];
+      progress.wait_target.store(target, std::memory_order_relaxed);
+      progress.wait.store(ThreadProgress::kTicket, std::memory_order_relaxed);
+      wait_value(ticket_, target);
+    }
+    progress_by_thread_[thread].wait.store(ThreadProgress::kNone, std::memory_order_relaxed);
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
   }
   const auto la = static_cast<std::size_t>(plan.lookahead);
@@ -382,10 +448,7 @@ void EngineCore::run_iteration() {
                            std::memory_order_relaxed);
     go_.value.fetch_add(1, std::memory_order_release);
     wake_all(go_);
-    std::uint32_t r;
-    while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-      wait_for_change(remaining_, r);
-    }
+    wait_for_workers();
   }
   int num_tickets = 0;
   for (TaskId t : schedule_.collective_order()) num_tickets += ticket_of_task_[t] >= 0 ? 1 : 0;

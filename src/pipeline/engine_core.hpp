@@ -45,11 +45,20 @@ struct alignas(64) Signal {
   std::atomic<std::uint32_t> num_sleepers{0};
 };
 
-// Returns once signal.value != old: spins briefly (pause, then yield) before sleeping, because
-// the hand-offs inside one progress() are microseconds apart and a sleep/wake costs several
-// microseconds per thread. A sleep lasts at most 50 ms before the value is checked again, so a
-// wake-up lost anywhere below the engine costs a delay, never a hang.
+// Waits for signal.value != old: spins briefly (pause, then yield) before sleeping, because the
+// hand-offs inside one progress() are microseconds apart and a sleep/wake costs several
+// microseconds per thread. Returns after at most one sleep of at most 50 ms, changed or not:
+// callers re-check in a loop, so a wake-up lost anywhere below the engine costs a delay, never a
+// hang, and a waiting caller gets to look at the clock.
 void wait_for_change(Signal& signal, std::uint32_t old) noexcept;
+
+// Where an engine thread is, for the stall report; written by the thread, read by the caller.
+struct alignas(64) ThreadProgress {
+  enum Wait : std::uint32_t { kNone, kTask, kTicket };
+  std::atomic<std::uint32_t> position{0};  // index into the thread's task list; size = done
+  std::atomic<std::uint32_t> wait{kNone};
+  std::atomic<std::uint32_t> wait_target{0};  // the producer TaskId, or the ticket value
+};
 // Wakes every thread sleeping in wait_for_change on this signal. Call after changing the value.
 void wake_all(Signal& signal) noexcept;
 
@@ -116,6 +125,9 @@ class EngineCore {
   void wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, TaskId consumer,
                  std::uint32_t thread);
   void wait_value(Signal& signal, std::uint32_t target);
+  // Waits for remaining_ == 0 (the caller's side of an iteration), reporting a stall once.
+  void wait_for_workers();
+  void report_stall(double seconds) const;
   void mark_done(TaskId task, std::uint32_t epoch) noexcept;
   void fail(std::exception_ptr error) noexcept;
   [[noreturn]] void throw_failure() const;
@@ -150,6 +162,7 @@ class EngineCore {
   std::uint32_t ticket_base_ = 0;
 
   std::unique_ptr<Signal[]> done_;
+  std::unique_ptr<ThreadProgress[]> progress_by_thread_;
   Signal ticket_;
   Signal go_;
   Signal remaining_;

@@ -50,6 +50,10 @@ using Source = std::function<bool(Batch&)>;
 
 struct EngineOptions {
   bool trace = false;  // record host spans, waits and (CUDA backend) GPU spans
+  // When one progress() has run this long, the engine prints once, to stderr, where each of its
+  // threads is: which task it runs or which producer or ticket it waits for. The progress()
+  // goes on. 0 turns the report off.
+  double stall_report_s = 60;
 };
 
 // The batch a progress() finished: valid until the next progress(), reset() or set_source().

@@ -1,0 +1,71 @@
+// A progress() that takes longer than EngineOptions::stall_report_s prints, once, where each
+// engine thread is: the task it runs, the producer or the collective ticket it waits for.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "weft/pipeline/pipeline.hpp"
+
+namespace weft::pipeline {
+namespace {
+
+std::string run_one_slow_step(Schedule schedule, ThreadMap map, double stall_report_s) {
+  Engine engine(std::move(schedule), std::move(map), EngineOptions{.stall_report_s = stall_report_s});
+  engine.set_source([n = 0](Batch&) mutable { return n++ < 1; });
+  testing::internal::CaptureStderr();
+  while (engine.progress()) {
+  }
+  return testing::internal::GetCapturedStderr();
+}
+
+void sleep_for_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+TEST(StallReport, NamesTheRunningTaskAndWhatOthersWaitFor) {
+  // Each pair on its own streams, so that only the data edge and the ticket make threads wait.
+  Schedule s;
+  s.add_stream("s1").add_stream("s2").add_stream("s3");
+  s.add(Task("slow").writes("x").body([](TaskContext&) { sleep_for_ms(600); }));
+  s.add(Task("consumer").stream("s1").reads("x"));
+  s.add(Task("first_collective").stream("s2").collective().body([](TaskContext&) {
+    sleep_for_ms(600);
+  }));
+  s.add(Task("second_collective").stream("s3").collective());
+  const ThreadMap map = ThreadMap::groups({{"a", {"slow"}},
+                                           {"b", {"consumer"}},
+                                           {"c", {"first_collective"}},
+                                           {"d", {"second_collective"}}});
+  const std::string report = run_one_slow_step(std::move(s), map, 0.2);
+  EXPECT_NE(report.find("progress() has waited"), std::string::npos) << report;
+  EXPECT_NE(report.find("thread 'a': in task 'slow', running its body"), std::string::npos)
+      << report;
+  EXPECT_NE(report.find("thread 'b': in task 'consumer', waiting for task 'slow'"),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("thread 'c': in task 'first_collective', running its body"),
+            std::string::npos)
+      << report;
+  EXPECT_NE(report.find("thread 'd': in task 'second_collective', waiting for collective ticket 1 "
+                        "(now serving 0)"),
+            std::string::npos)
+      << report;
+  // Printed once per progress(), however long it goes on.
+  EXPECT_EQ(report.find("progress() has waited", report.find("progress() has waited") + 1),
+            std::string::npos)
+      << report;
+}
+
+TEST(StallReport, QuietWhenFastOrTurnedOff) {
+  auto schedule = [] {
+    Schedule s;
+    s.add(Task("slow").writes("x").body([](TaskContext&) { sleep_for_ms(300); }));
+    s.add(Task("consumer").reads("x"));
+    return s;
+  };
+  EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::per_task(), 0), "");
+  EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::per_task(), 30), "");
+}
+
+}  // namespace
+}  // namespace weft::pipeline
