@@ -70,7 +70,7 @@ struct Timeline {
 struct ThreadLoad {
   std::string thread;
   double busy_us = 0;  // running task bodies
-  double wait_us = 0;  // blocked on a cross-thread wait
+  double wait_us = 0;  // idle before one of its tasks could start (waiting for other threads)
 };
 
 std::vector<ThreadLoad> thread_loads(const Timeline& timeline);

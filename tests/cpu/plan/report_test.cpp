@@ -91,14 +91,20 @@ TEST(Report, EscapesNamesAndDrawsCollectiveInventory) {
   EXPECT_NE(html.find("2.0 KB"), std::string::npos);
 }
 
-TEST(Report, ThreadLoadsSumBusyAndCpuWaits) {
+TEST(Report, ThreadLoadsCountBusyTimeAndIdleGapsOnce) {
   auto v = crowded_variant("v");
-  v.timeline.waits.push_back({"p", "c", "a", "b", WaitRule::kSyncGpu, 0, 100});  // not a thread's
+  // Thread a runs tasks 0, 2, ..., 10 at 0, 20, ..., 100 for 2 us each: gaps 5 x 18 us.
+  // Thread b runs tasks 1, 3, ..., 11 at 10, 30, ..., 110: a first gap of 10 us, then 5 x 18.
   const auto loads = weft::plan::thread_loads(v.timeline);
   ASSERT_EQ(loads.size(), 2u);
   EXPECT_EQ(loads[0].thread, "a");
   EXPECT_DOUBLE_EQ(loads[0].busy_us, 12.0);
-  EXPECT_DOUBLE_EQ(loads[1].wait_us, 8.0);
+  EXPECT_DOUBLE_EQ(loads[0].wait_us, 90.0);
+  EXPECT_DOUBLE_EQ(loads[1].busy_us, 12.0);
+  EXPECT_DOUBLE_EQ(loads[1].wait_us, 100.0);
+  // Two producers waited for at once are one wait, not two.
+  v.timeline.waits.push_back({"p", "c", "a", "b", WaitRule::kSyncCpu, 0, 100});
+  EXPECT_DOUBLE_EQ(weft::plan::thread_loads(v.timeline)[1].wait_us, 100.0);
 }
 
 }  // namespace
