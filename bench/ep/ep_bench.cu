@@ -3,6 +3,14 @@
 //
 //   weft-ep-bench --tokens 128,8192 --hidden 7168 --topk 8 --experts 256 --num-sms 0
 //                 --tokens-per-block 4 --send-warps 4 --warmup 20 --iters 100
+//                 [--fp8] [--cached] [--stats]
+//
+// --fp8: dispatch moves packed fp8 rows (made once by weft::ep::cast_to_fp8, not timed; the
+// logical/nvlink GB/s of dispatch then count the packed row bytes, padding included); combine
+// takes bf16 expert outputs (the bf16 dispatch's rows, from the reference). --cached: dispatch is
+// timed as a cached dispatch (handle= of one uncached dispatch before the loop: no layout
+// phase). --stats: every dispatch also accumulates cumulative_local_expert_recv_stats (the
+// kernel variant with the accumulation). These paths are NOT YET RUN on a GPU.
 //
 // The `blk` column is the blocks of each kernel: ceil(T / tokens-per-block), at most num-sms.
 //
@@ -98,6 +106,9 @@ struct Rank {
   int device = 0;
   cudaStream_t stream = nullptr;
   void *x = nullptr, *idx = nullptr, *w = nullptr, *out = nullptr;
+  void* x_fp8 = nullptr;       // --fp8: [T, fp8 row bytes]
+  void* expert_out = nullptr;  // --fp8: [num_recv, H] bf16 for combine
+  uint32_t* stats = nullptr;   // --stats: [E / R]
   // baseline
   int32_t *pos = nullptr, *counts = nullptr, *offsets = nullptr;
   void *send = nullptr, *recv = nullptr, *back = nullptr;
@@ -117,7 +128,7 @@ int main(int argc, char** argv) {
   std::vector<int> tpb_list{weft::ep::BufferOptions{}.tokens_per_block};
   int warmup = 20, iters = 100, num_gpus = 0;
   double mask_ratio = 0.0;
-  bool no_baseline = false;
+  bool no_baseline = false, fp8 = false, cached = false, stats = false;
   app.add_option("--tokens", tokens_list, "tokens per rank (list)")->delimiter(',');
   app.add_option("--hidden", hidden_list, "hidden size (list)")->delimiter(',');
   app.add_option("--topk", topk_list, "top-k (list)")->delimiter(',');
@@ -131,6 +142,9 @@ int main(int argc, char** argv) {
   app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)");
   app.add_option("--mask-ratio", mask_ratio, "fraction of selections set to -1");
   app.add_flag("--no-baseline", no_baseline, "skip the NCCL baseline");
+  app.add_flag("--fp8", fp8, "dispatch packed fp8 rows (hidden a multiple of 128)");
+  app.add_flag("--cached", cached, "time dispatch with handle= (no layout phase)");
+  app.add_flag("--stats", stats, "accumulate cumulative_local_expert_recv_stats in dispatch");
   CLI11_PARSE(app, argc, argv);
 
   const int R = num_gpus > 0 ? num_gpus : weft::cuda::device_count();
@@ -138,8 +152,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "weft-ep-bench needs 2 GPUs, found %d\n", R);
     return 2;
   }
-  std::printf("# weft-ep-bench: %d ranks, warmup %d, iters %d, mask %.2f\n", R, warmup, iters,
-              mask_ratio);
+  std::printf("# weft-ep-bench: %d ranks, warmup %d, iters %d, mask %.2f%s%s%s\n", R, warmup,
+              iters, mask_ratio, fp8 ? ", fp8" : "", cached ? ", cached" : "",
+              stats ? ", stats" : "");
   std::printf("# %-6s %6s %4s %5s %4s %3s | %-8s %9s %8s %8s %8s %7s | %9s %8s\n", "tokens", "hidden",
               "topk", "exp", "blk", "sw", "op", "time_us", "host_us", "logGB/s", "nvlGB/s", "#wrong",
               "nccl_us", "ratio");
@@ -189,6 +204,26 @@ int main(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
     }
     const auto layouts = ref::dispatch(config, inputs);
+    const int64_t fp8_row_bytes = fp8 ? weft::ep::fp8_row_layout(H).row_bytes : 0;
+    ref::DispatchOptions fp8_options;
+    fp8_options.fp8 = true;
+    const auto fp8_layouts = fp8 ? ref::dispatch(config, inputs, fp8_options) : layouts;
+    for (int r = 0; r < R; ++r) {
+      auto& d = rk[std::size_t(r)];
+      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      if (fp8) {
+        WEFT_CUDA_CHECK(cudaMalloc(&d.x_fp8, std::size_t(T * fp8_row_bytes)));
+        weft::ep::cast_to_fp8(d.x, T, H, d.x_fp8, d.stream);
+        const auto& recv = layouts[std::size_t(r)].recv_x;
+        WEFT_CUDA_CHECK(cudaMalloc(&d.expert_out, std::max<std::size_t>(recv.size() * 2, 16)));
+        WEFT_CUDA_CHECK(cudaMemcpy(d.expert_out, recv.data(), recv.size() * 2, cudaMemcpyHostToDevice));
+      }
+      if (stats) {
+        WEFT_CUDA_CHECK(cudaMalloc(&d.stats, std::size_t(epr) * 4));
+        WEFT_CUDA_CHECK(cudaMemset(d.stats, 0, std::size_t(epr) * 4));
+      }
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
+    }
     int64_t max_recv = 0, max_remote = 0;
     for (int r = 0; r < R; ++r) {
       const auto& L = layouts[std::size_t(r)];
@@ -198,19 +233,39 @@ int main(int argc, char** argv) {
       max_remote = std::max(max_remote, remote);
     }
     std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+    std::vector<weft::ep::Handle> handles;  // --cached: the layout every timed call reuses
     auto dispatch_rank = [&](int r) {
       auto& d = rk[std::size_t(r)];
-      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
-          {.x = {d.x, DType::kBFloat16, T, H}, .topk_idx = {d.idx, DType::kInt64, T, K},
-           .topk_weights = {d.w, DType::kFloat32, T, K}},
-          d.stream);
+      weft::ep::DispatchInputs din;
+      if (fp8) {
+        din.x = {d.x_fp8, DType::kUInt8, T, fp8_row_bytes};
+      } else {
+        din.x = {d.x, DType::kBFloat16, T, H};
+      }
+      if (handles.empty()) {
+        din.topk_idx = {d.idx, DType::kInt64, T, K};
+        din.topk_weights = {d.w, DType::kFloat32, T, K};
+      } else {
+        din.handle = &handles[std::size_t(r)];
+      }
+      din.cumulative_local_expert_recv_stats = d.stats;
+      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(din, d.stream);
     };
     auto combine_rank = [&](int r) {
       auto& d = rk[std::size_t(r)];
       const auto& rr = res[std::size_t(r)];
-      eps[std::size_t(r)]->combine({.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}},
-                                   rr.handle, d.out, d.stream);
+      weft::ep::CombineInputs cin;
+      if (fp8) {
+        cin.expert_out = {d.expert_out, DType::kBFloat16, layouts[std::size_t(r)].num_recv, H};
+      } else {
+        cin.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H};
+      }
+      eps[std::size_t(r)]->combine(cin, rr.handle, d.out, d.stream);
     };
+    if (cached) {  // one uncached dispatch computes the layout the timed calls reuse
+      for (int r = 0; r < R; ++r) dispatch_rank(r);
+      for (const auto& rr : res) handles.push_back(rr.handle);
+    }
     auto dispatch_all = [&] {
       for (int r = 0; r < R; ++r) dispatch_rank(r);
     };
@@ -296,10 +351,17 @@ int main(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaMemcpy(&n, res[std::size_t(r)].num_recv_device, 4, cudaMemcpyDeviceToHost));
       if (n != L.num_recv) {
         wrong_dispatch += 1 + std::abs(n - L.num_recv) * H;
+      } else if (fp8) {  // packed rows, byte for byte
+        const auto& want_rows = fp8_layouts[std::size_t(r)].recv_x_fp8;
+        std::vector<uint8_t> got(want_rows.size());
+        WEFT_CUDA_CHECK(cudaMemcpy(got.data(), res[std::size_t(r)].recv_x_fp8, got.size(), cudaMemcpyDeviceToHost));
+        for (std::size_t i = 0; i < got.size(); ++i) wrong_dispatch += got[i] != want_rows[i];
       } else {
         std::vector<uint16_t> got(std::size_t(n * H));
         WEFT_CUDA_CHECK(cudaMemcpy(got.data(), res[std::size_t(r)].recv_x, got.size() * 2, cudaMemcpyDeviceToHost));
         for (std::size_t i = 0; i < got.size(); ++i) wrong_dispatch += got[i] != L.recv_x[i];
+      }
+      if (n == L.num_recv) {
         std::vector<int32_t> src(std::size_t(n * 2));
         WEFT_CUDA_CHECK(cudaMemcpy(src.data(), res[std::size_t(r)].recv_src, src.size() * 4, cudaMemcpyDeviceToHost));
         for (int64_t j = 0; j < n; ++j) {
@@ -415,21 +477,23 @@ int main(int argc, char** argv) {
       }
       if (base_wrong != 0) std::printf("# baseline round trip: %ld wrong elements (baseline only)\n", base_wrong);
     }
-    const double row_bytes = double(H) * 2;
     const int sms_used = eps[0]->num_blocks(T);
-    auto line = [&](const char* op, double us, double issue_us, long wrong, double base_us) {
+    auto line = [&](const char* op, double row_bytes, double us, double issue_us, long wrong,
+                    double base_us) {
       std::printf("  %-6ld %6ld %4d %5d %4d %3d | %-8s %9.1f %8.1f %8.1f %8.1f %7ld | %9.1f %8.2f\n",
                   long(T), long(H), K, E, sms_used, send_warps, op, us, issue_us,
                   double(max_recv) * row_bytes / us / 1e3,
                   double(max_remote) * row_bytes / us / 1e3, wrong, base_us,
                   base_us > 0 ? base_us / us : 0.0);
     };
-    line("dispatch", dispatch_us, dispatch_host_us, wrong_dispatch, base_dispatch_us);
-    line("combine", combine_us, combine_host_us, wrong_combine, base_combine_us);
+    line(fp8 ? "disp-fp8" : "dispatch", fp8 ? double(fp8_row_bytes) : double(H) * 2, dispatch_us,
+         dispatch_host_us, wrong_dispatch, base_dispatch_us);
+    line("combine", double(H) * 2, combine_us, combine_host_us, wrong_combine, base_combine_us);
     std::fflush(stdout);
     for (auto& d : rk) {
       cudaSetDevice(d.device);
       cudaFree(d.x); cudaFree(d.idx); cudaFree(d.w); cudaFree(d.out);
+      cudaFree(d.x_fp8); cudaFree(d.expert_out); cudaFree(d.stats);
       cudaEventDestroy(d.start); cudaEventDestroy(d.stop); cudaStreamDestroy(d.stream);
     }
   }

@@ -80,6 +80,7 @@ const char* wait_name(int64_t what) {
     case detail::kWaitCombineEntry: return "a peer to enter combine (its slots to be free)";
     case detail::kWaitCombineRow: return "a peer's expert output row (combine store-back)";
     case detail::kWaitGridBarrier: return "the other blocks of its own kernel (grid barrier)";
+    case detail::kWaitCachedEntry: return "a peer to enter a cached dispatch (its rows to be free)";
     default: return "an unknown event";
   }
 }
@@ -149,9 +150,11 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   DeviceGuard guard(device_);
   int num_sms = 0;
   WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
-  num_blocks_ = options.num_sms > 0 ? options.num_sms : num_sms;
-  WEFT_CHECK(num_blocks_ <= num_sms && num_blocks_ <= detail::kMaxBlocks, "num_sms ",
-             options.num_sms, " exceeds the device's ", num_sms, " SMs");
+  device_num_sms_ = std::min(num_sms, detail::kMaxBlocks);
+  WEFT_CHECK(options.num_sms >= 0, "num_sms must not be negative, got ", options.num_sms);
+  num_blocks_ = options.num_sms > 0 ? options.num_sms : device_num_sms_;
+  WEFT_CHECK(num_blocks_ <= device_num_sms_, "num_sms ", options.num_sms, " exceeds the device's ",
+             num_sms, " SMs");
 
   state_ = std::make_unique<detail::BufferState>();
   state_->device = device_;
@@ -282,6 +285,26 @@ int Buffer::num_blocks(int64_t num_tokens) const noexcept {
   return int(std::clamp<int64_t>(wanted, 1, num_blocks_));
 }
 
+int Buffer::num_blocks(int64_t num_tokens, int num_sms) const {
+  WEFT_CHECK(num_sms >= 0 && num_sms <= device_num_sms_, "num_sms ", num_sms,
+             " is outside [0, ", device_num_sms_, "] (0: the Buffer's; at most the device's SMs)");
+  const int most = num_sms > 0 ? num_sms : num_blocks_;
+  const int64_t wanted = (num_tokens + options_.tokens_per_block - 1) / options_.tokens_per_block;
+  return int(std::clamp<int64_t>(wanted, 1, most));
+}
+
+void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
+                 cudaStream_t stream) {
+  const Fp8RowLayout l = fp8_row_layout(hidden);
+  WEFT_CHECK(num_tokens >= 0, "cast_to_fp8: num_tokens must not be negative");
+  WEFT_CHECK(num_tokens == 0 || (x != nullptr && out != nullptr), "cast_to_fp8: null pointer");
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
+             "cast_to_fp8: x and out must be 16-byte aligned");
+  detail::launch_cast_fp8({static_cast<const uint16_t*>(x), static_cast<uint8_t*>(out), num_tokens,
+                           hidden, l.raw_bytes, l.row_bytes},
+                          stream);
+}
+
 void Buffer::throw_if_device_error() {
   state_->error.throw_if_raised([&](const cuda::DeviceErrorRecord& r) {
     return describe(r, config_, options_.timeout_s);
@@ -290,21 +313,65 @@ void Buffer::throw_if_device_error() {
 
 void Buffer::check() { throw_if_device_error(); }
 
+namespace {
+
+// Bytes per row of dispatch's x: bf16 [T, hidden] or packed fp8 [T, fp8 row_bytes] uint8.
+int64_t dispatch_row_bytes(const TensorView& x, const BufferConfig& config) {
+  if (x.dtype == DType::kUInt8) {
+    const Fp8RowLayout l = fp8_row_layout(config.hidden);
+    check_view(x, "x (packed fp8 rows)", {DType::kUInt8}, x.rows, l.row_bytes);
+    // The window's recv_x region is sized for bf16 rows: [cap][2 * hidden] bytes.
+    WEFT_CHECK(l.row_bytes <= config.row_bytes(), "fp8 rows of ", l.row_bytes,
+               " bytes do not fit the window's ", config.row_bytes(), "-byte rows");
+    return l.row_bytes;
+  }
+  check_view(x, "x", {DType::kBFloat16}, x.rows, config.hidden);
+  return config.row_bytes();
+}
+
+}  // namespace
+
+DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) const {
+  const auto& layout = group_->layout;
+  char* base = static_cast<char*>(group_->windows.local_ptr(index_));
+  DispatchResult r;
+  if (row_bytes == config_.row_bytes()) {
+    r.recv_x = reinterpret_cast<const uint16_t*>(base + layout.recv_x);
+  } else {
+    r.recv_x_fp8 = reinterpret_cast<const uint8_t*>(base + layout.recv_x);
+  }
+  r.row_bytes = row_bytes;
+  r.recv_expert_idx = reinterpret_cast<const int32_t*>(base + layout.recv_expert_idx);
+  r.recv_weights = reinterpret_cast<const float*>(base + layout.recv_weights);
+  r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
+  r.tokens_per_local_expert = state_->tokens_per_expert;
+  r.num_recv_device = &state_->state->num_recv;
+  r.capacity = capacity();
+  r.handle = handle;
+  r.num_recv = handle.num_recv;
+  return r;
+}
+
 DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, CountMode mode) {
   throw_if_device_error();
   const int64_t T = in.x.rows;
   WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "dispatch of ", T,
              " tokens, but the buffer was sized for at most ", config_.max_tokens);
-  check_view(in.x, "x", {DType::kBFloat16}, T, config_.hidden);
+  const int64_t row_bytes = dispatch_row_bytes(in.x, config_);
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.x.data) % 16 == 0, "x must be 16-byte aligned");
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.cumulative_local_expert_recv_stats) % 4 == 0,
+             "cumulative_local_expert_recv_stats must be 4-byte aligned");
+  if (in.handle != nullptr) return dispatch_cached(in, row_bytes, stream, mode);
   check_view(in.topk_idx, "topk_idx", {DType::kInt32, DType::kInt64}, T, config_.top_k);
   check_view(in.topk_weights, "topk_weights", {DType::kFloat32}, T, config_.top_k);
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.x.data) % 16 == 0, "x must be 16-byte aligned");
+  const int num_blocks_of_call = num_blocks(T, in.num_sms);
   DeviceGuard guard(device_);
   const auto& layout = group_->layout;
   detail::DispatchParams p{};
   p.comm = {group_->windows.window(index_), layout, rank_, num_ranks_, state_->state,
             state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
-  p.x = static_cast<const uint16_t*>(in.x.data);
+  p.x = in.x.data;
+  p.row_bytes = row_bytes;
   p.topk_idx = in.topk_idx.data;
   p.topk_idx_int64 = in.topk_idx.dtype == DType::kInt64;
   p.local_count = T <= detail::kLocalCountMaxTokens;
@@ -318,19 +385,11 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.expert_counts = state_->expert_counts;
   p.send_slot = state_->send_slot;
   p.tokens_per_expert = state_->tokens_per_expert;
-  detail::launch_dispatch(p, num_blocks(T), stream);
+  p.cumulative_stats = in.cumulative_local_expert_recv_stats;
+  detail::launch_dispatch(p, num_blocks_of_call, stream);
   ++dispatch_sequence_;
 
-  char* base = static_cast<char*>(group_->windows.local_ptr(index_));
-  DispatchResult r;
-  r.recv_x = reinterpret_cast<const uint16_t*>(base + layout.recv_x);
-  r.recv_expert_idx = reinterpret_cast<const int32_t*>(base + layout.recv_expert_idx);
-  r.recv_weights = reinterpret_cast<const float*>(base + layout.recv_weights);
-  r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
-  r.tokens_per_local_expert = state_->tokens_per_expert;
-  r.num_recv_device = &state_->state->num_recv;
-  r.capacity = capacity();
-  r.handle = {id_, dispatch_sequence_, T, -1};
+  DispatchResult r = make_result(row_bytes, {id_, dispatch_sequence_, T, -1});
   if (mode == CountMode::kExact) {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream));
@@ -338,6 +397,36 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     state_->count_sequence = dispatch_sequence_;
   }
   return r;
+}
+
+DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_bytes,
+                                       cudaStream_t stream, CountMode mode) {
+  const Handle& h = *in.handle;
+  WEFT_CHECK(h.buffer_id == id_, "cached dispatch: the handle is from another Buffer");
+  WEFT_CHECK(h.sequence == dispatch_sequence_, "cached dispatch: the handle is stale (its layout ",
+             "is dispatch ", h.sequence, "'s, but dispatch ", dispatch_sequence_,
+             " has computed a new one on this Buffer since)");
+  WEFT_CHECK(in.topk_idx.data == nullptr && in.topk_idx.rows == 0 &&
+                 in.topk_weights.data == nullptr && in.topk_weights.rows == 0,
+             "cached dispatch: topk_idx and topk_weights must be empty (the handle's are reused)");
+  WEFT_CHECK(in.x.rows == h.num_tokens, "cached dispatch: x has ", in.x.rows,
+             " tokens, the handle's layout ", h.num_tokens);
+  WEFT_CHECK(mode == CountMode::kOnDevice, "cached dispatch: the count is the handle's ",
+             "(num_recv_device, or handle.num_recv after wait_num_recv); use CountMode::kOnDevice");
+  const int num_blocks_of_call = num_blocks(h.num_tokens, in.num_sms);
+  DeviceGuard guard(device_);
+  detail::CachedDispatchParams p{};
+  p.comm = {group_->windows.window(index_), group_->layout, rank_, num_ranks_, state_->state,
+            state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
+  p.x = in.x.data;
+  p.row_bytes = row_bytes;
+  p.num_tokens = h.num_tokens;
+  p.send_slot = state_->send_slot;
+  p.tokens_per_expert = state_->tokens_per_expert;
+  p.num_local_experts = config_.num_local_experts(num_ranks_);
+  p.cumulative_stats = in.cumulative_local_expert_recv_stats;
+  detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
+  return make_result(row_bytes, h);
 }
 
 int64_t Buffer::wait_num_recv(DispatchResult& result) {
@@ -392,7 +481,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
-  detail::launch_combine(p, num_blocks(T), stream);
+  detail::launch_combine(p, num_blocks(T, in.num_sms), stream);
 }
 
 }  // namespace weft::ep

@@ -10,9 +10,11 @@
 // rank is at most one call ahead of any peer; regions written per call by peers (counts) are
 // double-buffered by call parity, the others are rewritten only after that entry wait.
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <nccl_device.h>
 
 #include "kernels.hpp"
+#include "weft/ep/types.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_error.cuh"
 
@@ -169,6 +171,9 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
 //        base(d) = sum_{s < rank} count[s][d] + prefix_b(d) + slot in block;
 //  3. scatter: one warp per (token, destination) writes row + metadata straight to the peer's
 //     window; the last block then raises kFlagDone at every peer and waits for all peers' done.
+// Rows are opaque: row_bytes / 16 vectors each (bf16 rows, or packed fp8 rows).
+// kAccumulateStats: block 0 also adds the per-local-expert counts to p.cumulative_stats.
+template <bool kAccumulateStats>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchParams p) {
   extern __shared__ int32_t smem[];
   const CommParams& c = p.comm;
@@ -323,12 +328,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
         n += int32_t(uint32_t(v));
       }
       p.tokens_per_expert[e] = n;
+      if constexpr (kAccumulateStats) p.cumulative_stats[e] += uint32_t(n);
     }
   }
   __syncthreads();
 
   // 3. Scatter, kSubChunkTokens tokens at a time.
-  const int64_t n16 = p.hidden * 2 / 16;
+  const int64_t n16 = p.row_bytes / 16;
   for (int64_t sub = t_begin; ok && sub < t_end; sub += kSubChunkTokens) {
     const int n = int(min(int64_t(kSubChunkTokens), t_end - sub));
     for (int i = threadIdx.x; i < n; i += blockDim.x) s_mask[i] = token_mask<false>(p, sub + i, epr);
@@ -591,6 +597,106 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   finish_block(c, seq);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Cached dispatch: the layout of the last uncached dispatch is still in place (send_slot here;
+// num_recv, the own range, tokens per expert and the received metadata at every destination),
+// so only payload rows move.
+//  1. entry: block 0 raises kFlagEntry = seq at every peer; every block waits until every peer
+//     has entered this call (the role the count exchange plays in an uncached dispatch): a peer's
+//     rows of the previous call are no longer being read when ours land there.
+//  2. scatter: one warp per (token, destination) with send_slot >= 0 copies the row to that row
+//     index at the destination (the row's metadata there is unchanged since the layout's call).
+//  3. the last block raises kFlagDone at every peer and waits for all peers' done, as dispatch.
+template <bool kAccumulateStats>
+__global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const CachedDispatchParams p) {
+  const CommParams& c = p.comm;
+  const int R = c.num_ranks;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  __shared__ char* s_peer[kMaxRanks];
+  __shared__ int s_ok;
+  if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
+  __syncthreads();
+  char* local = s_peer[c.rank];
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    for (int peer = 0; peer < R; ++peer) {
+      st_release_sys(flag_ptr(s_peer[peer], c, kFlagEntry, c.rank), seq);
+    }
+  }
+  if (threadIdx.x == 0) s_ok = wait_all_peers(c, local, kFlagEntry, seq, kWaitCachedEntry);
+  __syncthreads();
+  if (s_ok) {
+    const int64_t chunk = (p.num_tokens + gridDim.x - 1) / gridDim.x;
+    const int64_t t_begin = min(p.num_tokens, int64_t(blockIdx.x) * chunk);
+    const int64_t t_end = min(p.num_tokens, t_begin + chunk);
+    const int64_t n16 = p.row_bytes / 16;
+    for (int64_t item = t_begin * R + warp; item < t_end * R; item += kThreads / 32) {
+      const int64_t t = item / R;
+      const int d = int(item % R);
+      const int64_t row = p.send_slot[item];
+      if (row < 0) continue;
+      warp_copy_row(reinterpret_cast<int4*>(s_peer[d] + c.layout.recv_x) + row * n16,
+                    static_cast<const int4*>(p.x) + t * n16, n16, lane);
+    }
+    if constexpr (kAccumulateStats) {
+      if (blockIdx.x == 0) {
+        for (int e = threadIdx.x; e < p.num_local_experts; e += blockDim.x) {
+          p.cumulative_stats[e] += uint32_t(p.tokens_per_expert[e]);
+        }
+      }
+    }
+  }
+  if (finish_block(c, seq)) {
+    if (threadIdx.x == 0) {
+      for (int peer = 0; peer < R; ++peer) {
+        st_release_sys(flag_ptr(s_peer[peer], c, kFlagDone, c.rank), seq);
+      }
+      wait_all_peers(c, local, kFlagDone, seq, kWaitDispatchDone);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 -> packed fp8 rows, bit-identical to reference::cast_to_fp8 (formula in types.hpp): one
+// warp per (token, group of 128 elements), lane l owning elements [4l, 4l + 4) of the group (one
+// 8-byte load, one 4-byte store). Every operation is the reference's, in fp32: fmaxf ignores NaN
+// like std::fmax, and IEEE division (no fast-math in weft's CUDA flags). The warp of group 0
+// also zeroes the row's padding bytes, so whole rows are deterministic.
+__global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t unit = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t num_groups = p.hidden / kFp8GroupElements;
+  if (unit >= p.num_tokens * num_groups) return;
+  const int64_t t = unit / num_groups;
+  const int64_t g = unit % num_groups;
+  const uint2 bits =
+      reinterpret_cast<const uint2*>(p.x + t * p.hidden + g * kFp8GroupElements)[lane];
+  const float v[4] = {__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xffff0000u),
+                      __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xffff0000u)};
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  amax = fmaxf(amax, kFp8MinAmax);
+  const float inverse = __fdiv_rn(kFp8E4M3Max, amax);
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t q = __nv_cvt_float_to_fp8(__fmul_rn(v[i], inverse), __NV_SATFINITE, __NV_E4M3);
+    packed |= q << (8 * i);
+  }
+  uint8_t* row = p.out + t * p.row_bytes;
+  reinterpret_cast<uint32_t*>(row + g * kFp8GroupElements)[lane] = packed;
+  if (lane == 0) {
+    reinterpret_cast<float*>(row + p.hidden)[g] = __fdiv_rn(amax, kFp8E4M3Max);
+  }
+  if (g == 0) {
+    for (int64_t b = p.raw_bytes + lane; b < p.row_bytes; b += 32) row[b] = 0;
+  }
+}
+
 // Construction: every rank writes its flag into every peer's window and waits for all of them,
 // which proves the window's LSA mapping works before the first real call.
 __global__ void handshake_kernel(const HandshakeParams p) {
@@ -654,11 +760,29 @@ void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t 
   const std::size_t smem =
       sizeof(int32_t) * (std::size_t(params.num_experts) + 2 * kMaxRanks +
                          kSubChunkTokens * (1 + 2 * std::size_t(R)) + std::size_t(R) * R);
+  auto* kernel =
+      params.cumulative_stats != nullptr ? dispatch_kernel<true> : dispatch_kernel<false>;
   if (smem > 48 * 1024) {
-    WEFT_CUDA_CHECK(cudaFuncSetAttribute(dispatch_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    WEFT_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
-  launch_cooperative(dispatch_kernel, params, num_blocks, smem, stream);
+  launch_cooperative(kernel, params, num_blocks, smem, stream);
+}
+
+void launch_cached_dispatch(const CachedDispatchParams& params, int num_blocks,
+                            cudaStream_t stream) {
+  auto* kernel = params.cumulative_stats != nullptr ? cached_dispatch_kernel<true>
+                                                    : cached_dispatch_kernel<false>;
+  launch_cooperative(kernel, params, num_blocks, 0, stream);
+}
+
+void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream) {
+  const int64_t num_warps = params.num_tokens * (params.hidden / kFp8GroupElements);
+  if (num_warps == 0) return;
+  constexpr int kCastThreads = 256;
+  const int64_t num_blocks = (num_warps * 32 + kCastThreads - 1) / kCastThreads;
+  cast_fp8_kernel<<<unsigned(num_blocks), kCastThreads, 0, stream>>>(params);
+  WEFT_CUDA_CHECK_LAUNCH();
 }
 
 void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream) {

@@ -32,6 +32,7 @@ enum WaitKind : int64_t {
   kWaitCombineEntry = 4, // combine: a peer entering the call (its slots are free)
   kWaitCombineRow = 5,   // combine: a peer's expert output for one of our tokens
   kWaitGridBarrier = 6,  // the blocks of our own kernel
+  kWaitCachedEntry = 7,  // cached dispatch: a peer entering the call (its rows are free)
 };
 
 // Byte offsets of the regions of the symmetric window; identical on every rank.
@@ -84,7 +85,9 @@ struct CommParams {
 
 struct DispatchParams {
   CommParams comm;
-  const uint16_t* x;           // [num_tokens, hidden] bf16
+  const void* x;               // [num_tokens, row_bytes]: bf16 rows or packed fp8 rows, opaque
+  int64_t row_bytes;           // bytes per row, a multiple of 16 (<= 2 * hidden: the window's
+                               // recv_x region holds [cap][row_bytes] at this stride)
   const void* topk_idx;        // [num_tokens, top_k] int32 or int64
   bool topk_idx_int64;
   bool local_count;            // count mode: local (no grid barrier) or grid; see dispatch_kernel
@@ -98,6 +101,33 @@ struct DispatchParams {
   int32_t* expert_counts;      // grid mode: [num_experts] scratch, zero between calls
   int32_t* send_slot;          // [max_tokens][num_ranks] out: row of token t at rank d, or -1
   int32_t* tokens_per_expert;  // [num_experts / num_ranks] out
+  // Optional [num_experts / num_ranks] (device, caller-owned): tokens_per_expert is added to it
+  // (block 0 only, after the counts arrived; not atomic: one writer). Null: the kernel variant
+  // without it runs, so the default path does not pay.
+  uint32_t* cumulative_stats;
+};
+
+// A dispatch that reuses the layout of the last uncached one (send_slot and everything the
+// receivers derived from it are still in place): only payload rows move.
+struct CachedDispatchParams {
+  CommParams comm;
+  const void* x;               // [num_tokens, row_bytes], opaque
+  int64_t row_bytes;           // a multiple of 16, <= 2 * hidden
+  int64_t num_tokens;          // == the layout's
+  const int32_t* send_slot;    // [num_tokens][num_ranks] from the uncached dispatch
+  const int32_t* tokens_per_expert;  // [num_experts / num_ranks], for cumulative_stats
+  int num_local_experts;
+  uint32_t* cumulative_stats;  // optional, as in DispatchParams
+};
+
+// bf16 -> packed fp8 rows (weft::ep::Fp8RowLayout); see cast_to_fp8 in buffer.hpp.
+struct CastFp8Params {
+  const uint16_t* x;           // [num_tokens, hidden] bf16
+  uint8_t* out;                // [num_tokens, row_bytes]
+  int64_t num_tokens;
+  int64_t hidden;              // a multiple of 128
+  int64_t raw_bytes;           // hidden + 4 * hidden / 128
+  int64_t row_bytes;
 };
 
 struct CombineParams {
@@ -121,7 +151,11 @@ struct HandshakeParams {
 // Cooperative launches (all blocks resident: the kernels wait on each other). num_blocks is the
 // caller's choice (Buffer: one block per BufferOptions::tokens_per_block tokens, up to num_sms).
 void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream);
+void launch_cached_dispatch(const CachedDispatchParams& params, int num_blocks,
+                            cudaStream_t stream);
 void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream);
+// An ordinary launch (no peer involved).
+void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream);
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream);
 
 }  // namespace weft::ep::detail

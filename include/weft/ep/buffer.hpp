@@ -49,19 +49,35 @@ struct BufferOptions {
   int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
 };
 
-// Identifies one dispatch of one Buffer; what combine needs of the layout stays in the Buffer.
-// A handle is stale once the next dispatch on its Buffer was launched.
+// Identifies one layout of one Buffer (the uncached dispatch that computed it); what combine and
+// a cached dispatch need of it stays in the Buffer. A handle is stale once the next uncached
+// dispatch on its Buffer was launched (combine and cached dispatch then throw: the layout it
+// names has been overwritten). A cached dispatch returns the handle it was given.
 struct Handle {
   uint64_t buffer_id = 0;
-  uint64_t sequence = 0;
+  uint64_t sequence = 0;  // the layout's number (counts uncached dispatches of the Buffer)
   int64_t num_tokens = 0;
   int64_t num_recv = -1;  // known only after wait_num_recv()
 };
 
 struct DispatchInputs {
-  TensorView x;             // [T, hidden] bf16, 16-byte aligned
+  // [T, hidden] bf16, or [T, fp8_row_layout(hidden).row_bytes] uint8 packed fp8 rows (types.hpp;
+  // cast_to_fp8 makes them from bf16; hidden must be a multiple of 128); 16-byte aligned.
+  TensorView x;
   TensorView topk_idx;      // [T, top_k] int32 or int64; -1 = no selection
   TensorView topk_weights;  // [T, top_k] float32
+  // Cached dispatch: reuse the layout of this handle's dispatch (topk_idx and topk_weights must
+  // then be empty, T must be the handle's): only x moves, the layout phase is skipped. The
+  // result's metadata (recv_expert_idx, recv_weights, recv_src, tokens_per_local_expert, counts)
+  // is the handle's dispatch's. A stale handle throws (never misroutes).
+  const Handle* handle = nullptr;
+  // Optional [num_local_experts] uint32 on this Buffer's device, 4-byte aligned, caller-owned:
+  // this call's tokens_per_local_expert is added to it (DeepEP's
+  // cumulative_local_expert_recv_stats; the caller zeroes it to start a window). Null: a kernel
+  // variant without the accumulation runs.
+  uint32_t* cumulative_local_expert_recv_stats = nullptr;
+  // Most blocks (SMs) of this call; 0 = BufferOptions::num_sms. At most the device's SM count.
+  int num_sms = 0;
 };
 
 // Worst-case sized views into the window (capacity = num_ranks * max_tokens rows); the first
@@ -73,6 +89,9 @@ struct DispatchResult {
   const int32_t* recv_src = nullptr;         // [capacity, 2] (source rank, source token)
   const int32_t* tokens_per_local_expert = nullptr;  // [num_local_experts], on the device
   const int32_t* num_recv_device = nullptr;  // device scalar: rows received
+  // fp8 dispatch: [capacity, row_bytes] packed fp8 rows, and recv_x is null (bf16: the reverse).
+  const uint8_t* recv_x_fp8 = nullptr;
+  int64_t row_bytes = 0;                     // bytes per received row (the stride of both)
   int64_t capacity = 0;
   int64_t num_recv = -1;                     // set by wait_num_recv()
   Handle handle;
@@ -87,7 +106,14 @@ struct CombineInputs {
   TensorView expert_out{};  // [rows >= num_recv, hidden] bf16 in the received-row order
   TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
   TensorView bias1{};       // optional [T, hidden] bf16
+  int num_sms = 0;          // most blocks (SMs) of this call; 0 = BufferOptions::num_sms
 };
+
+// Packs x [num_tokens, hidden] bf16 into fp8 rows out [num_tokens, fp8_row_layout(hidden).
+// row_bytes] (types.hpp), bit-identical to reference::cast_to_fp8; both device pointers on the
+// current device, 16-byte aligned; hidden a multiple of 128. Enqueued on stream, no host sync.
+void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
+                 cudaStream_t stream);
 
 namespace detail {
 struct BufferGroup;
@@ -131,12 +157,17 @@ class Buffer {
   int64_t capacity() const noexcept { return int64_t(num_ranks_) * config_.max_tokens; }
   int num_blocks() const noexcept { return num_blocks_; }  // the most blocks per kernel
   int num_blocks(int64_t num_tokens) const noexcept;      // blocks of a call of num_tokens
+  // ... with a per-call num_sms (0 = the Buffer's); throws unless 0 <= num_sms <= the device's.
+  int num_blocks(int64_t num_tokens, int num_sms) const;
 
  private:
   Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index, const BufferConfig& config,
          const BufferOptions& options);
   static void handshake(std::vector<Buffer*> buffers);
   void throw_if_device_error();
+  DispatchResult dispatch_cached(const DispatchInputs& inputs, int64_t row_bytes,
+                                 cudaStream_t stream, CountMode mode);
+  DispatchResult make_result(int64_t row_bytes, const Handle& handle) const;
 
   std::shared_ptr<detail::BufferGroup> group_;
   std::size_t index_ = 0;
@@ -147,8 +178,9 @@ class Buffer {
   int num_ranks_ = 0;
   int device_ = 0;
   int num_blocks_ = 0;
+  int device_num_sms_ = 0;
   uint64_t id_ = 0;
-  uint64_t dispatch_sequence_ = 0;
+  uint64_t dispatch_sequence_ = 0;  // uncached dispatches launched: the current layout's number
 };
 
 }  // namespace weft::ep

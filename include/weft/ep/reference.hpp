@@ -18,6 +18,20 @@
 //  - combine: out[t] = bf16( ((0 + bias0[t]) + bias1[t]) + sum over d ascending with t sent to
 //    d of expert_out_d[row of t at d] ), every addition in fp32, in exactly this order. A token
 //    sent nowhere returns its bias (or zero).
+//  - fp8 (DispatchOptions::fp8): each rank's x_fp8 holds packed rows (types.hpp, Fp8RowLayout)
+//    and they are moved as opaque bytes into recv_x_fp8; everything else is as for bf16.
+//  - expanded (DispatchOptions::expand, types.hpp ExpandOptions): rank d receives one row per
+//    (source rank, source token, distinct local expert e of the token on d), in expert-major
+//    segments (segment e: its rows in (source rank, source token) order, then padding rows up to
+//    the aligned size). A row's recv_expert_idx / recv_weights mark only the selections of its
+//    own expert (-1 / 0 elsewhere); a padding row has source (-1, -1), no selection and a zero
+//    payload (on the GPU, zero only with zero_padding, otherwise not written: the reference's
+//    zeros there are not part of the contract). Overflow (aligned rows above the capacity): rank
+//    d receives no row (num_recv = 0), overflowed is set and rows_required says how many rows it
+//    needed; counts and segments are still reported. combine of an expanded dispatch: rank d
+//    first sums each source token's rows in row order (ascending local expert) in fp32 from 0
+//    and rounds that to bf16, once per (token, d); the source then reduces these as above.
+//    combine of a dispatch in which any rank overflowed throws.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +45,7 @@ namespace weft::ep::reference {
 struct RankInput {
   int64_t num_tokens = 0;
   std::vector<uint16_t> x;             // [num_tokens, hidden] bf16 bits
+  std::vector<uint8_t> x_fp8;          // fp8 dispatch: [num_tokens, Fp8RowLayout::row_bytes]
   std::vector<int64_t> topk_idx;       // [num_tokens, top_k], -1 = no selection
   std::vector<float> topk_weights;     // [num_tokens, top_k]
 };
@@ -41,16 +56,47 @@ struct RankLayout {
   std::vector<int32_t> recv_src_token;    // [num_recv]
   std::vector<int32_t> recv_expert_idx;   // [num_recv, top_k], local ids or -1
   std::vector<float> recv_weights;        // [num_recv, top_k], 0 where not local
-  std::vector<uint16_t> recv_x;           // [num_recv, hidden]
+  std::vector<uint16_t> recv_x;           // [num_recv, hidden] (bf16 dispatch)
+  std::vector<uint8_t> recv_x_fp8;        // [num_recv, Fp8RowLayout::row_bytes] (fp8 dispatch)
   std::vector<int32_t> tokens_per_local_expert;  // [num_experts / num_ranks]
-  // Source side: send_slot[t * num_ranks + d] = the row of this rank's token t at rank d, or -1.
+  // Source side: send_slot[t * num_ranks + d] = the row of this rank's token t at rank d, or -1
+  // (expanded: its first row there, the one of its lowest local expert).
   std::vector<int32_t> send_slot;         // [num_tokens, num_ranks]
   int64_t num_tokens = 0;
+  // Expanded layout only.
+  bool expanded = false;
+  std::vector<int64_t> segment_begin;     // [num_experts / num_ranks + 1]; last = aligned total
+  int64_t rows_required = 0;              // = segment_begin.back()
+  bool overflowed = false;                // rows_required > expand_factor * R * max_tokens
+};
+
+struct DispatchOptions {
+  bool fp8 = false;  // move RankInput::x_fp8 (hidden must be a multiple of 128) instead of x
+  ExpandOptions expand{};
 };
 
 // Throws weft::Error on bad input (expert id out of range, T above max_tokens, sizes that do not
 // match). inputs.size() is the number of ranks.
-std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs);
+std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs,
+                                 const DispatchOptions& options = {});
+
+// The packed fp8 rows of x ([num_tokens, hidden] bf16): [num_tokens, row_bytes], see types.hpp.
+std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x);
+
+// The inverse of the packing: payload [num_tokens, hidden] e4m3 bytes and scales
+// [num_tokens, hidden / 128] from packed rows. Throws if a padding byte is not zero.
+struct Fp8Unpacked {
+  std::vector<uint8_t> payload;
+  std::vector<float> scales;
+};
+Fp8Unpacked unpack_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint8_t> rows);
+// payload * scale per element, [num_tokens, hidden] fp32.
+std::vector<float> dequantize_fp8(int64_t hidden, int64_t num_tokens,
+                                  std::span<const uint8_t> rows);
+
+// cumulative_local_expert_recv_stats: stats[e] += layout.tokens_per_local_expert[e] (wrapping
+// uint32 arithmetic, as on the GPU). stats: [num_experts / num_ranks].
+void accumulate_local_expert_recv_stats(const RankLayout& layout, std::span<uint32_t> stats);
 
 // The combine output of `rank`: [num_tokens of rank, hidden] bf16. expert_out[d] holds rank d's
 // expert outputs, [layouts[d].num_recv, hidden]. bias0 / bias1: empty or [num_tokens, hidden].

@@ -5,13 +5,15 @@
 //   config.validate(/*num_ranks=*/2);   // throws weft::Error with the reason
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace weft::ep {
 
 // Element types the EP API accepts. Which one an argument may have is stated where it is taken.
-enum class DType : int { kBFloat16, kFloat32, kInt32, kInt64 };
+// kUInt8 is an opaque byte row: dispatch takes packed fp8 rows (see Fp8RowLayout) as uint8.
+enum class DType : int { kBFloat16, kFloat32, kInt32, kInt64, kUInt8 };
 
 const char* dtype_name(DType dtype) noexcept;
 std::size_t dtype_size(DType dtype) noexcept;
@@ -37,6 +39,86 @@ struct BufferConfig {
   int num_local_experts(int num_ranks) const { return num_experts / num_ranks; }
   int64_t row_bytes() const { return hidden * 2; }
 };
+
+// The expanded layout (DeepEP's do_expand): one received row per (token, local expert) instead
+// of one per (token, rank), grouped by local expert so that each expert's rows are the contiguous
+// block a grouped GEMM consumes. Expert e's segment starts at
+//   segment_begin[e] = sum_{e' < e} align_up(count[e'], expert_alignment)
+// and holds its count[e] rows (source rank, then source token order) followed by padding rows.
+// Capacity: expand_factor * num_ranks * max_tokens rows per rank (the deduplicated layout needs
+// num_ranks * max_tokens; the worst case of the expanded one is min(top_k, experts per rank)
+// times that, which balanced routing never approaches). A rank whose rows would exceed its
+// capacity receives nothing, and the number of rows it needed is reported: the overflow is known
+// from the exchanged counts before any payload moves.
+struct ExpandOptions {
+  bool enabled = false;
+  int expert_alignment = 1;   // each expert's segment is rounded up to a multiple of this (1..4096)
+  bool zero_padding = false;  // padding rows' payload is zeroed (else left as it was)
+  int expand_factor = 1;      // capacity multiple, 1..32
+
+  // Throws weft::Error naming the first violated invariant.
+  void validate() const;
+};
+
+// fp8 rows (DeepEP's per-token cast, per_token_cast_to_fp8): each group of kFp8GroupElements
+// consecutive elements of a token has its own fp32 scale, computed from the group's bf16 values:
+//   amax  = max(fmax over the group of |x|, kFp8MinAmax)       (NaN elements do not count)
+//   q[i]  = e4m3_satfinite_rn(float(x[i]) * (448.0f / amax))   (every operation in fp32)
+//   scale = amax / 448.0f;  x[i] ~ e4m3_to_float(q[i]) * scale
+// One packed row per token, which dispatch moves as opaque bytes in one store:
+//   [0, hidden)                       e4m3 payload, one byte per element
+//   [hidden, hidden + 4 * groups)     fp32 scales, groups = hidden / 128 (4-byte aligned, since
+//                                     hidden is a multiple of 128)
+//   [raw_bytes, row_bytes)            zero padding
+// row_bytes is raw_bytes rounded up to 16 (rows move as 16-byte vectors: hidden = 128 packs to
+// 132 raw bytes and needs this), or to 512 (one 16-byte vector per lane of a warp, so a warp's
+// copy loop has no partial last iteration) where that costs at most kFp8Row512MaxPaddingFraction
+// of raw_bytes.
+constexpr int64_t kFp8GroupElements = 128;
+constexpr float kFp8E4M3Max = 448.0f;
+constexpr float kFp8MinAmax = 1e-4f;
+// The 512-byte rule's threshold. Taken from the seed's measurements on B200 (512-byte rows 8.9%
+// slower at hidden 2048 (+21% padding), 6.8% slower at 4096 (+9%), 2.4% faster at 7168 (+3.9%));
+// NOT yet measured with weft's kernels on H200: to be re-measured on the GPU machine
+// (weft-ep-bench --fp8 with both paddings) and this constant replaced by that measurement.
+constexpr double kFp8Row512MaxPaddingFraction = 0.05;
+
+struct Fp8RowLayout {
+  int64_t hidden = 0;          // elements
+  int64_t num_scales = 0;      // hidden / kFp8GroupElements
+  int64_t scales_offset = 0;   // bytes; == hidden
+  int64_t raw_bytes = 0;       // hidden + 4 * num_scales
+  int64_t row_bytes = 0;       // padded; a multiple of 16
+};
+// Throws weft::Error unless hidden is a positive multiple of kFp8GroupElements.
+Fp8RowLayout fp8_row_layout(int64_t hidden);
+
+// fp32 <-> e4m3 (OCP e4m3fn: bias 7, no infinities, 0x7F / 0xFF are NaN, largest finite 448) on
+// the host, bit-identical to CUDA's __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3): round
+// to nearest even; finite values and infinities beyond 448 saturate to +-448; NaN -> 0x7F.
+inline uint8_t float_to_e4m3(float value) noexcept {
+  if (std::isnan(value)) return 0x7F;
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  const float a = std::fabs(value);
+  if (a >= kFp8E4M3Max) return uint8_t(sign | 0x7E);
+  // Subnormals are multiples of 2^-9 below 2^-6; a normal of exponent e has 8 steps of 2^(e-3).
+  // Scaling by a power of two is exact, and nearbyint rounds half to even.
+  if (a < 0x1p-6f) return uint8_t(sign | uint8_t(std::nearbyint(std::ldexp(a, 9))));
+  int exponent = 0;
+  std::frexp(a, &exponent);  // a = f * 2^exponent, f in [0.5, 1)
+  const int e = exponent - 1;                                               // -6..8
+  const auto steps = int(std::nearbyint(std::ldexp(a, 3 - e)));             // 8..16
+  return uint8_t(sign | uint8_t(((e + 7) << 3) + (steps - 8)));  // 16 carries into the exponent
+}
+
+inline float e4m3_to_float(uint8_t bits) noexcept {
+  const float sign = (bits & 0x80) ? -1.0f : 1.0f;
+  const int exponent = (bits >> 3) & 0xF;
+  const int mantissa = bits & 0x7;
+  if (exponent == 0xF && mantissa == 0x7) return std::nanf("");
+  if (exponent == 0) return sign * std::ldexp(float(mantissa), -9);
+  return sign * std::ldexp(float(8 + mantissa), exponent - 10);
+}
 
 // bf16 <-> fp32 on the host (round to nearest even; NaN stays NaN).
 inline float bf16_to_float(uint16_t bits) noexcept {

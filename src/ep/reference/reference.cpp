@@ -1,5 +1,7 @@
 #include "weft/ep/reference.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 
 #include "weft/core/error.hpp"
@@ -12,6 +14,7 @@ const char* dtype_name(DType dtype) noexcept {
     case DType::kFloat32: return "float32";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }
@@ -22,6 +25,7 @@ std::size_t dtype_size(DType dtype) noexcept {
     case DType::kFloat32: return 4;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }
@@ -39,11 +43,129 @@ void BufferConfig::validate(int num_ranks) const {
   WEFT_CHECK(top_k >= 1 && top_k <= 32, "top_k must be in 1..32, got ", top_k);
 }
 
-namespace reference {
+void ExpandOptions::validate() const {
+  WEFT_CHECK(expert_alignment >= 1 && expert_alignment <= 4096,
+             "expert_alignment must be in 1..4096, got ", expert_alignment);
+  WEFT_CHECK(expand_factor >= 1 && expand_factor <= 32, "expand_factor must be in 1..32, got ",
+             expand_factor);
+}
 
-std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs) {
+Fp8RowLayout fp8_row_layout(int64_t hidden) {
+  WEFT_CHECK(hidden > 0 && hidden % kFp8GroupElements == 0, "fp8 rows need hidden to be a ",
+             "positive multiple of ", kFp8GroupElements, " (one fp32 scale per group), got ",
+             hidden);
+  Fp8RowLayout l;
+  l.hidden = hidden;
+  l.num_scales = hidden / kFp8GroupElements;
+  l.scales_offset = hidden;
+  l.raw_bytes = hidden + int64_t(sizeof(float)) * l.num_scales;
+  const int64_t aligned16 = (l.raw_bytes + 15) / 16 * 16;
+  const int64_t aligned512 = (l.raw_bytes + 511) / 512 * 512;
+  const bool pad512 = double(aligned512 - l.raw_bytes) <=
+                      kFp8Row512MaxPaddingFraction * double(l.raw_bytes);
+  l.row_bytes = pad512 ? aligned512 : aligned16;
+  return l;
+}
+
+namespace reference {
+namespace {
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// Rows of the expanded layout at destination d (the deduplicated layout is done inline below).
+void expand_destination(const BufferConfig& config, std::span<const RankInput> inputs,
+                        const DispatchOptions& options, int d, std::vector<RankLayout>& out) {
+  const int num_ranks = static_cast<int>(inputs.size());
+  const int epr = config.num_local_experts(num_ranks);
+  const int top_k = config.top_k;
+  const auto hidden = static_cast<std::size_t>(config.hidden);
+  const std::size_t row_bytes =
+      options.fp8 ? static_cast<std::size_t>(fp8_row_layout(config.hidden).row_bytes) : 0;
+  RankLayout& dst = out[static_cast<std::size_t>(d)];
+  dst.expanded = true;
+  // Does token t of rank s select local expert e of d (at least once)?
+  auto selects = [&](const RankInput& in, std::size_t t, int e) {
+    const int64_t global = int64_t(d) * epr + e;
+    for (int k = 0; k < top_k; ++k) {
+      if (in.topk_idx[t * static_cast<std::size_t>(top_k) + static_cast<std::size_t>(k)] == global) {
+        return true;
+      }
+    }
+    return false;
+  };
+  dst.tokens_per_local_expert.assign(static_cast<std::size_t>(epr), 0);
+  for (int e = 0; e < epr; ++e) {
+    for (const RankInput& in : inputs) {
+      for (std::size_t t = 0; t < static_cast<std::size_t>(in.num_tokens); ++t) {
+        dst.tokens_per_local_expert[static_cast<std::size_t>(e)] += selects(in, t, e);
+      }
+    }
+  }
+  dst.segment_begin.assign(static_cast<std::size_t>(epr) + 1, 0);
+  for (int e = 0; e < epr; ++e) {
+    dst.segment_begin[static_cast<std::size_t>(e) + 1] =
+        dst.segment_begin[static_cast<std::size_t>(e)] +
+        align_up(dst.tokens_per_local_expert[static_cast<std::size_t>(e)],
+                 options.expand.expert_alignment);
+  }
+  dst.rows_required = dst.segment_begin.back();
+  const int64_t capacity = int64_t(options.expand.expand_factor) * num_ranks * config.max_tokens;
+  dst.overflowed = dst.rows_required > capacity;
+  if (dst.overflowed) return;  // nothing moves; the sources' send slots stay -1
+
+  dst.num_recv = dst.rows_required;
+  const auto num_rows = static_cast<std::size_t>(dst.num_recv);
+  dst.recv_src_rank.assign(num_rows, -1);
+  dst.recv_src_token.assign(num_rows, -1);
+  dst.recv_expert_idx.assign(num_rows * static_cast<std::size_t>(top_k), -1);
+  dst.recv_weights.assign(num_rows * static_cast<std::size_t>(top_k), 0.0f);
+  if (options.fp8) {
+    dst.recv_x_fp8.assign(num_rows * row_bytes, 0);
+  } else {
+    dst.recv_x.assign(num_rows * hidden, 0);
+  }
+  for (int e = 0; e < epr; ++e) {
+    auto row = static_cast<std::size_t>(dst.segment_begin[static_cast<std::size_t>(e)]);
+    const int64_t global = int64_t(d) * epr + e;
+    for (int s = 0; s < num_ranks; ++s) {
+      const RankInput& in = inputs[static_cast<std::size_t>(s)];
+      for (std::size_t t = 0; t < static_cast<std::size_t>(in.num_tokens); ++t) {
+        if (!selects(in, t, e)) continue;
+        int32_t& slot = out[static_cast<std::size_t>(s)]
+                            .send_slot[t * static_cast<std::size_t>(num_ranks) +
+                                       static_cast<std::size_t>(d)];
+        if (slot < 0) slot = static_cast<int32_t>(row);  // segments ascend: the first is lowest
+        dst.recv_src_rank[row] = s;
+        dst.recv_src_token[row] = static_cast<int32_t>(t);
+        for (int k = 0; k < top_k; ++k) {
+          const std::size_t i = t * static_cast<std::size_t>(top_k) + static_cast<std::size_t>(k);
+          if (in.topk_idx[i] != global) continue;
+          dst.recv_expert_idx[row * static_cast<std::size_t>(top_k) + static_cast<std::size_t>(k)] = e;
+          dst.recv_weights[row * static_cast<std::size_t>(top_k) + static_cast<std::size_t>(k)] =
+              in.topk_weights[i];
+        }
+        if (options.fp8) {
+          std::copy_n(in.x_fp8.begin() + static_cast<std::ptrdiff_t>(t * row_bytes), row_bytes,
+                      dst.recv_x_fp8.begin() + static_cast<std::ptrdiff_t>(row * row_bytes));
+        } else {
+          std::copy_n(in.x.begin() + static_cast<std::ptrdiff_t>(t * hidden), hidden,
+                      dst.recv_x.begin() + static_cast<std::ptrdiff_t>(row * hidden));
+        }
+        ++row;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs,
+                                 const DispatchOptions& options) {
   const int num_ranks = static_cast<int>(inputs.size());
   config.validate(num_ranks);
+  options.expand.validate();
+  const std::size_t fp8_row_bytes =
+      options.fp8 ? static_cast<std::size_t>(fp8_row_layout(config.hidden).row_bytes) : 0;
   const int epr = config.num_local_experts(num_ranks);
   const int top_k = config.top_k;
   const int64_t hidden = config.hidden;
@@ -56,8 +178,13 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
     WEFT_CHECK(in.num_tokens >= 0 && in.num_tokens <= config.max_tokens, "rank ", s, ": ",
                in.num_tokens, " tokens, the buffer holds at most ", config.max_tokens);
     const auto t_count = static_cast<std::size_t>(in.num_tokens);
-    WEFT_CHECK(in.x.size() == t_count * static_cast<std::size_t>(hidden), "rank ", s,
-               ": x has ", in.x.size(), " elements, expected ", t_count * hidden);
+    if (options.fp8) {
+      WEFT_CHECK(in.x_fp8.size() == t_count * fp8_row_bytes, "rank ", s, ": x_fp8 has ",
+                 in.x_fp8.size(), " bytes, expected ", t_count * fp8_row_bytes);
+    } else {
+      WEFT_CHECK(in.x.size() == t_count * static_cast<std::size_t>(hidden), "rank ", s,
+                 ": x has ", in.x.size(), " elements, expected ", t_count * hidden);
+    }
     WEFT_CHECK(in.topk_idx.size() == t_count * static_cast<std::size_t>(top_k) &&
                    in.topk_weights.size() == in.topk_idx.size(),
                "rank ", s, ": topk_idx/topk_weights sizes do not match [T, top_k]");
@@ -79,6 +206,10 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
     auto& layout = out[static_cast<std::size_t>(s)];
     layout.num_tokens = inputs[static_cast<std::size_t>(s)].num_tokens;
     layout.send_slot.assign(static_cast<std::size_t>(layout.num_tokens * num_ranks), -1);
+  }
+  if (options.expand.enabled) {
+    for (int d = 0; d < num_ranks; ++d) expand_destination(config, inputs, options, d, out);
+    return out;
   }
   for (int d = 0; d < num_ranks; ++d) {
     RankLayout& dst = out[static_cast<std::size_t>(d)];
@@ -106,14 +237,71 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
             ++dst.tokens_per_local_expert[static_cast<std::size_t>(local_e)];
           }
         }
-        const auto* src_row = in.x.data() + t * static_cast<std::size_t>(hidden);
-        dst.recv_x.insert(dst.recv_x.end(), src_row, src_row + hidden);
+        if (options.fp8) {
+          const auto* src_row = in.x_fp8.data() + t * fp8_row_bytes;
+          dst.recv_x_fp8.insert(dst.recv_x_fp8.end(), src_row, src_row + fp8_row_bytes);
+        } else {
+          const auto* src_row = in.x.data() + t * static_cast<std::size_t>(hidden);
+          dst.recv_x.insert(dst.recv_x.end(), src_row, src_row + hidden);
+        }
       }
     }
     dst.num_recv = static_cast<int64_t>(dst.recv_src_rank.size());
   }
   return out;
 }
+
+namespace {
+
+// combine of an expanded dispatch (see reference.hpp): per destination d, the bf16 partial sum of
+// each of this rank's tokens' rows there, then the usual reduce over d ascending.
+void combine_expanded(const BufferConfig& config, int rank, std::span<const RankLayout> layouts,
+                      std::span<const std::vector<uint16_t>> expert_out,
+                      std::span<const uint16_t> bias0, std::span<const uint16_t> bias1,
+                      std::vector<uint16_t>& out) {
+  const int num_ranks = static_cast<int>(layouts.size());
+  const auto hidden = static_cast<std::size_t>(config.hidden);
+  const auto t_count = static_cast<std::size_t>(layouts[static_cast<std::size_t>(rank)].num_tokens);
+  for (int d = 0; d < num_ranks; ++d) {
+    const RankLayout& L = layouts[static_cast<std::size_t>(d)];
+    WEFT_CHECK(L.expanded, "combine: rank ", d, "'s layout is not expanded but rank ", rank,
+               "'s is");
+    WEFT_CHECK(!L.overflowed, "combine: the expanded dispatch overflowed at rank ", d, " (",
+               L.rows_required, " rows needed), so some rows were never received");
+  }
+  std::vector<float> acc(t_count * hidden, 0.0f);
+  for (std::size_t t = 0; t < t_count; ++t) {
+    for (std::size_t h = 0; h < hidden; ++h) {
+      float a = 0.0f;
+      if (!bias0.empty()) a += bf16_to_float(bias0[t * hidden + h]);
+      if (!bias1.empty()) a += bf16_to_float(bias1[t * hidden + h]);
+      acc[t * hidden + h] = a;
+    }
+  }
+  std::vector<float> partial(t_count * hidden);
+  std::vector<bool> sent(t_count);
+  for (int d = 0; d < num_ranks; ++d) {
+    const RankLayout& L = layouts[static_cast<std::size_t>(d)];
+    const std::vector<uint16_t>& y = expert_out[static_cast<std::size_t>(d)];
+    std::fill(partial.begin(), partial.end(), 0.0f);
+    std::fill(sent.begin(), sent.end(), false);
+    for (std::size_t j = 0; j < static_cast<std::size_t>(L.num_recv); ++j) {
+      if (L.recv_src_rank[j] != rank) continue;
+      const auto t = static_cast<std::size_t>(L.recv_src_token[j]);
+      sent[t] = true;
+      for (std::size_t h = 0; h < hidden; ++h) partial[t * hidden + h] += bf16_to_float(y[j * hidden + h]);
+    }
+    for (std::size_t t = 0; t < t_count; ++t) {
+      if (!sent[t]) continue;
+      for (std::size_t h = 0; h < hidden; ++h) {
+        acc[t * hidden + h] += bf16_to_float(float_to_bf16(partial[t * hidden + h]));
+      }
+    }
+  }
+  for (std::size_t i = 0; i < t_count * hidden; ++i) out[i] = float_to_bf16(acc[i]);
+}
+
+}  // namespace
 
 std::vector<uint16_t> combine(const BufferConfig& config, int rank,
                               std::span<const RankLayout> layouts,
@@ -134,6 +322,10 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
   }
   std::vector<uint16_t> out(t_count * hidden);
   std::vector<float> acc(hidden);
+  if (src.expanded) {
+    combine_expanded(config, rank, layouts, expert_out, bias0, bias1, out);
+    return out;
+  }
   for (std::size_t t = 0; t < t_count; ++t) {
     for (std::size_t h = 0; h < hidden; ++h) {
       float a = 0.0f;
@@ -150,6 +342,76 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
     for (std::size_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
   }
   return out;
+}
+
+std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x) {
+  const Fp8RowLayout l = fp8_row_layout(hidden);
+  WEFT_CHECK(num_tokens >= 0 && x.size() == static_cast<std::size_t>(num_tokens * hidden),
+             "cast_to_fp8: x has ", x.size(), " elements, expected ", num_tokens, " x ", hidden);
+  std::vector<uint8_t> rows(static_cast<std::size_t>(num_tokens * l.row_bytes), 0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    uint8_t* row = rows.data() + t * l.row_bytes;
+    for (int64_t g = 0; g < l.num_scales; ++g) {
+      const uint16_t* group = x.data() + t * hidden + g * kFp8GroupElements;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kFp8GroupElements; ++i) {
+        amax = std::fmax(amax, std::fabs(bf16_to_float(group[i])));
+      }
+      amax = std::fmax(amax, kFp8MinAmax);
+      const float inverse = kFp8E4M3Max / amax;
+      for (int64_t i = 0; i < kFp8GroupElements; ++i) {
+        row[g * kFp8GroupElements + i] = float_to_e4m3(bf16_to_float(group[i]) * inverse);
+      }
+      const float scale = amax / kFp8E4M3Max;
+      std::memcpy(row + l.scales_offset + g * int64_t(sizeof(float)), &scale, sizeof(float));
+    }
+  }
+  return rows;
+}
+
+Fp8Unpacked unpack_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint8_t> rows) {
+  const Fp8RowLayout l = fp8_row_layout(hidden);
+  WEFT_CHECK(num_tokens >= 0 && rows.size() == static_cast<std::size_t>(num_tokens * l.row_bytes),
+             "unpack_fp8: ", rows.size(), " bytes, expected ", num_tokens, " rows of ",
+             l.row_bytes);
+  Fp8Unpacked u;
+  u.payload.resize(static_cast<std::size_t>(num_tokens * hidden));
+  u.scales.resize(static_cast<std::size_t>(num_tokens * l.num_scales));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const uint8_t* row = rows.data() + t * l.row_bytes;
+    std::copy_n(row, hidden, u.payload.begin() + t * hidden);
+    std::memcpy(u.scales.data() + t * l.num_scales, row + l.scales_offset,
+                static_cast<std::size_t>(l.num_scales) * sizeof(float));
+    for (int64_t b = l.raw_bytes; b < l.row_bytes; ++b) {
+      WEFT_CHECK(row[b] == 0, "unpack_fp8: row ", t, " padding byte ", b, " is ", int(row[b]),
+                 ", not zero");
+    }
+  }
+  return u;
+}
+
+std::vector<float> dequantize_fp8(int64_t hidden, int64_t num_tokens,
+                                  std::span<const uint8_t> rows) {
+  const Fp8Unpacked u = unpack_fp8(hidden, num_tokens, rows);
+  const int64_t num_scales = hidden / kFp8GroupElements;
+  std::vector<float> x(u.payload.size());
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t h = 0; h < hidden; ++h) {
+      const auto i = static_cast<std::size_t>(t * hidden + h);
+      x[i] = e4m3_to_float(u.payload[i]) *
+             u.scales[static_cast<std::size_t>(t * num_scales + h / kFp8GroupElements)];
+    }
+  }
+  return x;
+}
+
+void accumulate_local_expert_recv_stats(const RankLayout& layout, std::span<uint32_t> stats) {
+  WEFT_CHECK(stats.size() == layout.tokens_per_local_expert.size(), "stats has ", stats.size(),
+             " entries, expected one per local expert (", layout.tokens_per_local_expert.size(),
+             ")");
+  for (std::size_t e = 0; e < stats.size(); ++e) {
+    stats[e] += static_cast<uint32_t>(layout.tokens_per_local_expert[e]);
+  }
 }
 
 }  // namespace reference

@@ -1,0 +1,269 @@
+// The expanded layout (dispatch and combine, alignment, zero padding, overflow) and the
+// cumulative per-expert receive statistics of the CPU reference, checked against an independent
+// brute-force statement of the contract (types.hpp ExpandOptions, reference.hpp).
+#include <gtest/gtest.h>
+
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "test_inputs.hpp"
+#include "weft/core/error.hpp"
+#include "weft/ep/reference.hpp"
+
+namespace {
+
+using weft::ep::bf16_to_float;
+using weft::ep::BufferConfig;
+using weft::ep::ExpandOptions;
+using weft::ep::float_to_bf16;
+namespace ref = weft::ep::reference;
+using weft::ep::test::make_inputs;
+
+bool selects(const BufferConfig& c, const ref::RankInput& in, int64_t t, int64_t expert) {
+  for (int k = 0; k < c.top_k; ++k) {
+    if (in.topk_idx[std::size_t(t * c.top_k + k)] == expert) return true;
+  }
+  return false;
+}
+
+void check_expanded(const BufferConfig& c, const std::vector<ref::RankInput>& inputs,
+                    const std::vector<ref::RankLayout>& layouts, const ref::DispatchOptions& o) {
+  const int R = int(inputs.size());
+  const int epr = c.num_experts / R;
+  const int64_t row_bytes = o.fp8 ? weft::ep::fp8_row_layout(c.hidden).row_bytes : 0;
+  const int64_t capacity = int64_t(o.expand.expand_factor) * R * c.max_tokens;
+  std::vector<std::vector<int32_t>> first_row(static_cast<std::size_t>(R));  // [s][t * R + d]
+  for (int s = 0; s < R; ++s) {
+    first_row[std::size_t(s)].assign(std::size_t(inputs[std::size_t(s)].num_tokens * R), -1);
+  }
+  for (int d = 0; d < R; ++d) {
+    const auto& L = layouts[std::size_t(d)];
+    ASSERT_TRUE(L.expanded);
+    int64_t begin = 0;
+    std::vector<std::vector<std::pair<int, int64_t>>> rows(static_cast<std::size_t>(epr));
+    for (int e = 0; e < epr; ++e) {
+      for (int s = 0; s < R; ++s) {
+        for (int64_t t = 0; t < inputs[std::size_t(s)].num_tokens; ++t) {
+          if (selects(c, inputs[std::size_t(s)], t, int64_t(d) * epr + e)) rows[std::size_t(e)].emplace_back(s, t);
+        }
+      }
+      ASSERT_EQ(L.tokens_per_local_expert[std::size_t(e)], int32_t(rows[std::size_t(e)].size()));
+      ASSERT_EQ(L.segment_begin[std::size_t(e)], begin);
+      ASSERT_EQ(begin % o.expand.expert_alignment, 0);
+      begin += (int64_t(rows[std::size_t(e)].size()) + o.expand.expert_alignment - 1) /
+               o.expand.expert_alignment * o.expand.expert_alignment;
+    }
+    ASSERT_EQ(L.segment_begin[std::size_t(epr)], begin);
+    ASSERT_EQ(L.rows_required, begin);
+    ASSERT_EQ(L.overflowed, begin > capacity) << "rank " << d;
+    if (L.overflowed) {
+      EXPECT_EQ(L.num_recv, 0);
+      EXPECT_TRUE(L.recv_src_rank.empty() && L.recv_x.empty() && L.recv_x_fp8.empty());
+      continue;
+    }
+    ASSERT_EQ(L.num_recv, begin);
+    for (int e = 0; e < epr; ++e) {
+      for (int64_t j = L.segment_begin[std::size_t(e)]; j < L.segment_begin[std::size_t(e) + 1]; ++j) {
+        const int64_t i = j - L.segment_begin[std::size_t(e)];
+        const bool padding = i >= int64_t(rows[std::size_t(e)].size());
+        const int s = padding ? -1 : rows[std::size_t(e)][std::size_t(i)].first;
+        const int64_t t = padding ? -1 : rows[std::size_t(e)][std::size_t(i)].second;
+        ASSERT_EQ(L.recv_src_rank[std::size_t(j)], s) << "rank " << d << " row " << j;
+        ASSERT_EQ(L.recv_src_token[std::size_t(j)], t) << "rank " << d << " row " << j;
+        for (int k = 0; k < c.top_k; ++k) {
+          const auto o_k = std::size_t(j * c.top_k + k);
+          const bool mine = !padding && inputs[std::size_t(s)].topk_idx[std::size_t(t * c.top_k + k)] ==
+                                             int64_t(d) * epr + e;
+          ASSERT_EQ(L.recv_expert_idx[o_k], mine ? e : -1);
+          ASSERT_EQ(L.recv_weights[o_k],
+                    mine ? inputs[std::size_t(s)].topk_weights[std::size_t(t * c.top_k + k)] : 0.0f);
+        }
+        if (o.fp8) {
+          for (int64_t b = 0; b < row_bytes; ++b) {
+            ASSERT_EQ(L.recv_x_fp8[std::size_t(j * row_bytes + b)],
+                      padding ? 0 : inputs[std::size_t(s)].x_fp8[std::size_t(t * row_bytes + b)]);
+          }
+        } else {
+          for (int64_t h = 0; h < c.hidden; ++h) {
+            ASSERT_EQ(L.recv_x[std::size_t(j * c.hidden + h)],
+                      padding ? 0 : weft::ep::test::identity_value(s, t, h));
+          }
+        }
+        if (!padding && first_row[std::size_t(s)][std::size_t(t * R + d)] < 0) {
+          first_row[std::size_t(s)][std::size_t(t * R + d)] = int32_t(j);
+        }
+      }
+    }
+  }
+  for (int s = 0; s < R; ++s) EXPECT_EQ(layouts[std::size_t(s)].send_slot, first_row[std::size_t(s)]);
+}
+
+// expert_out = received rows: every token comes back as (distinct selected experts) * x + bias,
+// exact with small-integer payloads.
+void check_expanded_round_trip(const BufferConfig& c, const std::vector<ref::RankInput>& inputs,
+                               const std::vector<ref::RankLayout>& layouts, bool with_bias) {
+  const int R = int(inputs.size());
+  std::vector<std::vector<uint16_t>> expert_out;
+  for (const auto& L : layouts) expert_out.push_back(L.recv_x);
+  for (int s = 0; s < R; ++s) {
+    const auto& in = inputs[std::size_t(s)];
+    std::vector<uint16_t> b0, b1;
+    if (with_bias) {
+      for (int64_t i = 0; i < in.num_tokens * c.hidden; ++i) {
+        b0.push_back(float_to_bf16(float(i % 5)));
+        b1.push_back(float_to_bf16(float(i % 3) - 1.0f));
+      }
+    }
+    const auto y = ref::combine(c, s, layouts, expert_out, b0, b1);
+    for (int64_t t = 0; t < in.num_tokens; ++t) {
+      int fan_out = 0;
+      for (int64_t e = 0; e < c.num_experts; ++e) fan_out += selects(c, in, t, e);
+      for (int64_t h = 0; h < c.hidden; ++h) {
+        const auto i = std::size_t(t * c.hidden + h);
+        float want = float(fan_out) * bf16_to_float(in.x[i]);
+        if (with_bias) want += bf16_to_float(b0[i]) + bf16_to_float(b1[i]);
+        ASSERT_EQ(bf16_to_float(y[i]), want) << "rank " << s << " token " << t << " col " << h;
+      }
+    }
+  }
+}
+
+TEST(EpExpanded, RandomRoutingsAlignmentsAndMasks) {
+  std::mt19937 rng(31);
+  for (int trial = 0; trial < 60; ++trial) {
+    const int R = 1 + trial % 4;
+    BufferConfig c{.max_tokens = 48, .hidden = trial % 5 == 0 ? 128 : 8 * (1 + trial % 3),
+                   .num_experts = R * (1 + trial % 6), .top_k = 1 + trial % 6};
+    c.top_k = std::min(c.top_k, c.num_experts);
+    std::vector<int64_t> tokens;
+    for (int r = 0; r < R; ++r) tokens.push_back(int64_t(rng() % 49));
+    const bool fp8 = c.hidden == 128 && trial % 2 == 0;
+    const ref::DispatchOptions o{
+        .fp8 = fp8,
+        .expand = {.enabled = true, .expert_alignment = std::vector<int>{1, 4, 16, 128}[std::size_t(trial % 4)],
+                   .zero_padding = true, .expand_factor = 32}};
+    const auto inputs = make_inputs(c, R, tokens, (trial % 3) * 0.3, rng, fp8);
+    const auto layouts = ref::dispatch(c, inputs, o);
+    SCOPED_TRACE(testing::Message() << "trial " << trial);
+    check_expanded(c, inputs, layouts, o);
+    if (!fp8) check_expanded_round_trip(c, inputs, layouts, trial % 2 == 1);
+  }
+}
+
+TEST(EpExpanded, OverflowIsReportedAndNothingMoves) {
+  std::mt19937 rng(8);
+  // Every token selects 3 of rank 0's 4 experts: rank 0 needs 3 * (8 + 8) = 48 rows against a
+  // capacity of expand_factor * 2 * 8.
+  const BufferConfig c{.max_tokens = 8, .hidden = 16, .num_experts = 8, .top_k = 3};
+  const auto inputs = make_inputs(c, 2, {8, 8}, 0.0, rng, false, /*crowd_rank0=*/true);
+  for (int factor : {1, 2, 3, 4}) {
+    const ref::DispatchOptions o{.expand = {.enabled = true, .expand_factor = factor}};
+    const auto layouts = ref::dispatch(c, inputs, o);
+    SCOPED_TRACE(testing::Message() << "expand_factor " << factor);
+    check_expanded(c, inputs, layouts, o);
+    EXPECT_EQ(layouts[0].rows_required, 48);
+    EXPECT_EQ(layouts[0].overflowed, factor < 3) << "48 rows fit exactly at factor 3";
+    EXPECT_FALSE(layouts[1].overflowed);
+    std::vector<std::vector<uint16_t>> expert_out;
+    for (const auto& L : layouts) expert_out.push_back(L.recv_x);
+    if (factor < 3) {
+      for (const auto& L : layouts) {  // no source has a row at the overflowed rank
+        for (int64_t t = 0; t < L.num_tokens; ++t) EXPECT_EQ(L.send_slot[std::size_t(t * 2)], -1);
+      }
+      EXPECT_THROW(ref::combine(c, 0, layouts, expert_out, {}, {}), weft::Error);
+    } else {
+      check_expanded_round_trip(c, inputs, layouts, true);
+    }
+  }
+  // Alignment padding counts towards the capacity: 5 tokens of 1 expert aligned to 64.
+  const BufferConfig c1{.max_tokens = 5, .hidden = 16, .num_experts = 2, .top_k = 1};
+  auto one = make_inputs(c1, 2, {5, 0}, 0.0, rng, false, true);
+  const auto aligned = ref::dispatch(c1, one, {.expand = {.enabled = true, .expert_alignment = 64}});
+  EXPECT_EQ(aligned[0].rows_required, 64);
+  EXPECT_TRUE(aligned[0].overflowed);  // capacity 1 * 2 * 5 = 10
+}
+
+// Rank d sums a token's rows in fp32 and rounds once to bf16 before the source adds the ranks:
+// 2^-8 (rank 0) + [1 + 2^-8] (rank 1) gives 1 + 2^-8 -> 1.0, where one flat fp32 sum would
+// give 1 + 2^-7 (exact in bf16).
+TEST(EpExpanded, CombineRoundsEachRanksPartialSumOnce) {
+  const BufferConfig c{.max_tokens = 1, .hidden = 8, .num_experts = 4, .top_k = 3};
+  std::vector<ref::RankInput> inputs(2);
+  inputs[0] = {.num_tokens = 1, .x = std::vector<uint16_t>(8, float_to_bf16(1.0f)),
+               .topk_idx = {0, 2, 3}, .topk_weights = {1, 1, 1}};
+  inputs[1] = {.num_tokens = 0};
+  const auto layouts = ref::dispatch(c, inputs, {.expand = {.enabled = true}});
+  ASSERT_EQ(layouts[0].num_recv, 1);
+  ASSERT_EQ(layouts[1].num_recv, 2);
+  std::vector<std::vector<uint16_t>> expert_out(2);
+  expert_out[0].assign(8, float_to_bf16(1.0f / 256));
+  expert_out[1].assign(8, float_to_bf16(1.0f));
+  expert_out[1].insert(expert_out[1].end(), 8, float_to_bf16(1.0f / 256));
+  const auto y = ref::combine(c, 0, layouts, expert_out, {}, {});
+  for (uint16_t v : y) EXPECT_EQ(bf16_to_float(v), 1.0f);
+}
+
+TEST(EpExpanded, DuplicateSelectionIsOneRowMarkedTwice) {
+  const BufferConfig c{.max_tokens = 1, .hidden = 8, .num_experts = 2, .top_k = 3};
+  std::vector<ref::RankInput> inputs(1);
+  inputs[0] = {.num_tokens = 1, .x = std::vector<uint16_t>(8, float_to_bf16(2.0f)),
+               .topk_idx = {1, -1, 1}, .topk_weights = {0.25f, 0.5f, 0.75f}};
+  const auto L = ref::dispatch(c, inputs, {.expand = {.enabled = true, .expert_alignment = 2,
+                                                      .zero_padding = true, .expand_factor = 2}})[0];
+  EXPECT_EQ(L.segment_begin, (std::vector<int64_t>{0, 0, 2}));
+  EXPECT_EQ(L.tokens_per_local_expert, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(L.recv_expert_idx, (std::vector<int32_t>{1, -1, 1, -1, -1, -1}));
+  EXPECT_EQ(L.recv_weights, (std::vector<float>{0.25f, 0.0f, 0.75f, 0.0f, 0.0f, 0.0f}));
+  EXPECT_EQ(L.recv_src_rank, (std::vector<int32_t>{0, -1}));
+}
+
+TEST(EpExpanded, BadOptionsAreClearErrors) {
+  std::mt19937 rng(3);
+  const BufferConfig c{.max_tokens = 4, .hidden = 16, .num_experts = 4, .top_k = 2};
+  const auto inputs = make_inputs(c, 2, {2, 2}, 0.0, rng);
+  EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .expert_alignment = 0}}),
+               weft::Error);
+  EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .expand_factor = 0}}),
+               weft::Error);
+  // An expanded layout cannot be combined with a deduplicated one.
+  auto mixed = ref::dispatch(c, inputs, {.expand = {.enabled = true}});
+  mixed[1] = ref::dispatch(c, inputs)[1];
+  std::vector<std::vector<uint16_t>> expert_out{mixed[0].recv_x, mixed[1].recv_x};
+  EXPECT_THROW(ref::combine(c, 0, mixed, expert_out, {}, {}), weft::Error);
+}
+
+// Accumulated over three dispatches with masked selections, against an independent count.
+TEST(EpStats, CumulativeLocalExpertRecvStatsAccumulates) {
+  std::mt19937 rng(17);
+  const BufferConfig c{.max_tokens = 64, .hidden = 16, .num_experts = 12, .top_k = 4};
+  const int R = 3, epr = 4;
+  std::vector<std::vector<uint32_t>> stats(R, std::vector<uint32_t>(epr, 0));
+  std::vector<std::vector<uint32_t>> want(R, std::vector<uint32_t>(epr, 0));
+  for (int call = 0; call < 3; ++call) {
+    const auto inputs = make_inputs(c, R, {64, int64_t(rng() % 65), 7}, 0.25, rng);
+    for (bool expand : {false, true}) {
+      const auto layouts = ref::dispatch(c, inputs, {.expand = {.enabled = expand}});
+      if (expand) continue;  // same counts: checked below
+      for (int d = 0; d < R; ++d) ref::accumulate_local_expert_recv_stats(layouts[std::size_t(d)], stats[std::size_t(d)]);
+      const auto expanded = ref::dispatch(c, inputs, {.expand = {.enabled = true}});
+      for (int d = 0; d < R; ++d) {
+        EXPECT_EQ(layouts[std::size_t(d)].tokens_per_local_expert,
+                  expanded[std::size_t(d)].tokens_per_local_expert);
+      }
+    }
+    for (int d = 0; d < R; ++d) {
+      for (int e = 0; e < epr; ++e) {
+        for (const auto& in : inputs) {
+          for (int64_t t = 0; t < in.num_tokens; ++t) want[std::size_t(d)][std::size_t(e)] += selects(c, in, t, d * epr + e);
+        }
+      }
+    }
+    EXPECT_EQ(stats, want) << "after call " << call;
+  }
+  const auto layouts = ref::dispatch(c, make_inputs(c, R, {1, 1, 1}, 0.0, rng));
+  std::vector<uint32_t> wrong(epr + 1);
+  EXPECT_THROW(ref::accumulate_local_expert_recv_stats(layouts[0], wrong), weft::Error);
+}
+
+}  // namespace
