@@ -1,6 +1,14 @@
 // Concurrency stress: several engines act as ranks of one communicator; failure injection.
 #include <gtest/gtest.h>
 
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
 #include "test_support.hpp"
 
 namespace weft::pipeline {
@@ -83,6 +91,61 @@ void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
 
 TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD3) { run_ranks(HstuCascade::kD3, 42, 1500); }
 TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD6) { run_ranks(HstuCascade::kD6, 7, 1500); }
+
+// The benchmark's pattern (bench/pipeline/engine_overhead.hpp), which the jittered tests above
+// never reach: empty bodies (hand-offs microseconds apart, so waiters keep crossing from spin to
+// sleep), an endless source, an Engine built and destroyed per repetition, every threaded map and
+// both cascades. It is the pattern in which the host-backend benchmark hung on a 32-core machine
+// (io_data_dist_compute_d3, when the engine slept in std::atomic::wait); on 2 cores it only
+// checks the invariants, on many cores (scripts/gpu-test.sh runs it there) it is the stress test
+// that would catch a recurrence. A watchdog aborts with the variant's name well before ctest's
+// timeout, after the engine's stall report has printed where each thread waits.
+TEST(EngineStress, EmptyBodiesEndlessSourceEveryThreadedMapNoHang) {
+  constexpr int kEnginesPerVariant = 6;
+  constexpr int kStepsPerEngine = 1500;
+  std::mutex mutex;
+  std::condition_variable finished_cv;
+  bool finished = false;
+  std::string current;  // the variant now running, for the watchdog
+  std::thread watchdog([&] {
+    std::unique_lock lock(mutex);
+    if (!finished_cv.wait_for(lock, std::chrono::seconds(90), [&] { return finished; })) {
+      std::fprintf(stderr, "EngineStress: no progress for 90 s in %s; aborting\n", current.c_str());
+      std::abort();
+    }
+  });
+  for (const HstuVariant& variant : hstu_variants()) {
+    if (variant.thread_map == "legacy") continue;
+    {
+      std::lock_guard lock(mutex);
+      current = std::string(variant.name);
+    }
+    SCOPED_TRACE(std::string(variant.name));
+    // per_task has 14 threads: fewer steps keep the test short on 2 cores.
+    const int num_steps = variant.thread_map == "per_task" ? kStepsPerEngine / 5 : kStepsPerEngine;
+    for (int e = 0; e < kEnginesPerVariant; ++e) {
+      Engine engine(hstu_schedule({.cascade = variant.cascade}), ThreadMap::preset(variant.thread_map),
+                    std::make_unique<HostBackend>(), EngineOptions{.stall_report_s = 10});
+      engine.set_source([](Batch&) { return true; });
+      for (int i = 0; i < num_steps; ++i) {
+        const auto step = engine.progress();
+        ASSERT_TRUE(step.has_value());
+        ASSERT_EQ(step->batch_index(), i);
+      }
+      EXPECT_EQ(engine.num_in_flight(), engine.schedule().max_lookahead());
+      engine.synchronize();
+      // Nothing is ever enqueued on a stream, so every event is complete when waited on: the
+      // host backend never blocks here, and a hang in this pattern is the engine's own.
+      EXPECT_EQ(static_cast<HostBackend&>(engine.backend()).num_wait_markers(), 0u);
+    }
+  }
+  {
+    std::lock_guard lock(mutex);
+    finished = true;
+  }
+  finished_cv.notify_one();
+  watchdog.join();
+}
 
 // A task throws at a random step: progress() rethrows that error, nobody hangs, the engine can
 // be reset and run to the end; over every thread map and many seeds.
