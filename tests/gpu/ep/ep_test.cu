@@ -24,12 +24,16 @@
 #include "weft/cuda/nccl.hpp"
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
+#include "device_array.hpp"
 
 namespace {
 
 using weft::ep::BufferConfig;
 using weft::ep::DType;
 namespace ref = weft::ep::reference;
+using weft::ep::testing::DeviceArray;
+using weft::ep::testing::download;
+using weft::ep::testing::upload;
 
 int num_gpus() { return weft::cuda::device_count(); }
 
@@ -45,43 +49,6 @@ uint16_t identity_value(int rank, int64_t token, int64_t col) {
   x ^= x >> 29;
   // sign | exponent in [118, 133] | mantissa: finite, |v| in [2^-9, 2^7), sums stay exact enough
   return uint16_t(((x & 1u) << 15) | ((118u + (x >> 1) % 16u) << 7) | ((x >> 8) & 0x7Fu));
-}
-
-struct DeviceArray {
-  void* ptr = nullptr;
-  int device = 0;
-  DeviceArray() = default;
-  DeviceArray(int dev, std::size_t bytes) : device(dev) {
-    WEFT_CUDA_CHECK(cudaSetDevice(dev));
-    WEFT_CUDA_CHECK(cudaMalloc(&ptr, bytes > 0 ? bytes : 16));
-  }
-  DeviceArray(DeviceArray&& o) noexcept : ptr(std::exchange(o.ptr, nullptr)), device(o.device) {}
-  DeviceArray& operator=(DeviceArray&& o) noexcept {
-    std::swap(ptr, o.ptr);
-    std::swap(device, o.device);
-    return *this;
-  }
-  ~DeviceArray() {
-    if (ptr != nullptr) {
-      cudaSetDevice(device);
-      cudaFree(ptr);
-    }
-  }
-};
-
-template <typename T>
-DeviceArray upload(int dev, const std::vector<T>& v) {
-  DeviceArray a(dev, v.size() * sizeof(T));
-  WEFT_CUDA_CHECK(cudaMemcpy(a.ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return a;
-}
-
-template <typename T>
-std::vector<T> download(int dev, const void* p, std::size_t n) {
-  std::vector<T> v(n);
-  WEFT_CUDA_CHECK(cudaSetDevice(dev));
-  if (n > 0) WEFT_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
 }
 
 struct RoutingSpec {
