@@ -279,7 +279,7 @@ void write_gantt(std::ostringstream& out, const VariantReport& variant) {
     const double y1 = to.y + kBarHeight / 2;
     out << "<g><title>" << escape(wait.producer + " -> " + wait.consumer + " (" +
                                   to_string(wait.rule) + ", waited " + fmt(wait.waited_us) +
-                                  " us)")
+                                  " us) " + wait.cause)
         << "</title><path d='M" << fmt(x0) << "," << fmt(y0) << " C" << fmt(x0 + 18) << ","
         << fmt(y0) << " " << fmt(x1 - 18) << "," << fmt(y1) << " " << fmt(x1) << "," << fmt(y1)
         << "' fill='none' stroke='" << (seed_rule ? "#d62728" : "#777") << "' stroke-width='"
@@ -422,11 +422,12 @@ std::string render_html(const std::vector<VariantReport>& variants, const Report
     if (!v.timeline.waits.empty()) {
       out << "<details><summary>" << v.timeline.waits.size()
           << " cross-thread waits</summary><table><tr><th>producer</th><th>consumer</th>"
-             "<th>threads</th><th>rule</th><th>waited (us)</th></tr>\n";
+             "<th>threads</th><th>rule</th><th>edge</th><th>waited (us)</th></tr>\n";
       for (const auto& w : v.timeline.waits) {
         out << "<tr><td>" << escape(w.producer) << "</td><td>" << escape(w.consumer)
             << "</td><td>" << escape(w.producer_thread) << " &rarr; " << escape(w.consumer_thread)
-            << "</td><td>" << to_string(w.rule) << "</td><td class=num>" << fmt(w.waited_us)
+            << "</td><td>" << to_string(w.rule) << "</td><td>" << escape(w.cause)
+            << "</td><td class=num>" << fmt(w.waited_us)
             << "</td></tr>\n";
       }
       out << "</table></details>\n";

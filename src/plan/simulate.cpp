@@ -74,6 +74,13 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
     if (e.host_wait) host_in[e.consumer].push_back(&e);
     if (e.stream_wait) stream_in[e.consumer].push_back(&e);
   }
+  // pipeline::describe() names producer, consumer and rule first; the planner keeps those in
+  // their own fields, and the rest (slot or edge kind, lookaheads, threads, streams) as the cause.
+  auto edge_cause = [&](const pipeline::WaitEdge& e) {
+    std::string text = pipeline::describe(e, schedule, threads);
+    const auto bracket = text.find("] ");
+    return bracket == std::string::npos ? text : text.substr(bracket + 2);
+  };
   // Ticket predecessor of each collective task (previous collective in run order).
   std::vector<int> ticket_prev(num_tasks, -1);
   std::vector<int> ticket_of(num_tasks, -1);
@@ -144,7 +151,7 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
                   {schedule.task(e->producer).name(), schedule.task(t).name(),
                    threads.thread_names[threads.thread_of_task[e->producer]],
                    threads.thread_names[th], plan_rule(*e, schedule), end[e->producer] - begin,
-                   std::max(0.0, end[e->producer] - thread_ready[th])});
+                   std::max(0.0, end[e->producer] - thread_ready[th]), edge_cause(*e)});
             }
             if (prev >= 0 && threads.thread_of_task[std::size_t(prev)] != th &&
                 end[std::size_t(prev)] > deps_done) {
@@ -152,7 +159,9 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
                   {schedule.task(std::size_t(prev)).name(), schedule.task(t).name(),
                    threads.thread_names[threads.thread_of_task[std::size_t(prev)]],
                    threads.thread_names[th], WaitRule::kTicket, end[std::size_t(prev)] - begin,
-                   end[std::size_t(prev)] - deps_done});
+                   end[std::size_t(prev)] - deps_done,
+                   "collective ticket " + std::to_string(ticket_of[t]) + " after ticket " +
+                       std::to_string(ticket_of[std::size_t(prev)])});
             }
           }
           start[t] = at;

@@ -176,7 +176,8 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
     if (producer == nullptr) continue;
     t.waits.push_back({producer->task, consumer->task, thread_name(producer->tid),
                        thread_name(consumer->tid), rule_from_flow_name(flow_name[id]),
-                       producer->end - origin, 0});
+                       producer->end - origin, std::max(0.0, consumer->begin - producer->end),
+                       flow_name[id]});
   }
   for (const auto& n : t.threads) report.thread_map += (report.thread_map.empty() ? "" : " / ") + n;
   report.thread_map += " (" + std::to_string(t.threads.size()) + ")";

@@ -129,7 +129,8 @@ nlohmann::json timeline_json(const plan::VariantReport& v) {
                             {"consumer_thread", w.consumer_thread},
                             {"rule", plan::to_string(w.rule)},
                             {"released_at_us", w.released_at_us},
-                            {"waited_us", w.waited_us}});
+                            {"waited_us", w.waited_us},
+                            {"cause", w.cause}});
   }
   return out;
 }

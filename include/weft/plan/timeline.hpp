@@ -53,6 +53,9 @@ struct WaitEdge {
   WaitRule rule = WaitRule::kSameLookahead;
   double released_at_us = 0;  // when the producer side finished and the consumer could go on
   double waited_us = 0;       // how long the consumer's thread (or stream) sat idle for it
+  // The edge behind the wait, e.g. "slot shuffled_batch, la 3 == 3, thread io -> data_dist,
+  // stream memcpy -> data_dist" (empty where unknown, as for waits read from a trace).
+  std::string cause;
 };
 
 // One progress() in steady state. Times are relative to the start of that progress().

@@ -41,6 +41,9 @@ TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
       if (w.producer == "finish_shuffle" && w.consumer == "start_input_dist") {
         shuffle_to_input_dist = true;
         EXPECT_EQ(w.rule, WaitRule::kSameLookahead);
+        // The cause names the edge: the slot between them and the equal lookaheads.
+        EXPECT_NE(w.cause.find("slot shuffled_batch"), std::string::npos) << w.cause;
+        EXPECT_NE(w.cause.find("la 3 == 3"), std::string::npos) << w.cause;
       }
     }
     const std::string name(v.name);
@@ -157,6 +160,7 @@ TEST(Simulate, CollectiveTicketsSerialiseAcrossThreads) {
   ASSERT_EQ(t.waits.size(), 1u);
   EXPECT_EQ(t.waits[0].rule, WaitRule::kTicket);
   EXPECT_DOUBLE_EQ(t.waits[0].waited_us, 30);
+  EXPECT_EQ(t.waits[0].cause, "collective ticket 1 after ticket 0");
 }
 
 TEST(CostModel, BadInputNamesTheProblem) {
