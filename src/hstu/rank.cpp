@@ -89,12 +89,6 @@ struct BatchBuffers {
   cudaEvent_t released;         // recorded by watchdog: the set may be reused
 };
 
-struct Recorded {
-  std::string kind, stream;
-  double total_bytes = 0;
-  std::int64_t calls = 0;
-};
-
 }  // namespace
 
 struct HstuRank::State {
@@ -117,10 +111,6 @@ struct HstuRank::State {
   std::vector<cudaEvent_t> marks;  // [num_steps * kNumMarks]
   cuda::DeviceErrorFlag error;
   int key_bits;
-  // Inventory: per task, its calls in order; touched only by that task's body.
-  std::map<std::string, std::vector<Recorded>, std::less<>> inventory;
-  std::map<std::string, std::int64_t, std::less<>> runs;
-  std::mutex inventory_mutex;  // guards the maps' structure (bodies of different tasks at once)
 
   State(const HstuConfig& c, ncclComm_t comm_, int device_, std::int64_t steps)
       : config(c), comm(comm_), device(device_), num_steps(steps), data(c, steps),
@@ -133,25 +123,6 @@ struct HstuRank::State {
     WEFT_CUDA_CHECK(cudaEventRecord(marks[std::size_t(step * kNumMarks + id)], stream));
   }
 
-  // Records one collective call of `task` (the k-th of this run).
-  class Recorder {
-   public:
-    Recorder(State& s, std::string_view task) {
-      std::lock_guard lock(s.inventory_mutex);
-      calls_ = &s.inventory[std::string(task)];
-      ++s.runs[std::string(task)];
-    }
-    void add(const char* kind, const char* stream, double bytes) {
-      if (next_ == calls_->size()) calls_->push_back({kind, stream});
-      Recorded& r = (*calls_)[next_++];
-      r.total_bytes += bytes;
-      ++r.calls;
-    }
-
-   private:
-    std::vector<Recorded>* calls_;
-    std::size_t next_ = 0;
-  };
 };
 
 namespace {
@@ -346,9 +317,6 @@ void HstuRank::reset() {
   }
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   s.error.clear();
-  std::lock_guard lock(s.inventory_mutex);
-  s.inventory.clear();
-  s.runs.clear();
 }
 
 pipeline::Source HstuRank::source() {
@@ -396,9 +364,8 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
   bodies["start_shuffle"] = [s, B, W](TaskContext& c) {
     BatchBuffers& b = s->set_of(c.batch_index());
     const cudaStream_t stream = pipeline::cuda_stream(c);
-    State::Recorder rec(*s, c.name());
     WEFT_NCCL_CHECK(ncclAllGather(b.lengths, b.all_workloads, std::size_t(B), ncclInt64, s->comm, stream));
-    rec.add("AllGather (workloads)", "memcpy", double(B) * 8);
+    c.record_collective("AllGather (workloads)", "memcpy", std::size_t(B) * 8);
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.host_workloads, b.all_workloads,
                                     std::size_t(W * B) * sizeof(std::int64_t),
                                     cudaMemcpyDeviceToHost, stream));
@@ -430,9 +397,8 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     b.num_sh_tokens = dst;
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.plan, b.host_plan, std::size_t(B * 3) * sizeof(std::int64_t),
                                     cudaMemcpyHostToDevice, stream));
-    State::Recorder rec(*s, c.name());
     WEFT_NCCL_CHECK(ncclAllGather(b.lengths, b.all_lengths, std::size_t(B), ncclInt64, s->comm, stream));
-    rec.add("AllGather (lengths)", "memcpy", double(B) * 8);
+    c.record_collective("AllGather (lengths)", "memcpy", std::size_t(B) * 8);
     // AllGatherV: one broadcast per root, grouped (NCCL runs them as one kernel).
     WEFT_NCCL_CHECK(ncclGroupStart());
     std::int64_t offset = 0;
@@ -442,7 +408,8 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
       offset += per_rank[std::size_t(r)];
     }
     WEFT_NCCL_CHECK(ncclGroupEnd());
-    rec.add("AllGatherV (values)", "memcpy", double(per_rank[std::size_t(rank)]) * 8);
+    c.record_collective("AllGatherV (values)", "memcpy",
+                        std::size_t(per_rank[std::size_t(rank)]) * 8);
     launch_select_samples({.all_lengths = b.all_lengths, .all_ids = b.all_ids, .plan = b.plan,
                            .num_samples = B, .out_lengths = b.sh_lengths, .out_ids = b.sh_ids},
                           stream);
@@ -457,11 +424,10 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
                                .send_counts = b.counts, .send_lengths = b.send_lengths,
                                .send_ids = b.send_ids, .position = b.position},
                               stream);
-    State::Recorder rec(*s, c.name());
     const std::vector<std::int64_t> ones(static_cast<std::size_t>(W), 1);
     const std::vector<std::int64_t> peers = peer_indices(W);
     all_to_all(b.counts, ones, peers, b.counts + W, ones, peers, 1, ncclInt64, 8, s->comm, stream);
-    rec.add("SendRecv (a2a splits)", "data_dist", double(W) * 8);
+    c.record_collective("SendRecv (a2a splits)", "data_dist", std::size_t(W) * 8);
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.host_counts, b.counts, std::size_t(2 * W) * sizeof(std::int64_t),
                                     cudaMemcpyDeviceToHost, stream));
     WEFT_CUDA_CHECK(cudaEventRecord(b.counts_ready, stream));
@@ -477,15 +443,14 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     b.send_offsets = exclusive_offsets(b.send_counts);
     b.recv_offsets = exclusive_offsets(b.recv_counts);
     b.num_recv = b.recv_offsets.back() + b.recv_counts.back();
-    State::Recorder rec(*s, c.name());
     const std::vector<std::int64_t> ones(static_cast<std::size_t>(W), 1);
     const std::vector<std::int64_t> peers = peer_indices(W);
     all_to_all(b.send_lengths, ones, peers, b.recv_lengths, ones, peers, B,
                ncclInt64, 8, s->comm, stream);
-    rec.add("SendRecv (a2a lengths)", "data_dist", double(W) * B * 8);
+    c.record_collective("SendRecv (a2a lengths)", "data_dist", std::size_t(W) * std::size_t(B) * 8);
     all_to_all(b.send_ids, b.send_counts, b.send_offsets, b.recv_ids, b.recv_counts,
                b.recv_offsets, 1, ncclInt64, 8, s->comm, stream);
-    rec.add("SendRecv (a2a values)", "data_dist", double(b.num_sh_tokens) * 8);
+    c.record_collective("SendRecv (a2a values)", "data_dist", std::size_t(b.num_sh_tokens) * 8);
     launch_check_lengths({.recv_lengths = b.recv_lengths, .recv_counts = b.counts + W,
                           .world_size = W, .num_samples = B, .rank = rank,
                           .error = s->error.device_record()},
@@ -515,9 +480,8 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     BatchBuffers& b = s->set_of(c.batch_index());
     const cudaStream_t stream = pipeline::cuda_stream(c);
     launch_count_tokens({.lengths = b.lengths, .num_samples = B, .out = s->token_count}, stream);
-    State::Recorder rec(*s, c.name());
     WEFT_NCCL_CHECK(ncclAllReduce(s->token_count, s->global_tokens, 1, ncclFloat, ncclSum, s->comm, stream));
-    rec.add("AllReduce (global tokens)", "default", 4);
+    c.record_collective("AllReduce (global tokens)", "default", 4);
     WEFT_CUDA_CHECK(cudaMemcpyAsync(s->tokens_history + c.batch_index(), s->global_tokens,
                                     sizeof(float), cudaMemcpyDeviceToDevice, stream));
     c.set("global_tokens", s->global_tokens);
@@ -531,11 +495,11 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
                    .rows = s->send_rows}, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s->cod_in, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, s->cod_in, 0));
-    State::Recorder rec(*s, c.name());
     // Owner side answers what each peer asked for; the rows come back in send order.
     all_to_all(s->send_rows, b.recv_counts, b.recv_offsets, s->recv_rows, b.send_counts,
                b.send_offsets, dim, ncclFloat, 4, s->comm, comm_stream);
-    rec.add("SendRecv (a2a embedding fwd)", "output_dist_comm", double(b.num_recv) * dim * 4);
+    c.record_collective("SendRecv (a2a embedding fwd)", "output_dist_comm",
+                        std::size_t(b.num_recv) * std::size_t(dim) * 4);
     WEFT_CUDA_CHECK(cudaEventRecord(s->cod_out, comm_stream));
     s->mark(c.batch_index(), kMarkCodJoinBegin, stream);
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s->cod_out, 0));
@@ -569,10 +533,10 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
                          .dim = dim, .rows = s->grad_send}, stream);
     WEFT_CUDA_CHECK(cudaEventRecord(s->bwd_in, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, s->bwd_in, 0));
-    State::Recorder rec(*s, c.name());
     all_to_all(s->grad_send, b.send_counts, b.send_offsets, s->grad_recv, b.recv_counts,
                b.recv_offsets, dim, ncclFloat, 4, s->comm, comm_stream);
-    rec.add("SendRecv (a2a embedding bwd)", "output_dist_comm", double(b.num_sh_tokens) * dim * 4);
+    c.record_collective("SendRecv (a2a embedding bwd)", "output_dist_comm",
+                        std::size_t(b.num_sh_tokens) * std::size_t(dim) * 4);
     WEFT_CUDA_CHECK(cudaEventRecord(s->bwd_out, comm_stream));
     s->mark(c.batch_index(), kMarkBwdJoinBegin, stream);
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s->bwd_out, 0));
@@ -581,13 +545,12 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
 
   bodies["finalize_model_grads"] = on_default("finalize_model_grads", [s](TaskContext& c) {
     const cudaStream_t stream = pipeline::cuda_stream(c);
-    State::Recorder rec(*s, c.name());
     for (int k : {1, 2}) {
       const GradientBucket bucket = s->mlp.bucket(k);
       WEFT_NCCL_CHECK(ncclAllReduce(bucket.data, bucket.data, std::size_t(bucket.num_elements),
                                     ncclFloat, ncclSum, s->comm, stream));
-      rec.add(k == 1 ? "AllReduce (grad bucket 1)" : "AllReduce (grad bucket 2)", "default",
-              double(bucket.num_elements) * 4);
+      c.record_collective(k == 1 ? "AllReduce (grad bucket 1)" : "AllReduce (grad bucket 2)",
+                          "default", std::size_t(bucket.num_elements) * 4);
     }
   });
 
@@ -679,20 +642,5 @@ std::vector<StepTiming> HstuRank::step_timings() const {
   return out;
 }
 
-std::vector<InventoryEntry> HstuRank::inventory() const {
-  State& s = *state_;
-  std::lock_guard lock(s.inventory_mutex);
-  std::vector<InventoryEntry> out;
-  for (const auto name : pipeline::hstu_task_names()) {
-    const auto it = s.inventory.find(name);
-    if (it == s.inventory.end()) continue;
-    const double runs = double(s.runs.at(std::string(name)));
-    for (const Recorded& r : it->second) {
-      out.push_back({std::string(name), r.kind, r.stream, r.total_bytes / double(r.calls),
-                     double(r.calls) / runs});
-    }
-  }
-  return out;
-}
 
 }  // namespace weft::hstu

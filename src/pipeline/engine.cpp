@@ -109,6 +109,8 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   ring_slot_by_la_.assign(num_la, 0);
   ticket_of_task_.assign(num_tasks, -1);
   done_ = std::make_unique<Signal[]>(num_tasks);
+  tallies_by_task_.resize(num_tasks);
+  num_collective_runs_.assign(num_tasks, 0);
   progress_by_thread_ = std::make_unique<ThreadProgress[]>(threads_.num_threads());
 
   tracing_ = options_.trace;
@@ -340,6 +342,7 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     begin_us = now_us();
     gpu_span = backend_->begin_gpu_span(plan.id, plan.stream, batch);
   }
+  if (plan.collective) ++num_collective_runs_[plan.id];
   if (task.body()) {
     TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread);
     task.body()(context);
@@ -492,6 +495,32 @@ std::optional<Step> EngineCore::progress() {
   return std::nullopt;
 }
 
+void EngineCore::record_collective(TaskId task, std::string_view kind, std::string_view stream,
+                                   std::size_t num_bytes) {
+  auto& tallies = tallies_by_task_[task];
+  auto it = std::find_if(tallies.begin(), tallies.end(),
+                         [&](const CollectiveTally& t) { return t.kind == kind && t.stream == stream; });
+  if (it == tallies.end()) {
+    tallies.push_back({std::string(kind), std::string(stream), 0, 0});
+    it = std::prev(tallies.end());
+  }
+  it->total_bytes += static_cast<double>(num_bytes);
+  ++it->num_calls;
+}
+
+std::vector<MeasuredCollective> EngineCore::collective_inventory() const {
+  std::vector<MeasuredCollective> out;
+  for (TaskId t : schedule_.run_order()) {
+    const double num_runs = static_cast<double>(num_collective_runs_[t]);
+    for (const CollectiveTally& tally : tallies_by_task_[t]) {
+      out.push_back({schedule_.task(t).name(), tally.kind, tally.stream,
+                     tally.total_bytes / static_cast<double>(tally.num_calls),
+                     num_runs > 0 ? static_cast<double>(tally.num_calls) / num_runs : 0});
+    }
+  }
+  return out;
+}
+
 Trace EngineCore::take_trace() {
   Trace trace;
   for (const Task& t : schedule_.tasks()) trace.task_names.push_back(t.name());
@@ -531,6 +560,16 @@ void* TaskContext::stream_handle(std::string_view stream) const {
   const auto id = core_->schedule().find_stream(stream);
   WEFT_CHECK(id.has_value(), "task '", name(), "': no stream '", stream, "' in the schedule");
   return core_->stream_handle(*id);
+}
+
+void TaskContext::record_collective(std::string_view kind, std::string_view stream,
+                                    std::size_t num_bytes) {
+  WEFT_CHECK(task().is_collective(), "task '", name(), "' records a collective (", kind,
+             ") but is not marked collective(): its collectives would be enqueued outside the "
+             "ticket order, which can deadlock the ranks");
+  WEFT_CHECK(ticket_ >= 0, "task '", name(), "' records a collective (", kind,
+             ") outside its body's ticket (in init()?)");
+  core_->record_collective(task_, kind, stream, num_bytes);
 }
 
 Batch& TaskContext::batch() {
@@ -583,5 +622,9 @@ Backend& Engine::backend() noexcept { return core_->backend(); }
 bool Engine::failed() const noexcept { return core_->failed(); }
 std::int64_t Engine::num_in_flight() const noexcept { return core_->num_in_flight(); }
 Trace Engine::take_trace() { return core_->take_trace(); }
+
+std::vector<MeasuredCollective> Engine::collective_inventory() const {
+  return core_->collective_inventory();
+}
 
 }  // namespace weft::pipeline

@@ -21,6 +21,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -98,6 +100,9 @@ class EngineCore {
   void reset();
   void synchronize() { backend_->synchronize(); }
   Trace take_trace();
+  std::vector<MeasuredCollective> collective_inventory() const;
+  void record_collective(TaskId task, std::string_view kind, std::string_view stream,
+                         std::size_t num_bytes);
 
   const CompiledSchedule& schedule() const noexcept { return schedule_; }
   const ThreadAssignment& threads() const noexcept { return threads_; }
@@ -162,6 +167,17 @@ class EngineCore {
   std::vector<std::uint32_t> ring_slot_by_la_;
   std::vector<int> ticket_of_task_;  // -1: no ticket this iteration
   std::uint32_t ticket_base_ = 0;
+
+  // Collectives recorded by each task's body; written only by the thread that runs the task,
+  // read by the caller between iterations.
+  struct CollectiveTally {
+    std::string kind;
+    std::string stream;
+    double total_bytes = 0;
+    std::int64_t num_calls = 0;
+  };
+  std::vector<std::vector<CollectiveTally>> tallies_by_task_;
+  std::vector<std::int64_t> num_collective_runs_;  // active runs of each collective task
 
   std::unique_ptr<Signal[]> done_;
   std::unique_ptr<ThreadProgress[]> progress_by_thread_;

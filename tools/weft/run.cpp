@@ -135,7 +135,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
   const int print_every = std::max(1, options.num_steps / 4);
 
   std::vector<VariantResult> results;
-  std::vector<hstu::InventoryEntry> inventory;
+  std::vector<pipeline::MeasuredCollective> inventory;
   std::vector<plan::VariantReport> measured;
   std::optional<plan::CostModel> costs;
   std::string calibrated_on;
@@ -187,7 +187,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
         costs = hstu::cost_model_from_trace(trace, options.warmup_fraction);
         calibrated_on = r.name;
       }
-      if (inventory.empty()) inventory = rank.inventory();
+      if (inventory.empty()) inventory = engine.collective_inventory();
       std::printf("[%zu/%zu] %-24s step %.3f ms [%.3f-%.3f]  default busy %.1f%%  exposed comm "
                   "%.3f ms  loss %.4f -> %.4f\n", vi + 1, chosen.size(), r.name.c_str(),
                   r.step_us.median / 1e3, r.step_us.min / 1e3, r.step_us.max / 1e3,
@@ -218,7 +218,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
   plan::ReportOptions report_options{.title = "weft run hstu: measured vs calibrated plan", .collectives = {}};
   for (const auto& e : inventory) {
     report_options.collectives[e.task].push_back(
-        {e.kind, e.stream, e.bytes_per_call, int(e.calls_per_step + 0.5), "measured"});
+        {e.kind, e.stream, e.bytes_per_call, int(e.calls_per_run + 0.5), "measured"});
   }
   {
     std::ofstream html(options.out_dir + "/report.html");
@@ -232,8 +232,8 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
   int num_calls = 0;
   for (const auto& e : inventory) {
     std::printf("  %-24s %-30s %-17s %12s %6.2f\n", e.task.c_str(), e.kind.c_str(), e.stream.c_str(),
-                human_bytes(e.bytes_per_call).c_str(), e.calls_per_step);
-    num_calls += int(e.calls_per_step + 0.5);
+                human_bytes(e.bytes_per_call).c_str(), e.calls_per_run);
+    num_calls += int(e.calls_per_run + 0.5);
   }
   std::printf("  %d collective calls per step\n\n", num_calls);
   const double legacy_us = results.front().name == "legacy_none" ? results.front().step_us.median : 0;
@@ -261,7 +261,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
   }
   for (const auto& e : inventory) {
     root["inventory"].push_back({{"task", e.task}, {"kind", e.kind}, {"stream", e.stream},
-                                 {"bytes_per_call", e.bytes_per_call}, {"calls_per_step", e.calls_per_step}});
+                                 {"bytes_per_call", e.bytes_per_call}, {"calls_per_step", e.calls_per_run}});
   }
   std::ofstream(options.out_dir + "/results.json") << root.dump(2);
   std::printf("\nwrote %s/{results.json, report.html, costs.json, <variant>.rank0.trace.json}\n",

@@ -23,8 +23,9 @@
 //  - device buffers of batch i are reused by batch i + num_buffer_sets only after batch i's last
 //    task (watchdog) finished on the GPU;
 //  - collectives are NCCL calls on the rank's one communicator: grouped send/recv for the
-//    all-to-alls, grouped broadcasts for the AllGatherV. Each call is also recorded in a per-task
-//    inventory (kind, stream, bytes, calls per step).
+//    all-to-alls, grouped broadcasts for the AllGatherV. Each body records its calls through
+//    TaskContext::record_collective, so Engine::collective_inventory() gives the measured
+//    inventory (kind, stream, bytes per call, calls per step).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,16 +42,6 @@
 #include "weft/pipeline/hstu.hpp"
 
 namespace weft::hstu {
-
-// One collective of a task, as measured: bytes this rank sent per call (averaged over the runs
-// of the task), and calls per run of the task.
-struct InventoryEntry {
-  std::string task;
-  std::string kind;
-  std::string stream;
-  double bytes_per_call = 0;
-  double calls_per_step = 0;
-};
 
 // The default stream over one steady-state step (from CUDA events recorded inside the bodies).
 struct StepTiming {
@@ -86,7 +77,6 @@ class HstuRank {
   std::vector<float> parameters() const;
   // Steps 1..num_steps-1 (step 0 has no predecessor).
   std::vector<StepTiming> step_timings() const;
-  std::vector<InventoryEntry> inventory() const;
   // Waits for step `step`'s last task on the GPU and returns its loss share.
   float wait_loss(std::int64_t step) const;
 

@@ -31,9 +31,11 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "weft/pipeline/backend.hpp"
 #include "weft/pipeline/batch.hpp"
+#include "weft/pipeline/collective_inventory.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/schedule.hpp"
 #include "weft/pipeline/thread_map.hpp"
@@ -105,6 +107,9 @@ class Engine {
 
   // The recording so far (tracing on); call between progress() calls. Clears the recording.
   Trace take_trace();
+  // What the collective tasks recorded (TaskContext::record_collective) since construction, in
+  // run order of the tasks; call between progress() calls.
+  std::vector<MeasuredCollective> collective_inventory() const;
 
  private:
   std::unique_ptr<detail::EngineCore> core_;

@@ -5,6 +5,7 @@
 
 #include "weft/pipeline/backend.hpp"
 #include "weft/pipeline/batch.hpp"
+#include "weft/pipeline/collective_inventory.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/engine.hpp"
 #include "weft/pipeline/host_backend.hpp"

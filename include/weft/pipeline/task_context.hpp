@@ -13,6 +13,7 @@
 #pragma once
 
 #include <any>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <utility>
@@ -39,6 +40,11 @@ class TaskContext {
   // This progress's ticket of a collective task (0 = the first collective to enqueue in this
   // progress, on every rank); -1 for other tasks and in init().
   int ticket() const noexcept { return ticket_; }
+  // Records one collective this body just enqueued, for Engine::collective_inventory(). Only a
+  // collective task may record, and only while it holds its ticket (in its body, not in init()):
+  // weft::Error otherwise, since a collective enqueued outside the ticket order can deadlock
+  // NCCL across ranks. Kinds are kept per (kind, stream) in the order first recorded.
+  void record_collective(std::string_view kind, std::string_view stream, std::size_t num_bytes);
   std::uint32_t thread_index() const noexcept { return thread_; }
 
   const CompiledSchedule& schedule() const;

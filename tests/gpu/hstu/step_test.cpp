@@ -27,7 +27,7 @@ constexpr int kNumRanks = 2;
 
 struct RunResult {
   std::vector<float> losses, tokens, parameters;
-  std::vector<InventoryEntry> inventory;
+  std::vector<pipeline::MeasuredCollective> inventory;
 };
 
 HstuConfig small_config(int rank) {
@@ -61,7 +61,7 @@ std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>&
           out.losses = rank.losses();
           out.tokens = rank.global_tokens();
           out.parameters = rank.parameters();
-          out.inventory = rank.inventory();
+          out.inventory = engine.collective_inventory();
         }
       } catch (...) {
         errors[std::size_t(r)] = std::current_exception();
@@ -114,7 +114,7 @@ TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
   EXPECT_LT(last, 0.9 * first) << "first 5 steps " << first / 5 << ", last 5 " << last / 5;
   // The inventory: 11 NCCL calls per step, as in the seed.
   double calls = 0;
-  for (const auto& e : results[0][0].inventory) calls += e.calls_per_step;
+  for (const auto& e : results[0][0].inventory) calls += e.calls_per_run;
   EXPECT_DOUBLE_EQ(calls, 11.0);
 }
 
@@ -131,7 +131,7 @@ TEST_F(HstuStep, LongRunsUnderEveryThreadMapAgreeAcrossRanks) {
     ASSERT_EQ(a.inventory.size(), b.inventory.size());
     for (std::size_t i = 0; i < a.inventory.size(); ++i) {
       EXPECT_EQ(a.inventory[i].kind, b.inventory[i].kind);
-      EXPECT_EQ(a.inventory[i].calls_per_step, b.inventory[i].calls_per_step);
+      EXPECT_EQ(a.inventory[i].calls_per_run, b.inventory[i].calls_per_run);
     }
   }
 }
