@@ -94,7 +94,10 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
                                      [&](const auto& h) { return h.producer == w.producer; });
       if (!known) plan.host_waits.push_back({w.producer, w.rule});
     }
-    if (w.stream_wait) plan.stream_waits.push_back({w.producer, w.batch_offset});
+    if (w.stream_wait) {
+      plan.stream_waits.push_back({w.producer, w.batch_offset});
+      plans_[w.producer].records_event = true;
+    }
   }
   for (StreamId s = 0; s < schedule_.num_streams(); ++s) {
     stream_handles_.push_back(backend_->stream_handle(s));
@@ -347,7 +350,7 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread);
     task.body()(context);
   }
-  backend_->record(plan.id, ring_slot, plan.stream);
+  if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);
   if (tracing_) {
     backend_->end_gpu_span(gpu_span, plan.stream);
     spans_by_thread_[thread].push_back({.task = plan.id, .thread = thread, .batch = batch,

@@ -83,6 +83,9 @@ struct TaskPlan {
   StreamId stream = 0;
   int lookahead = 0;
   bool collective = false;
+  // Some consumer's stream waits on this task's event: only then is the event recorded (an
+  // event record is a driver call under a lock, and most tasks have no cross-stream consumer).
+  bool records_event = false;
   std::vector<HostWait> host_waits;  // one per producer
   std::vector<StreamWait> stream_waits;
 };

@@ -1,8 +1,9 @@
 // weft::pipeline::Backend: the streams and events the engine drives (host or CUDA).
 //
 // The engine calls bind() once, then, for every task it runs: wait() for each cross-stream
-// producer (on the producer's event for the producer's batch), the body, then record() on the
-// task's own stream. Events are indexed by (task, ring slot): ring slot = batch index modulo
+// producer (on the producer's event for the producer's batch), the body, then — only for a task
+// some consumer on another stream waits on — record() on the task's own stream. Events are
+// indexed by (task, ring slot): ring slot = batch index modulo
 // in_flight, so each event is reused, never re-created. The engine guarantees that an event is
 // recorded before anything waits on it, and that no two threads use one event at once.
 // record() and wait() are called from the engine's threads concurrently (for different tasks).
