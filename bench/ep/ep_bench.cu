@@ -204,6 +204,9 @@ int main(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
     }
     const auto layouts = ref::dispatch(config, inputs);
+    if (fp8) {  // the reference moves the same packed rows the GPU cast makes (bit-identical)
+      for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(H, T, in.x);
+    }
     const int64_t fp8_row_bytes = fp8 ? weft::ep::fp8_row_layout(H).row_bytes : 0;
     ref::DispatchOptions fp8_options;
     fp8_options.fp8 = true;

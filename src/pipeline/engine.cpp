@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -23,15 +24,18 @@
 namespace weft::pipeline {
 namespace detail {
 
-void wait_for_change(Signal& signal, std::uint32_t old) noexcept {
-  constexpr int kNumPauses = 128;
+void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept {
+  constexpr int kNumPauses = 128;  // between clock reads, and the spin of spin_ns == 0
   constexpr int kNumYields = 16;
-  for (int i = 0; i < kNumPauses; ++i) {
-    if (signal.value.load(std::memory_order_acquire) != old) return;
+  const auto spin_end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  do {
+    for (int i = 0; i < kNumPauses; ++i) {
+      if (signal.value.load(std::memory_order_acquire) != old) return;
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
-  }
+    }
+  } while (std::chrono::steady_clock::now() < spin_end);
   for (int i = 0; i < kNumYields; ++i) {
     if (signal.value.load(std::memory_order_acquire) != old) return;
     std::this_thread::yield();
@@ -117,6 +121,14 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   progress_by_thread_ = std::make_unique<ThreadProgress[]>(threads_.num_threads());
 
   tracing_ = options_.trace;
+  double spin_us = options_.spin_us;
+  WEFT_CHECK(!std::isnan(spin_us) && spin_us <= 1e6,
+             "EngineOptions::spin_us must be a number <= 1e6 (negative = automatic), got ", spin_us);
+  if (spin_us < 0) {
+    const unsigned num_cpus = std::thread::hardware_concurrency();
+    spin_us = num_cpus > threads_.num_threads() ? 20.0 : 0.0;
+  }
+  spin_ns_ = static_cast<std::int64_t>(spin_us * 1000.0);
   origin_ = std::chrono::steady_clock::now();
   spans_by_thread_.resize(threads_.num_threads());
   waits_by_thread_.resize(threads_.num_threads());
@@ -160,7 +172,7 @@ void EngineCore::wait_for_workers() {
   bool reported = options_.stall_report_s <= 0;
   std::uint32_t r;
   while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-    wait_for_change(remaining_, r);
+    wait_for_change(remaining_, r, spin_ns_);
     if (reported) continue;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -224,7 +236,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
   while (true) {
     std::uint32_t v;
     while ((v = go_.value.load(std::memory_order_acquire)) == seen) {
-      wait_for_change(go_, seen);
+      wait_for_change(go_, seen, spin_ns_);
     }
     seen = v;
     if (stopping_.load(std::memory_order_acquire)) return;
@@ -276,7 +288,7 @@ void EngineCore::wait_value(Signal& signal, std::uint32_t target) {
   std::uint32_t v = signal.value.load(std::memory_order_acquire);
   while (v != target) {
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
-    wait_for_change(signal, v);
+    wait_for_change(signal, v, spin_ns_);
     v = signal.value.load(std::memory_order_acquire);
   }
 }

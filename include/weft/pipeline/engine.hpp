@@ -56,6 +56,12 @@ struct EngineOptions {
   // threads is: which task it runs or which producer or ticket it waits for. The progress()
   // goes on. 0 turns the report off.
   double stall_report_s = 60;
+  // How long an engine thread spins (CPU busy) on a hand-off before it yields and then sleeps.
+  // Hand-offs inside one progress() are microseconds apart and waking a sleeping thread costs
+  // several microseconds, so spinning buys latency with CPU time. A negative value picks: 20 us
+  // when the machine has a hardware thread for every engine thread and the caller, else 0
+  // (spinners would take the core of the thread they wait for).
+  double spin_us = -1;
 };
 
 // The batch a progress() finished: valid until the next progress(), reset() or set_source().

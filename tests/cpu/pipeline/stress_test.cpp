@@ -124,8 +124,11 @@ TEST(EngineStress, EmptyBodiesEndlessSourceEveryThreadedMapNoHang) {
     // per_task has 14 threads: fewer steps keep the test short on 2 cores.
     const int num_steps = variant.thread_map == "per_task" ? kStepsPerEngine / 5 : kStepsPerEngine;
     for (int e = 0; e < kEnginesPerVariant; ++e) {
+      // Odd engines spin on every hand-off (EngineOptions::spin_us), even ones sleep at once:
+      // the two wait paths of the futex protocol, whatever the machine's core count picks.
       Engine engine(hstu_schedule({.cascade = variant.cascade}), ThreadMap::preset(variant.thread_map),
-                    std::make_unique<HostBackend>(), EngineOptions{.stall_report_s = 10});
+                    std::make_unique<HostBackend>(),
+                    EngineOptions{.stall_report_s = 10, .spin_us = e % 2 ? 20.0 : 0.0});
       engine.set_source([](Batch&) { return true; });
       for (int i = 0; i < num_steps; ++i) {
         const auto step = engine.progress();
