@@ -4,23 +4,27 @@
 # `gpu`-labelled tests, the engine's concurrency tests (a many-core machine exposes races that the
 # 2-core CI machine cannot), and the GPU benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
-#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX]
+#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX] [--bench-list FILE]
 #
-# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, bench.log, machine.txt, summary.txt.
-# The benchmarks run are the lines of bench/gpu-benchmarks.txt (commands relative to the build
-# folder; '#' starts a comment), each stopped after BENCH_TIMEOUT seconds (default 300).
+# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, bench.log, machine.txt, summary.txt,
+# and bench-files.tar.gz (what the benchmarks wrote under the build folder's bench-out/).
+# The benchmarks run are the lines of bench/gpu-benchmarks.txt, or of the --bench-list FILEs (one
+# or more; e.g. bench/gpu-sweeps.txt, the parameter sweeps behind the defaults): commands relative
+# to the build folder, '#' starts a comment, each stopped after BENCH_TIMEOUT seconds (default 300).
 # Exit status: non-zero when the build, a test or a benchmark failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX]}
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX] [--bench-list FILE]}
 shift
 run_bench=1
 only=""
+bench_lists=()
 while (($#)); do
   case "$1" in
     --no-bench) run_bench=0 ;;
     --only) only=$2; shift ;;
+    --bench-list) bench_lists+=("$2"); shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -73,20 +77,28 @@ if [[ -z "$only" ]]; then
   note "engine tests on $(nproc) cores: $(grep -E 'tests passed' "$out/cpu-stress.log" | tail -1)"
 fi
 
-if ((run_bench)) && [[ -f bench/gpu-benchmarks.txt ]]; then
+if ((run_bench)); then
+  ((${#bench_lists[@]})) || bench_lists=(bench/gpu-benchmarks.txt)
+  for list in "${bench_lists[@]}"; do
+    [[ -f "$list" ]] || { note "FAIL: no benchmark list $list"; exit 1; }
+  done
   : >"$out/bench.log"
+  rm -rf "$build_dir/bench-out" && mkdir -p "$build_dir/bench-out"
   while IFS= read -r line; do
     line=${line%%#*}
     [[ -z "${line// }" ]] && continue
     [[ -n "$only" && ! "$line" =~ $only ]] && continue
     echo "==== $line" >>"$out/bench.log"
-    if (cd "$build_dir" && timeout "${BENCH_TIMEOUT:-300}" bash -c "$line") >>"$out/bench.log" 2>&1; then
+    if (cd "$build_dir" && timeout "${BENCH_TIMEOUT:-300}" bash -c "$line") </dev/null >>"$out/bench.log" 2>&1; then
       note "bench ok:   $line"
     else
       note "bench FAIL: $line"
       status=1
     fi
-  done <bench/gpu-benchmarks.txt
+  done < <(cat "${bench_lists[@]}")
+  if [[ -n "$(ls -A "$build_dir/bench-out")" ]]; then
+    tar -czf "$out/bench-files.tar.gz" -C "$build_dir/bench-out" .
+  fi
 fi
 
 note "total: $(( $(date +%s) - start )) s, status $status"
