@@ -9,6 +9,7 @@
 
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -22,6 +23,18 @@
 #include "weft/pipeline/task_context.hpp"
 
 namespace weft::pipeline {
+
+std::size_t usable_cpus() noexcept {
+#if defined(__linux__)
+  // The affinity mask, not the machine: a launcher such as mpirun binds each rank to one core
+  // by default, and spinners there would take the core of the thread they wait for.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<std::size_t>(CPU_COUNT(&set));
+#endif
+  return std::thread::hardware_concurrency();
+}
+
 namespace detail {
 
 void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept {
@@ -125,8 +138,7 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   WEFT_CHECK(!std::isnan(spin_us) && spin_us <= 1e6,
              "EngineOptions::spin_us must be a number <= 1e6 (negative = automatic), got ", spin_us);
   if (spin_us < 0) {
-    const unsigned num_cpus = std::thread::hardware_concurrency();
-    spin_us = num_cpus > threads_.num_threads() ? 20.0 : 0.0;
+    spin_us = usable_cpus() > threads_.num_threads() ? 20.0 : 0.0;
   }
   spin_ns_ = static_cast<std::int64_t>(spin_us * 1000.0);
   origin_ = std::chrono::steady_clock::now();

@@ -3,7 +3,7 @@
 // is, communication left exposed, the engine's host overhead, a Chrome trace; then the planner
 // calibrated on the legacy run predicts every variant, next to what was measured.
 //
-//   mpirun -np 2 weft run hstu --variant all --steps 200 --out-dir out
+//   mpirun -np 2 --bind-to none weft run hstu --variant all --steps 200 --out-dir out
 //   RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NCCL_COMM_ID=127.0.0.1:29600 weft run hstu ... &  (rank 1 too)
 //   weft run hstu --local-gpus 2 --variant full_split_d3      # one process, a thread per GPU
 #include <cuda_runtime_api.h>
@@ -127,6 +127,17 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
                 "dim %d, %d x %d dense\n", config.world_size, chosen.size(), options.num_steps,
                 config.local_batch, config.zipf_alpha, config.max_seq_len, config.embedding_dim,
                 config.num_layers, config.hidden);
+    std::size_t most_threads = 1;
+    for (const auto* v : chosen) {
+      const pipeline::CompiledSchedule schedule(pipeline::hstu_schedule({.cascade = v->cascade}));
+      most_threads = std::max(
+          most_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
+    }
+    if (pipeline::usable_cpus() <= most_threads) {
+      std::printf("note: this rank may use %zu CPU(s) for up to %zu engine threads and the caller; "
+                  "threaded variants will be host-starved (mpirun binds a rank to one core by "
+                  "default: pass --bind-to none)\n", pipeline::usable_cpus(), most_threads);
+    }
     std::fflush(stdout);
   }
   WEFT_CUDA_CHECK(cudaSetDevice(device));

@@ -59,10 +59,13 @@ struct EngineOptions {
   // How long an engine thread spins (CPU busy) on a hand-off before it yields and then sleeps.
   // Hand-offs inside one progress() are microseconds apart and waking a sleeping thread costs
   // several microseconds, so spinning buys latency with CPU time. A negative value picks: 20 us
-  // when the machine has a hardware thread for every engine thread and the caller, else 0
-  // (spinners would take the core of the thread they wait for).
+  // when the process's CPU affinity mask has a CPU for every engine thread and the caller, else
+  // 0 (spinners would take the core of the thread they wait for).
   double spin_us = -1;
 };
+
+// CPUs this process may run on: its affinity mask (the machine's count where that is unknown).
+std::size_t usable_cpus() noexcept;
 
 // The batch a progress() finished: valid until the next progress(), reset() or set_source().
 class Step {
