@@ -176,26 +176,60 @@ __global__ void scatter_rows_kernel(ScatterRowsParams p) {
   }
 }
 
-// One warp per sorted position; only the head of each run of equal ids works, walking its run in
-// order, so every sum has one fixed order whatever the scheduling.
+// One warp per sorted position; only the head of each run of equal ids works, summing its run
+// in sorted order, so every sum has one fixed order whatever the scheduling. Zipf-distributed ids
+// make some runs thousands long (the hottest id of a rank), so the walk must not be a chain of
+// dependent loads: the warp finds the run's end with ballots, loads 32 arrival indices at once,
+// and issues kSgdUnroll independent row loads before adding them, in order.
+constexpr int kSgdUnroll = 16;
+
 __global__ void embedding_sgd_kernel(EmbeddingSgdParams p) {
   const std::int64_t warp = (blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x) / kWarp;
   const int lane = int(threadIdx.x % kWarp);
   const std::int64_t num_warps = std::int64_t(gridDim.x) * blockDim.x / kWarp;
+  const int num_vectors = p.dim / 4;
   for (std::int64_t j = warp; j < p.num_ids; j += num_warps) {
     const std::int64_t id = p.sorted_ids[j];
     if (j > 0 && p.sorted_ids[j - 1] == id) continue;
-    float* row = p.table + (id / p.world_size) * p.dim;
-    for (int c = lane; c < p.dim / 4; c += kWarp) {
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (std::int64_t k = j; k < p.num_ids && p.sorted_ids[k] == id; ++k) {
-        const float4 g =
-            reinterpret_cast<const float4*>(p.grad_rows + std::int64_t(p.sorted_arrival[k]) * p.dim)[c];
-        sum.x += g.x, sum.y += g.y, sum.z += g.z, sum.w += g.w;
+    // Sorted ids: the positions equal to id after j form a prefix of every 32-wide window.
+    std::int64_t end = j + 1;
+    while (true) {
+      const std::int64_t k = end + lane;
+      const unsigned same = __ballot_sync(0xffffffffu, k < p.num_ids && p.sorted_ids[k] == id);
+      if (same != 0xffffffffu) {
+        end += __ffs(~same) - 1;
+        break;
       }
-      float4 w = reinterpret_cast<float4*>(row)[c];
-      w.x -= p.lr * sum.x, w.y -= p.lr * sum.y, w.z -= p.lr * sum.z, w.w -= p.lr * sum.w;
-      reinterpret_cast<float4*>(row)[c] = w;
+      end += kWarp;
+    }
+    float* row = p.table + (id / p.world_size) * p.dim;
+    for (int c0 = 0; c0 < num_vectors; c0 += kWarp) {
+      const int c = c0 + lane;
+      const bool active = c < num_vectors;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (std::int64_t k0 = j; k0 < end; k0 += kWarp) {
+        const int n = int(min(std::int64_t(kWarp), end - k0));
+        const std::int32_t my_arrival = lane < n ? p.sorted_arrival[k0 + lane] : 0;
+        for (int i = 0; i < n; i += kSgdUnroll) {
+          float4 g[kSgdUnroll];
+#pragma unroll
+          for (int u = 0; u < kSgdUnroll; ++u) {
+            const std::int32_t arrival = __shfl_sync(0xffffffffu, my_arrival, (i + u) % kWarp);
+            g[u] = active && i + u < n
+                       ? reinterpret_cast<const float4*>(p.grad_rows + std::int64_t(arrival) * p.dim)[c]
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+#pragma unroll
+          for (int u = 0; u < kSgdUnroll; ++u) {
+            if (i + u < n) sum.x += g[u].x, sum.y += g[u].y, sum.z += g[u].z, sum.w += g[u].w;
+          }
+        }
+      }
+      if (active) {
+        float4 w = reinterpret_cast<float4*>(row)[c];
+        w.x -= p.lr * sum.x, w.y -= p.lr * sum.y, w.z -= p.lr * sum.z, w.w -= p.lr * sum.w;
+        reinterpret_cast<float4*>(row)[c] = w;
+      }
     }
   }
 }

@@ -537,10 +537,9 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
                b.recv_offsets, dim, ncclFloat, 4, s->comm, comm_stream);
     c.record_collective("SendRecv (a2a embedding bwd)", "output_dist_comm",
                         std::size_t(b.num_sh_tokens) * std::size_t(dim) * 4);
+    // Joined where the gradient rows are consumed (optimizer_step's embedding update), not here:
+    // the all-to-all then runs under finalize_model_grads and the dense update.
     WEFT_CUDA_CHECK(cudaEventRecord(s->bwd_out, comm_stream));
-    s->mark(c.batch_index(), kMarkBwdJoinBegin, stream);
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s->bwd_out, 0));
-    s->mark(c.batch_index(), kMarkBwdJoinEnd, stream);
   });
 
   bodies["finalize_model_grads"] = on_default("finalize_model_grads", [s](TaskContext& c) {
@@ -558,6 +557,9 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     BatchBuffers& b = s->set_of(c.batch_index());
     const cudaStream_t stream = pipeline::cuda_stream(c);
     s->mlp.sgd(s->config.dense_lr, stream);
+    s->mark(c.batch_index(), kMarkBwdJoinBegin, stream);
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s->bwd_out, 0));  // backward's gradient a2a
+    s->mark(c.batch_index(), kMarkBwdJoinEnd, stream);
     launch_embedding_sgd({.sorted_ids = b.sorted_ids, .sorted_arrival = b.sorted_arrival,
                           .num_ids = b.num_recv, .grad_rows = s->grad_recv, .world_size = W,
                           .dim = dim, .lr = s->config.embedding_lr, .table = s->table},

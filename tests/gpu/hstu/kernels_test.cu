@@ -88,7 +88,11 @@ TEST_F(HstuKernels, PrefetchLookupAndEmbeddingSgdMatchReference) {
   std::vector<float> table(static_cast<std::size_t>(rows * dim));
   for (std::size_t i = 0; i < table.size(); ++i) table[i] = float(uniform(2, 1, 0, i) - 0.5);
   std::vector<std::int64_t> ids(static_cast<std::size_t>(n));
-  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = random_id(3, i, rows) * world + rank;
+  // Every third id is one hot row (a run of 1000 after sorting, as Zipf's head makes), the rest
+  // random: runs of every length, across the SGD kernel's 16- and 32-wide steps.
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = (i % 3 == 0 ? 17 : random_id(3, i, rows)) * world + rank;
+  }
   DeviceVec<float> d_table(table), cache(std::size_t(n * dim)), out_rows(std::size_t(n * dim));
   DeviceVec<std::int64_t> d_ids(ids), sorted(static_cast<std::size_t>(n));
   DeviceVec<std::int32_t> arrival(static_cast<std::size_t>(n)), sorted_arrival(static_cast<std::size_t>(n)),
