@@ -93,7 +93,10 @@ struct BatchBuffers {
 
 struct HstuRank::State {
   HstuConfig config;
-  ncclComm_t comm;
+  ncclComm_t comm;          // the default stream's AllReduces (global tokens, gradients)
+  ncclComm_t input_comm;    // shuffle and input distribution (io / data_dist streams)
+  ncclComm_t output_comm;   // embedding all-to-alls (output_dist_comm stream)
+  std::vector<ncclComm_t> owned_comms;  // split here (communicator_per_role)
   int device;
   std::int64_t num_steps;
   HostDataset data;
@@ -113,7 +116,8 @@ struct HstuRank::State {
   int key_bits;
 
   State(const HstuConfig& c, ncclComm_t comm_, int device_, std::int64_t steps)
-      : config(c), comm(comm_), device(device_), num_steps(steps), data(c, steps),
+      : config(c), comm(comm_), input_comm(comm_), output_comm(comm_), device(device_),
+        num_steps(steps), data(c, steps),
         mlp(c, c.max_local_tokens()) {}
 
   BatchBuffers& set_of(std::int64_t batch) { return sets[std::size_t(batch % kNumBufferSets)]; }
@@ -183,6 +187,13 @@ HstuRank::HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::i
   WEFT_CUDA_CHECK(cudaSetDevice(device));
   state_ = std::make_unique<State>(config, comm, device, num_steps);
   State& s = *state_;
+  if (config.communicator_per_role) {
+    // Collective over the ranks of comm, in the same order on each.
+    for (ncclComm_t* role : {&s.input_comm, &s.output_comm}) {
+      WEFT_NCCL_CHECK(ncclCommSplit(comm, 0, config.rank, role, nullptr));
+      s.owned_comms.push_back(*role);
+    }
+  }
   const int W = config.world_size, B = config.local_batch, dim = config.embedding_dim;
   const std::int64_t max_local = config.max_local_tokens(), max_global = config.max_global_tokens();
   s.key_bits = std::max(1, int(std::bit_width(std::uint64_t(config.num_items - 1))));
@@ -293,6 +304,7 @@ HstuRank::~HstuRank() {
     cudaEventDestroy(e);
   }
   for (cudaEvent_t e : s.marks) cudaEventDestroy(e);
+  for (ncclComm_t c : s.owned_comms) ncclCommDestroy(c);
 }
 
 std::int64_t HstuRank::num_steps() const noexcept { return state_->num_steps; }
@@ -364,7 +376,7 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
   bodies["start_shuffle"] = [s, B, W](TaskContext& c) {
     BatchBuffers& b = s->set_of(c.batch_index());
     const cudaStream_t stream = pipeline::cuda_stream(c);
-    WEFT_NCCL_CHECK(ncclAllGather(b.lengths, b.all_workloads, std::size_t(B), ncclInt64, s->comm, stream));
+    WEFT_NCCL_CHECK(ncclAllGather(b.lengths, b.all_workloads, std::size_t(B), ncclInt64, s->input_comm, stream));
     c.record_collective("AllGather (workloads)", "memcpy", std::size_t(B) * 8);
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.host_workloads, b.all_workloads,
                                     std::size_t(W * B) * sizeof(std::int64_t),
@@ -397,14 +409,14 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     b.num_sh_tokens = dst;
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.plan, b.host_plan, std::size_t(B * 3) * sizeof(std::int64_t),
                                     cudaMemcpyHostToDevice, stream));
-    WEFT_NCCL_CHECK(ncclAllGather(b.lengths, b.all_lengths, std::size_t(B), ncclInt64, s->comm, stream));
+    WEFT_NCCL_CHECK(ncclAllGather(b.lengths, b.all_lengths, std::size_t(B), ncclInt64, s->input_comm, stream));
     c.record_collective("AllGather (lengths)", "memcpy", std::size_t(B) * 8);
     // AllGatherV: one broadcast per root, grouped (NCCL runs them as one kernel).
     WEFT_NCCL_CHECK(ncclGroupStart());
     std::int64_t offset = 0;
     for (int r = 0; r < W; ++r) {
       WEFT_NCCL_CHECK(ncclBroadcast(b.ids, b.all_ids + offset, std::size_t(per_rank[std::size_t(r)]),
-                                    ncclInt64, r, s->comm, stream));
+                                    ncclInt64, r, s->input_comm, stream));
       offset += per_rank[std::size_t(r)];
     }
     WEFT_NCCL_CHECK(ncclGroupEnd());
@@ -426,7 +438,7 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
                               stream);
     const std::vector<std::int64_t> ones(static_cast<std::size_t>(W), 1);
     const std::vector<std::int64_t> peers = peer_indices(W);
-    all_to_all(b.counts, ones, peers, b.counts + W, ones, peers, 1, ncclInt64, 8, s->comm, stream);
+    all_to_all(b.counts, ones, peers, b.counts + W, ones, peers, 1, ncclInt64, 8, s->input_comm, stream);
     c.record_collective("SendRecv (a2a splits)", "data_dist", std::size_t(W) * 8);
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.host_counts, b.counts, std::size_t(2 * W) * sizeof(std::int64_t),
                                     cudaMemcpyDeviceToHost, stream));
@@ -446,10 +458,10 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     const std::vector<std::int64_t> ones(static_cast<std::size_t>(W), 1);
     const std::vector<std::int64_t> peers = peer_indices(W);
     all_to_all(b.send_lengths, ones, peers, b.recv_lengths, ones, peers, B,
-               ncclInt64, 8, s->comm, stream);
+               ncclInt64, 8, s->input_comm, stream);
     c.record_collective("SendRecv (a2a lengths)", "data_dist", std::size_t(W) * std::size_t(B) * 8);
     all_to_all(b.send_ids, b.send_counts, b.send_offsets, b.recv_ids, b.recv_counts,
-               b.recv_offsets, 1, ncclInt64, 8, s->comm, stream);
+               b.recv_offsets, 1, ncclInt64, 8, s->input_comm, stream);
     c.record_collective("SendRecv (a2a values)", "data_dist", std::size_t(b.num_sh_tokens) * 8);
     launch_check_lengths({.recv_lengths = b.recv_lengths, .recv_counts = b.counts + W,
                           .world_size = W, .num_samples = B, .rank = rank,
@@ -497,7 +509,7 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, s->cod_in, 0));
     // Owner side answers what each peer asked for; the rows come back in send order.
     all_to_all(s->send_rows, b.recv_counts, b.recv_offsets, s->recv_rows, b.send_counts,
-               b.send_offsets, dim, ncclFloat, 4, s->comm, comm_stream);
+               b.send_offsets, dim, ncclFloat, 4, s->output_comm, comm_stream);
     c.record_collective("SendRecv (a2a embedding fwd)", "output_dist_comm",
                         std::size_t(b.num_recv) * std::size_t(dim) * 4);
     WEFT_CUDA_CHECK(cudaEventRecord(s->cod_out, comm_stream));
@@ -534,7 +546,7 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     WEFT_CUDA_CHECK(cudaEventRecord(s->bwd_in, stream));
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm_stream, s->bwd_in, 0));
     all_to_all(s->grad_send, b.send_counts, b.send_offsets, s->grad_recv, b.recv_counts,
-               b.recv_offsets, dim, ncclFloat, 4, s->comm, comm_stream);
+               b.recv_offsets, dim, ncclFloat, 4, s->output_comm, comm_stream);
     c.record_collective("SendRecv (a2a embedding bwd)", "output_dist_comm",
                         std::size_t(b.num_sh_tokens) * std::size_t(dim) * 4);
     // Joined where the gradient rows are consumed (optimizer_step's embedding update), not here:

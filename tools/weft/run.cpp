@@ -342,6 +342,8 @@ void register_run(CLI::App& app) {
   hstu->add_option("--hidden", options->shape.hidden)->capture_default_str();
   hstu->add_option("--layers", options->shape.num_layers)->capture_default_str();
   hstu->add_option("--seed", options->shape.seed)->capture_default_str();
+  hstu->add_flag("!--one-communicator", options->shape.communicator_per_role,
+                 "every collective on one NCCL communicator (default: one per role, split from it)");
   hstu->callback([options] { run_hstu(*options); });
 }
 

@@ -26,6 +26,12 @@ struct HstuConfig {
   float dense_lr = 0.02f;
   float embedding_lr = 2.0f;
   std::uint64_t seed = 1;        // data, initial parameters and target all derive from it
+  // One NCCL communicator per role (split from the given one): the default stream's AllReduces,
+  // the input pipeline (shuffle, input distribution), the embedding all-to-alls. NCCL runs the
+  // operations of one communicator one after another whatever their streams, so with a single
+  // communicator the input pipeline's tiny AllGathers queue behind the gradient AllReduce and
+  // nothing communicates concurrently. false: everything on the given communicator.
+  bool communicator_per_role = true;
 
   // Upper bounds the device buffers are sized for.
   std::int64_t max_local_tokens() const noexcept {

@@ -30,13 +30,15 @@ struct RunResult {
   std::vector<pipeline::MeasuredCollective> inventory;
 };
 
-HstuConfig small_config(int rank) {
-  return {.world_size = kNumRanks, .rank = rank, .max_seq_len = 1024, .hidden = 256, .seed = 5};
+HstuConfig small_config(int rank, bool communicator_per_role) {
+  return {.world_size = kNumRanks, .rank = rank, .max_seq_len = 1024, .hidden = 256, .seed = 5,
+          .communicator_per_role = communicator_per_role};
 }
 
 // Runs `variants` on both ranks at once; results[variant][rank].
 std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>& variants,
-                                                 std::int64_t num_steps) {
+                                                 std::int64_t num_steps,
+                                                 bool communicator_per_role = true) {
   auto comms = cuda::Communicators::init_all(kNumRanks);
   std::vector<std::vector<RunResult>> results(variants.size(), std::vector<RunResult>(kNumRanks));
   std::vector<std::exception_ptr> errors(kNumRanks);
@@ -45,7 +47,7 @@ std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>&
     threads.emplace_back([&, r] {
       try {
         WEFT_CUDA_CHECK(cudaSetDevice(r));
-        HstuRank rank(small_config(r), comms[std::size_t(r)], r, num_steps);
+        HstuRank rank(small_config(r, communicator_per_role), comms[std::size_t(r)], r, num_steps);
         for (std::size_t v = 0; v < variants.size(); ++v) {
           const auto& variant = pipeline::hstu_variant(variants[v]);
           rank.reset();
@@ -112,6 +114,14 @@ TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
   double first = 0, last = 0;
   for (std::size_t i = 0; i < 5; ++i) first += global(i), last += global(std::size_t(num_steps) - 1 - i);
   EXPECT_LT(last, 0.9 * first) << "first 5 steps " << first / 5 << ", last 5 " << last / 5;
+  // One communicator for every role computes the same bits (only concurrency changes).
+  const auto single = run_variants({"legacy_none", "full_split_d3"}, num_steps, false);
+  for (int r = 0; r < kNumRanks; ++r) {
+    for (const auto& run : single) {
+      EXPECT_TRUE(bit_equal(run[std::size_t(r)].parameters, results[0][std::size_t(r)].parameters));
+      EXPECT_TRUE(bit_equal(run[std::size_t(r)].losses, results[0][std::size_t(r)].losses));
+    }
+  }
   // The inventory: 11 NCCL calls per step, as in the seed.
   double calls = 0;
   for (const auto& e : results[0][0].inventory) calls += e.calls_per_run;
