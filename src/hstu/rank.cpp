@@ -629,6 +629,10 @@ float HstuRank::wait_loss(std::int64_t step) const {
   return loss;
 }
 
+std::span<const std::string_view> HstuRank::default_stream_tasks() noexcept {
+  return kDefaultTasks;
+}
+
 std::vector<StepTiming> HstuRank::step_timings() const {
   const State& s = *state_;
   WEFT_CUDA_CHECK(cudaSetDevice(s.device));
@@ -644,10 +648,12 @@ std::vector<StepTiming> HstuRank::step_timings() const {
   for (std::int64_t i = 1; i < s.num_steps; ++i) {
     StepTiming t;
     t.step_us = ms(i - 1, last_end, i, last_end);
-    t.idle_us = ms(i - 1, last_end, i, 0);
-    for (int k = 1; k < n; ++k) t.idle_us += ms(i, 2 * (k - 1) + 1, i, 2 * k);
-    t.join_stall_us = ms(i, kMarkCodJoinBegin, i, kMarkCodJoinEnd) +
-                      ms(i, kMarkBwdJoinBegin, i, kMarkBwdJoinEnd);
+    t.idle_before_us.push_back(ms(i - 1, last_end, i, 0));
+    for (int k = 1; k < n; ++k) t.idle_before_us.push_back(ms(i, 2 * (k - 1) + 1, i, 2 * k));
+    for (double gap : t.idle_before_us) t.idle_us += gap;
+    t.cod_join_us = ms(i, kMarkCodJoinBegin, i, kMarkCodJoinEnd);
+    t.bwd_join_us = ms(i, kMarkBwdJoinBegin, i, kMarkBwdJoinEnd);
+    t.join_stall_us = t.cod_join_us + t.bwd_join_us;
     const int tokens = default_task_index("global_tokens_allreduce");
     const int grads = default_task_index("finalize_model_grads");
     t.comm_on_default_us = ms(i, 2 * tokens, i, 2 * tokens + 1) + ms(i, 2 * grads, i, 2 * grads + 1);

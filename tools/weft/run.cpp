@@ -62,6 +62,10 @@ Range range_of(std::vector<double> v) {
 struct VariantResult {
   std::string name;
   Range step_us, busy, exposed_comm_us;
+  // Where the default stream waits, medians per step: the gap before each default-stream task
+  // (HstuRank::default_stream_tasks() order), then the two all-to-all joins.
+  std::vector<double> idle_before_us;
+  double cod_join_us = 0, bwd_join_us = 0;
   double overhead_us = 0;
   double predicted_us = 0;
   double first_loss = 0, last_loss = 0;  // global loss, mean of the first / last 5 steps
@@ -181,6 +185,16 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
     r.step_us = range_of(step_us);
     r.busy = range_of(busy);
     r.exposed_comm_us = range_of(exposed);
+    auto median_of = [&](auto field) {
+      std::vector<double> values;
+      for (std::size_t i = skip; i < timings.size(); ++i) values.push_back(field(timings[i]));
+      return range_of(std::move(values)).median;
+    };
+    for (std::size_t k = 0; k < hstu::HstuRank::default_stream_tasks().size(); ++k) {
+      r.idle_before_us.push_back(median_of([k](const hstu::StepTiming& t) { return t.idle_before_us[k]; }));
+    }
+    r.cod_join_us = median_of([](const hstu::StepTiming& t) { return t.cod_join_us; });
+    r.bwd_join_us = median_of([](const hstu::StepTiming& t) { return t.bwd_join_us; });
     const std::vector<float> global_loss = all_reduce_sum(rank.losses(), comm);
     const std::size_t n = global_loss.size(), k = std::min<std::size_t>(5, n);
     for (std::size_t i = 0; i < k; ++i) {
@@ -269,6 +283,26 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
                                 {"exposed_comm_us", {r.exposed_comm_us.median, r.exposed_comm_us.min, r.exposed_comm_us.max}},
                                 {"engine_overhead_us", r.overhead_us}, {"predicted_step_us", r.predicted_us},
                                 {"loss_first", r.first_loss}, {"loss_last", r.last_loss}, {"trace", r.trace_path}});
+  }
+  // Where the default stream waits (medians per step, us): the gap before each of its tasks and
+  // the two all-to-all joins.
+  std::printf("\ndefault stream waits per step (median us): gap before each task, a2a joins\n%-24s",
+              "variant");
+  const auto tasks = hstu::HstuRank::default_stream_tasks();
+  for (auto t : tasks) std::printf(" %8.8s", t.data());
+  std::printf(" %8s %8s\n", "cod_join", "bwd_join");
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    std::printf("%-24s", r.name.c_str());
+    nlohmann::json gaps;
+    for (std::size_t k = 0; k < tasks.size(); ++k) {
+      std::printf(" %8.1f", r.idle_before_us[k]);
+      gaps[std::string(tasks[k])] = r.idle_before_us[k];
+    }
+    std::printf(" %8.1f %8.1f\n", r.cod_join_us, r.bwd_join_us);
+    root["variants"][i]["idle_before_us"] = gaps;
+    root["variants"][i]["join_us"] = {{"compute_output_dist", r.cod_join_us},
+                                      {"optimizer_step", r.bwd_join_us}};
   }
   for (const auto& e : inventory) {
     root["inventory"].push_back({{"task", e.task}, {"kind", e.kind}, {"stream", e.stream},

@@ -34,7 +34,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "weft/hstu/config.hpp"
@@ -47,7 +49,12 @@ namespace weft::hstu {
 struct StepTiming {
   double step_us = 0;          // previous step's end to this step's end on the default stream
   double idle_us = 0;          // gaps between default-stream tasks (waiting on inputs or host)
-  double join_stall_us = 0;    // waiting inside compute_output_dist / backward for the a2a
+  // The gap before each default-stream task (HstuRank::default_stream_tasks() order; the first
+  // is measured from the previous step's last task): idle_us is their sum.
+  std::vector<double> idle_before_us;
+  double join_stall_us = 0;    // cod_join_us + bwd_join_us
+  double cod_join_us = 0;      // compute_output_dist waiting for the forward embedding a2a
+  double bwd_join_us = 0;      // optimizer_step waiting for backward's gradient a2a
   double comm_on_default_us = 0;  // global-token and gradient AllReduces (on the default stream)
   double busy_fraction() const { return step_us > 0 ? 1.0 - (idle_us + join_stall_us) / step_us : 0; }
   double exposed_comm_us() const { return join_stall_us + comm_on_default_us; }
@@ -77,6 +84,8 @@ class HstuRank {
   std::vector<float> parameters() const;
   // Steps 1..num_steps-1 (step 0 has no predecessor).
   std::vector<StepTiming> step_timings() const;
+  // The tasks that run on the default stream, in run order.
+  static std::span<const std::string_view> default_stream_tasks() noexcept;
   // Waits for step `step`'s last task on the GPU and returns its loss share.
   float wait_loss(std::int64_t step) const;
 
