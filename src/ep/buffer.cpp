@@ -7,6 +7,8 @@
 #include <string>
 #include <utility>
 
+#include "async_state.hpp"
+#include "device_guard.hpp"
 #include "kernels.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
@@ -52,23 +54,7 @@ struct BufferState {
 
 namespace {
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) WEFT_CUDA_CHECK(cudaSetDevice(device));
-    switched_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
+using detail::DeviceGuard;
 
 std::atomic<uint64_t> g_next_buffer_id{1};
 
@@ -179,6 +165,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int32_t), cudaHostAllocDefault));
   state_->host_count = static_cast<int32_t*>(host);
   WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
+  async_ = detail::make_async_state(device_, options.pipeline_depth);
 }
 
 Buffer::~Buffer() = default;
@@ -353,6 +340,7 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
 }
 
 DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, CountMode mode) {
+  pace_host();
   throw_if_device_error();
   const int64_t T = in.x.rows;
   WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "dispatch of ", T,
@@ -396,6 +384,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     WEFT_CUDA_CHECK(cudaEventRecord(state_->count_event, stream));
     state_->count_sequence = dispatch_sequence_;
   }
+  note_launched(stream);
   return r;
 }
 
@@ -426,6 +415,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   p.num_local_experts = config_.num_local_experts(num_ranks_);
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
+  note_launched(stream);
   return make_result(row_bytes, h);
 }
 
@@ -443,6 +433,7 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
 
 void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
                      cudaStream_t stream) {
+  pace_host();
   throw_if_device_error();
   WEFT_CHECK(handle.buffer_id == id_, "combine: the handle is from another Buffer");
   WEFT_CHECK(handle.sequence == dispatch_sequence_, "combine: the handle is stale (dispatch ",
@@ -482,6 +473,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
   detail::launch_combine(p, num_blocks(T, in.num_sms), stream);
+  note_launched(stream);
 }
 
 }  // namespace weft::ep

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "cublas_check.hpp"
+#include "weft/cuda/cublas_check.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/hstu/data.hpp"

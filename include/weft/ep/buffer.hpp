@@ -27,6 +27,13 @@
 //    recorded in a pinned device flag and thrown by the next call on this Buffer, by
 //    wait_num_recv(), or by check() after the stream was synchronised. After a timeout the
 //    ranks no longer agree on the call sequence: destroy the Buffers.
+//  - Async (the overloads taking AsyncOptions; docs/ep.md "Async"): the call runs on the Buffer's
+//    comm stream (highest priority), after previous_event or else after the work queued so far
+//    on the caller's stream; it returns an Event (event.hpp) to order the caller's stream after
+//    it, or with async_finish = false orders the caller's stream itself. The zero-copy rule
+//    above is unchanged: the next call, launched on the comm stream, overwrites the window.
+//  - BufferOptions::pipeline_depth = N > 0: before launching a call, the host waits until the
+//    call N calls before it (on this Buffer, any form) has completed on the device.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -36,6 +43,7 @@
 #include <memory>
 #include <vector>
 
+#include "weft/ep/event.hpp"
 #include "weft/ep/types.hpp"
 
 namespace weft::ep {
@@ -47,6 +55,10 @@ struct BufferOptions {
   int tokens_per_block = 4;
   double timeout_s = 20.0;         // bound of every device-side wait
   int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
+  // Bounded host run-ahead: before launching its call i, the Buffer waits on the host for its
+  // call i - pipeline_depth (dispatch or combine, synchronous or async) to complete on the
+  // device, so the host is at most pipeline_depth calls ahead. 0: no bound (no host wait).
+  int pipeline_depth = 0;
 };
 
 // Identifies one layout of one Buffer (the uncached dispatch that computed it); what combine and
@@ -102,6 +114,26 @@ enum class CountMode {
   kExact,     // also copies the count to pinned host memory; wait_num_recv() returns it
 };
 
+// The asynchronous form of dispatch and combine (DeepEP's previous_event / async_finish /
+// allocate_on_comm_stream). The call runs on Buffer::comm_stream().
+struct AsyncOptions {
+  // The comm stream waits on this event before the call; empty: on the work queued so far on
+  // the caller's stream. The event must cover everything the call reads (x, topk, expert_out,
+  // biases) and every read of the previous call's window results (the call overwrites them).
+  Event previous_event{};
+  // false: the caller's stream waits on the call's completion before the call returns (its
+  // results are usable on the caller's stream) and the returned Event is empty. true: the caller
+  // orders its streams with the returned Event (wait() or scope()).
+  bool async_finish = false;
+  // weft allocates nothing in a call (dispatch results are views into the window, combine writes
+  // the caller's `out`), so this moves no allocation; it states DeepEP's contract that the call's
+  // outputs belong to the comm stream until the returned Event is waited on, and like DeepEP
+  // requires previous_event and async_finish (else throws). Memory the caller wants ordered on
+  // the comm stream (e.g. combine's out) it can allocate there itself: cudaMallocAsync on
+  // comm_stream().
+  bool allocate_on_comm_stream = false;
+};
+
 struct CombineInputs {
   TensorView expert_out{};  // [rows >= num_recv, hidden] bf16 in the received-row order
   TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
@@ -118,7 +150,15 @@ void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
 namespace detail {
 struct BufferGroup;
 struct BufferState;
+struct AsyncState;
 }  // namespace detail
+
+// What the asynchronous dispatch returns: the results (as the synchronous form's) and the
+// completion Event (empty with async_finish = false).
+struct AsyncDispatchResult {
+  DispatchResult result;
+  Event event;
+};
 
 class Buffer {
  public:
@@ -147,6 +187,19 @@ class Buffer {
   // out: [handle.num_tokens, hidden] bf16, fully written.
   void combine(const CombineInputs& inputs, const Handle& handle, void* out, cudaStream_t stream);
 
+  // Asynchronous forms: the call runs on comm_stream() (see AsyncOptions); `stream` is the
+  // caller's (compute) stream, on the Buffer's device. Same arguments, checks and results as the
+  // forms above; with CountMode::kExact, wait_num_recv() works as there.
+  AsyncDispatchResult dispatch(const DispatchInputs& inputs, cudaStream_t stream,
+                               const AsyncOptions& async, CountMode mode = CountMode::kOnDevice);
+  Event combine(const CombineInputs& inputs, const Handle& handle, void* out, cudaStream_t stream,
+                const AsyncOptions& async);
+
+  // The Buffer's communication stream (non-blocking, the device's greatest priority, so its
+  // blocks are admitted ahead of a concurrent compute kernel's as SMs free up). Destroying the
+  // Buffer waits for the work queued on it.
+  cudaStream_t comm_stream() const noexcept;
+
   // Throws the recorded device error, if any. Call after the work has completed.
   void check();
 
@@ -168,10 +221,17 @@ class Buffer {
   DispatchResult dispatch_cached(const DispatchInputs& inputs, int64_t row_bytes,
                                  cudaStream_t stream, CountMode mode);
   DispatchResult make_result(int64_t row_bytes, const Handle& handle) const;
+  // pipeline_depth: the host wait before a launch, and the bookkeeping after it.
+  void pace_host();
+  void note_launched(cudaStream_t stream);
+  // Async: the comm stream waits on previous_event or the caller's stream; the completion.
+  void enter_comm_stream(const AsyncOptions& async, cudaStream_t stream);
+  Event leave_comm_stream(const AsyncOptions& async, cudaStream_t stream);
 
   std::shared_ptr<detail::BufferGroup> group_;
   std::size_t index_ = 0;
   std::unique_ptr<detail::BufferState> state_;
+  std::unique_ptr<detail::AsyncState> async_;
   BufferConfig config_;
   BufferOptions options_;
   int rank_ = 0;

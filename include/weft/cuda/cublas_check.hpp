@@ -1,5 +1,7 @@
-// WEFT_CUBLAS_CHECK: every cuBLAS call of weft::hstu goes through it (weft::Error with the
-// status's name and the call).
+// WEFT_CUBLAS_CHECK: every cuBLAS call of weft (weft::hstu, the EP overlap benchmark) goes
+// through it (weft::Error with the status's name and the call).
+//
+//   WEFT_CUBLAS_CHECK(cublasSetStream(handle, stream));
 #pragma once
 
 #include <cublas_v2.h>

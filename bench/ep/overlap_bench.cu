@@ -1,0 +1,321 @@
+// weft-ep-overlap-bench: how much of a weft::ep dispatch (and of a dispatch + combine) a
+// concurrent bf16 GEMM hides. One process drives every local GPU, one host thread per GPU.
+//
+//   weft-ep-overlap-bench --tokens 8192 --hidden 7168 --topk 8 --experts 256
+//                         --num-sms 16,24,32,48 --gemm-m 8192 --gemm-n 7168 --gemm-k 7168
+//                         --warmup 5 --iters 20 [--no-combine]
+//
+// Per num_sms (the blocks of each EP kernel: the SMs the communication takes from the GEMM) and
+// op (dispatch; disp+comb = dispatch then combine of the received rows), per iteration, the
+// slowest rank, events around `iters` back-to-back iterations on the compute stream:
+//   gemm_us    the GEMM alone (cuBLAS, bf16 in/out, fp32 accumulation) on the compute stream
+//   comm_us    the op alone (synchronous form, on the compute stream)
+//   serial_us  GEMM then op, one stream
+//   ovl_us     GEMM on the compute stream and the op on the Buffer's comm stream, concurrently:
+//              per iteration an Event of the compute stream (previous_event: the op waits for
+//              the previous iteration, not for this iteration's GEMM), the async op
+//              (async_finish), the GEMM, and the compute stream's wait on the op's Event
+//   hidden%    (serial - overlapped) / comm alone
+//   gemm_ovl   the GEMM's own time inside the overlapped loop (events around each GEMM)
+//   slow%      gemm_ovl / gemm alone - 1
+//   #wrong     after the overlapped loop, the window and the combine output are poisoned and
+//              one more overlapped iteration runs: received rows, their sources and (disp+comb)
+//              the combine output, element by element against the CPU reference.
+// Exit status 1 on any wrong element. NOT YET RUN on a GPU.
+#include <CLI/CLI.hpp>
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <barrier>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "weft/cuda/check.hpp"
+#include "weft/cuda/cublas_check.hpp"
+#include "weft/cuda/nccl.hpp"
+#include "weft/ep/buffer.hpp"
+#include "weft/ep/event.hpp"
+#include "weft/ep/reference.hpp"
+
+namespace {
+
+using weft::ep::DType;
+using weft::ep::Event;
+namespace ref = weft::ep::reference;
+
+uint16_t payload(int rank, int64_t token, int64_t col) {
+  uint64_t x = (uint64_t(rank) << 56) ^ (uint64_t(token) << 24) ^ uint64_t(col);
+  x ^= x >> 31;
+  x *= 0x9E3779B97F4A7C15ull;
+  x ^= x >> 29;
+  return uint16_t(((x & 1u) << 15) | ((118u + (x >> 1) % 16u) << 7) | ((x >> 8) & 0x7Fu));
+}
+
+struct GemmShape {
+  int m = 0, n = 0, k = 0;
+};
+
+// One GPU: its streams, cuBLAS handle, GEMM operands, EP inputs and timing events.
+struct Rank {
+  int device = 0;
+  cudaStream_t compute = nullptr;
+  cublasHandle_t cublas = nullptr;
+  void *a = nullptr, *b = nullptr, *c = nullptr;  // [m, k], [k, n], [m, n] bf16 (column-major)
+  void *x = nullptr, *idx = nullptr, *w = nullptr, *out = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  std::vector<cudaEvent_t> gemm_begin, gemm_end;  // per timed overlapped iteration
+  weft::ep::DispatchResult last;                  // the latest dispatch's results
+
+  void gemm(const GemmShape& s) const {
+    const float alpha = 1.0f, beta = 0.0f;
+    WEFT_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, s.m, s.n, s.k, &alpha, a,
+                                   CUDA_R_16BF, s.m, b, CUDA_R_16BF, s.k, &beta, c, CUDA_R_16BF,
+                                   s.m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"weft-ep-overlap-bench: a weft::ep dispatch (and combine) hidden behind a GEMM"};
+  int64_t T = 8192, H = 7168;
+  int K = 8, E = 256, warmup = 5, iters = 20, num_gpus = 0;
+  std::vector<int> sms_list{16, 24, 32, 48};
+  GemmShape shape{8192, 7168, 7168};
+  bool no_combine = false;
+  app.add_option("--tokens", T, "tokens per rank");
+  app.add_option("--hidden", H, "hidden size");
+  app.add_option("--topk", K, "top-k");
+  app.add_option("--experts", E, "experts");
+  app.add_option("--num-sms", sms_list, "blocks of each EP kernel (list)")->delimiter(',');
+  app.add_option("--gemm-m", shape.m, "GEMM m");
+  app.add_option("--gemm-n", shape.n, "GEMM n");
+  app.add_option("--gemm-k", shape.k, "GEMM k");
+  app.add_option("--warmup", warmup, "untimed iterations before each timing");
+  app.add_option("--iters", iters, "timed iterations");
+  app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)");
+  app.add_flag("--no-combine", no_combine, "only the dispatch rows");
+  CLI11_PARSE(app, argc, argv);
+
+  const int R = num_gpus > 0 ? num_gpus : weft::cuda::device_count();
+  if (R < 2) {
+    std::fprintf(stderr, "weft-ep-overlap-bench needs 2 GPUs, found %d\n", R);
+    return 2;
+  }
+  const weft::ep::BufferConfig config{.max_tokens = T, .hidden = H, .num_experts = E, .top_k = K};
+  auto eps = weft::ep::Buffer::create_local(R, config);
+
+  // Inputs: every element names (rank, token, column); K distinct uniform experts per token.
+  std::mt19937 rng(12345);
+  std::vector<ref::RankInput> inputs(static_cast<std::size_t>(R));
+  std::vector<Rank> rk(static_cast<std::size_t>(R));
+  const auto mn_bytes = [](int64_t rows, int64_t cols) { return std::size_t(rows * cols * 2); };
+  for (int r = 0; r < R; ++r) {
+    auto& in = inputs[std::size_t(r)];
+    in.num_tokens = T;
+    in.x.resize(std::size_t(T * H));
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = payload(r, t, h);
+    std::vector<int> experts(static_cast<std::size_t>(E));
+    std::uniform_real_distribution<float> uni(0.f, 1.f);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int e = 0; e < E; ++e) experts[std::size_t(e)] = e;
+      for (int k = 0; k < K; ++k) {  // partial Fisher-Yates: K distinct experts
+        std::swap(experts[std::size_t(k)], experts[std::size_t(k + int(rng() % uint32_t(E - k)))]);
+        in.topk_idx.push_back(experts[std::size_t(k)]);
+        in.topk_weights.push_back(uni(rng));
+      }
+    }
+    auto& d = rk[std::size_t(r)];
+    d.device = r;
+    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.compute, cudaStreamNonBlocking));
+    WEFT_CUBLAS_CHECK(cublasCreate(&d.cublas));
+    WEFT_CUBLAS_CHECK(cublasSetStream(d.cublas, d.compute));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.a, mn_bytes(shape.m, shape.k)));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.b, mn_bytes(shape.k, shape.n)));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.c, mn_bytes(shape.m, shape.n)));
+    // bf16 0x3C3C (about 0.0115): finite operands, the output cannot overflow.
+    WEFT_CUDA_CHECK(cudaMemset(d.a, 0x3C, mn_bytes(shape.m, shape.k)));
+    WEFT_CUDA_CHECK(cudaMemset(d.b, 0x3C, mn_bytes(shape.k, shape.n)));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.x, mn_bytes(T, H)));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.idx, std::size_t(T * K * 8)));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.w, std::size_t(T * K * 4)));
+    WEFT_CUDA_CHECK(cudaMalloc(&d.out, mn_bytes(T, H)));
+    WEFT_CUDA_CHECK(cudaMemcpy(d.x, in.x.data(), mn_bytes(T, H), cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), std::size_t(T * K * 8), cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
+    WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
+    d.gemm_begin.resize(std::size_t(iters));
+    d.gemm_end.resize(std::size_t(iters));
+    for (int i = 0; i < iters; ++i) {
+      WEFT_CUDA_CHECK(cudaEventCreate(&d.gemm_begin[std::size_t(i)]));
+      WEFT_CUDA_CHECK(cudaEventCreate(&d.gemm_end[std::size_t(i)]));
+    }
+  }
+  const auto layouts = ref::dispatch(config, inputs);
+  std::vector<std::vector<uint16_t>> expert_out;  // combine's inputs: the received rows
+  for (const auto& L : layouts) expert_out.push_back(L.recv_x);
+  std::vector<std::vector<uint16_t>> combined;
+  if (!no_combine) {
+    for (int r = 0; r < R; ++r) combined.push_back(ref::combine(config, r, layouts, expert_out, {}, {}));
+  }
+
+  std::printf("# weft-ep-overlap-bench: %d ranks, T %ld, H %ld, top-%d of %d, GEMM %dx%dx%d bf16, "
+              "warmup %d, iters %d\n", R, long(T), long(H), K, E, shape.m, shape.n, shape.k,
+              warmup, iters);
+  std::printf("# goal (2x H200, T 8192, H 7168, top-8 of 256): hidden >= 85%%\n");
+  std::printf("# %4s %-9s | %9s %9s %9s %9s %7s | %9s %6s %7s\n", "sms", "op", "gemm_us",
+              "comm_us", "serial_us", "ovl_us", "hidden%", "gemm_ovl", "slow%", "#wrong");
+
+  // One host thread per GPU, each issuing its rank's iterations back to back (iteration(rank,
+  // i): i = -1 in the warmup); per iteration, the slowest rank's time (us).
+  const auto time_per_rank = [&](auto&& iteration) {
+    std::vector<float> ms(static_cast<std::size_t>(R), 0.f);
+    std::barrier sync_point(R);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < R; ++r) {
+      threads.emplace_back([&, r] {
+        auto& d = rk[std::size_t(r)];
+        WEFT_CUDA_CHECK(cudaSetDevice(d.device));
+        for (int i = 0; i < warmup; ++i) iteration(r, -1);
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+        sync_point.arrive_and_wait();
+        WEFT_CUDA_CHECK(cudaEventRecord(d.start, d.compute));
+        for (int i = 0; i < iters; ++i) iteration(r, i);
+        WEFT_CUDA_CHECK(cudaEventRecord(d.stop, d.compute));
+        WEFT_CUDA_CHECK(cudaEventSynchronize(d.stop));
+        WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms[std::size_t(r)], d.start, d.stop));
+      });
+    }
+    for (auto& t : threads) t.join();
+    return 1e3 * double(*std::max_element(ms.begin(), ms.end())) / iters;
+  };
+
+  long total_wrong = 0;
+  const double gemm_us = time_per_rank([&](int r, int) { rk[std::size_t(r)].gemm(shape); });
+  for (int sms : sms_list) {
+    for (bool with_combine : {false, true}) {
+      if (with_combine && no_combine) continue;
+      const auto dispatch_inputs = [&](int r) {
+        const auto& d = rk[std::size_t(r)];
+        return weft::ep::DispatchInputs{.x = {d.x, DType::kBFloat16, T, H},
+                                        .topk_idx = {d.idx, DType::kInt64, T, K},
+                                        .topk_weights = {d.w, DType::kFloat32, T, K},
+                                        .num_sms = sms};
+      };
+      const auto combine_inputs = [&](const weft::ep::DispatchResult& res) {
+        return weft::ep::CombineInputs{
+            .expert_out = {res.recv_x, DType::kBFloat16, res.capacity, H}, .num_sms = sms};
+      };
+      // The op, synchronous, on the compute stream.
+      const auto op_on_compute = [&](int r) {
+        auto& d = rk[std::size_t(r)];
+        auto& ep = *eps[std::size_t(r)];
+        d.last = ep.dispatch(dispatch_inputs(r), d.compute);
+        if (with_combine) ep.combine(combine_inputs(d.last), d.last.handle, d.out, d.compute);
+      };
+      // The op on the comm stream next to the GEMM; i >= 0: the GEMM is timed with events.
+      const auto overlapped = [&](int r, int i) {
+        auto& d = rk[std::size_t(r)];
+        auto& ep = *eps[std::size_t(r)];
+        const Event before = Event::record(d.compute);
+        auto [res, done] = ep.dispatch(dispatch_inputs(r), d.compute,
+                                       {.previous_event = before, .async_finish = true});
+        d.last = res;
+        if (with_combine) {
+          done = ep.combine(combine_inputs(res), res.handle, d.out, d.compute,
+                            {.previous_event = done, .async_finish = true});
+        }
+        if (i >= 0) WEFT_CUDA_CHECK(cudaEventRecord(d.gemm_begin[std::size_t(i)], d.compute));
+        d.gemm(shape);
+        if (i >= 0) WEFT_CUDA_CHECK(cudaEventRecord(d.gemm_end[std::size_t(i)], d.compute));
+        done.wait();
+      };
+      const double comm_us = time_per_rank([&](int r, int) { op_on_compute(r); });
+      const double serial_us = time_per_rank([&](int r, int) {
+        rk[std::size_t(r)].gemm(shape);
+        op_on_compute(r);
+      });
+      const double ovl_us = time_per_rank(overlapped);
+      double gemm_ovl = 0.0;
+      for (const auto& d : rk) {
+        double sum_ms = 0.0;
+        for (int i = 0; i < iters; ++i) {
+          float ms = 0.f;
+          WEFT_CUDA_CHECK(cudaEventElapsedTime(&ms, d.gemm_begin[std::size_t(i)], d.gemm_end[std::size_t(i)]));
+          sum_ms += double(ms);
+        }
+        gemm_ovl = std::max(gemm_ovl, 1e3 * sum_ms / iters);
+      }
+
+      // Verification: poison what the op writes, one more overlapped iteration, compare.
+      for (int r = 0; r < R; ++r) {
+        auto& d = rk[std::size_t(r)];
+        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaMemset(const_cast<uint16_t*>(d.last.recv_x), 0xFF,
+                                   mn_bytes(d.last.capacity, H)));
+        WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(d.last.recv_src), 0x7F,
+                                   std::size_t(d.last.capacity * 8)));
+        WEFT_CUDA_CHECK(cudaMemset(d.out, 0xFF, mn_bytes(T, H)));
+        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+      }
+      for (int r = 0; r < R; ++r) {
+        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        overlapped(r, -1);
+      }
+      long wrong = 0;
+      for (int r = 0; r < R; ++r) {
+        auto& d = rk[std::size_t(r)];
+        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaStreamSynchronize(d.compute));
+        eps[std::size_t(r)]->check();
+        const auto& L = layouts[std::size_t(r)];
+        int32_t n = 0;
+        WEFT_CUDA_CHECK(cudaMemcpy(&n, d.last.num_recv_device, 4, cudaMemcpyDeviceToHost));
+        if (n != L.num_recv) {
+          wrong += 1 + std::abs(int64_t(n) - L.num_recv) * H;
+          continue;
+        }
+        std::vector<uint16_t> rows(L.recv_x.size());
+        WEFT_CUDA_CHECK(cudaMemcpy(rows.data(), d.last.recv_x, rows.size() * 2, cudaMemcpyDeviceToHost));
+        for (std::size_t j = 0; j < rows.size(); ++j) wrong += rows[j] != L.recv_x[j];
+        std::vector<int32_t> src(std::size_t(n) * 2);
+        WEFT_CUDA_CHECK(cudaMemcpy(src.data(), d.last.recv_src, src.size() * 4, cudaMemcpyDeviceToHost));
+        for (std::size_t j = 0; j < std::size_t(n); ++j) {
+          wrong += src[2 * j] != L.recv_src_rank[j];
+          wrong += src[2 * j + 1] != L.recv_src_token[j];
+        }
+        if (with_combine) {
+          const auto& want = combined[std::size_t(r)];
+          std::vector<uint16_t> got(want.size());
+          WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out, got.size() * 2, cudaMemcpyDeviceToHost));
+          for (std::size_t j = 0; j < got.size(); ++j) wrong += got[j] != want[j];
+        }
+      }
+      total_wrong += wrong;
+      std::printf("  %4d %-9s | %9.1f %9.1f %9.1f %9.1f %7.1f | %9.1f %6.1f %7ld\n",
+                  eps[0]->num_blocks(T, sms), with_combine ? "disp+comb" : "dispatch", gemm_us,
+                  comm_us, serial_us, ovl_us, 100.0 * (serial_us - ovl_us) / comm_us, gemm_ovl,
+                  100.0 * (gemm_ovl / gemm_us - 1.0), wrong);
+      std::fflush(stdout);
+    }
+  }
+  for (auto& d : rk) {
+    cudaSetDevice(d.device);
+    for (cudaEvent_t e : d.gemm_begin) cudaEventDestroy(e);
+    for (cudaEvent_t e : d.gemm_end) cudaEventDestroy(e);
+    cudaEventDestroy(d.start);
+    cudaEventDestroy(d.stop);
+    cublasDestroy(d.cublas);
+    for (void* p : {d.a, d.b, d.c, d.x, d.idx, d.w, d.out}) cudaFree(p);
+    cudaStreamDestroy(d.compute);
+  }
+  std::printf("# total wrong elements: %ld\n", total_wrong);
+  return total_wrong == 0 ? 0 : 1;
+}
