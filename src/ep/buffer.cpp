@@ -36,8 +36,8 @@ struct BufferState {
   // expand_info [E/R + 3] int64 (ExpandDispatchParams), block_expert_counts [SMs][E] int32.
   int64_t* expand_info = nullptr;
   int32_t* block_expert_counts = nullptr;
-  int32_t* host_count = nullptr;         // pinned, 16 bytes: the count, then
-  int64_t* host_rows_required = nullptr; // at byte 8, an expanded dispatch's rows_required
+  int32_t* host_count = nullptr;          // pinned, 16 bytes: the count, then
+  int64_t* host_rows_required = nullptr;  // at byte 8, an expanded dispatch's rows_required
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;
@@ -214,9 +214,9 @@ std::shared_ptr<detail::BufferGroup> make_group(cuda::Communicators comms,
   // The device communicator first: its creation checks that every rank is reachable by
   // load/store, which ncclCommWindowRegister would not (it "succeeds" with a garbage window).
   auto dev_comms = cuda::DevComms::create(comms, {.num_lsa_barriers = 1});
-  const auto layout = detail::make_window_layout(num_ranks, config.max_tokens, config.hidden,
-                                                 config.top_k, config.num_experts,
-                                                 config.expand_factor);
+  const auto layout =
+      detail::make_window_layout(num_ranks, config.max_tokens, config.hidden, config.top_k,
+                                 config.num_experts, config.expand_factor);
   auto windows = cuda::SymmetricWindows::allocate(comms, layout.total_bytes);
   for (std::size_t i = 0; i < comms.size(); ++i) {
     DeviceGuard guard(comms.device(i));
@@ -432,8 +432,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   }
   ++dispatch_sequence_;
 
-  DispatchResult r =
-      make_result(row_bytes, {id_, dispatch_sequence_, T, -1, in.expand.enabled});
+  DispatchResult r = make_result(row_bytes, {id_, dispatch_sequence_, T, -1, in.expand.enabled});
   if (mode == CountMode::kExact) {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream));

@@ -444,6 +444,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
 //     dispatch_kernel (done flags).
 // Shared memory: next [E] int64 | own segment_begin [E/R + 1] int64 | hist [E] | total [E] |
 //   sel [kSub][top_k] | item, row, link [kSub * top_k] each (int32).
+static_assert(kExpandSubChunkTokens <= 128, "an item packs its token index in 7 bits");
 __global__ void __launch_bounds__(kThreads, 1)
     expand_dispatch_kernel(const ExpandDispatchParams ep) {
   extern __shared__ int64_t smem64[];
@@ -565,7 +566,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e0 = 0; e0 < epr; e0 += 32) {
       const int e = e0 + lane;
       const int64_t n = e < epr ? int64_t(s_total[d * epr + e]) : 0;
-      const int64_t aligned = (n + ep.expert_alignment - 1) / ep.expert_alignment * ep.expert_alignment;
+      const int64_t aligned =
+          (n + ep.expert_alignment - 1) / ep.expert_alignment * ep.expert_alignment;
       int64_t inclusive = aligned;
       for (int o = 1; o < 32; o *= 2) {
         const int64_t v = __shfl_up_sync(0xffffffffu, inclusive, o);
@@ -703,7 +705,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (lane == 0) {
         reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
-        reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] = make_int2(s_link[it], item >> 12);
+        reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] =
+            make_int2(s_link[it], item >> 12);
       }
     }
     __syncthreads();
@@ -830,8 +833,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
       const int2* chain = reinterpret_cast<const int2*>(local + c.layout.expand_chain);
       const int total_warps = int(gridDim.x) * p.num_send_warps;
-      const int64_t batch = min(int64_t(kMaxSendBatch),
-                                max(int64_t(1), (int64_t(num_recv) + total_warps - 1) / total_warps));
+      const int64_t batch =
+          min(int64_t(kMaxSendBatch),
+              max(int64_t(1), (int64_t(num_recv) + total_warps - 1) / total_warps));
       const int64_t num_batches = (num_recv + batch - 1) / batch;
       for (int64_t b = int64_t(blockIdx.x) * p.num_send_warps + warp; b < num_batches;
            b += total_warps) {
@@ -848,8 +852,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
           const int2 src = recv_src[j];
           warp_sum_rows(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
                             (int64_t(c.rank) * p.max_tokens + src.y) * n16,
-                        reinterpret_cast<const int4*>(p.expert_out), lane_row, num_rows, n16,
-                        lane);
+                        reinterpret_cast<const int4*>(p.expert_out), lane_row, num_rows, n16, lane);
         }
         __syncwarp();
         if (lane == 0) {
@@ -1168,7 +1171,8 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
   l.recv_weights = region(sizeof(float) * cap * uint64_t(top_k));
   l.recv_x = region(2 * cap * uint64_t(hidden));
   l.comb_x = region(2 * R * uint64_t(max_tokens) * uint64_t(hidden));
-  l.expand_matrix = region(expand_factor > 0 ? sizeof(uint64_t) * 2 * R * uint64_t(num_experts) : 0);
+  l.expand_matrix =
+      region(expand_factor > 0 ? sizeof(uint64_t) * 2 * R * uint64_t(num_experts) : 0);
   l.expand_chain = region(sizeof(int32_t) * 2 * expand_rows);
   l.total_bytes = at;
   return l;
@@ -1194,8 +1198,8 @@ void launch_expand_dispatch(const ExpandDispatchParams& params, int num_blocks,
   const int epr = E / params.dispatch.comm.num_ranks;
   const std::size_t smem =
       sizeof(int64_t) * (std::size_t(E) + std::size_t(epr) + 1) +
-      sizeof(int32_t) * (2 * std::size_t(E) +
-                         4 * std::size_t(kExpandSubChunkTokens) * std::size_t(params.dispatch.top_k));
+      sizeof(int32_t) * (2 * std::size_t(E) + 4 * std::size_t(kExpandSubChunkTokens) *
+                                                  std::size_t(params.dispatch.top_k));
   if (smem > 48 * 1024) {
     WEFT_CUDA_CHECK(cudaFuncSetAttribute(expand_dispatch_kernel,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

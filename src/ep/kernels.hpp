@@ -24,9 +24,9 @@ constexpr int kExpandSubChunkTokens = 128;
 
 // Device error codes of weft::ep (DeviceErrorRecord::code) and what the args hold.
 enum ErrorCode : uint32_t {
-  kErrBadExpert = 1,   // args: token, selection k, expert id
-  kErrTimeout = 2,     // args: WaitKind, peer rank (or -1), call sequence number
-  kErrTooManyRows = 3, // args: rows received, rows of expert_out
+  kErrBadExpert = 1,       // args: token, selection k, expert id
+  kErrTimeout = 2,         // args: WaitKind, peer rank (or -1), call sequence number
+  kErrTooManyRows = 3,     // args: rows received, rows of expert_out
   kErrExpandOverflow = 4,  // combine of an overflowed expanded dispatch; args: the lowest
                            // overflowed rank, the rows it needed, its capacity
 };
@@ -128,7 +128,7 @@ struct ExpandDispatchParams {
   // rows_required), then the lowest overflowed rank (-1: none) and the rows it needed, which the
   // expanded combine reads.
   int64_t* expand_info;
-  int64_t capacity;              // rows of the receive region (expand_factor * R * max_tokens)
+  int64_t capacity;  // rows of the receive region (expand_factor * R * max_tokens)
   int expert_alignment;
   bool zero_padding;
 };

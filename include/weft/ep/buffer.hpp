@@ -115,7 +115,7 @@ struct DispatchResult {
   //  the counts and segments are still reported.
   const int64_t* segment_begin = nullptr;
   const int64_t* rows_required_device = nullptr;
-  int64_t rows_required = -1;                // set by wait_num_recv() (expanded)
+  int64_t rows_required = -1;  // set by wait_num_recv() (expanded)
   Handle handle;
 };
 

@@ -133,8 +133,10 @@ TEST(EpExpanded, RandomRoutingsAlignmentsAndMasks) {
   std::mt19937 rng(31);
   for (int trial = 0; trial < 60; ++trial) {
     const int R = 1 + trial % 4;
-    BufferConfig c{.max_tokens = 48, .hidden = trial % 5 == 0 ? 128 : 8 * (1 + trial % 3),
-                   .num_experts = R * (1 + trial % 6), .top_k = 1 + trial % 6,
+    BufferConfig c{.max_tokens = 48,
+                   .hidden = trial % 5 == 0 ? 128 : 8 * (1 + trial % 3),
+                   .num_experts = R * (1 + trial % 6),
+                   .top_k = 1 + trial % 6,
                    .expand_factor = 32};
     c.top_k = std::min(c.top_k, c.num_experts);
     std::vector<int64_t> tokens;
@@ -142,7 +144,8 @@ TEST(EpExpanded, RandomRoutingsAlignmentsAndMasks) {
     const bool fp8 = c.hidden == 128 && trial % 2 == 0;
     const ref::DispatchOptions o{
         .fp8 = fp8,
-        .expand = {.enabled = true, .expert_alignment = std::vector<int>{1, 4, 16, 128}[std::size_t(trial % 4)],
+        .expand = {.enabled = true,
+                   .expert_alignment = std::vector<int>{1, 4, 16, 128}[std::size_t(trial % 4)],
                    .zero_padding = true}};
     const auto inputs = make_inputs(c, R, tokens, (trial % 3) * 0.3, rng, fp8);
     const auto layouts = ref::dispatch(c, inputs, o);
@@ -179,8 +182,8 @@ TEST(EpExpanded, OverflowIsReportedAndNothingMoves) {
     }
   }
   // Alignment padding counts towards the capacity: 5 tokens of 1 expert aligned to 64.
-  const BufferConfig c1{.max_tokens = 5, .hidden = 16, .num_experts = 2, .top_k = 1,
-                        .expand_factor = 1};
+  const BufferConfig c1{
+      .max_tokens = 5, .hidden = 16, .num_experts = 2, .top_k = 1, .expand_factor = 1};
   auto one = make_inputs(c1, 2, {5, 0}, 0.0, rng, false, true);
   const auto aligned = ref::dispatch(c1, one, {.expand = {.enabled = true, .expert_alignment = 64}});
   EXPECT_EQ(aligned[0].rows_required, 64);
@@ -191,8 +194,8 @@ TEST(EpExpanded, OverflowIsReportedAndNothingMoves) {
 // 2^-8 (rank 0) + [1 + 2^-8] (rank 1) gives 1 + 2^-8 -> 1.0, where one flat fp32 sum would
 // give 1 + 2^-7 (exact in bf16).
 TEST(EpExpanded, CombineRoundsEachRanksPartialSumOnce) {
-  const BufferConfig c{.max_tokens = 1, .hidden = 8, .num_experts = 4, .top_k = 3,
-                       .expand_factor = 1};
+  const BufferConfig c{
+      .max_tokens = 1, .hidden = 8, .num_experts = 4, .top_k = 3, .expand_factor = 1};
   std::vector<ref::RankInput> inputs(2);
   inputs[0] = {.num_tokens = 1, .x = std::vector<uint16_t>(8, float_to_bf16(1.0f)),
                .topk_idx = {0, 2, 3}, .topk_weights = {1, 1, 1}};
@@ -209,13 +212,13 @@ TEST(EpExpanded, CombineRoundsEachRanksPartialSumOnce) {
 }
 
 TEST(EpExpanded, DuplicateSelectionIsOneRowMarkedTwice) {
-  const BufferConfig c{.max_tokens = 1, .hidden = 8, .num_experts = 2, .top_k = 3,
-                       .expand_factor = 2};
+  const BufferConfig c{
+      .max_tokens = 1, .hidden = 8, .num_experts = 2, .top_k = 3, .expand_factor = 2};
   std::vector<ref::RankInput> inputs(1);
   inputs[0] = {.num_tokens = 1, .x = std::vector<uint16_t>(8, float_to_bf16(2.0f)),
                .topk_idx = {1, -1, 1}, .topk_weights = {0.25f, 0.5f, 0.75f}};
-  const auto L = ref::dispatch(c, inputs, {.expand = {.enabled = true, .expert_alignment = 2,
-                                                      .zero_padding = true}})[0];
+  const auto L = ref::dispatch(
+      c, inputs, {.expand = {.enabled = true, .expert_alignment = 2, .zero_padding = true}})[0];
   EXPECT_EQ(L.segment_begin, (std::vector<int64_t>{0, 0, 2}));
   EXPECT_EQ(L.tokens_per_local_expert, (std::vector<int32_t>{0, 1}));
   EXPECT_EQ(L.recv_expert_idx, (std::vector<int32_t>{1, -1, 1, -1, -1, -1}));
@@ -225,8 +228,8 @@ TEST(EpExpanded, DuplicateSelectionIsOneRowMarkedTwice) {
 
 TEST(EpExpanded, BadOptionsAreClearErrors) {
   std::mt19937 rng(3);
-  const BufferConfig c{.max_tokens = 4, .hidden = 16, .num_experts = 4, .top_k = 2,
-                       .expand_factor = 1};
+  const BufferConfig c{
+      .max_tokens = 4, .hidden = 16, .num_experts = 4, .top_k = 2, .expand_factor = 1};
   const auto inputs = make_inputs(c, 2, {2, 2}, 0.0, rng);
   EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .expert_alignment = 0}}),
                weft::Error);
@@ -237,7 +240,10 @@ TEST(EpExpanded, BadOptionsAreClearErrors) {
   BufferConfig too_much = c;
   too_much.expand_factor = 33;
   EXPECT_THROW(ref::dispatch(too_much, inputs), weft::Error);
-  too_much = {.max_tokens = int64_t(1) << 24, .hidden = 16, .num_experts = 4, .top_k = 2,
+  too_much = {.max_tokens = int64_t(1) << 24,
+              .hidden = 16,
+              .num_experts = 4,
+              .top_k = 2,
               .expand_factor = 32};  // 32 x 4 x 2^24 = 2^31 rows: above 2^31 - 1
   EXPECT_NO_THROW(too_much.validate(2));
   EXPECT_THROW(too_much.validate(4), weft::Error);
@@ -251,8 +257,8 @@ TEST(EpExpanded, BadOptionsAreClearErrors) {
 // Accumulated over three dispatches with masked selections, against an independent count.
 TEST(EpStats, CumulativeLocalExpertRecvStatsAccumulates) {
   std::mt19937 rng(17);
-  const BufferConfig c{.max_tokens = 64, .hidden = 16, .num_experts = 12, .top_k = 4,
-                       .expand_factor = 1};
+  const BufferConfig c{
+      .max_tokens = 64, .hidden = 16, .num_experts = 12, .top_k = 4, .expand_factor = 1};
   const int R = 3, epr = 4;
   std::vector<std::vector<uint32_t>> stats(R, std::vector<uint32_t>(epr, 0));
   std::vector<std::vector<uint32_t>> want(R, std::vector<uint32_t>(epr, 0));
