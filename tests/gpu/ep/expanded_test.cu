@@ -178,7 +178,7 @@ class EpExpandedTest : public ::testing::Test {
   // Uploads the inputs and launches every rank's dispatch; no wait.
   std::vector<weft::ep::DispatchResult> launch(const std::vector<ref::RankInput>& inputs,
                                                const Call& call) {
-    const int64_t fp8_row_bytes = weft::ep::fp8_row_layout(config.hidden).row_bytes;
+    const int64_t fp8_row_bytes = call.fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : 0;
     std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
     for (int r = 0; r < R; ++r) {
       const auto& in = inputs[std::size_t(r)];
