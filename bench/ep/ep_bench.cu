@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
     }
     if (expand.enabled) {  // the smallest capacity this routing fits in
       const int64_t rows = expanded_rows_needed(config, R, inputs, expand.expert_alignment);
-      config.expand_factor = int(std::clamp<int64_t>((rows + R * T - 1) / (R * T), 1, 32));
+      config.expand_factor = int(std::max<int64_t>((rows + R * T - 1) / (R * T), 1));
       std::printf("# tokens %ld: expand_factor %d (%ld rows needed at the most loaded rank)\n",
                   long(T), config.expand_factor, long(rows));
     }

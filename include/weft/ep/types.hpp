@@ -35,9 +35,11 @@ struct BufferConfig {
   int top_k = 0;           // selections per token (1..32)
   // Receive capacity of an expanded dispatch (ExpandOptions), as a multiple of the deduplicated
   // layout's num_ranks * max_tokens rows: 0 (default) = no expanded dispatch on this Buffer (the
-  // window holds only the deduplicated rows); 1..32 = the window's receive region holds
-  // expand_factor * num_ranks * max_tokens rows (at most 2^31 - 1: rows are int32 indices). Fixed
-  // at construction because it sizes the symmetric window.
+  // window holds only the deduplicated rows); >= 1 = the window's receive region holds
+  // expand_factor * num_ranks * max_tokens rows (at most 2^31 - 1: rows are int32 indices).
+  // Balanced routing needs about top_k / num_ranks plus the alignment's padding, which at small
+  // max_tokens can dominate (e.g. 128 experts per rank aligned to 128 rows: 16384 rows). Fixed at
+  // construction because it sizes the symmetric window.
   int expand_factor = 0;
 
   // Throws weft::Error naming the first violated invariant.

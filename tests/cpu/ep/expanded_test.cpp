@@ -237,14 +237,14 @@ TEST(EpExpanded, BadOptionsAreClearErrors) {
   no_capacity.expand_factor = 0;  // the deduplicated layout still works, the expanded one throws
   EXPECT_NO_THROW(ref::dispatch(no_capacity, inputs));
   EXPECT_THROW(ref::dispatch(no_capacity, inputs, {.expand = {.enabled = true}}), weft::Error);
-  BufferConfig too_much = c;
-  too_much.expand_factor = 33;
-  EXPECT_THROW(ref::dispatch(too_much, inputs), weft::Error);
-  too_much = {.max_tokens = int64_t(1) << 24,
-              .hidden = 16,
-              .num_experts = 4,
-              .top_k = 2,
-              .expand_factor = 32};  // 32 x 4 x 2^24 = 2^31 rows: above 2^31 - 1
+  BufferConfig negative = c;
+  negative.expand_factor = -1;
+  EXPECT_THROW(ref::dispatch(negative, inputs), weft::Error);
+  BufferConfig too_much{.max_tokens = int64_t(1) << 24,
+                        .hidden = 16,
+                        .num_experts = 4,
+                        .top_k = 2,
+                        .expand_factor = 32};  // 32 x 4 x 2^24 = 2^31 rows: above 2^31 - 1
   EXPECT_NO_THROW(too_much.validate(2));
   EXPECT_THROW(too_much.validate(4), weft::Error);
   // An expanded layout cannot be combined with a deduplicated one.
