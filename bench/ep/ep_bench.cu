@@ -3,14 +3,18 @@
 //
 //   weft-ep-bench --tokens 128,8192 --hidden 7168 --topk 8 --experts 256 --num-sms 0
 //                 --tokens-per-block 4 --send-warps 4 --warmup 20 --iters 100
-//                 [--fp8] [--cached] [--stats]
+//                 [--fp8] [--cached] [--stats] [--expand [--expert-alignment N] [--zero-padding]]
 //
 // --fp8: dispatch moves packed fp8 rows (made once by weft::ep::cast_to_fp8, not timed; the
 // logical/nvlink GB/s of dispatch then count the packed row bytes, padding included); combine
 // takes bf16 expert outputs (the bf16 dispatch's rows, from the reference). --cached: dispatch is
 // timed as a cached dispatch (handle= of one uncached dispatch before the loop: no layout
 // phase). --stats: every dispatch also accumulates cumulative_local_expert_recv_stats (the
-// kernel variant with the accumulation). These paths are NOT YET RUN on a GPU.
+// kernel variant with the accumulation). --expand: the expanded layout (one row per (token, local
+// expert) in segments aligned to --expert-alignment rows, padding zeroed with --zero-padding);
+// each configuration's Buffer gets the smallest expand_factor its routing fits in (printed);
+// dispatch's rows are the real ones (not padding), combine's the (token, rank) sums it sends
+// back; no NCCL baseline (it has no expanded layout). These paths are NOT YET RUN on a GPU.
 //
 // The `blk` column is the blocks of each kernel: ceil(T / tokens-per-block), at most num-sms.
 //
@@ -115,6 +119,32 @@ struct Rank {
   cudaEvent_t start = nullptr, stop = nullptr;
 };
 
+// --expand: the rows the most loaded rank needs (aligned segments), as the reference counts them.
+int64_t expanded_rows_needed(const weft::ep::BufferConfig& c, int R,
+                             const std::vector<ref::RankInput>& inputs, int alignment) {
+  std::vector<int64_t> count(std::size_t(c.num_experts), 0);
+  for (const auto& in : inputs) {
+    for (int64_t t = 0; t < in.num_tokens; ++t) {
+      for (int k = 0; k < c.top_k; ++k) {
+        const int64_t e = in.topk_idx[std::size_t(t * c.top_k + k)];
+        bool repeated = false;
+        for (int k2 = 0; k2 < k; ++k2) repeated |= in.topk_idx[std::size_t(t * c.top_k + k2)] == e;
+        if (e >= 0 && !repeated) ++count[std::size_t(e)];
+      }
+    }
+  }
+  const int epr = c.num_experts / R;
+  int64_t most = 0;
+  for (int d = 0; d < R; ++d) {
+    int64_t rows = 0;
+    for (int e = 0; e < epr; ++e) {
+      rows += (count[std::size_t(d * epr + e)] + alignment - 1) / alignment * alignment;
+    }
+    most = std::max(most, rows);
+  }
+  return most;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -129,6 +159,7 @@ int main(int argc, char** argv) {
   int warmup = 20, iters = 100, num_gpus = 0;
   double mask_ratio = 0.0;
   bool no_baseline = false, fp8 = false, cached = false, stats = false;
+  weft::ep::ExpandOptions expand;
   app.add_option("--tokens", tokens_list, "tokens per rank (list)")->delimiter(',');
   app.add_option("--hidden", hidden_list, "hidden size (list)")->delimiter(',');
   app.add_option("--topk", topk_list, "top-k (list)")->delimiter(',');
@@ -145,7 +176,16 @@ int main(int argc, char** argv) {
   app.add_flag("--fp8", fp8, "dispatch packed fp8 rows (hidden a multiple of 128)");
   app.add_flag("--cached", cached, "time dispatch with handle= (no layout phase)");
   app.add_flag("--stats", stats, "accumulate cumulative_local_expert_recv_stats in dispatch");
+  app.add_flag("--expand", expand.enabled, "the expanded layout (one row per token and expert)");
+  app.add_option("--expert-alignment", expand.expert_alignment,
+                 "--expand: rows per segment are rounded up to this");
+  app.add_flag("--zero-padding", expand.zero_padding, "--expand: zero the padding rows");
   CLI11_PARSE(app, argc, argv);
+  if (expand.enabled && cached) {
+    std::fprintf(stderr, "--expand and --cached cannot be combined (no cached expanded dispatch)\n");
+    return 2;
+  }
+  no_baseline |= expand.enabled;
 
   const int R = num_gpus > 0 ? num_gpus : weft::cuda::device_count();
   if (R < 2) {
@@ -155,6 +195,10 @@ int main(int argc, char** argv) {
   std::printf("# weft-ep-bench: %d ranks, warmup %d, iters %d, mask %.2f%s%s%s\n", R, warmup,
               iters, mask_ratio, fp8 ? ", fp8" : "", cached ? ", cached" : "",
               stats ? ", stats" : "");
+  if (expand.enabled) {
+    std::printf("# expanded layout: expert alignment %d, zero padding %s, no NCCL baseline\n",
+                expand.expert_alignment, expand.zero_padding ? "on" : "off");
+  }
   std::printf("# %-6s %6s %4s %5s %4s %3s | %-8s %9s %8s %8s %8s %7s | %9s %8s\n", "tokens", "hidden",
               "topk", "exp", "blk", "sw", "op", "time_us", "host_us", "logGB/s", "nvlGB/s", "#wrong",
               "nccl_us", "ratio");
@@ -166,8 +210,7 @@ int main(int argc, char** argv) {
   for (int sms : sms_list)
   for (int tpb : tpb_list)
   for (int send_warps : send_warps_list) {
-    const weft::ep::BufferConfig config{.max_tokens = T, .hidden = H, .num_experts = E, .top_k = K};
-    auto eps = weft::ep::Buffer::create_local(R, config, {.num_sms = sms, .tokens_per_block = tpb, .combine_send_warps = send_warps});
+    weft::ep::BufferConfig config{.max_tokens = T, .hidden = H, .num_experts = E, .top_k = K};
     const int epr = E / R;
     const int64_t n16 = H * 2 / 16;
     std::mt19937 rng(12345 + uint32_t(T));
@@ -203,14 +246,20 @@ int main(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), std::size_t(T * K * 8), cudaMemcpyHostToDevice));
       WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
     }
-    const auto layouts = ref::dispatch(config, inputs);
+    if (expand.enabled) {  // the smallest capacity this routing fits in
+      const int64_t rows = expanded_rows_needed(config, R, inputs, expand.expert_alignment);
+      config.expand_factor = int(std::max<int64_t>((rows + R * T - 1) / (R * T), 1));
+      std::printf("# tokens %ld: expand_factor %d (%ld rows needed at the most loaded rank)\n",
+                  long(T), config.expand_factor, long(rows));
+    }
+    auto eps = weft::ep::Buffer::create_local(R, config, {.num_sms = sms, .tokens_per_block = tpb, .combine_send_warps = send_warps});
+    const auto layouts = ref::dispatch(config, inputs, {.expand = expand});
     if (fp8) {  // the reference moves the same packed rows the GPU cast makes (bit-identical)
       for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(H, T, in.x);
     }
     const int64_t fp8_row_bytes = fp8 ? weft::ep::fp8_row_layout(H).row_bytes : 0;
-    ref::DispatchOptions fp8_options;
-    fp8_options.fp8 = true;
-    const auto fp8_layouts = fp8 ? ref::dispatch(config, inputs, fp8_options) : layouts;
+    const auto fp8_layouts =
+        fp8 ? ref::dispatch(config, inputs, {.fp8 = true, .expand = expand}) : layouts;
     for (int r = 0; r < R; ++r) {
       auto& d = rk[std::size_t(r)];
       WEFT_CUDA_CHECK(cudaSetDevice(r));
@@ -227,13 +276,29 @@ int main(int argc, char** argv) {
       }
       WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
     }
-    int64_t max_recv = 0, max_remote = 0;
+    // Rows per rank (padding rows do not count), and the rows combine sends back: one per
+    // (token, rank) pair, which expanded is fewer than the rows received.
+    int64_t max_recv = 0, max_remote = 0, max_back = 0, max_back_remote = 0;
     for (int r = 0; r < R; ++r) {
       const auto& L = layouts[std::size_t(r)];
-      int64_t remote = 0;
-      for (int64_t j = 0; j < L.num_recv; ++j) remote += L.recv_src_rank[std::size_t(j)] != r;
-      max_recv = std::max(max_recv, L.num_recv);
+      int64_t recv = 0, remote = 0, back = 0, back_remote = 0;
+      std::vector<std::vector<bool>> seen(static_cast<std::size_t>(R));
+      for (int s = 0; s < R; ++s) seen[std::size_t(s)].assign(std::size_t(T), false);
+      for (int64_t j = 0; j < L.num_recv; ++j) {
+        const int s = L.recv_src_rank[std::size_t(j)];
+        if (s < 0) continue;
+        ++recv;
+        remote += s != r;
+        const auto t = std::size_t(L.recv_src_token[std::size_t(j)]);
+        if (seen[std::size_t(s)][t]) continue;
+        seen[std::size_t(s)][t] = true;
+        ++back;
+        back_remote += s != r;
+      }
+      max_recv = std::max(max_recv, recv);
       max_remote = std::max(max_remote, remote);
+      max_back = std::max(max_back, back);
+      max_back_remote = std::max(max_back_remote, back_remote);
     }
     std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
     std::vector<weft::ep::Handle> handles;  // --cached: the layout every timed call reuses
@@ -252,6 +317,7 @@ int main(int argc, char** argv) {
         din.handle = &handles[std::size_t(r)];
       }
       din.cumulative_local_expert_recv_stats = d.stats;
+      din.expand = expand;
       res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(din, d.stream);
     };
     auto combine_rank = [&](int r) {
@@ -352,17 +418,25 @@ int main(int argc, char** argv) {
       const auto& L = layouts[std::size_t(r)];
       int32_t n = 0;
       WEFT_CUDA_CHECK(cudaMemcpy(&n, res[std::size_t(r)].num_recv_device, 4, cudaMemcpyDeviceToHost));
+      // Padding rows of an expanded dispatch without zero padding hold whatever was there.
+      auto compared = [&](int64_t j) {
+        return expand.zero_padding || L.recv_src_rank[std::size_t(j)] >= 0;
+      };
       if (n != L.num_recv) {
         wrong_dispatch += 1 + std::abs(n - L.num_recv) * H;
       } else if (fp8) {  // packed rows, byte for byte
         const auto& want_rows = fp8_layouts[std::size_t(r)].recv_x_fp8;
         std::vector<uint8_t> got(want_rows.size());
         WEFT_CUDA_CHECK(cudaMemcpy(got.data(), res[std::size_t(r)].recv_x_fp8, got.size(), cudaMemcpyDeviceToHost));
-        for (std::size_t i = 0; i < got.size(); ++i) wrong_dispatch += got[i] != want_rows[i];
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          wrong_dispatch += compared(int64_t(i) / fp8_row_bytes) && got[i] != want_rows[i];
+        }
       } else {
         std::vector<uint16_t> got(std::size_t(n * H));
         WEFT_CUDA_CHECK(cudaMemcpy(got.data(), res[std::size_t(r)].recv_x, got.size() * 2, cudaMemcpyDeviceToHost));
-        for (std::size_t i = 0; i < got.size(); ++i) wrong_dispatch += got[i] != L.recv_x[i];
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          wrong_dispatch += compared(int64_t(i) / H) && got[i] != L.recv_x[i];
+        }
       }
       if (n == L.num_recv) {
         std::vector<int32_t> src(std::size_t(n * 2));
@@ -481,17 +555,20 @@ int main(int argc, char** argv) {
       if (base_wrong != 0) std::printf("# baseline round trip: %ld wrong elements (baseline only)\n", base_wrong);
     }
     const int sms_used = eps[0]->num_blocks(T);
-    auto line = [&](const char* op, double row_bytes, double us, double issue_us, long wrong,
-                    double base_us) {
+    auto line = [&](const char* op, double rows, double remote_rows, double row_bytes, double us,
+                    double issue_us, long wrong, double base_us) {
       std::printf("  %-6ld %6ld %4d %5d %4d %3d | %-8s %9.1f %8.1f %8.1f %8.1f %7ld | %9.1f %8.2f\n",
                   long(T), long(H), K, E, sms_used, send_warps, op, us, issue_us,
-                  double(max_recv) * row_bytes / us / 1e3,
-                  double(max_remote) * row_bytes / us / 1e3, wrong, base_us,
+                  rows * row_bytes / us / 1e3, remote_rows * row_bytes / us / 1e3, wrong, base_us,
                   base_us > 0 ? base_us / us : 0.0);
     };
-    line(fp8 ? "disp-fp8" : "dispatch", fp8 ? double(fp8_row_bytes) : double(H) * 2, dispatch_us,
-         dispatch_host_us, wrong_dispatch, base_dispatch_us);
-    line("combine", double(H) * 2, combine_us, combine_host_us, wrong_combine, base_combine_us);
+    const char* dispatch_op = expand.enabled ? (fp8 ? "dexp-fp8" : "disp-exp")
+                                             : (fp8 ? "disp-fp8" : "dispatch");
+    line(dispatch_op, double(max_recv), double(max_remote),
+         fp8 ? double(fp8_row_bytes) : double(H) * 2, dispatch_us, dispatch_host_us,
+         wrong_dispatch, base_dispatch_us);
+    line(expand.enabled ? "comb-exp" : "combine", double(max_back), double(max_back_remote),
+         double(H) * 2, combine_us, combine_host_us, wrong_combine, base_combine_us);
     std::fflush(stdout);
     for (auto& d : rk) {
       cudaSetDevice(d.device);

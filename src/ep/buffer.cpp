@@ -34,7 +34,12 @@ struct BufferState {
   int32_t* expert_counts = nullptr;
   int32_t* send_slot = nullptr;
   int32_t* tokens_per_expert = nullptr;
-  int32_t* host_count = nullptr;  // pinned
+  // Expanded dispatch only (BufferConfig::expand_factor > 0), one cudaMalloc:
+  // expand_info [E/R + 3] int64 (ExpandDispatchParams), block_expert_counts [SMs][E] int32.
+  int64_t* expand_info = nullptr;
+  int32_t* block_expert_counts = nullptr;
+  int32_t* host_count = nullptr;          // pinned, 16 bytes: the count, then
+  int64_t* host_rows_required = nullptr;  // at byte 8, an expanded dispatch's rows_required
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;
@@ -46,6 +51,7 @@ struct BufferState {
     if (count_event != nullptr) cudaEventDestroy(count_event);
     if (host_count != nullptr) cudaFreeHost(host_count);
     if (state != nullptr) cudaFree(state);
+    if (expand_info != nullptr) cudaFree(expand_info);
     cudaSetDevice(previous);
   }
 };
@@ -90,6 +96,12 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
     case detail::kErrTooManyRows:
       out << "weft::ep combine on rank " << r.rank << ": " << r.args[0]
           << " rows were received but expert_out has only " << r.args[1] << " rows";
+      break;
+    case detail::kErrExpandOverflow:
+      out << "weft::ep combine on rank " << r.rank << ": the expanded dispatch it combines "
+          << "overflowed at rank " << r.args[0] << ", which needed " << r.args[1]
+          << " rows for a capacity of " << r.args[2] << " (raise BufferConfig::expand_factor); "
+          << "no rank combined anything, out was not written";
       break;
     default:
       out << "weft::ep on rank " << r.rank << ": device error code " << r.code;
@@ -161,9 +173,19 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   state_->send_slot = at;
   at += config.max_tokens * int64_t(R);
   state_->tokens_per_expert = at;
+  if (config.expand_factor > 0) {
+    const std::size_t info_words = std::size_t(config.num_local_experts(num_ranks_)) + 3;
+    const std::size_t count_words = std::size_t(device_num_sms_) * std::size_t(config.num_experts);
+    void* expand = nullptr;
+    WEFT_CUDA_CHECK(cudaMalloc(&expand, info_words * 8 + count_words * 4));
+    WEFT_CUDA_CHECK(cudaMemset(expand, 0, info_words * 8 + count_words * 4));
+    state_->expand_info = static_cast<int64_t*>(expand);
+    state_->block_expert_counts = reinterpret_cast<int32_t*>(state_->expand_info + info_words);
+  }
   void* host = nullptr;
-  WEFT_CUDA_CHECK(cudaHostAlloc(&host, sizeof(int32_t), cudaHostAllocDefault));
+  WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int64_t), cudaHostAllocDefault));
   state_->host_count = static_cast<int32_t*>(host);
+  state_->host_rows_required = static_cast<int64_t*>(host) + 1;
   WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
   async_ = detail::make_async_state(device_, options.pipeline_depth);
 }
@@ -179,8 +201,9 @@ std::shared_ptr<detail::BufferGroup> make_group(cuda::Communicators comms,
   // The device communicator first: its creation checks that every rank is reachable by
   // load/store, which ncclCommWindowRegister would not (it "succeeds" with a garbage window).
   auto dev_comms = cuda::DevComms::create(comms, {.num_lsa_barriers = 1});
-  const auto layout = detail::make_window_layout(num_ranks, config.max_tokens, config.hidden,
-                                                 config.top_k, config.num_experts);
+  const auto layout =
+      detail::make_window_layout(num_ranks, config.max_tokens, config.hidden, config.top_k,
+                                 config.num_experts, config.expand_factor);
   auto windows = cuda::SymmetricWindows::allocate(comms, layout.total_bytes);
   for (std::size_t i = 0; i < comms.size(); ++i) {
     DeviceGuard guard(comms.device(i));
@@ -333,7 +356,11 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
   r.tokens_per_local_expert = state_->tokens_per_expert;
   r.num_recv_device = &state_->state->num_recv;
-  r.capacity = capacity();
+  r.capacity = handle.expanded ? expand_capacity() : capacity();
+  if (handle.expanded) {
+    r.segment_begin = state_->expand_info;
+    r.rows_required_device = state_->expand_info + config_.num_local_experts(num_ranks_);
+  }
   r.handle = handle;
   r.num_recv = handle.num_recv;
   return r;
@@ -353,6 +380,11 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   check_view(in.topk_idx, "topk_idx", {DType::kInt32, DType::kInt64}, T, config_.top_k);
   check_view(in.topk_weights, "topk_weights", {DType::kFloat32}, T, config_.top_k);
   const int num_blocks_of_call = num_blocks(T, in.num_sms);
+  if (in.expand.enabled) {
+    in.expand.validate();
+    WEFT_CHECK(config_.expand_factor >= 1, "an expanded dispatch needs a Buffer built with ",
+               "BufferConfig::expand_factor >= 1 (it sizes the window's receive region)");
+  }
   DeviceGuard guard(device_);
   const auto& layout = group_->layout;
   detail::DispatchParams p{};
@@ -374,13 +406,28 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.send_slot = state_->send_slot;
   p.tokens_per_expert = state_->tokens_per_expert;
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
-  detail::launch_dispatch(p, num_blocks_of_call, stream);
+  if (in.expand.enabled) {
+    detail::ExpandDispatchParams ep{};
+    ep.dispatch = p;
+    ep.block_expert_counts = state_->block_expert_counts;
+    ep.expand_info = state_->expand_info;
+    ep.capacity = expand_capacity();
+    ep.expert_alignment = in.expand.expert_alignment;
+    ep.zero_padding = in.expand.zero_padding;
+    detail::launch_expand_dispatch(ep, num_blocks_of_call, stream);
+  } else {
+    detail::launch_dispatch(p, num_blocks_of_call, stream);
+  }
   ++dispatch_sequence_;
 
-  DispatchResult r = make_result(row_bytes, {id_, dispatch_sequence_, T, -1});
+  DispatchResult r = make_result(row_bytes, {id_, dispatch_sequence_, T, -1, in.expand.enabled});
   if (mode == CountMode::kExact) {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream));
+    if (in.expand.enabled) {
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_rows_required, r.rows_required_device,
+                                      sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
+    }
     WEFT_CUDA_CHECK(cudaEventRecord(state_->count_event, stream));
     state_->count_sequence = dispatch_sequence_;
   }
@@ -395,6 +442,8 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   WEFT_CHECK(h.sequence == dispatch_sequence_, "cached dispatch: the handle is stale (its layout ",
              "is dispatch ", h.sequence, "'s, but dispatch ", dispatch_sequence_,
              " has computed a new one on this Buffer since)");
+  WEFT_CHECK(!h.expanded && !in.expand.enabled,
+             "cached dispatch of the expanded layout is not supported (dispatch it uncached)");
   WEFT_CHECK(in.topk_idx.data == nullptr && in.topk_idx.rows == 0 &&
                  in.topk_weights.data == nullptr && in.topk_weights.rows == 0,
              "cached dispatch: topk_idx and topk_weights must be empty (the handle's are reused)");
@@ -428,6 +477,7 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   throw_if_device_error();
   result.num_recv = *state_->host_count;
   result.handle.num_recv = result.num_recv;
+  if (result.handle.expanded) result.rows_required = *state_->host_rows_required;
   return result.num_recv;
 }
 
@@ -444,8 +494,9 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
              dtype_name(in.expert_out.dtype));
   WEFT_CHECK(in.expert_out.cols == config_.hidden, "expert_out must have ", config_.hidden,
              " columns, got ", in.expert_out.cols);
-  WEFT_CHECK(in.expert_out.rows >= 0 && in.expert_out.rows <= capacity(),
-             "expert_out has ", in.expert_out.rows, " rows, at most ", capacity(), " allowed");
+  const int64_t rows_allowed = handle.expanded ? expand_capacity() : capacity();
+  WEFT_CHECK(in.expert_out.rows >= 0 && in.expert_out.rows <= rows_allowed, "expert_out has ",
+             in.expert_out.rows, " rows, at most ", rows_allowed, " allowed");
   WEFT_CHECK(handle.num_recv < 0 || in.expert_out.rows >= handle.num_recv, "expert_out has ",
              in.expert_out.rows, " rows but ", handle.num_recv, " were received");
   WEFT_CHECK(in.expert_out.rows == 0 || in.expert_out.data != nullptr, "expert_out is null");
@@ -472,6 +523,11 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
+  if (handle.expanded) {
+    p.expand_info = state_->expand_info;
+    p.num_local_experts = config_.num_local_experts(num_ranks_);
+    p.expand_capacity = expand_capacity();
+  }
   detail::launch_combine(p, num_blocks(T, in.num_sms), stream);
   note_launched(stream);
 }

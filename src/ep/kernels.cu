@@ -13,6 +13,9 @@
 #include <cuda_fp8.h>
 #include <nccl_device.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "kernels.hpp"
 #include "weft/ep/types.hpp"
 #include "weft/cuda/check.hpp"
@@ -416,16 +419,388 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
 }
 
 // ---------------------------------------------------------------------------------------------
+// Expanded dispatch (types.hpp ExpandOptions): one row per (token, distinct local expert) at the
+// expert's rank, in expert-major segments. dispatch_kernel's three phases with the destination
+// redefined from rank to expert:
+//  1. count: a per-expert histogram (a token counts once per expert), in local or grid mode as
+//     dispatch_kernel (grid mode: per-block histograms in block_expert_counts, a grid barrier).
+//     s_hist ends as this block's prefix per expert; block 0's as the rank's totals (its prefix
+//     is 0).
+//  2. exchange: block 0 writes the histogram [E] into every rank's expand_matrix as tagged words
+//     (slot [seq parity][rank]); every block waits for all R x E words (so every peer has
+//     entered this call) and derives, for every rank d and its local expert e (g = d * E/R + e):
+//        total(g) = sum_s count[s][g]
+//        segment_begin_d[e] = sum_{e' < e} align_up(total(d * E/R + e'), expert_alignment)
+//        rows_required(d) = segment_begin_d[E/R]
+//     Every rank thus knows every destination's need: a destination over capacity is skipped by
+//     every source before any payload moves (it receives no row; its num_recv is 0). This
+//     block's next row for expert g is segment_begin_d[e] + sum_{s < rank} count[s][g] + prefix.
+//  3. scatter, kExpandSubChunkTokens tokens at a time: warp 0 assigns slots in token order (one
+//     token per step, lane k = selection k; a token's experts are distinct, so one lane per
+//     expert) and links a token's rows at one destination in ascending order (expand_chain, what
+//     the expanded combine sums); then one warp per (token, expert) pushes the row and its
+//     metadata. Each rank also writes the metadata of its own padding rows (source (-1, -1), no
+//     selection, chain {-1, 0}) and, with zero_padding, zeroes their payload. It ends as
+//     dispatch_kernel (done flags).
+// Shared memory: next [E] int64 | own segment_begin [E/R + 1] int64 | hist [E] | total [E] |
+//   sel [kSub][top_k] | item, row, link [kSub * top_k] each (int32).
+static_assert(kExpandSubChunkTokens <= 128, "an item packs its token index in 7 bits");
+__global__ void __launch_bounds__(kThreads, 1)
+    expand_dispatch_kernel(const ExpandDispatchParams ep) {
+  extern __shared__ int64_t smem64[];
+  const DispatchParams& p = ep.dispatch;
+  const CommParams& c = p.comm;
+  const int R = c.num_ranks;
+  const int E = p.num_experts;
+  const int K = p.top_k;
+  const int epr = E / R;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  const int parity = int(seq & 1);
+
+  int64_t* s_next = smem64;
+  int64_t* s_seg = s_next + E;
+  int32_t* s_hist = reinterpret_cast<int32_t*>(s_seg + epr + 1);
+  int32_t* s_total = s_hist + E;
+  int32_t* s_sel = s_total + E;  // [i][k]: expert of selection k of token i, or -1 (none,
+                                 // out of range, or repeated in the token)
+  int32_t* s_item = s_sel + kExpandSubChunkTokens * K;  // head << 12 | token i << 5 | k
+  int32_t* s_row = s_item + kExpandSubChunkTokens * K;
+  int32_t* s_link = s_row + kExpandSubChunkTokens * K;  // the next row of the token there, or -1
+  __shared__ char* s_peer[kMaxRanks];
+  __shared__ int64_t s_required[kMaxRanks];
+  __shared__ uint32_t s_overflowed;  // bit d: rank d's aligned rows exceed the capacity
+  __shared__ int s_num_items;
+  __shared__ int s_ok;
+
+  const int64_t chunk = (p.num_tokens + gridDim.x - 1) / gridDim.x;
+  const int64_t t_begin = min(p.num_tokens, int64_t(blockIdx.x) * chunk);
+  const int64_t t_end = min(p.num_tokens, t_begin + chunk);
+
+  for (int g = threadIdx.x; g < E; g += blockDim.x) s_hist[g] = 0;
+  if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
+  __syncthreads();
+
+  // 1. Histogram of tokens [begin, end). Bad expert ids are dropped, and reported by the one
+  // block that counts the token's own chunk (grid mode) or by block 0 (local mode).
+  auto count_experts = [&](int64_t begin, int64_t end, bool report) {
+    for (int64_t t = begin + threadIdx.x; t < end; t += blockDim.x) {
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = load_expert(p, t * K + k);
+        if (e == -1) continue;
+        if (e < 0 || e >= E) {
+          if (report) raise_device_error(c.error, kErrBadExpert, c.rank, t, k, e);
+          continue;
+        }
+        bool repeated = false;
+        for (int k2 = 0; k2 < k; ++k2) repeated |= load_expert(p, t * K + k2) == e;
+        if (!repeated) atomicAdd(&s_hist[e], 1);
+      }
+    }
+    __syncthreads();
+  };
+  bool ok = true;
+  if (p.local_count) {
+    if (blockIdx.x == 0) {
+      count_experts(0, p.num_tokens, true);
+    } else {
+      count_experts(0, t_begin, false);
+    }
+  } else {
+    count_experts(t_begin, t_end, true);
+    int32_t* mine = ep.block_expert_counts + int64_t(blockIdx.x) * E;
+    for (int g = threadIdx.x; g < E; g += blockDim.x) mine[g] = s_hist[g];
+    ok = grid_barrier(c, seq);
+    // Other blocks' rows are read past L1 (__ldcg): they were written on other SMs.
+    const int num_summed = blockIdx.x == 0 ? int(gridDim.x) : int(blockIdx.x);
+    for (int g = threadIdx.x; g < E; g += blockDim.x) {
+      int32_t n = 0;
+      for (int b = 0; b < num_summed; ++b) n += __ldcg(ep.block_expert_counts + int64_t(b) * E + g);
+      s_hist[g] = n;
+    }
+    __syncthreads();
+  }
+
+  // 2. Exchange. Block 0 publishes (a timed-out grid barrier publishes nothing: peers time out).
+  char* local = s_peer[c.rank];
+  const uint64_t tag = uint64_t(uint32_t(seq)) << 32;
+  if (blockIdx.x == 0 && ok) {
+    for (int i = threadIdx.x; i < R * E; i += blockDim.x) {
+      const int peer = i / E, g = i % E;
+      uint64_t* m = reinterpret_cast<uint64_t*>(s_peer[peer] + c.layout.expand_matrix);
+      st_relaxed_sys(m + (int64_t(parity) * R + c.rank) * E + g, tag | uint32_t(s_hist[g]));
+    }
+  }
+  if (threadIdx.x == 0) s_ok = ok;
+  __syncthreads();
+  if (ok) {
+    const uint64_t* m =
+        reinterpret_cast<const uint64_t*>(local + c.layout.expand_matrix) + int64_t(parity) * R * E;
+    bool arrived = true;  // a thread reports (and waits out) at most one timeout
+    for (int g = threadIdx.x; arrived && g < E; g += blockDim.x) {
+      int32_t total = 0, before = 0;
+      for (int s = 0; s < R; ++s) {
+        const uint64_t* w = m + int64_t(s) * E + g;
+        uint64_t v = 0;
+        arrived = spin_wait([&] { return ((v = ld_acquire_sys(w)) & ~0xffffffffull) == tag; },
+                            c.timeout_ns);
+        if (!arrived) {
+          raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, s, int64_t(seq));
+          s_ok = 0;
+          break;
+        }
+        const auto n = int32_t(uint32_t(v));
+        total += n;
+        if (s < c.rank) before += n;
+      }
+      s_total[g] = total;
+      s_next[g] = before + (blockIdx.x == 0 ? 0 : s_hist[g]);
+    }
+  }
+  __syncthreads();
+  ok = s_ok != 0;
+  if (ok && warp < R) {  // segments of destination `warp`: a warp scan of the aligned totals
+    const int d = warp;
+    int64_t running = 0;
+    for (int e0 = 0; e0 < epr; e0 += 32) {
+      const int e = e0 + lane;
+      const int64_t n = e < epr ? int64_t(s_total[d * epr + e]) : 0;
+      const int64_t aligned =
+          (n + ep.expert_alignment - 1) / ep.expert_alignment * ep.expert_alignment;
+      int64_t inclusive = aligned;
+      for (int o = 1; o < 32; o *= 2) {
+        const int64_t v = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += v;
+      }
+      if (e < epr) {
+        const int64_t begin = running + inclusive - aligned;
+        s_next[d * epr + e] += begin;
+        if (d == c.rank) s_seg[e] = begin;
+      }
+      running += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    if (lane == 0) {
+      s_required[d] = running;
+      if (d == c.rank) s_seg[epr] = running;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t overflowed = 0;
+    for (int d = 0; ok && d < R; ++d) overflowed |= uint32_t(s_required[d] > ep.capacity) << d;
+    s_overflowed = overflowed;
+  }
+  __syncthreads();
+  const bool here_overflowed = (s_overflowed >> c.rank & 1u) != 0;
+  if (ok && blockIdx.x == 0) {
+    for (int e = threadIdx.x; e <= epr; e += blockDim.x) ep.expand_info[e] = s_seg[e];
+    for (int e = threadIdx.x; e < epr; e += blockDim.x) {
+      const int32_t n = s_total[c.rank * epr + e];
+      p.tokens_per_expert[e] = n;
+      if (p.cumulative_stats != nullptr) p.cumulative_stats[e] += uint32_t(n);
+    }
+    if (threadIdx.x == 0) {
+      // rows_required <= capacity <= 2^31 - 1 (BufferConfig::validate) where nothing overflowed
+      c.state->num_recv = here_overflowed ? 0 : int32_t(s_seg[epr]);
+      const int first = s_overflowed == 0 ? -1 : __ffs(int(s_overflowed)) - 1;
+      ep.expand_info[epr + 1] = first;
+      ep.expand_info[epr + 2] = first < 0 ? 0 : s_required[first];
+    }
+  }
+
+  const int64_t n16 = p.row_bytes / 16;
+  auto* recv_x = reinterpret_cast<int4*>(local + c.layout.recv_x);
+  // Own padding rows: segment e's rows [segment_begin[e] + total[e], segment_begin[e + 1]),
+  // segments spread over the blocks, rows over the warps.
+  if (ok && !here_overflowed) {
+    const int own = c.rank * epr;
+    for (int e = blockIdx.x; e < epr; e += gridDim.x) {
+      for (int64_t row = s_seg[e] + s_total[own + e] + warp; row < s_seg[e + 1];
+           row += kThreads / 32) {
+        if (ep.zero_padding) {
+          for (int64_t i = lane; i < n16; i += 32) recv_x[row * n16 + i] = make_int4(0, 0, 0, 0);
+        }
+        if (lane < K) {
+          reinterpret_cast<int32_t*>(local + c.layout.recv_expert_idx)[row * K + lane] = -1;
+          reinterpret_cast<float*>(local + c.layout.recv_weights)[row * K + lane] = 0.0f;
+        }
+        if (lane == 0) {
+          reinterpret_cast<int2*>(local + c.layout.recv_src)[row] = make_int2(-1, -1);
+          reinterpret_cast<int2*>(local + c.layout.expand_chain)[row] = make_int2(-1, 0);
+        }
+      }
+    }
+  }
+
+  // 3. Scatter.
+  for (int64_t sub = t_begin; ok && sub < t_end; sub += kExpandSubChunkTokens) {
+    const int n = int(min(int64_t(kExpandSubChunkTokens), t_end - sub));
+    for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
+      const int64_t t = sub + i / K;
+      const int k = i % K;
+      const int64_t e = load_expert(p, t * K + k);
+      bool keep = e >= 0 && e < E;
+      for (int k2 = 0; keep && k2 < k; ++k2) keep = load_expert(p, t * K + k2) != e;
+      s_sel[i] = keep ? int32_t(e) : -1;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      int items = 0;
+      for (int i = 0; i < n; ++i) {
+        const int32_t g = lane < K ? s_sel[i * K + lane] : -1;
+        int d = g >= 0 ? g / epr : -1;
+        if (d >= 0 && (s_overflowed >> d & 1u) != 0) d = -1;
+        int32_t row = -1;
+        if (d >= 0) {
+          row = int32_t(s_next[g]);  // < capacity: d did not overflow
+          s_next[g] = row + 1;
+        }
+        // The token's rows at one destination ascend with the local expert (segments ascend):
+        // each links to the next larger one; the smallest is the head and the send slot.
+        int32_t next = INT32_MAX, slot = INT32_MAX;
+        bool head = true;
+        for (int k = 0; k < K; ++k) {
+          const int dk = __shfl_sync(0xffffffffu, d, k);
+          const int32_t rk = __shfl_sync(0xffffffffu, row, k);
+          if (dk < 0) continue;
+          if (dk == d) {
+            if (rk > row) next = min(next, rk);
+            if (rk < row) head = false;
+          }
+          if (dk == lane) slot = min(slot, rk);
+        }
+        if (lane < R) p.send_slot[(sub + i) * R + lane] = slot == INT32_MAX ? -1 : slot;
+        const uint32_t ballot = __ballot_sync(0xffffffffu, d >= 0);
+        if (d >= 0) {
+          const int at = items + __popc(ballot & ((1u << lane) - 1u));
+          s_item[at] = int(head) << 12 | i << 5 | lane;
+          s_row[at] = row;
+          s_link[at] = next == INT32_MAX ? -1 : next;
+        }
+        items += __popc(ballot);
+        __syncwarp();  // this token's s_next updates before the next token's reads
+      }
+      if (lane == 0) s_num_items = items;
+    }
+    __syncthreads();
+    const int num_items = s_num_items;
+    for (int it = warp; it < num_items; it += kThreads / 32) {
+      const int item = s_item[it];
+      const int i = item >> 5 & 127;
+      const int k = item & 31;
+      const int64_t t = sub + i;
+      const int32_t g = s_sel[i * K + k];
+      const int d = g / epr;
+      const int64_t row = s_row[it];
+      char* base = s_peer[d];
+      warp_copy_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16,
+                    reinterpret_cast<const int4*>(p.x) + t * n16, n16, lane);
+      if (lane < K) {  // only the selections of this row's expert
+        const bool mine = load_expert(p, t * K + lane) == g;
+        reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * K + lane] =
+            mine ? g - d * epr : -1;
+        reinterpret_cast<float*>(base + c.layout.recv_weights)[row * K + lane] =
+            mine ? p.topk_weights[t * K + lane] : 0.0f;
+      }
+      if (lane == 0) {
+        reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
+        reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] =
+            make_int2(s_link[it], item >> 12);
+      }
+    }
+    __syncthreads();
+  }
+  // A block that timed out still records its rows as unsent, so combine reads nothing stale.
+  if (!ok) {
+    for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
+      for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
+    }
+  }
+
+  if (finish_block(c, seq)) {
+    if (threadIdx.x == 0) {
+      for (int peer = 0; peer < R; ++peer) {
+        st_release_sys(flag_ptr(s_peer[peer], c, kFlagDone, c.rank), seq);
+      }
+      wait_all_peers(c, local, kFlagDone, seq, kWaitDispatchDone);
+    }
+  }
+}
+
+// One warp: dst[v] = bf16(sum of the num_rows rows of `rows` whose indices lanes 0..num_rows-1
+// hold in `lane_row`), summed in fp32 from 0 in lane order and rounded once to nearest even: the
+// reference's per-destination partial sum of an expanded dispatch. Loads of up to 4 rows are in
+// flight before their additions, which keep the order.
+__device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ rows,
+                              int32_t lane_row, int num_rows, int64_t n16, int lane) {
+  for (int64_t v0 = 0; v0 < n16; v0 += 32) {  // uniform trip count: the shuffles need every lane
+    const int64_t v = v0 + lane;
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    for (int i0 = 0; i0 < num_rows; i0 += 4) {
+      int4 q[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int32_t r = __shfl_sync(0xffffffffu, lane_row, (i0 + u) & 31);
+        if (i0 + u < num_rows && v < n16) q[u] = ld_stream(rows + int64_t(r) * n16 + v);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (i0 + u < num_rows && v < n16) {
+          const uint32_t w[4] = {uint32_t(q[u].x), uint32_t(q[u].y), uint32_t(q[u].z),
+                                 uint32_t(q[u].w)};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc[2 * e] += __uint_as_float(w[e] << 16);
+            acc[2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+          }
+        }
+      }
+    }
+    if (v < n16) {
+      uint32_t w[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+        w[e] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      dst[v] = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Combine: warps [0, num_send_warps) of every block store back expert outputs of rows received
 // from peers into the peer's comb_x[rank][token] (then comb_flags[rank][token] = seq); the other
 // warps reduce this rank's tokens: bias0 + bias1 + contributions in ascending rank order, the
 // own rank's read straight from expert_out (the slot would only be a local copy of it).
+// kExpanded (the combine of an expanded dispatch): what is stored back is one row per
+// (source, token), the fp32 sum of its rows here rounded once (warp_sum_rows over its
+// expand_chain), and the own rank's sums go through comb_x too (its rows are not one row per
+// token), so the reduce waits for every contributing rank alike.
+template <bool kExpanded>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  if constexpr (kExpanded) {
+    // The dispatch overflowed at some rank, which then holds none of its rows. Every rank derived
+    // the same overflow from the same counts, so every rank skips the call alike (none waits for
+    // a peer), reports it and leaves out unwritten.
+    const int64_t overflowed_rank = p.expand_info[p.num_local_experts + 1];
+    if (overflowed_rank >= 0) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        raise_device_error(c.error, kErrExpandOverflow, c.rank, overflowed_rank,
+                           p.expand_info[p.num_local_experts + 2], p.expand_capacity);
+      }
+      finish_block(c, seq);
+      return;
+    }
+  }
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_ok;
   if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
@@ -447,6 +822,50 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     if (s_ok && num_recv > p.expert_out_rows) {
       if (threadIdx.x == 0) {
         raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
+      }
+    } else if (s_ok && kExpanded) {
+      // Every row that heads its (source, token)'s chain here: the chain's sum goes to the
+      // source's comb_x[rank][token], in batches of up to kMaxSendBatch received rows per warp
+      // (padding rows and chain members other than the head are skipped), one system fence per
+      // batch, then lane 0 marks each head's slot as landed. A chain ascends and has at most
+      // min(top_k, E/R) <= 32 rows; the walk is bounded by that and by num_recv regardless.
+      constexpr int kMaxSendBatch = 4;
+      const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
+      const int2* chain = reinterpret_cast<const int2*>(local + c.layout.expand_chain);
+      const int total_warps = int(gridDim.x) * p.num_send_warps;
+      const int64_t batch =
+          min(int64_t(kMaxSendBatch),
+              max(int64_t(1), (int64_t(num_recv) + total_warps - 1) / total_warps));
+      const int64_t num_batches = (num_recv + batch - 1) / batch;
+      for (int64_t b = int64_t(blockIdx.x) * p.num_send_warps + warp; b < num_batches;
+           b += total_warps) {
+        const int64_t r0 = b * batch;
+        const int64_t r1 = min(int64_t(num_recv), r0 + batch);
+        for (int64_t j = r0; j < r1; ++j) {
+          if (chain[j].y == 0) continue;
+          int32_t lane_row = -1;  // lane i: the chain's i-th row
+          int num_rows = 0;
+          for (int32_t r = int32_t(j); r >= 0 && r < num_recv && num_rows < 32; r = chain[r].x) {
+            if (lane == num_rows) lane_row = r;
+            ++num_rows;
+          }
+          const int2 src = recv_src[j];
+          warp_sum_rows(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
+                            (int64_t(c.rank) * p.max_tokens + src.y) * n16,
+                        reinterpret_cast<const int4*>(p.expert_out), lane_row, num_rows, n16, lane);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
+          for (int64_t j = r0; j < r1; ++j) {
+            if (chain[j].y == 0) continue;
+            const int2 src = recv_src[j];
+            uint64_t* flag = reinterpret_cast<uint64_t*>(s_peer[src.x] + c.layout.comb_flags) +
+                             int64_t(c.rank) * p.max_tokens + src.y;
+            st_relaxed_sys(flag, seq);
+          }
+        }
+        __syncwarp();
       }
     } else if (s_ok) {
       // Only rows from peers go out (the own rank's rows, [own_begin, own_begin + own_count) of
@@ -511,7 +930,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       for (int d = 0; d < R; ++d) {
         if (p.send_slot[t * R + d] < 0) continue;
         ranks |= 1u << d;
-        if (d == c.rank || !arrived) continue;
+        if ((!kExpanded && d == c.rank) || !arrived) continue;
         const uint64_t* f = comb_flags + int64_t(d) * p.max_tokens + t;
         arrived = spin_wait(
             [&] {
@@ -532,7 +951,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         if (p.bias0 != nullptr && i-- == 0) return reinterpret_cast<const int4*>(p.bias0) + t * n16;
         if (p.bias1 != nullptr && i-- == 0) return reinterpret_cast<const int4*>(p.bias1) + t * n16;
         const int d = int(__fns(ranks, 0, i + 1));
-        if (d == c.rank) {
+        if (!kExpanded && d == c.rank) {
           return reinterpret_cast<const int4*>(p.expert_out) + int64_t(p.send_slot[t * R + d]) * n16;
         }
         coherent = true;  // written by a peer during this kernel: no non-coherent cache
@@ -732,9 +1151,10 @@ uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 }  // namespace
 
 WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidden, int top_k,
-                                int num_experts) {
+                                int num_experts, int expand_factor) {
   const auto R = uint64_t(num_ranks);
-  const auto cap = R * uint64_t(max_tokens);
+  const auto cap = R * uint64_t(max_tokens) * uint64_t(std::max(1, expand_factor));
+  const uint64_t expand_rows = expand_factor > 0 ? cap : 0;
   WindowLayout l;
   uint64_t at = 0;
   auto region = [&](uint64_t bytes) {
@@ -750,7 +1170,10 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
   l.recv_expert_idx = region(sizeof(int32_t) * cap * uint64_t(top_k));
   l.recv_weights = region(sizeof(float) * cap * uint64_t(top_k));
   l.recv_x = region(2 * cap * uint64_t(hidden));
-  l.comb_x = region(2 * cap * uint64_t(hidden));
+  l.comb_x = region(2 * R * uint64_t(max_tokens) * uint64_t(hidden));
+  l.expand_matrix =
+      region(expand_factor > 0 ? sizeof(uint64_t) * 2 * R * uint64_t(num_experts) : 0);
+  l.expand_chain = region(sizeof(int32_t) * 2 * expand_rows);
   l.total_bytes = at;
   return l;
 }
@@ -767,6 +1190,21 @@ void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t 
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
   launch_cooperative(kernel, params, num_blocks, smem, stream);
+}
+
+void launch_expand_dispatch(const ExpandDispatchParams& params, int num_blocks,
+                            cudaStream_t stream) {
+  const int E = params.dispatch.num_experts;
+  const int epr = E / params.dispatch.comm.num_ranks;
+  const std::size_t smem =
+      sizeof(int64_t) * (std::size_t(E) + std::size_t(epr) + 1) +
+      sizeof(int32_t) * (2 * std::size_t(E) + 4 * std::size_t(kExpandSubChunkTokens) *
+                                                  std::size_t(params.dispatch.top_k));
+  if (smem > 48 * 1024) {
+    WEFT_CUDA_CHECK(cudaFuncSetAttribute(expand_dispatch_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  }
+  launch_cooperative(expand_dispatch_kernel, params, num_blocks, smem, stream);
 }
 
 void launch_cached_dispatch(const CachedDispatchParams& params, int num_blocks,
@@ -786,7 +1224,8 @@ void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream) {
 }
 
 void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream) {
-  launch_cooperative(combine_kernel, params, num_blocks, 0, stream);
+  auto* kernel = params.expand_info != nullptr ? combine_kernel<true> : combine_kernel<false>;
+  launch_cooperative(kernel, params, num_blocks, 0, stream);
 }
 
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream) {

@@ -18,12 +18,17 @@ constexpr int kSubChunkTokens = 256;  // dispatch scatters a block's tokens in p
 // Up to this many tokens, dispatch counts in local mode (every block counts the tokens before its
 // chunk itself, no grid barrier): at most kLocalCountMaxTokens * top_k index loads per block.
 constexpr int64_t kLocalCountMaxTokens = 1024;
+// The expanded dispatch assigns slots a sub-chunk of this many tokens at a time (its per-item
+// shared arrays hold kExpandSubChunkTokens * top_k entries).
+constexpr int kExpandSubChunkTokens = 128;
 
 // Device error codes of weft::ep (DeviceErrorRecord::code) and what the args hold.
 enum ErrorCode : uint32_t {
-  kErrBadExpert = 1,   // args: token, selection k, expert id
-  kErrTimeout = 2,     // args: WaitKind, peer rank (or -1), call sequence number
-  kErrTooManyRows = 3, // args: rows received, rows of expert_out
+  kErrBadExpert = 1,       // args: token, selection k, expert id
+  kErrTimeout = 2,         // args: WaitKind, peer rank (or -1), call sequence number
+  kErrTooManyRows = 3,     // args: rows received, rows of expert_out
+  kErrExpandOverflow = 4,  // combine of an overflowed expanded dispatch; args: the lowest
+                           // overflowed rank, the rows it needed, its capacity
 };
 enum WaitKind : int64_t {
   kWaitHandshake = 1,
@@ -42,9 +47,14 @@ enum WaitKind : int64_t {
 //   (tagged word = (call number mod 2^32) << 32 | count: valid once its tag is the call's)
 //   comb_flags   [R][max_tokens] uint64: call number once rank r's row for token t landed
 //   recv_src     [cap][2] int32, recv_expert_idx [cap][top_k] int32, recv_weights [cap][top_k]
-//   recv_x       [cap][hidden] bf16, cap = R * max_tokens
+//   recv_x       [cap][hidden] bf16, cap = R * max_tokens, or expand_factor * R * max_tokens when
+//                that is larger (BufferConfig::expand_factor: the expanded layout's capacity)
 //   comb_x       [R][max_tokens][hidden] bf16: rank r's expert output for our token t
-// Regions start on 256-byte boundaries.
+//   expand_matrix[2 (call parity)][R source][E] uint64 tagged words: the source's rows per expert
+//                (expanded dispatch; every rank receives every source's whole histogram)
+//   expand_chain [cap] int2 (expanded dispatch): per received row, {the next row of the same
+//                (source, token) here or -1, 1 if it is that (source, token)'s first row here}
+// The expand regions are empty when expand_factor is 0. Regions start on 256-byte boundaries.
 enum FlagKind : int { kFlagHandshake = 0, kFlagDone = 1, kFlagEntry = 2, kNumFlagKinds = 3 };
 struct WindowLayout {
   uint64_t flags = 0;
@@ -56,10 +66,12 @@ struct WindowLayout {
   uint64_t recv_weights = 0;
   uint64_t recv_x = 0;
   uint64_t comb_x = 0;
+  uint64_t expand_matrix = 0;
+  uint64_t expand_chain = 0;
   uint64_t total_bytes = 0;
 };
 WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidden, int top_k,
-                                int num_experts);
+                                int num_experts, int expand_factor);
 
 // Per-rank device state outside the window (cudaMalloc'd, zeroed at creation).
 struct DeviceState {
@@ -107,6 +119,20 @@ struct DispatchParams {
   uint32_t* cumulative_stats;
 };
 
+// The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
+// block_counts and expert_counts unused) plus the expanded layout's.
+struct ExpandDispatchParams {
+  DispatchParams dispatch;
+  int32_t* block_expert_counts;  // grid mode: [gridDim.x][num_experts] per-block histograms
+  // [num_experts / num_ranks + 3] out: segment_begin [E/R + 1] (the last = this rank's
+  // rows_required), then the lowest overflowed rank (-1: none) and the rows it needed, which the
+  // expanded combine reads.
+  int64_t* expand_info;
+  int64_t capacity;  // rows of the receive region (expand_factor * R * max_tokens)
+  int expert_alignment;
+  bool zero_padding;
+};
+
 // A dispatch that reuses the layout of the last uncached one (send_slot and everything the
 // receivers derived from it are still in place): only payload rows move.
 struct CachedDispatchParams {
@@ -142,6 +168,10 @@ struct CombineParams {
   int64_t max_tokens;
   const int32_t* send_slot;    // [num_tokens][num_ranks] from the dispatch
   int num_send_warps;          // warps per block that store back; the others reduce
+  // Expanded dispatch only (else null / 0): its expand_info (ExpandDispatchParams) and capacity.
+  const int64_t* expand_info;
+  int num_local_experts;
+  int64_t expand_capacity;
 };
 
 struct HandshakeParams {
@@ -153,6 +183,9 @@ struct HandshakeParams {
 void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream);
 void launch_cached_dispatch(const CachedDispatchParams& params, int num_blocks,
                             cudaStream_t stream);
+void launch_expand_dispatch(const ExpandDispatchParams& params, int num_blocks,
+                            cudaStream_t stream);
+// params.expand_info non-null: the combine of an expanded dispatch.
 void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream);
 // An ordinary launch (no peer involved).
 void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream);

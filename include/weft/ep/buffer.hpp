@@ -20,7 +20,8 @@
 //    or copy them out, in between. expert_out given to combine may be recv_x itself.
 //  - No host synchronisation inside dispatch or combine: both are single kernels, usable under
 //    CUDA graph capture (the call sequence number lives on the device). CountMode::kExact only
-//    adds an asynchronous 4-byte device-to-host copy; wait_num_recv() is the one host wait.
+//    adds an asynchronous 4-byte device-to-host copy (expanded: and an 8-byte one of
+//    rows_required); wait_num_recv() is the one host wait.
 //  - Errors: bad arguments the host can see throw weft::Error at once. Bad data found on the
 //    device (an expert id out of range: that selection is dropped, nothing out of bounds is
 //    touched) and timed-out waits (the message names the rank and what it waited for) are
@@ -70,6 +71,7 @@ struct Handle {
   uint64_t sequence = 0;  // the layout's number (counts uncached dispatches of the Buffer)
   int64_t num_tokens = 0;
   int64_t num_recv = -1;  // known only after wait_num_recv()
+  bool expanded = false;  // the layout is the expanded one (DispatchInputs::expand)
 };
 
 struct DispatchInputs {
@@ -90,10 +92,18 @@ struct DispatchInputs {
   uint32_t* cumulative_local_expert_recv_stats = nullptr;
   // Most blocks (SMs) of this call; 0 = BufferOptions::num_sms. At most the device's SM count.
   int num_sms = 0;
+  // The expanded layout (types.hpp ExpandOptions; DeepEP's do_expand): one received row per
+  // (token, local expert), in expert-major segments aligned to expert_alignment rows. Needs
+  // BufferConfig::expand_factor >= 1 (its capacity); not with a cached dispatch (handle). bf16
+  // and packed fp8 rows alike. A rank whose aligned rows exceed expand_capacity() receives none
+  // (num_recv 0, nothing written there) and reports its need in rows_required: a result, not an
+  // error; the combine of such a dispatch is (see Buffer::combine).
+  ExpandOptions expand{};
 };
 
-// Worst-case sized views into the window (capacity = num_ranks * max_tokens rows); the first
-// *num_recv_device rows are valid, in (source rank, source token) order.
+// Worst-case sized views into the window (capacity = num_ranks * max_tokens rows, expanded:
+// Buffer::expand_capacity()); the first *num_recv_device rows are valid, in (source rank, source
+// token) order (expanded: in segments by local expert, see segment_begin).
 struct DispatchResult {
   const uint16_t* recv_x = nullptr;          // [capacity, hidden] bf16
   const int32_t* recv_expert_idx = nullptr;  // [capacity, top_k] local expert id or -1
@@ -106,6 +116,18 @@ struct DispatchResult {
   int64_t row_bytes = 0;                     // bytes per received row (the stride of both)
   int64_t capacity = 0;
   int64_t num_recv = -1;                     // set by wait_num_recv()
+  // Expanded dispatch only (else null / -1), on the device like the counts:
+  //  segment_begin [num_local_experts + 1] int64: expert e's rows are [segment_begin[e],
+  //  segment_begin[e] + tokens_per_local_expert[e]) in (source rank, source token) order, then
+  //  padding rows up to segment_begin[e + 1] (a multiple of expert_alignment): source (-1, -1),
+  //  recv_expert_idx -1, recv_weights 0, payload zero with zero_padding (else not written).
+  //  A row's recv_expert_idx / recv_weights mark only the selections of its own expert.
+  //  rows_required_device = segment_begin + num_local_experts: the aligned total this rank needed;
+  //  above capacity the rank overflowed and received nothing (*num_recv_device == 0), though
+  //  the counts and segments are still reported.
+  const int64_t* segment_begin = nullptr;
+  const int64_t* rows_required_device = nullptr;
+  int64_t rows_required = -1;  // set by wait_num_recv() (expanded)
   Handle handle;
 };
 
@@ -134,6 +156,12 @@ struct AsyncOptions {
   bool allocate_on_comm_stream = false;
 };
 
+// The combine of an expanded dispatch: each rank first sums, per (source, token), the token's
+// rows it received (fp32 from 0 in row order, rounded once to bf16), so one row per (token, rank)
+// crosses NVLink; the source then reduces these as for a deduplicated dispatch (reference.hpp).
+// If the dispatch overflowed at any rank, every rank skips the combine (out is not written) and
+// records a device error naming that rank and the rows it needed, which the next call on the
+// Buffer, wait_num_recv() or check() throws; the Buffer stays usable.
 struct CombineInputs {
   TensorView expert_out{};  // [rows >= num_recv, hidden] bf16 in the received-row order
   TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
@@ -181,10 +209,12 @@ class Buffer {
   DispatchResult dispatch(const DispatchInputs& inputs, cudaStream_t stream,
                           CountMode mode = CountMode::kOnDevice);
   // kExact only: waits for this dispatch's count (host wait on its event), checks the device
-  // flag, stores and returns result.num_recv (also in result.handle).
+  // flag, stores and returns result.num_recv (also in result.handle); expanded, also stores
+  // result.rows_required.
   int64_t wait_num_recv(DispatchResult& result);
 
-  // out: [handle.num_tokens, hidden] bf16, fully written.
+  // out: [handle.num_tokens, hidden] bf16, fully written (not at all after an overflowed
+  // expanded dispatch: see CombineInputs).
   void combine(const CombineInputs& inputs, const Handle& handle, void* out, cudaStream_t stream);
 
   // Asynchronous forms: the call runs on comm_stream() (see AsyncOptions); `stream` is the
@@ -208,6 +238,8 @@ class Buffer {
   int device() const noexcept { return device_; }
   const BufferConfig& config() const noexcept { return config_; }
   int64_t capacity() const noexcept { return int64_t(num_ranks_) * config_.max_tokens; }
+  // Rows an expanded dispatch can receive (BufferConfig::expand_factor x capacity(); 0: none).
+  int64_t expand_capacity() const noexcept { return config_.expand_capacity(num_ranks_); }
   int num_blocks() const noexcept { return num_blocks_; }  // the most blocks per kernel
   int num_blocks(int64_t num_tokens) const noexcept;      // blocks of a call of num_tokens
   // ... with a per-call num_sms (0 = the Buffer's); throws unless 0 <= num_sms <= the device's.

@@ -20,7 +20,8 @@
 //    sent nowhere returns its bias (or zero).
 //  - fp8 (DispatchOptions::fp8): each rank's x_fp8 holds packed rows (types.hpp, Fp8RowLayout)
 //    and they are moved as opaque bytes into recv_x_fp8; everything else is as for bf16.
-//  - expanded (DispatchOptions::expand, types.hpp ExpandOptions): rank d receives one row per
+//  - expanded (DispatchOptions::expand, types.hpp ExpandOptions; needs
+//    BufferConfig::expand_factor >= 1, the capacity): rank d receives one row per
 //    (source rank, source token, distinct local expert e of the token on d), in expert-major
 //    segments (segment e: its rows in (source rank, source token) order, then padding rows up to
 //    the aligned size). A row's recv_expert_idx / recv_weights mark only the selections of its
@@ -67,7 +68,7 @@ struct RankLayout {
   bool expanded = false;
   std::vector<int64_t> segment_begin;     // [num_experts / num_ranks + 1]; last = aligned total
   int64_t rows_required = 0;              // = segment_begin.back()
-  bool overflowed = false;                // rows_required > expand_factor * R * max_tokens
+  bool overflowed = false;                // rows_required > BufferConfig::expand_capacity(R)
 };
 
 struct DispatchOptions {

@@ -33,11 +33,23 @@ struct BufferConfig {
   int64_t hidden = 0;      // row width in elements; hidden * 2 bytes must be a multiple of 16
   int num_experts = 0;     // global experts; a multiple of the number of ranks
   int top_k = 0;           // selections per token (1..32)
+  // Receive capacity of an expanded dispatch (ExpandOptions), as a multiple of the deduplicated
+  // layout's num_ranks * max_tokens rows: 0 (default) = no expanded dispatch on this Buffer (the
+  // window holds only the deduplicated rows); >= 1 = the window's receive region holds
+  // expand_factor * num_ranks * max_tokens rows (at most 2^31 - 1: rows are int32 indices).
+  // Balanced routing needs about top_k / num_ranks plus the alignment's padding, which at small
+  // max_tokens can dominate (e.g. 128 experts per rank aligned to 128 rows: 16384 rows). Fixed at
+  // construction because it sizes the symmetric window.
+  int expand_factor = 0;
 
   // Throws weft::Error naming the first violated invariant.
   void validate(int num_ranks) const;
   int num_local_experts(int num_ranks) const { return num_experts / num_ranks; }
   int64_t row_bytes() const { return hidden * 2; }
+  // Rows a rank can receive in an expanded dispatch (0 without expand_factor).
+  int64_t expand_capacity(int num_ranks) const {
+    return int64_t(expand_factor) * num_ranks * max_tokens;
+  }
 };
 
 // The expanded layout (DeepEP's do_expand): one received row per (token, local expert) instead
@@ -45,16 +57,16 @@ struct BufferConfig {
 // block a grouped GEMM consumes. Expert e's segment starts at
 //   segment_begin[e] = sum_{e' < e} align_up(count[e'], expert_alignment)
 // and holds its count[e] rows (source rank, then source token order) followed by padding rows.
-// Capacity: expand_factor * num_ranks * max_tokens rows per rank (the deduplicated layout needs
-// num_ranks * max_tokens; the worst case of the expanded one is min(top_k, experts per rank)
-// times that, which balanced routing never approaches). A rank whose rows would exceed its
-// capacity receives nothing, and the number of rows it needed is reported: the overflow is known
-// from the exchanged counts before any payload moves.
+// Capacity: BufferConfig::expand_factor * num_ranks * max_tokens rows per rank (the deduplicated
+// layout needs num_ranks * max_tokens; the worst case of the expanded one is
+// min(top_k, experts per rank) times that, which balanced routing never approaches). A rank whose
+// aligned rows would exceed its capacity receives nothing, and the number of rows it needed is
+// reported: every rank derives every rank's need from the exchanged per-expert counts, so the
+// overflow is known before any payload moves.
 struct ExpandOptions {
   bool enabled = false;
   int expert_alignment = 1;   // each expert's segment is rounded up to a multiple of this (1..4096)
   bool zero_padding = false;  // padding rows' payload is zeroed (else left as it was)
-  int expand_factor = 1;      // capacity multiple, 1..32
 
   // Throws weft::Error naming the first violated invariant.
   void validate() const;

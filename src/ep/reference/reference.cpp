@@ -41,13 +41,16 @@ void BufferConfig::validate(int num_ranks) const {
              num_experts, " must be a positive multiple of the number of ranks ", num_ranks);
   WEFT_CHECK(num_experts <= 4096, "num_experts ", num_experts, " is above 4096");
   WEFT_CHECK(top_k >= 1 && top_k <= 32, "top_k must be in 1..32, got ", top_k);
+  WEFT_CHECK(expand_factor >= 0, "expand_factor must not be negative (0: no expanded dispatch), ",
+             "got ", expand_factor);
+  WEFT_CHECK(expand_capacity(num_ranks) <= int64_t(INT32_MAX), "expand_factor ", expand_factor,
+             " x ", num_ranks, " ranks x max_tokens ", max_tokens, " = ",
+             expand_capacity(num_ranks), " rows is above 2^31 - 1 (rows are int32 indices)");
 }
 
 void ExpandOptions::validate() const {
   WEFT_CHECK(expert_alignment >= 1 && expert_alignment <= 4096,
              "expert_alignment must be in 1..4096, got ", expert_alignment);
-  WEFT_CHECK(expand_factor >= 1 && expand_factor <= 32, "expand_factor must be in 1..32, got ",
-             expand_factor);
 }
 
 Fp8RowLayout fp8_row_layout(int64_t hidden) {
@@ -109,7 +112,7 @@ void expand_destination(const BufferConfig& config, std::span<const RankInput> i
                  options.expand.expert_alignment);
   }
   dst.rows_required = dst.segment_begin.back();
-  const int64_t capacity = int64_t(options.expand.expand_factor) * num_ranks * config.max_tokens;
+  const int64_t capacity = config.expand_capacity(num_ranks);
   dst.overflowed = dst.rows_required > capacity;
   if (dst.overflowed) return;  // nothing moves; the sources' send slots stay -1
 
@@ -164,6 +167,8 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
   const int num_ranks = static_cast<int>(inputs.size());
   config.validate(num_ranks);
   options.expand.validate();
+  WEFT_CHECK(!options.expand.enabled || config.expand_factor >= 1,
+             "an expanded dispatch needs BufferConfig::expand_factor >= 1 (its capacity)");
   const std::size_t fp8_row_bytes =
       options.fp8 ? static_cast<std::size_t>(fp8_row_layout(config.hidden).row_bytes) : 0;
   const int epr = config.num_local_experts(num_ranks);

@@ -32,7 +32,7 @@ void check_expanded(const BufferConfig& c, const std::vector<ref::RankInput>& in
   const int R = int(inputs.size());
   const int epr = c.num_experts / R;
   const int64_t row_bytes = o.fp8 ? weft::ep::fp8_row_layout(c.hidden).row_bytes : 0;
-  const int64_t capacity = int64_t(o.expand.expand_factor) * R * c.max_tokens;
+  const int64_t capacity = int64_t(c.expand_factor) * R * c.max_tokens;
   std::vector<std::vector<int32_t>> first_row(static_cast<std::size_t>(R));  // [s][t * R + d]
   for (int s = 0; s < R; ++s) {
     first_row[std::size_t(s)].assign(std::size_t(inputs[std::size_t(s)].num_tokens * R), -1);
@@ -133,16 +133,20 @@ TEST(EpExpanded, RandomRoutingsAlignmentsAndMasks) {
   std::mt19937 rng(31);
   for (int trial = 0; trial < 60; ++trial) {
     const int R = 1 + trial % 4;
-    BufferConfig c{.max_tokens = 48, .hidden = trial % 5 == 0 ? 128 : 8 * (1 + trial % 3),
-                   .num_experts = R * (1 + trial % 6), .top_k = 1 + trial % 6};
+    BufferConfig c{.max_tokens = 48,
+                   .hidden = trial % 5 == 0 ? 128 : 8 * (1 + trial % 3),
+                   .num_experts = R * (1 + trial % 6),
+                   .top_k = 1 + trial % 6,
+                   .expand_factor = 32};
     c.top_k = std::min(c.top_k, c.num_experts);
     std::vector<int64_t> tokens;
     for (int r = 0; r < R; ++r) tokens.push_back(int64_t(rng() % 49));
     const bool fp8 = c.hidden == 128 && trial % 2 == 0;
     const ref::DispatchOptions o{
         .fp8 = fp8,
-        .expand = {.enabled = true, .expert_alignment = std::vector<int>{1, 4, 16, 128}[std::size_t(trial % 4)],
-                   .zero_padding = true, .expand_factor = 32}};
+        .expand = {.enabled = true,
+                   .expert_alignment = std::vector<int>{1, 4, 16, 128}[std::size_t(trial % 4)],
+                   .zero_padding = true}};
     const auto inputs = make_inputs(c, R, tokens, (trial % 3) * 0.3, rng, fp8);
     const auto layouts = ref::dispatch(c, inputs, o);
     SCOPED_TRACE(testing::Message() << "trial " << trial);
@@ -155,10 +159,11 @@ TEST(EpExpanded, OverflowIsReportedAndNothingMoves) {
   std::mt19937 rng(8);
   // Every token selects 3 of rank 0's 4 experts: rank 0 needs 3 * (8 + 8) = 48 rows against a
   // capacity of expand_factor * 2 * 8.
-  const BufferConfig c{.max_tokens = 8, .hidden = 16, .num_experts = 8, .top_k = 3};
+  BufferConfig c{.max_tokens = 8, .hidden = 16, .num_experts = 8, .top_k = 3};
   const auto inputs = make_inputs(c, 2, {8, 8}, 0.0, rng, false, /*crowd_rank0=*/true);
   for (int factor : {1, 2, 3, 4}) {
-    const ref::DispatchOptions o{.expand = {.enabled = true, .expand_factor = factor}};
+    c.expand_factor = factor;
+    const ref::DispatchOptions o{.expand = {.enabled = true}};
     const auto layouts = ref::dispatch(c, inputs, o);
     SCOPED_TRACE(testing::Message() << "expand_factor " << factor);
     check_expanded(c, inputs, layouts, o);
@@ -177,7 +182,8 @@ TEST(EpExpanded, OverflowIsReportedAndNothingMoves) {
     }
   }
   // Alignment padding counts towards the capacity: 5 tokens of 1 expert aligned to 64.
-  const BufferConfig c1{.max_tokens = 5, .hidden = 16, .num_experts = 2, .top_k = 1};
+  const BufferConfig c1{
+      .max_tokens = 5, .hidden = 16, .num_experts = 2, .top_k = 1, .expand_factor = 1};
   auto one = make_inputs(c1, 2, {5, 0}, 0.0, rng, false, true);
   const auto aligned = ref::dispatch(c1, one, {.expand = {.enabled = true, .expert_alignment = 64}});
   EXPECT_EQ(aligned[0].rows_required, 64);
@@ -188,7 +194,8 @@ TEST(EpExpanded, OverflowIsReportedAndNothingMoves) {
 // 2^-8 (rank 0) + [1 + 2^-8] (rank 1) gives 1 + 2^-8 -> 1.0, where one flat fp32 sum would
 // give 1 + 2^-7 (exact in bf16).
 TEST(EpExpanded, CombineRoundsEachRanksPartialSumOnce) {
-  const BufferConfig c{.max_tokens = 1, .hidden = 8, .num_experts = 4, .top_k = 3};
+  const BufferConfig c{
+      .max_tokens = 1, .hidden = 8, .num_experts = 4, .top_k = 3, .expand_factor = 1};
   std::vector<ref::RankInput> inputs(2);
   inputs[0] = {.num_tokens = 1, .x = std::vector<uint16_t>(8, float_to_bf16(1.0f)),
                .topk_idx = {0, 2, 3}, .topk_weights = {1, 1, 1}};
@@ -205,12 +212,13 @@ TEST(EpExpanded, CombineRoundsEachRanksPartialSumOnce) {
 }
 
 TEST(EpExpanded, DuplicateSelectionIsOneRowMarkedTwice) {
-  const BufferConfig c{.max_tokens = 1, .hidden = 8, .num_experts = 2, .top_k = 3};
+  const BufferConfig c{
+      .max_tokens = 1, .hidden = 8, .num_experts = 2, .top_k = 3, .expand_factor = 2};
   std::vector<ref::RankInput> inputs(1);
   inputs[0] = {.num_tokens = 1, .x = std::vector<uint16_t>(8, float_to_bf16(2.0f)),
                .topk_idx = {1, -1, 1}, .topk_weights = {0.25f, 0.5f, 0.75f}};
-  const auto L = ref::dispatch(c, inputs, {.expand = {.enabled = true, .expert_alignment = 2,
-                                                      .zero_padding = true, .expand_factor = 2}})[0];
+  const auto L = ref::dispatch(
+      c, inputs, {.expand = {.enabled = true, .expert_alignment = 2, .zero_padding = true}})[0];
   EXPECT_EQ(L.segment_begin, (std::vector<int64_t>{0, 0, 2}));
   EXPECT_EQ(L.tokens_per_local_expert, (std::vector<int32_t>{0, 1}));
   EXPECT_EQ(L.recv_expert_idx, (std::vector<int32_t>{1, -1, 1, -1, -1, -1}));
@@ -220,12 +228,25 @@ TEST(EpExpanded, DuplicateSelectionIsOneRowMarkedTwice) {
 
 TEST(EpExpanded, BadOptionsAreClearErrors) {
   std::mt19937 rng(3);
-  const BufferConfig c{.max_tokens = 4, .hidden = 16, .num_experts = 4, .top_k = 2};
+  const BufferConfig c{
+      .max_tokens = 4, .hidden = 16, .num_experts = 4, .top_k = 2, .expand_factor = 1};
   const auto inputs = make_inputs(c, 2, {2, 2}, 0.0, rng);
   EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .expert_alignment = 0}}),
                weft::Error);
-  EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .expand_factor = 0}}),
-               weft::Error);
+  BufferConfig no_capacity = c;
+  no_capacity.expand_factor = 0;  // the deduplicated layout still works, the expanded one throws
+  EXPECT_NO_THROW(ref::dispatch(no_capacity, inputs));
+  EXPECT_THROW(ref::dispatch(no_capacity, inputs, {.expand = {.enabled = true}}), weft::Error);
+  BufferConfig negative = c;
+  negative.expand_factor = -1;
+  EXPECT_THROW(ref::dispatch(negative, inputs), weft::Error);
+  BufferConfig too_much{.max_tokens = int64_t(1) << 24,
+                        .hidden = 16,
+                        .num_experts = 4,
+                        .top_k = 2,
+                        .expand_factor = 32};  // 32 x 4 x 2^24 = 2^31 rows: above 2^31 - 1
+  EXPECT_NO_THROW(too_much.validate(2));
+  EXPECT_THROW(too_much.validate(4), weft::Error);
   // An expanded layout cannot be combined with a deduplicated one.
   auto mixed = ref::dispatch(c, inputs, {.expand = {.enabled = true}});
   mixed[1] = ref::dispatch(c, inputs)[1];
@@ -236,7 +257,8 @@ TEST(EpExpanded, BadOptionsAreClearErrors) {
 // Accumulated over three dispatches with masked selections, against an independent count.
 TEST(EpStats, CumulativeLocalExpertRecvStatsAccumulates) {
   std::mt19937 rng(17);
-  const BufferConfig c{.max_tokens = 64, .hidden = 16, .num_experts = 12, .top_k = 4};
+  const BufferConfig c{
+      .max_tokens = 64, .hidden = 16, .num_experts = 12, .top_k = 4, .expand_factor = 1};
   const int R = 3, epr = 4;
   std::vector<std::vector<uint32_t>> stats(R, std::vector<uint32_t>(epr, 0));
   std::vector<std::vector<uint32_t>> want(R, std::vector<uint32_t>(epr, 0));
