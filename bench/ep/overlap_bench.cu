@@ -14,14 +14,18 @@
 //   ovl_us     GEMM on the compute stream and the op on the Buffer's comm stream, concurrently:
 //              per iteration an Event of the compute stream (previous_event: the op waits for
 //              the previous iteration, not for this iteration's GEMM), the async op
-//              (async_finish), the GEMM, and the compute stream's wait on the op's Event
+//              (async_finish), the GEMM, and the compute stream's wait on the op's Event. The
+//              GEMM here is told to leave the op its SMs (cublasSetSmCountTarget: the device's
+//              SMs minus the op's blocks, column gemm_sms): Hopper cuBLAS kernels are persistent
+//              (one CTA per SM for the whole GEMM), so a GEMM sized for every SM keeps the op's
+//              cooperative launch waiting until it ends. --no-sm-target shows that case.
 //   hidden%    (serial - overlapped) / comm alone
 //   gemm_ovl   the GEMM's own time inside the overlapped loop (events around each GEMM)
 //   slow%      gemm_ovl / gemm alone - 1
 //   #wrong     after the overlapped loop, the window and the combine output are poisoned and
 //              one more overlapped iteration runs: received rows, their sources and (disp+comb)
 //              the combine output, element by element against the CPU reference.
-// Exit status 1 on any wrong element. NOT YET RUN on a GPU.
+// Exit status 1 on any wrong element.
 #include <CLI/CLI.hpp>
 #include <cublas_v2.h>
 
@@ -64,15 +68,16 @@ struct Rank {
   int device = 0;
   cudaStream_t compute = nullptr;
   cublasHandle_t cublas = nullptr;
+  cublasHandle_t cublas_ovl = nullptr;  // the overlapped GEMM's: SM count target set per config
   void *a = nullptr, *b = nullptr, *c = nullptr;  // [m, k], [k, n], [m, n] bf16 (column-major)
   void *x = nullptr, *idx = nullptr, *w = nullptr, *out = nullptr;
   cudaEvent_t start = nullptr, stop = nullptr;
   std::vector<cudaEvent_t> gemm_begin, gemm_end;  // per timed overlapped iteration
   weft::ep::DispatchResult last;                  // the latest dispatch's results
 
-  void gemm(const GemmShape& s) const {
+  void gemm(const GemmShape& s, bool overlapped = false) const {
     const float alpha = 1.0f, beta = 0.0f;
-    WEFT_CUBLAS_CHECK(cublasGemmEx(cublas, CUBLAS_OP_N, CUBLAS_OP_N, s.m, s.n, s.k, &alpha, a,
+    WEFT_CUBLAS_CHECK(cublasGemmEx(overlapped ? cublas_ovl : cublas, CUBLAS_OP_N, CUBLAS_OP_N, s.m, s.n, s.k, &alpha, a,
                                    CUDA_R_16BF, s.m, b, CUDA_R_16BF, s.k, &beta, c, CUDA_R_16BF,
                                    s.m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
@@ -86,7 +91,7 @@ int main(int argc, char** argv) {
   int K = 8, E = 256, warmup = 5, iters = 20, num_gpus = 0;
   std::vector<int> sms_list{16, 24, 32, 48};
   GemmShape shape{8192, 7168, 7168};
-  bool no_combine = false;
+  bool no_combine = false, no_sm_target = false;
   app.add_option("--tokens", T, "tokens per rank");
   app.add_option("--hidden", H, "hidden size");
   app.add_option("--topk", K, "top-k");
@@ -99,6 +104,8 @@ int main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed iterations");
   app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)");
   app.add_flag("--no-combine", no_combine, "only the dispatch rows");
+  app.add_flag("--no-sm-target", no_sm_target,
+               "the overlapped GEMM may use every SM (no cublasSetSmCountTarget)");
   CLI11_PARSE(app, argc, argv);
 
   const int R = num_gpus > 0 ? num_gpus : weft::cuda::device_count();
@@ -136,6 +143,8 @@ int main(int argc, char** argv) {
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.compute, cudaStreamNonBlocking));
     WEFT_CUBLAS_CHECK(cublasCreate(&d.cublas));
     WEFT_CUBLAS_CHECK(cublasSetStream(d.cublas, d.compute));
+    WEFT_CUBLAS_CHECK(cublasCreate(&d.cublas_ovl));
+    WEFT_CUBLAS_CHECK(cublasSetStream(d.cublas_ovl, d.compute));
     WEFT_CUDA_CHECK(cudaMalloc(&d.a, mn_bytes(shape.m, shape.k)));
     WEFT_CUDA_CHECK(cudaMalloc(&d.b, mn_bytes(shape.k, shape.n)));
     WEFT_CUDA_CHECK(cudaMalloc(&d.c, mn_bytes(shape.m, shape.n)));
@@ -170,8 +179,9 @@ int main(int argc, char** argv) {
               "warmup %d, iters %d\n", R, long(T), long(H), K, E, shape.m, shape.n, shape.k,
               warmup, iters);
   std::printf("# goal (2x H200, T 8192, H 7168, top-8 of 256): hidden >= 85%%\n");
-  std::printf("# %4s %-9s | %9s %9s %9s %9s %7s | %9s %6s %7s\n", "sms", "op", "gemm_us",
-              "comm_us", "serial_us", "ovl_us", "hidden%", "gemm_ovl", "slow%", "#wrong");
+  std::printf("# %4s %-9s | %9s %9s %9s %9s %7s | %8s %9s %6s %7s\n", "sms", "op", "gemm_us",
+              "comm_us", "serial_us", "ovl_us", "hidden%", "gemm_sms", "gemm_ovl", "slow%",
+              "#wrong");
 
   // One host thread per GPU, each issuing its rank's iterations back to back (iteration(rank,
   // i): i = -1 in the warmup); per iteration, the slowest rank's time (us).
@@ -199,7 +209,13 @@ int main(int argc, char** argv) {
 
   long total_wrong = 0;
   const double gemm_us = time_per_rank([&](int r, int) { rk[std::size_t(r)].gemm(shape); });
+  int device_sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, 0));
   for (int sms : sms_list) {
+    const int gemm_sms = no_sm_target ? device_sms : device_sms - eps[0]->num_blocks(T, sms);
+    for (auto& d : rk) {
+      WEFT_CUBLAS_CHECK(cublasSetSmCountTarget(d.cublas_ovl, no_sm_target ? 0 : gemm_sms));
+    }
     for (bool with_combine : {false, true}) {
       if (with_combine && no_combine) continue;
       const auto dispatch_inputs = [&](int r) {
@@ -233,7 +249,7 @@ int main(int argc, char** argv) {
                             {.previous_event = done, .async_finish = true});
         }
         if (i >= 0) WEFT_CUDA_CHECK(cudaEventRecord(d.gemm_begin[std::size_t(i)], d.compute));
-        d.gemm(shape);
+        d.gemm(shape, /*overlapped=*/true);
         if (i >= 0) WEFT_CUDA_CHECK(cudaEventRecord(d.gemm_end[std::size_t(i)], d.compute));
         done.wait();
       };
@@ -299,10 +315,10 @@ int main(int argc, char** argv) {
         }
       }
       total_wrong += wrong;
-      std::printf("  %4d %-9s | %9.1f %9.1f %9.1f %9.1f %7.1f | %9.1f %6.1f %7ld\n",
+      std::printf("  %4d %-9s | %9.1f %9.1f %9.1f %9.1f %7.1f | %8d %9.1f %6.1f %7ld\n",
                   eps[0]->num_blocks(T, sms), with_combine ? "disp+comb" : "dispatch", gemm_us,
-                  comm_us, serial_us, ovl_us, 100.0 * (serial_us - ovl_us) / comm_us, gemm_ovl,
-                  100.0 * (gemm_ovl / gemm_us - 1.0), wrong);
+                  comm_us, serial_us, ovl_us, 100.0 * (serial_us - ovl_us) / comm_us, gemm_sms,
+                  gemm_ovl, 100.0 * (gemm_ovl / gemm_us - 1.0), wrong);
       std::fflush(stdout);
     }
   }
@@ -313,6 +329,7 @@ int main(int argc, char** argv) {
     cudaEventDestroy(d.start);
     cudaEventDestroy(d.stop);
     cublasDestroy(d.cublas);
+    cublasDestroy(d.cublas_ovl);
     for (void* p : {d.a, d.b, d.c, d.x, d.idx, d.w, d.out}) cudaFree(p);
     cudaStreamDestroy(d.compute);
   }

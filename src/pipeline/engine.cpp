@@ -38,7 +38,10 @@ std::size_t usable_cpus() noexcept {
 namespace detail {
 
 void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept {
-  constexpr int kNumPauses = 128;  // between clock reads, and the spin of spin_ns == 0
+  // Rounds of kNumPauses pauses (about 2 us), each followed by a yield: where another rank's
+  // threads or NCCL's share the cores, a spinner gives its core back every round instead of
+  // holding it for all of spin_ns. One round also when spin_ns == 0.
+  constexpr int kNumPauses = 32;
   constexpr int kNumYields = 16;
   const auto spin_end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
   do {
@@ -48,6 +51,7 @@ void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) no
       __builtin_ia32_pause();
 #endif
     }
+    if (spin_ns > 0) std::this_thread::yield();
   } while (std::chrono::steady_clock::now() < spin_end);
   for (int i = 0; i < kNumYields; ++i) {
     if (signal.value.load(std::memory_order_acquire) != old) return;
