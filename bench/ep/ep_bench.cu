@@ -166,8 +166,11 @@ int main(int argc, char** argv) {
   app.add_option("--experts", experts_list, "experts (list)")->delimiter(',');
   app.add_option("--num-sms", sms_list, "blocks per kernel, 0 = all SMs (list)")->delimiter(',');
   app.add_option("--tokens-per-block", tpb_list, "tokens per block (list)")->delimiter(',');
-  app.add_option("--send-warps", send_warps_list, "combine store-back warps per block (list)")
-      ->delimiter(',');
+  auto* send_warps_option =
+      app.add_option("--send-warps", send_warps_list,
+                     "combine store-back warps per block (list; with --expand: "
+                     "expanded_combine_send_warps)")
+          ->delimiter(',');
   app.add_option("--warmup", warmup, "untimed calls before timing");
   app.add_option("--iters", iters, "timed calls");
   app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)");
@@ -181,6 +184,9 @@ int main(int argc, char** argv) {
                  "--expand: rows per segment are rounded up to this");
   app.add_flag("--zero-padding", expand.zero_padding, "--expand: zero the padding rows");
   CLI11_PARSE(app, argc, argv);
+  if (expand.enabled && send_warps_option->count() == 0) {
+    send_warps_list = {weft::ep::BufferOptions{}.expanded_combine_send_warps};
+  }
   if (expand.enabled && cached) {
     std::fprintf(stderr, "--expand and --cached cannot be combined (no cached expanded dispatch)\n");
     return 2;
@@ -252,7 +258,10 @@ int main(int argc, char** argv) {
       std::printf("# tokens %ld: expand_factor %d (%ld rows needed at the most loaded rank)\n",
                   long(T), config.expand_factor, long(rows));
     }
-    auto eps = weft::ep::Buffer::create_local(R, config, {.num_sms = sms, .tokens_per_block = tpb, .combine_send_warps = send_warps});
+    weft::ep::BufferOptions buffer_options{.num_sms = sms, .tokens_per_block = tpb};
+    (expand.enabled ? buffer_options.expanded_combine_send_warps
+                    : buffer_options.combine_send_warps) = send_warps;
+    auto eps = weft::ep::Buffer::create_local(R, config, buffer_options);
     const auto layouts = ref::dispatch(config, inputs, {.expand = expand});
     if (fp8) {  // the reference moves the same packed rows the GPU cast makes (bit-identical)
       for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(H, T, in.x);

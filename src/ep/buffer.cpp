@@ -145,6 +145,9 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   WEFT_CHECK(options.tokens_per_block >= 1, "tokens_per_block must be at least 1");
   WEFT_CHECK(options.combine_send_warps >= 1 && options.combine_send_warps < detail::kThreads / 32,
              "combine_send_warps must be in 1..", detail::kThreads / 32 - 1);
+  WEFT_CHECK(options.expanded_combine_send_warps >= 1 &&
+                 options.expanded_combine_send_warps < detail::kThreads / 32,
+             "expanded_combine_send_warps must be in 1..", detail::kThreads / 32 - 1);
   DeviceGuard guard(device_);
   int num_sms = 0;
   WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device_));
@@ -524,6 +527,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
   if (handle.expanded) {
+    p.num_send_warps = options_.expanded_combine_send_warps;
     p.expand_info = state_->expand_info;
     p.num_local_experts = config_.num_local_experts(num_ranks_);
     p.expand_capacity = expand_capacity();

@@ -734,39 +734,55 @@ __global__ void __launch_bounds__(kThreads, 1)
 // flight before their additions, which keep the order.
 __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ rows,
                               int32_t lane_row, int num_rows, int64_t n16, int lane) {
-  for (int64_t v0 = 0; v0 < n16; v0 += 32) {  // uniform trip count: the shuffles need every lane
-    const int64_t v = v0 + lane;
-    float acc[8];
+  // Each lane owns kCols vectors per step and loads kRows rows of each before adding, so
+  // kCols * kRows 16-byte loads per lane are in flight (the walk is otherwise latency-bound).
+  constexpr int kRows = 4, kCols = 4;
+  for (int64_t v0 = 0; v0 < n16; v0 += 32 * kCols) {  // uniform: the shuffles need every lane
+    float acc[kCols][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-    for (int i0 = 0; i0 < num_rows; i0 += 4) {
-      int4 q[4];
+    for (int k = 0; k < kCols; ++k) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
+    }
+    for (int i0 = 0; i0 < num_rows; i0 += kRows) {
+      int4 q[kRows][kCols];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
         const int32_t r = __shfl_sync(0xffffffffu, lane_row, (i0 + u) & 31);
-        if (i0 + u < num_rows && v < n16) q[u] = ld_stream(rows + int64_t(r) * n16 + v);
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) {
+          const int64_t v = v0 + k * 32 + lane;
+          if (i0 + u < num_rows && v < n16) q[u][k] = ld_stream(rows + int64_t(r) * n16 + v);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (i0 + u < num_rows && v < n16) {
-          const uint32_t w[4] = {uint32_t(q[u].x), uint32_t(q[u].y), uint32_t(q[u].z),
-                                 uint32_t(q[u].w)};
+      for (int u = 0; u < kRows; ++u) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc[2 * e] += __uint_as_float(w[e] << 16);
-            acc[2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+        for (int k = 0; k < kCols; ++k) {
+          if (i0 + u < num_rows && v0 + k * 32 + lane < n16) {
+            const uint32_t w[4] = {uint32_t(q[u][k].x), uint32_t(q[u][k].y), uint32_t(q[u][k].z),
+                                   uint32_t(q[u][k].w)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[k][2 * e] += __uint_as_float(w[e] << 16);
+              acc[k][2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+            }
           }
         }
       }
     }
-    if (v < n16) {
-      uint32_t w[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
-        w[e] = *reinterpret_cast<const uint32_t*>(&h);
+    for (int k = 0; k < kCols; ++k) {
+      const int64_t v = v0 + k * 32 + lane;
+      if (v < n16) {
+        uint32_t w[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const __nv_bfloat162 h = __floats2bfloat162_rn(acc[k][2 * e], acc[k][2 * e + 1]);
+          w[e] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        dst[v] = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
       }
-      dst[v] = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
     }
   }
 }
@@ -841,8 +857,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
            b += total_warps) {
         const int64_t r0 = b * batch;
         const int64_t r1 = min(int64_t(num_recv), r0 + batch);
+        bool any_head = false;  // a batch of padding rows and chain members needs no fence
         for (int64_t j = r0; j < r1; ++j) {
           if (chain[j].y == 0) continue;
+          any_head = true;
           int32_t lane_row = -1;  // lane i: the chain's i-th row
           int num_rows = 0;
           for (int32_t r = int32_t(j); r >= 0 && r < num_recv && num_rows < 32; r = chain[r].x) {
@@ -855,7 +873,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
                         reinterpret_cast<const int4*>(p.expert_out), lane_row, num_rows, n16, lane);
         }
         __syncwarp();
-        if (lane == 0) {
+        if (lane == 0 && any_head) {
           __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
           for (int64_t j = r0; j < r1; ++j) {
             if (chain[j].y == 0) continue;

@@ -56,6 +56,9 @@ struct BufferOptions {
   int tokens_per_block = 4;
   double timeout_s = 20.0;         // bound of every device-side wait
   int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
+  // The same for the combine of an expanded dispatch, whose store-back first sums each token's
+  // rows here (several row reads per row sent), so it needs more of the block.
+  int expanded_combine_send_warps = 16;
   // Bounded host run-ahead: before launching its call i, the Buffer waits on the host for its
   // call i - pipeline_depth (dispatch or combine, synchronous or async) to complete on the
   // device, so the host is at most pipeline_depth calls ahead. 0: no bound (no host wait).
