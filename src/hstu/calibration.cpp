@@ -18,8 +18,10 @@ double median_after(std::vector<double> values, double skip_fraction) {
 
 }  // namespace
 
-plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_fraction) {
+plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_fraction,
+                                      double gpu_scale) {
   WEFT_CHECK(skip_fraction >= 0 && skip_fraction < 1, "calibration: skip_fraction ", skip_fraction);
+  WEFT_CHECK(gpu_scale > 0, "calibration: gpu_scale ", gpu_scale, " must be positive");
   const std::size_t num_tasks = trace.task_names.size();
   std::vector<std::vector<double>> host(num_tasks), gpu(num_tasks);
   std::vector<std::uint32_t> gpu_stream(num_tasks, 0);
@@ -34,11 +36,23 @@ plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_
     plan::TaskCost cost{.host_us = median_after(host[t], skip_fraction), .gpu = {}};
     if (!gpu[t].empty()) {
       cost.gpu.push_back({.stream = trace.stream_names.at(gpu_stream[t]),
-                          .us = median_after(gpu[t], skip_fraction)});
+                          .us = gpu_scale * median_after(gpu[t], skip_fraction)});
     }
     model.tasks[trace.task_names[t]] = std::move(cost);
   }
   return model;
+}
+
+double gpu_period_us(const pipeline::Trace& trace, std::string_view task, double skip_fraction) {
+  WEFT_CHECK(skip_fraction >= 0 && skip_fraction < 1, "calibration: skip_fraction ", skip_fraction);
+  std::vector<double> ends;
+  for (const auto& span : trace.gpu_spans) {
+    if (trace.task_names.at(span.task) == task) ends.push_back(span.end_us);
+  }
+  std::sort(ends.begin(), ends.end());
+  std::vector<double> periods;
+  for (std::size_t i = 1; i < ends.size(); ++i) periods.push_back(ends[i] - ends[i - 1]);
+  return periods.empty() ? 0 : median_after(std::move(periods), skip_fraction);
 }
 
 }  // namespace weft::hstu

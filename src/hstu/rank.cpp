@@ -362,7 +362,7 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     const auto& host = c.get<HostBatchView>("batch_cpu");
     BatchBuffers& b = s->set_of(c.batch_index());
     const cudaStream_t stream = pipeline::cuda_stream(c);
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, b.released, 0));
+    pipeline::wait_event(c, b.released);  // the set's previous batch is done with it
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.lengths, host.lengths, std::size_t(B) * sizeof(std::int64_t),
                                     cudaMemcpyHostToDevice, stream));
     WEFT_CUDA_CHECK(cudaMemcpyAsync(b.ids, host.ids,
@@ -473,7 +473,7 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     BatchBuffers& b = s->set_of(c.batch_index());
     const cudaStream_t stream = pipeline::cuda_stream(c);
     // The table as updated by batch <= i - 2 (see the header's contract).
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, s->table_updated, 0));
+    pipeline::wait_event(c, s->table_updated);
     launch_prefetch({.recv_ids = b.recv_ids, .num_ids = b.num_recv, .world_size = W, .rank = rank,
                      .key_bits = s->key_bits, .dim = dim, .table = s->table,
                      .num_local_rows = s->config.num_local_rows(), .temp = b.temp,

@@ -132,6 +132,12 @@ void CudaBackend::end_gpu_span(std::uint64_t span, StreamId stream) {
   WEFT_CUDA_CHECK(cudaEventRecord(spans_.at(span - 1).end, streams_[stream]));
 }
 
+void CudaBackend::restart_gpu_span(std::uint64_t span, StreamId stream) {
+  if (span == 0) return;
+  std::lock_guard lock(*spans_mutex_);
+  WEFT_CUDA_CHECK(cudaEventRecord(spans_.at(span - 1).begin, streams_[stream]));
+}
+
 std::vector<GpuSpan> CudaBackend::take_gpu_spans(std::int64_t origin_ns) {
   synchronize();
   std::lock_guard lock(*spans_mutex_);
@@ -163,6 +169,14 @@ cudaStream_t cuda_stream(TaskContext& context, std::string_view stream) {
   const auto id = context.schedule().find_stream(stream);
   WEFT_CHECK(id.has_value(), "cuda_stream(): no stream '", stream, "' in the schedule");
   return backend->stream(*id);
+}
+
+void wait_event(TaskContext& context, cudaEvent_t event) {
+  auto* backend = dynamic_cast<CudaBackend*>(&context.backend());
+  WEFT_CHECK(backend != nullptr, "wait_event(): task '", context.name(), "' runs on the ",
+             context.backend().name(), " backend, not the CUDA backend");
+  WEFT_CUDA_CHECK(cudaStreamWaitEvent(backend->stream(context.stream_id()), event, 0));
+  backend->restart_gpu_span(context.gpu_span(), context.stream_id());
 }
 
 }  // namespace weft::pipeline

@@ -375,7 +375,7 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
   }
   if (plan.collective) ++num_collective_runs_[plan.id];
   if (task.body()) {
-    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread);
+    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
     task.body()(context);
   }
   if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);

@@ -217,7 +217,14 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
       measured.back().name = r.name + " (measured)";
       const bool last = vi + 1 == chosen.size();
       if (r.name == options.calibrate_from || (last && !costs)) {
-        costs = hstu::cost_model_from_trace(trace, options.warmup_fraction);
+        // The traced run's GPU is slower by the trace's own events: scale its GPU spans to the
+        // measured (untraced) step, so that predictions compare with untraced measurements.
+        const double traced_us = hstu::gpu_period_us(trace, "watchdog", options.warmup_fraction);
+        const double gpu_scale = traced_us > 0 ? r.step_us.median / traced_us : 1.0;
+        costs = hstu::cost_model_from_trace(trace, options.warmup_fraction, gpu_scale);
+        std::printf("calibration: costs from the trace of %s, GPU spans scaled by %.3f (step %.3f "
+                    "ms measured, %.3f ms traced)\n", r.name.c_str(), gpu_scale,
+                    r.step_us.median / 1e3, traced_us / 1e3);
         calibrated_on = r.name;
       }
       std::printf("[%zu/%zu] %-24s step %.3f ms [%.3f-%.3f]  default busy %.1f%%  exposed comm "

@@ -6,14 +6,25 @@
 //   std::string json = costs.to_json();                      // weft plan --costs costs.json
 #pragma once
 
+#include <string_view>
+
 #include "weft/pipeline/trace.hpp"
 #include "weft/plan/cost_model.hpp"
 
 namespace weft::hstu {
 
 // Per task: host_us = median of its host spans; one GPU segment on its own stream whose length is
-// the median of its GPU spans. The first `skip_fraction` of the spans (prefill, warm-up) are
-// ignored. Tasks that never ran are left out (the model's default applies).
-plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_fraction = 0.25);
+// gpu_scale times the median of its GPU spans. The first `skip_fraction` of the spans (prefill,
+// warm-up) are ignored. Tasks that never ran are left out (the model's default applies).
+// gpu_scale corrects for what tracing itself costs the GPU: each traced task records two timing
+// events, and each event between two kernels costs the stream microseconds; pass the measured
+// untraced step time over the traced one (gpu_period_us), or 1.
+plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_fraction = 0.25,
+                                      double gpu_scale = 1.0);
+
+// The median time between the ends of consecutive GPU spans of `task` after skip_fraction: the
+// traced run's step time, for a task that runs once per step. 0 with fewer than two spans.
+double gpu_period_us(const pipeline::Trace& trace, std::string_view task,
+                     double skip_fraction = 0.25);
 
 }  // namespace weft::hstu

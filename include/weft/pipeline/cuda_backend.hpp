@@ -45,6 +45,8 @@ class CudaBackend final : public Backend {
   void set_gpu_spans(bool enabled) override { gpu_spans_ = enabled; }
   std::uint64_t begin_gpu_span(TaskId task, StreamId stream, std::int64_t batch) override;
   void end_gpu_span(std::uint64_t span, StreamId stream) override;
+  // Records the span's begin again, now, on `stream` (wait_event: the wait is not the task's work).
+  void restart_gpu_span(std::uint64_t span, StreamId stream);
   std::vector<GpuSpan> take_gpu_spans(std::int64_t origin_ns) override;
 
   int device() const noexcept { return device_; }
@@ -86,5 +88,11 @@ class CudaBackend final : public Backend {
 // on a CudaBackend.
 cudaStream_t cuda_stream(TaskContext& context);
 cudaStream_t cuda_stream(TaskContext& context, std::string_view stream);
+
+// Makes the task's stream wait for `event`: an input the body takes from outside the schedule's
+// edges (e.g. a buffer another step releases). Where the engine traces, the task's GPU span then
+// starts after the wait, so that spans measure the task's work and a planner calibrated on them
+// (weft::hstu::cost_model_from_trace) does not take the wait for work.
+void wait_event(TaskContext& context, cudaEvent_t event);
 
 }  // namespace weft::pipeline

@@ -70,12 +70,16 @@ class TaskContext {
   // The whole batch (no access checks); throws in init().
   Batch& batch();
 
+  // The engine's GPU span of this run of the task (0: none, the engine does not trace); see
+  // wait_event() in cuda_backend.hpp.
+  std::uint64_t gpu_span() const noexcept { return gpu_span_; }
+
  private:
   friend class detail::EngineCore;
   TaskContext(detail::EngineCore* core, TaskId task, Batch* batch, std::int64_t iteration,
-              int ticket, std::uint32_t thread) noexcept
+              int ticket, std::uint32_t thread, std::uint64_t gpu_span = 0) noexcept
       : core_(core), task_(task), batch_(batch), batch_index_(batch ? batch->index() : -1),
-        iteration_(iteration), ticket_(ticket), thread_(thread) {}
+        iteration_(iteration), ticket_(ticket), thread_(thread), gpu_span_(gpu_span) {}
 
   const std::any& readable(std::string_view slot) const;
   std::any& writable(std::string_view slot);
@@ -87,6 +91,7 @@ class TaskContext {
   std::int64_t iteration_;
   int ticket_;
   std::uint32_t thread_;
+  std::uint64_t gpu_span_;
 };
 
 }  // namespace weft::pipeline

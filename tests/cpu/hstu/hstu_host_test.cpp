@@ -168,6 +168,32 @@ TEST(HstuCalibration, TaskCostsComeFromTheTrace) {
   EXPECT_EQ(costs.tasks.size(), hstu_task_names().size());
 }
 
+// GPU spans: medians after the skipped prefix, scaled by gpu_scale; the period of a task is the
+// median time between the ends of its consecutive spans.
+TEST(Calibration, GpuSpansScaledAndPeriodMeasured) {
+  pipeline::Trace trace;
+  trace.task_names = {"forward", "watchdog"};
+  trace.stream_names = {"default"};
+  for (int i = 0; i < 8; ++i) {
+    const double step_begin = 1000.0 * i + (i == 5 ? 300 : 0);  // one late step
+    trace.host_spans.push_back({.task = 0, .begin_us = step_begin, .end_us = step_begin + 10});
+    trace.host_spans.push_back({.task = 1, .begin_us = step_begin + 10, .end_us = step_begin + 11});
+    trace.gpu_spans.push_back({.task = 0, .stream = 0, .batch = i, .begin_us = step_begin,
+                               .end_us = step_begin + (i < 2 ? 900 : 600)});  // warm-up: slow
+    trace.gpu_spans.push_back({.task = 1, .stream = 0, .batch = i, .begin_us = step_begin + 600,
+                               .end_us = step_begin + 610});
+  }
+  const plan::CostModel costs = cost_model_from_trace(trace, 0.25, 0.5);
+  ASSERT_EQ(costs.tasks.at("forward").gpu.size(), 1u);
+  EXPECT_DOUBLE_EQ(costs.tasks.at("forward").gpu[0].us, 300.0);  // median 600 after 2 skipped
+  EXPECT_EQ(costs.tasks.at("forward").gpu[0].stream, "default");
+  EXPECT_DOUBLE_EQ(costs.tasks.at("forward").host_us, 10.0);  // host spans are not scaled
+  // Periods 1000, 1000, 1000, 1000, 1300, 700, 1000; after skipping one: median 1000.
+  EXPECT_DOUBLE_EQ(gpu_period_us(trace, "watchdog"), 1000.0);
+  EXPECT_DOUBLE_EQ(gpu_period_us(trace, "no_such_task"), 0.0);
+  EXPECT_THROW(cost_model_from_trace(trace, 0.25, 0.0), Error);
+}
+
 TEST(HstuStep, TinyStepOnTheHostBackend) {
   GTEST_SKIP() << "the HSTU step's bodies are CUDA kernels, cuBLAS GEMMs and NCCL collectives; a "
                   "host-backend imitation would test the imitation, not the step. The step runs in "
