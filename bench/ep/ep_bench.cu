@@ -14,7 +14,7 @@
 // expert) in segments aligned to --expert-alignment rows, padding zeroed with --zero-padding);
 // each configuration's Buffer gets the smallest expand_factor its routing fits in (printed);
 // dispatch's rows are the real ones (not padding), combine's the (token, rank) sums it sends
-// back; no NCCL baseline (it has no expanded layout). These paths are NOT YET RUN on a GPU.
+// back; no NCCL baseline (it has no expanded layout).
 //
 // The `blk` column is the blocks of each kernel: ceil(T / tokens-per-block), at most num-sms.
 //

@@ -4,7 +4,7 @@
 // an event did not order the streams: a slow kernel (a spin on the global timer) delays the
 // producer of an input, so a call that did not wait for it reads poisoned memory, and a consumer
 // that did not wait for a call reads the poisoned window. Every result is checked element by
-// element against the CPU reference. NOT YET RUN ON A GPU (see docs/ep.md).
+// element against the CPU reference.
 #include <gtest/gtest.h>
 
 #include <chrono>

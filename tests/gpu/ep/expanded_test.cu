@@ -1,8 +1,7 @@
 // weft::ep's expanded layout (DispatchInputs::expand) on 2+ GPUs, one process driving all of them,
 // checked element by element against the CPU reference: every received array is poisoned before
 // each call, inputs are drawn fresh per round, and every payload element names its (source rank,
-// source token, column), so a misrouted row cannot look plausible. NOT YET RUN ON A GPU (written
-// without one; see docs/ep.md).
+// source token, column), so a misrouted row cannot look plausible.
 #include <gtest/gtest.h>
 
 #include <algorithm>
