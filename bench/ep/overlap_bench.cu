@@ -20,7 +20,7 @@
 //              (one CTA per SM for the whole GEMM), so a GEMM sized for every SM keeps the op's
 //              cooperative launch waiting until it ends. --no-sm-target shows that case.
 //              --gemm-split: the GEMM is issued as two GEMMs over row blocks, the first (about as
-//              long as the op: rows in proportion to comm_us / gemm_us) on the SMs the op leaves,
+//              long as the op: m * --split-factor * comm_us / gemm_us rows) on the SMs the op leaves,
 //              the rest on every SM, so the GEMM gives up SMs only while the op runs.
 //   hidden%    (serial - overlapped) / comm alone
 //   gemm_sms   the SM count target of the overlapped GEMM (its first part with --gemm-split)
@@ -104,6 +104,7 @@ int main(int argc, char** argv) {
   std::vector<int> sms_list{16, 24, 32, 48};
   GemmShape shape{8192, 7168, 7168};
   bool no_combine = false, no_sm_target = false, gemm_split = false;
+  double split_factor = 1.15;
   app.add_option("--tokens", T, "tokens per rank");
   app.add_option("--hidden", H, "hidden size");
   app.add_option("--topk", K, "top-k");
@@ -118,6 +119,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-combine", no_combine, "only the dispatch rows");
   app.add_flag("--gemm-split", gemm_split,
                "overlapped GEMM in two parts: the op's length on the SMs it leaves, then all SMs");
+  app.add_option("--split-factor", split_factor,
+                 "--gemm-split: the first part's rows are m * factor * op time / GEMM time")
+      ->check(CLI::Range(0.1, 4.0));
   app.add_flag("--no-sm-target", no_sm_target,
                "the overlapped GEMM may use every SM (no cublasSetSmCountTarget)");
   CLI11_PARSE(app, argc, argv);
@@ -271,8 +275,8 @@ int main(int argc, char** argv) {
         done.wait();
       };
       const double comm_us = time_per_rank([&](int r, int) { op_on_compute(r); });
-      if (gemm_split) {  // a first part about as long as the op, with 15% for its fewer SMs
-        const double rows = double(shape.m) * std::min(1.0, 1.15 * comm_us / gemm_us);
+      if (gemm_split) {  // a first part about as long as the op (split_factor: its fewer SMs)
+        const double rows = double(shape.m) * std::min(1.0, split_factor * comm_us / gemm_us);
         split_rows = std::min(shape.m, (int(rows) + 127) / 128 * 128);
       }
       const double serial_us = time_per_rank([&](int r, int) {
