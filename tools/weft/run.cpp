@@ -158,8 +158,14 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
     const auto& v = *chosen[vi];
     // Two runs of the same steps: the measured one without the engine's trace (its GPU spans add
     // two timing events per task, which the default stream pays between tasks), then a traced
-    // one for the Chrome trace and the planner's calibration. Both compute the same bits.
-    auto run_once = [&](bool traced) {
+    // one for the Chrome trace and the planner's calibration. Both compute the same bits. Before
+    // the first variant, one more untraced run that nothing is taken from: the first pass over
+    // the batches pays for what is loaded or chosen per new shape (kernel modules, cuBLAS
+    // heuristics for each token count, NCCL's first use of each size), which made whichever
+    // variant ran first look 16-34% slower than when run again.
+    enum class Pass { kWarmUp, kMeasured, kTraced };
+    auto run_once = [&](Pass pass) {
+      const bool traced = pass == Pass::kTraced;
       rank.reset();
       pipeline::Engine engine(rank.schedule(v.cascade), pipeline::ThreadMap::preset(v.thread_map),
                               pipeline::CudaBackend(device), {.trace = traced});
@@ -167,9 +173,10 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
       const auto t0 = std::chrono::steady_clock::now();
       while (auto step = engine.progress()) {
         const std::int64_t i = step->batch_index();
-        if (lead && !traced && (i + 1) % print_every == 0) {
-          std::printf("[%zu/%zu] %-24.*s step %4lld/%d  loss share %.5f  %.1f s\n", vi + 1,
-                      chosen.size(), int(v.name.size()), v.name.data(), static_cast<long long>(i + 1),
+        if (lead && pass != Pass::kTraced && (i + 1) % print_every == 0) {
+          std::printf("[%zu/%zu] %-24.*s %s step %4lld/%d  loss share %.5f  %.1f s\n", vi + 1,
+                      chosen.size(), int(v.name.size()), v.name.data(),
+                      pass == Pass::kWarmUp ? "warm-up" : "       ", static_cast<long long>(i + 1),
                       options.num_steps, double(rank.wait_loss(i)),
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
           std::fflush(stdout);
@@ -179,7 +186,8 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
       if (inventory.empty()) inventory = engine.collective_inventory();
       return engine.take_trace();
     };
-    run_once(false);
+    if (vi == 0) run_once(Pass::kWarmUp);
+    run_once(Pass::kMeasured);
     VariantResult r;
     r.name = std::string(v.name);
     std::vector<double> step_us, busy, exposed;
@@ -209,7 +217,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
       r.last_loss += global_loss[n - 1 - i] / double(k);
     }
     r.overhead_us = engine_overhead_us(v, device);
-    const pipeline::Trace trace = run_once(true);
+    const pipeline::Trace trace = run_once(Pass::kTraced);
     if (lead) {
       r.trace_path = options.out_dir + "/" + r.name + ".rank0.trace.json";
       trace.write_chrome_json(r.trace_path);
