@@ -112,7 +112,9 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", H, "hidden size");
   app.add_option("--topk", K, "top-k");
   app.add_option("--experts", E, "experts");
-  app.add_option("--num-sms", sms_list, "blocks of each EP kernel (list)")->delimiter(',');
+  app.add_option("--num-sms", sms_list, "blocks of each EP kernel (list)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);  // 0 (every SM) would leave the GEMM no SMs to target
   app.add_option("--gemm-m", shape.m, "GEMM m");
   app.add_option("--gemm-n", shape.n, "GEMM n");
   app.add_option("--gemm-k", shape.k, "GEMM k");
@@ -352,15 +354,15 @@ int main(int argc, char** argv) {
     }
   }
   for (auto& d : rk) {
-    cudaSetDevice(d.device);
-    for (cudaEvent_t e : d.gemm_begin) cudaEventDestroy(e);
-    for (cudaEvent_t e : d.gemm_end) cudaEventDestroy(e);
-    cudaEventDestroy(d.start);
-    cudaEventDestroy(d.stop);
-    cublasDestroy(d.cublas);
-    cublasDestroy(d.cublas_ovl);
-    for (void* p : {d.a, d.b, d.c, d.x, d.idx, d.w, d.out}) cudaFree(p);
-    cudaStreamDestroy(d.compute);
+    WEFT_CUDA_CHECK(cudaSetDevice(d.device));
+    for (cudaEvent_t e : d.gemm_begin) WEFT_CUDA_CHECK(cudaEventDestroy(e));
+    for (cudaEvent_t e : d.gemm_end) WEFT_CUDA_CHECK(cudaEventDestroy(e));
+    WEFT_CUDA_CHECK(cudaEventDestroy(d.start));
+    WEFT_CUDA_CHECK(cudaEventDestroy(d.stop));
+    WEFT_CUBLAS_CHECK(cublasDestroy(d.cublas));
+    WEFT_CUBLAS_CHECK(cublasDestroy(d.cublas_ovl));
+    for (void* p : {d.a, d.b, d.c, d.x, d.idx, d.w, d.out}) WEFT_CUDA_CHECK(cudaFree(p));
+    WEFT_CUDA_CHECK(cudaStreamDestroy(d.compute));
   }
   std::printf("# total wrong elements: %ld\n", total_wrong);
   return total_wrong == 0 ? 0 : 1;

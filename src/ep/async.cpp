@@ -28,8 +28,7 @@ AsyncState::~AsyncState() {
   cudaSetDevice(previous);
 }
 
-std::unique_ptr<AsyncState> make_async_state(int device, int pipeline_depth) {
-  WEFT_CHECK(pipeline_depth >= 0, "pipeline_depth must not be negative, got ", pipeline_depth);
+std::unique_ptr<AsyncState> make_async_state(int device, int pipeline_depth) {  // depth >= 0
   auto state = std::make_unique<AsyncState>();
   state->device = device;
   int least = 0, greatest = 0;

@@ -145,6 +145,8 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   WEFT_CHECK(options.tokens_per_block >= 1, "tokens_per_block must be at least 1");
   WEFT_CHECK(options.combine_send_warps >= 1 && options.combine_send_warps < detail::kThreads / 32,
              "combine_send_warps must be in 1..", detail::kThreads / 32 - 1);
+  WEFT_CHECK(options.pipeline_depth >= 0, "pipeline_depth must not be negative, got ",
+             options.pipeline_depth);
   WEFT_CHECK(options.expanded_combine_send_warps >= 1 &&
                  options.expanded_combine_send_warps < detail::kThreads / 32,
              "expanded_combine_send_warps must be in 1..", detail::kThreads / 32 - 1);

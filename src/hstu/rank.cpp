@@ -96,7 +96,7 @@ struct HstuRank::State {
   ncclComm_t comm;          // the default stream's AllReduces (global tokens, gradients)
   ncclComm_t input_comm;    // shuffle and input distribution (io / data_dist streams)
   ncclComm_t output_comm;   // embedding all-to-alls (output_dist_comm stream)
-  std::vector<ncclComm_t> owned_comms;  // split here (communicator_per_role)
+  std::vector<ncclComm_t> owned_comms;  // split here (communicator_per_role), destroyed with us
   int device;
   std::int64_t num_steps;
   HostDataset data;
@@ -119,6 +119,12 @@ struct HstuRank::State {
       : config(c), comm(comm_), input_comm(comm_), output_comm(comm_), device(device_),
         num_steps(steps), data(c, steps),
         mlp(c, c.max_local_tokens()) {}
+
+  ~State() {
+    for (ncclComm_t c : owned_comms) ncclCommDestroy(c);
+  }
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
 
   BatchBuffers& set_of(std::int64_t batch) { return sets[std::size_t(batch % kNumBufferSets)]; }
 
@@ -188,7 +194,12 @@ HstuRank::HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::i
   state_ = std::make_unique<State>(config, comm, device, num_steps);
   State& s = *state_;
   if (config.communicator_per_role) {
-    // Collective over the ranks of comm, in the same order on each.
+    // Collective over the ranks of comm, in the same order on each. The split keeps the ranks'
+    // order only if the key is the rank within comm.
+    int comm_rank = -1;
+    WEFT_NCCL_CHECK(ncclCommUserRank(comm, &comm_rank));
+    WEFT_CHECK(comm_rank == config.rank, "HstuRank: config.rank ", config.rank,
+               " is not the communicator's rank ", comm_rank);
     for (ncclComm_t* role : {&s.input_comm, &s.output_comm}) {
       WEFT_NCCL_CHECK(ncclCommSplit(comm, 0, config.rank, role, nullptr));
       s.owned_comms.push_back(*role);
@@ -304,7 +315,6 @@ HstuRank::~HstuRank() {
     cudaEventDestroy(e);
   }
   for (cudaEvent_t e : s.marks) cudaEventDestroy(e);
-  for (ncclComm_t c : s.owned_comms) ncclCommDestroy(c);
 }
 
 std::int64_t HstuRank::num_steps() const noexcept { return state_->num_steps; }

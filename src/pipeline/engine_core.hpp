@@ -49,11 +49,12 @@ struct alignas(64) Signal {
   std::atomic<std::uint32_t> num_sleepers{0};
 };
 
-// Waits for signal.value != old: spins (pause) for up to spin_ns, then yields a few times, then
-// sleeps, because the hand-offs inside one progress() are microseconds apart and a sleep/wake
-// costs several microseconds per thread (EngineOptions::spin_us). Returns after at most one
-// sleep of at most 50 ms, changed or not: callers re-check in a loop, so a wake-up lost anywhere
-// below the engine costs a delay, never a hang, and a waiting caller gets to look at the clock.
+// Waits for signal.value != old: spins for up to spin_ns (rounds of pauses, each followed by a
+// yield), then yields a few times, then sleeps, because the hand-offs inside one progress() are
+// microseconds apart and a sleep/wake costs several microseconds per thread
+// (EngineOptions::spin_us). Returns after at most one sleep of at most 50 ms, changed or not:
+// callers re-check in a loop, so a wake-up lost anywhere below the engine costs a delay, never a
+// hang, and a waiting caller gets to look at the clock.
 void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept;
 
 // Where an engine thread is, for the stall report; written by the thread, read by the caller.

@@ -131,16 +131,16 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
                 "dim %d, %d x %d dense\n", config.world_size, chosen.size(), options.num_steps,
                 config.local_batch, config.zipf_alpha, config.max_seq_len, config.embedding_dim,
                 config.num_layers, config.hidden);
-    std::size_t most_threads = 1;
+    std::size_t max_num_threads = 1;
     for (const auto* v : chosen) {
       const pipeline::CompiledSchedule schedule(pipeline::hstu_schedule({.cascade = v->cascade}));
-      most_threads = std::max(
-          most_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
+      max_num_threads = std::max(
+          max_num_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
     }
-    if (pipeline::usable_cpus() <= most_threads) {
+    if (pipeline::usable_cpus() <= max_num_threads) {
       std::printf("note: this rank may use %zu CPU(s) for up to %zu engine threads and the caller; "
                   "threaded variants will be host-starved (mpirun binds a rank to one core by "
-                  "default: pass --bind-to none)\n", pipeline::usable_cpus(), most_threads);
+                  "default: pass --bind-to none)\n", pipeline::usable_cpus(), max_num_threads);
     }
     std::fflush(stdout);
   }
@@ -173,10 +173,11 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
       const auto t0 = std::chrono::steady_clock::now();
       while (auto step = engine.progress()) {
         const std::int64_t i = step->batch_index();
-        if (lead && pass != Pass::kTraced && (i + 1) % print_every == 0) {
+        // Progress with the loss needs a host wait, so the measured pass prints none.
+        if (lead && pass != Pass::kMeasured && (i + 1) % print_every == 0) {
           std::printf("[%zu/%zu] %-24.*s %s step %4lld/%d  loss share %.5f  %.1f s\n", vi + 1,
                       chosen.size(), int(v.name.size()), v.name.data(),
-                      pass == Pass::kWarmUp ? "warm-up" : "       ", static_cast<long long>(i + 1),
+                      pass == Pass::kWarmUp ? "warm-up" : "traced ", static_cast<long long>(i + 1),
                       options.num_steps, double(rank.wait_loss(i)),
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
           std::fflush(stdout);
@@ -222,7 +223,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
       r.trace_path = options.out_dir + "/" + r.name + ".rank0.trace.json";
       trace.write_chrome_json(r.trace_path);
       measured.push_back(plan::read_chrome_trace(r.trace_path));
-      measured.back().name = r.name + " (measured)";
+      measured.back().name = r.name + " (traced)";
       const bool last = vi + 1 == chosen.size();
       if (r.name == options.calibrate_from || (last && !costs)) {
         // The traced run's GPU is slower by the trace's own events: scale its GPU spans to the

@@ -1,5 +1,6 @@
 // weft::hstu::HstuRank: one rank's HSTU training step as the 14 task bodies of
-// weft::pipeline::hstu_schedule, on one GPU and one NCCL communicator (docs/hstu.md).
+// weft::pipeline::hstu_schedule, on one GPU, over one NCCL communicator it is given (and, by
+// default, three it splits from it: HstuConfig::communicator_per_role) (docs/hstu.md).
 //
 //   HstuRank rank(config, comm, device, num_steps);
 //   for (const auto& variant : pipeline::hstu_variants()) {
@@ -22,7 +23,7 @@
 //    the schedule's edges, so every variant gives bit-identical losses and parameters;
 //  - device buffers of batch i are reused by batch i + num_buffer_sets only after batch i's last
 //    task (watchdog) finished on the GPU;
-//  - collectives are NCCL calls on the rank's one communicator: grouped send/recv for the
+//  - collectives are NCCL calls on the rank's communicators: grouped send/recv for the
 //    all-to-alls, grouped broadcasts for the AllGatherV. Each body records its calls through
 //    TaskContext::record_collective, so Engine::collective_inventory() gives the measured
 //    inventory (kind, stream, bytes per call, calls per step).

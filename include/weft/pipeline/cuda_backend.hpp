@@ -92,7 +92,8 @@ cudaStream_t cuda_stream(TaskContext& context, std::string_view stream);
 // Makes the task's stream wait for `event`: an input the body takes from outside the schedule's
 // edges (e.g. a buffer another step releases). Where the engine traces, the task's GPU span then
 // starts after the wait, so that spans measure the task's work and a planner calibrated on them
-// (weft::hstu::cost_model_from_trace) does not take the wait for work.
+// (weft::hstu::cost_model_from_trace) does not take the wait for work. Call it before the body
+// enqueues any work of its own: that work would fall before the span's new start.
 void wait_event(TaskContext& context, cudaEvent_t event);
 
 }  // namespace weft::pipeline

@@ -56,11 +56,13 @@ struct EngineOptions {
   // threads is: which task it runs or which producer or ticket it waits for. The progress()
   // goes on. 0 turns the report off.
   double stall_report_s = 60;
-  // How long an engine thread spins (CPU busy) on a hand-off before it yields and then sleeps.
-  // Hand-offs inside one progress() are microseconds apart and waking a sleeping thread costs
-  // several microseconds, so spinning buys latency with CPU time. A negative value picks: 20 us
-  // when the process's CPU affinity mask has a CPU for every engine thread and the caller, else
-  // 0 (spinners would take the core of the thread they wait for).
+  // How long an engine thread spins on a hand-off (rounds of pauses, each followed by a yield)
+  // before it sleeps. Hand-offs inside one progress() are microseconds apart and waking a
+  // sleeping thread costs several microseconds, so spinning buys latency with CPU time. A
+  // negative value picks: 20 us when the process's CPU affinity mask has a CPU for every engine
+  // thread and the caller, else 0 (spinners would take the core of the thread they wait for).
+  // It counts this engine's threads only: several ranks (or engines) sharing the CPUs, e.g.
+  // under `mpirun --bind-to none`, may still oversubscribe them; set it explicitly there.
   double spin_us = -1;
 };
 

@@ -1,6 +1,6 @@
 // weft::ep's fp8 rows, cast, cumulative statistics, cached dispatch and per-call num_sms on 2+
 // GPUs (the cast on 1), one process driving all of them, checked element by element against the
-// CPU reference with poisoned outputs. NOT YET RUN ON A GPU (written without one; see docs/ep.md).
+// CPU reference with poisoned outputs.
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -3,6 +3,8 @@
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -88,10 +90,26 @@ TEST_F(HstuKernels, PrefetchLookupAndEmbeddingSgdMatchReference) {
   std::vector<float> table(static_cast<std::size_t>(rows * dim));
   for (std::size_t i = 0; i < table.size(); ++i) table[i] = float(uniform(2, 1, 0, i) - 0.5);
   std::vector<std::int64_t> ids(static_cast<std::size_t>(n));
-  // Every third id is one hot row (a run of 1000 after sorting, as Zipf's head makes), the rest
-  // random: runs of every length, across the SGD kernel's 16- and 32-wide steps.
+  // Every third id is one hot row (a run of about 1000 after sorting, as Zipf's head makes);
+  // rows - 4 .. rows - 1 get runs of exactly 16, 17, 32 and 33 (the SGD kernel's 16-row load
+  // batches and 32-wide steps, and one past each); the rest are random rows below those, in
+  // runs of 1 to about 8.
+  constexpr std::array<int, 4> kExactRuns = {16, 17, 32, 33};
+  std::size_t next_exact = 0;
+  int exact_left = kExactRuns[0];
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    ids[i] = (i % 3 == 0 ? 17 : random_id(3, i, rows)) * world + rank;
+    std::int64_t row = random_id(3, i, rows - std::int64_t(kExactRuns.size()));
+    if (i % 3 == 0) {
+      row = 17;
+    } else if (i % 3 == 1 && next_exact < kExactRuns.size()) {
+      row = rows - std::int64_t(kExactRuns.size()) + std::int64_t(next_exact);
+      if (--exact_left == 0 && ++next_exact < kExactRuns.size()) exact_left = kExactRuns[next_exact];
+    }
+    ids[i] = row * world + rank;
+  }
+  for (std::size_t e = 0; e < kExactRuns.size(); ++e) {
+    const std::int64_t id = (rows - std::int64_t(kExactRuns.size()) + std::int64_t(e)) * world + rank;
+    ASSERT_EQ(std::count(ids.begin(), ids.end(), id), kExactRuns[e]);
   }
   DeviceVec<float> d_table(table), cache(std::size_t(n * dim)), out_rows(std::size_t(n * dim));
   DeviceVec<std::int64_t> d_ids(ids), sorted(static_cast<std::size_t>(n));
