@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <memory>
 #include <set>
 
 #include "test_support.hpp"
@@ -44,6 +46,28 @@ TEST(Engine, DataFlowsThroughTheRingOnEveryThreadMap) {
       ++n;
     }
     EXPECT_EQ(n, 20) << map.name();
+  }
+}
+
+// Spinning and sleeping hand-offs compute the same; a spin that is not a number or absurdly long
+// is refused before any thread starts.
+TEST(Engine, SpinOptionIsValidatedAndEveryChoiceRuns) {
+  EXPECT_GE(usable_cpus(), 1u);
+  for (double spin_us : {-1.0, 0.0, 5.0}) {
+    Engine engine(data_flow_schedule(), ThreadMap::per_task(), std::make_unique<HostBackend>(),
+                  EngineOptions{.spin_us = spin_us});
+    engine.set_source(counting_source(50));
+    std::int64_t n = 0;
+    while (auto step = engine.progress()) EXPECT_EQ(step->get<std::int64_t>("out"), 10 * n++ + 1);
+    EXPECT_EQ(n, 50) << spin_us;
+  }
+  for (double bad : {std::nan(""), 2e6}) {
+    expect_error(
+        [&] {
+          Engine engine(data_flow_schedule(), ThreadMap::per_task(),
+                        std::make_unique<HostBackend>(), EngineOptions{.spin_us = bad});
+        },
+        {"EngineOptions::spin_us"});
   }
 }
 
