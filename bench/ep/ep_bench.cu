@@ -48,14 +48,6 @@ namespace {
 using weft::ep::DType;
 namespace ref = weft::ep::reference;
 
-uint16_t payload(int rank, int64_t token, int64_t col) {
-  uint64_t x = (uint64_t(rank) << 56) ^ (uint64_t(token) << 24) ^ uint64_t(col);
-  x ^= x >> 31;
-  x *= 0x9E3779B97F4A7C15ull;
-  x ^= x >> 29;
-  return uint16_t(((x & 1u) << 15) | ((118u + (x >> 1) % 16u) << 7) | ((x >> 8) & 0x7Fu));
-}
-
 // ---- baseline kernels ----------------------------------------------------------------------
 // pos[t*R+d] = position of token t among the rows this rank sends to d (or -1); counts[d].
 __global__ void baseline_layout(const int64_t* idx, int64_t T, int K, int epr, int R,
@@ -227,7 +219,7 @@ int main(int argc, char** argv) {
       in.num_tokens = T;
       in.x.resize(std::size_t(T * H));
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = payload(r, t, h);
+        for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = ref::identity_bf16(r, t, h);
       std::uniform_real_distribution<float> uni(0.f, 1.f);
       std::vector<int> ex(static_cast<std::size_t>(E));
       for (int64_t t = 0; t < T; ++t) {

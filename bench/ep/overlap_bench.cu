@@ -59,14 +59,6 @@ using weft::ep::DType;
 using weft::ep::Event;
 namespace ref = weft::ep::reference;
 
-uint16_t payload(int rank, int64_t token, int64_t col) {
-  uint64_t x = (uint64_t(rank) << 56) ^ (uint64_t(token) << 24) ^ uint64_t(col);
-  x ^= x >> 31;
-  x *= 0x9E3779B97F4A7C15ull;
-  x ^= x >> 29;
-  return uint16_t(((x & 1u) << 15) | ((118u + (x >> 1) % 16u) << 7) | ((x >> 8) & 0x7Fu));
-}
-
 struct GemmShape {
   int m = 0, n = 0, k = 0;
 };
@@ -149,7 +141,7 @@ int main(int argc, char** argv) {
     in.num_tokens = T;
     in.x.resize(std::size_t(T * H));
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = payload(r, t, h);
+      for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = ref::identity_bf16(r, t, h);
     std::vector<int> experts(static_cast<std::size_t>(E));
     std::uniform_real_distribution<float> uni(0.f, 1.f);
     for (int64_t t = 0; t < T; ++t) {

@@ -728,10 +728,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// acc[0..8) += the 8 bf16 of one 16-byte vector, in fp32 (bf16 -> fp32 is exact).
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4 q) {
+  const uint32_t w[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc[2 * e] += __uint_as_float(w[e] << 16);
+    acc[2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
+  }
+}
+
+// The 8 fp32 of acc rounded to nearest even (as the reference) into one 16-byte bf16 vector.
+__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * e], acc[2 * e + 1]);
+    w[e] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
+}
+
 // One warp: dst[v] = bf16(sum of the num_rows rows of `rows` whose indices lanes 0..num_rows-1
 // hold in `lane_row`), summed in fp32 from 0 in lane order and rounded once to nearest even: the
-// reference's per-destination partial sum of an expanded dispatch. Loads of up to 4 rows are in
-// flight before their additions, which keep the order.
+// reference's per-destination partial sum of an expanded dispatch.
 __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ rows,
                               int32_t lane_row, int num_rows, int64_t n16, int lane) {
   // Each lane owns kCols vectors per step and loads kRows rows of each before adding, so
@@ -759,30 +779,14 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
       for (int u = 0; u < kRows; ++u) {
 #pragma unroll
         for (int k = 0; k < kCols; ++k) {
-          if (i0 + u < num_rows && v0 + k * 32 + lane < n16) {
-            const uint32_t w[4] = {uint32_t(q[u][k].x), uint32_t(q[u][k].y), uint32_t(q[u][k].z),
-                                   uint32_t(q[u][k].w)};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              acc[k][2 * e] += __uint_as_float(w[e] << 16);
-              acc[k][2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
-            }
-          }
+          if (i0 + u < num_rows && v0 + k * 32 + lane < n16) add_bf16x8(acc[k], q[u][k]);
         }
       }
     }
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
       const int64_t v = v0 + k * 32 + lane;
-      if (v < n16) {
-        uint32_t w[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const __nv_bfloat162 h = __floats2bfloat162_rn(acc[k][2 * e], acc[k][2 * e + 1]);
-          w[e] = *reinterpret_cast<const uint32_t*>(&h);
-        }
-        dst[v] = make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
-      }
+      if (v < n16) dst[v] = pack_bf16x8(acc[k]);
     }
   }
 }
@@ -1001,32 +1005,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
           for (int k = 0; k < kGroup; ++k) {
             if (g + k < num_sources) {
 #pragma unroll
-              for (int u = 0; u < kVec; ++u) {
-                const uint32_t w[4] = {uint32_t(q[k][u].x), uint32_t(q[k][u].y),
-                                       uint32_t(q[k][u].z), uint32_t(q[k][u].w)};
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  acc[u][2 * e] += __uint_as_float(w[e] << 16);
-                  acc[u][2 * e + 1] += __uint_as_float(w[e] & 0xffff0000u);
-                }
-              }
+              for (int u = 0; u < kVec; ++u) add_bf16x8(acc[u], q[k][u]);
             }
           }
         }
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
           const int64_t v = v0 + u * 32 + lane;
-          if (v < v_end) {
-            uint32_t w[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              // round to nearest even, as the reference
-              const __nv_bfloat162 h = __floats2bfloat162_rn(acc[u][2 * e], acc[u][2 * e + 1]);
-              w[e] = *reinterpret_cast<const uint32_t*>(&h);
-            }
-            reinterpret_cast<int4*>(p.out)[t * n16 + v] =
-                make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
-          }
+          if (v < v_end) reinterpret_cast<int4*>(p.out)[t * n16 + v] = pack_bf16x8(acc[u]);
         }
       }
     }

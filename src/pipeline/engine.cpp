@@ -43,7 +43,10 @@ void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) no
   // holding it for all of spin_ns. One round also when spin_ns == 0.
   constexpr int kNumPauses = 32;
   constexpr int kNumYields = 16;
-  const auto spin_end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  const bool spin = spin_ns > 0;  // no clock reads on the sleeping configuration's path
+  const auto spin_end =
+      spin ? std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns)
+           : std::chrono::steady_clock::time_point{};
   do {
     for (int i = 0; i < kNumPauses; ++i) {
       if (signal.value.load(std::memory_order_acquire) != old) return;
@@ -51,8 +54,8 @@ void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) no
       __builtin_ia32_pause();
 #endif
     }
-    if (spin_ns > 0) std::this_thread::yield();
-  } while (std::chrono::steady_clock::now() < spin_end);
+    if (spin) std::this_thread::yield();
+  } while (spin && std::chrono::steady_clock::now() < spin_end);
   for (int i = 0; i < kNumYields; ++i) {
     if (signal.value.load(std::memory_order_acquire) != old) return;
     std::this_thread::yield();

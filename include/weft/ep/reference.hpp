@@ -106,4 +106,11 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
                               std::span<const std::vector<uint16_t>> expert_out,
                               std::span<const uint16_t> bias0, std::span<const uint16_t> bias1);
 
+// A finite bf16 whose bits name (rank, token, column), for payloads of tests and benchmarks: a
+// hash of the three picks the sign, the mantissa and a biased exponent in [min_exponent,
+// min_exponent + num_exponents), so a misrouted row cannot look plausible. The default window
+// gives |v| in [2^-9, 2^7).
+uint16_t identity_bf16(int rank, int64_t token, int64_t col, unsigned min_exponent = 118,
+                       unsigned num_exponents = 16);
+
 }  // namespace weft::ep::reference

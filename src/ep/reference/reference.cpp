@@ -419,5 +419,15 @@ void accumulate_local_expert_recv_stats(const RankLayout& layout, std::span<uint
   }
 }
 
+uint16_t identity_bf16(int rank, int64_t token, int64_t col, unsigned min_exponent,
+                       unsigned num_exponents) {
+  uint64_t x = (uint64_t(rank) << 56) ^ (uint64_t(token) << 24) ^ uint64_t(col);
+  x ^= x >> 31;
+  x *= 0x9E3779B97F4A7C15ull;
+  x ^= x >> 29;
+  return uint16_t(((x & 1u) << 15) | ((min_exponent + (x >> 1) % num_exponents) << 7) |
+                  ((x >> 8) & 0x7Fu));
+}
+
 }  // namespace reference
 }  // namespace weft::ep

@@ -6,6 +6,7 @@
 #include <random>
 #include <set>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "weft/core/error.hpp"
@@ -164,6 +165,30 @@ void check_round_trip(const BufferConfig& c, std::span<const ref::RankInput> inp
       }
     }
   }
+}
+
+// identity_bf16: finite, its biased exponent inside the requested window, and different for
+// neighbouring ranks, tokens or columns far more often than not.
+TEST(EpReference, IdentityValuesStayInTheirExponentWindow) {
+  int num_equal_neighbours = 0, num_samples = 0;
+  for (int rank = 0; rank < 4; ++rank) {
+    for (int64_t token = 0; token < 64; ++token) {
+      for (int64_t col = 0; col < 64; ++col) {
+        for (auto [low, count] : {std::pair{118u, 16u}, std::pair{112u, 24u}}) {
+          const uint16_t v = ref::identity_bf16(rank, token, col, low, count);
+          const unsigned exponent = (v >> 7) & 0xFFu;
+          ASSERT_GE(exponent, low);
+          ASSERT_LT(exponent, low + count);
+        }
+        const uint16_t v = ref::identity_bf16(rank, token, col);
+        num_equal_neighbours += v == ref::identity_bf16(rank + 1, token, col);
+        num_equal_neighbours += v == ref::identity_bf16(rank, token + 1, col);
+        num_equal_neighbours += v == ref::identity_bf16(rank, token, col + 1);
+        num_samples += 3;
+      }
+    }
+  }
+  EXPECT_LT(num_equal_neighbours, num_samples / 100);
 }
 
 TEST(EpReference, RandomRoutingsAndMasks) {

@@ -42,15 +42,6 @@ int num_gpus() { return weft::cuda::device_count(); }
     if (num_gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << num_gpus();           \
   } while (0)
 
-uint16_t identity_value(int rank, int64_t token, int64_t col) {
-  uint64_t x = (uint64_t(rank) << 56) ^ (uint64_t(token) << 24) ^ uint64_t(col);
-  x ^= x >> 31;
-  x *= 0x9E3779B97F4A7C15ull;
-  x ^= x >> 29;
-  // sign | exponent in [118, 133] | mantissa: finite, |v| in [2^-9, 2^7), sums stay exact enough
-  return uint16_t(((x & 1u) << 15) | ((118u + (x >> 1) % 16u) << 7) | ((x >> 8) & 0x7Fu));
-}
-
 struct RoutingSpec {
   std::vector<int64_t> tokens;  // per rank
   double mask_ratio = 0.0;
@@ -70,7 +61,7 @@ std::vector<ref::RankInput> make_inputs(const BufferConfig& c, int R, const Rout
     in.x.resize(static_cast<std::size_t>(in.num_tokens * c.hidden));
     for (int64_t t = 0; t < in.num_tokens; ++t) {
       for (int64_t h = 0; h < c.hidden; ++h) {
-        in.x[static_cast<std::size_t>(t * c.hidden + h)] = identity_value(r, t, h);
+        in.x[static_cast<std::size_t>(t * c.hidden + h)] = ref::identity_bf16(r, t, h);
       }
       std::vector<int> experts;
       for (int e = 0; e < c.num_experts; ++e) {
@@ -210,7 +201,7 @@ class EpTest : public ::testing::Test {
       if (random_expert_out) {
         auto& e = expert_out[static_cast<std::size_t>(r)];
         e.resize(std::size_t(n * H));
-        for (auto& v : e) v = identity_value(7 + r, int64_t(rng() % 100000), 3);
+        for (auto& v : e) v = ref::identity_bf16(7 + r, int64_t(rng() % 100000), 3);
         rd.expert_out = upload(r, e);
       } else {
         expert_out[static_cast<std::size_t>(r)] = layouts[static_cast<std::size_t>(r)].recv_x;
@@ -218,7 +209,7 @@ class EpTest : public ::testing::Test {
       for (int b = 0; b < num_bias; ++b) {
         auto& bias = b == 0 ? bias0[static_cast<std::size_t>(r)] : bias1[static_cast<std::size_t>(r)];
         bias.resize(std::size_t(T * H));
-        for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = identity_value(20 + b, i / H, i % H);
+        for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = ref::identity_bf16(20 + b, i / H, i % H);
         (b == 0 ? rd.bias0 : rd.bias1) = upload(r, bias);
       }
       rd.out = DeviceArray(r, std::size_t(T * H * 2));
@@ -530,7 +521,7 @@ void checked_rounds_one_rank(weft::ep::Buffer& ep) {
                                 std::size_t(config.num_local_experts(R))),
               L.tokens_per_local_expert);
     std::vector<uint16_t> bias(std::size_t(T * H));
-    for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = identity_value(20 + rank, i / H, i % H);
+    for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = ref::identity_bf16(20 + rank, i / H, i % H);
     auto dbias = upload(ep.device(), bias);
     DeviceArray out(ep.device(), std::size_t(T * H * 2));
     WEFT_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0xFF, std::size_t(T * H * 2), stream));

@@ -29,13 +29,9 @@ using weft::ep::testing::upload;
 
 int num_gpus() { return weft::cuda::device_count(); }
 
-// A finite bf16 that names (rank, token, column).
+// Biased exponents 112..135: |v| in [2^-15, 2^9).
 uint16_t identity_value(int rank, int64_t token, int64_t col) {
-  uint64_t x = (uint64_t(rank) << 56) ^ (uint64_t(token) << 24) ^ uint64_t(col);
-  x ^= x >> 31;
-  x *= 0x9E3779B97F4A7C15ull;
-  x ^= x >> 29;
-  return uint16_t(((x & 1u) << 15) | ((112u + (x >> 1) % 24u) << 7) | ((x >> 8) & 0x7Fu));
+  return ref::identity_bf16(rank, token, col, 112, 24);
 }
 
 struct RoutingSpec {
