@@ -42,6 +42,7 @@
 #include "weft/cuda/nccl.hpp"
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
+#include "bench_inputs.hpp"
 
 namespace {
 
@@ -212,24 +213,10 @@ int main(int argc, char** argv) {
     const int epr = E / R;
     const int64_t n16 = H * 2 / 16;
     std::mt19937 rng(12345 + uint32_t(T));
-    std::vector<ref::RankInput> inputs(static_cast<std::size_t>(R));
+    auto inputs = weft::ep::bench::make_inputs(config, R, T, mask_ratio, rng);
     std::vector<Rank> rk(static_cast<std::size_t>(R));
     for (int r = 0; r < R; ++r) {
-      auto& in = inputs[std::size_t(r)];
-      in.num_tokens = T;
-      in.x.resize(std::size_t(T * H));
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = ref::identity_bf16(r, t, h);
-      std::uniform_real_distribution<float> uni(0.f, 1.f);
-      std::vector<int> ex(static_cast<std::size_t>(E));
-      for (int64_t t = 0; t < T; ++t) {
-        for (int e = 0; e < E; ++e) ex[std::size_t(e)] = e;
-        for (int k = 0; k < K; ++k) {  // partial Fisher-Yates: K distinct experts
-          std::swap(ex[std::size_t(k)], ex[std::size_t(k + int(rng() % uint32_t(E - k)))]);
-          in.topk_idx.push_back(uni(rng) < mask_ratio ? -1 : ex[std::size_t(k)]);
-          in.topk_weights.push_back(uni(rng));
-        }
-      }
+      const auto& in = inputs[std::size_t(r)];
       auto& d = rk[std::size_t(r)];
       d.device = r;
       WEFT_CUDA_CHECK(cudaSetDevice(r));

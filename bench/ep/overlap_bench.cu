@@ -52,6 +52,7 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/event.hpp"
 #include "weft/ep/reference.hpp"
+#include "bench_inputs.hpp"
 
 namespace {
 
@@ -131,27 +132,12 @@ int main(int argc, char** argv) {
   const weft::ep::BufferConfig config{.max_tokens = T, .hidden = H, .num_experts = E, .top_k = K};
   auto eps = weft::ep::Buffer::create_local(R, config);
 
-  // Inputs: every element names (rank, token, column); K distinct uniform experts per token.
   std::mt19937 rng(12345);
-  std::vector<ref::RankInput> inputs(static_cast<std::size_t>(R));
+  const auto inputs = weft::ep::bench::make_inputs(config, R, T, /*mask_ratio=*/0.0, rng);
   std::vector<Rank> rk(static_cast<std::size_t>(R));
   const auto mn_bytes = [](int64_t rows, int64_t cols) { return std::size_t(rows * cols * 2); };
   for (int r = 0; r < R; ++r) {
-    auto& in = inputs[std::size_t(r)];
-    in.num_tokens = T;
-    in.x.resize(std::size_t(T * H));
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < H; ++h) in.x[std::size_t(t * H + h)] = ref::identity_bf16(r, t, h);
-    std::vector<int> experts(static_cast<std::size_t>(E));
-    std::uniform_real_distribution<float> uni(0.f, 1.f);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int e = 0; e < E; ++e) experts[std::size_t(e)] = e;
-      for (int k = 0; k < K; ++k) {  // partial Fisher-Yates: K distinct experts
-        std::swap(experts[std::size_t(k)], experts[std::size_t(k + int(rng() % uint32_t(E - k)))]);
-        in.topk_idx.push_back(experts[std::size_t(k)]);
-        in.topk_weights.push_back(uni(rng));
-      }
-    }
+    const auto& in = inputs[std::size_t(r)];
     auto& d = rk[std::size_t(r)];
     d.device = r;
     WEFT_CUDA_CHECK(cudaSetDevice(r));

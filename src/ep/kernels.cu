@@ -117,6 +117,18 @@ __device__ bool finish_block(const CommParams& c, uint64_t seq) {
   return last != 0;
 }
 
+// The end of every dispatch kernel (all threads call it): once the last block has issued its
+// stores (finish_block), raise kFlagDone at every peer and wait for every peer's, so that the
+// rows this rank receives are complete when the kernel ends.
+__device__ void finish_dispatch(const CommParams& c, char* const* peer, uint64_t seq) {
+  if (finish_block(c, seq) && threadIdx.x == 0) {
+    for (int r = 0; r < c.num_ranks; ++r) {
+      st_release_sys(flag_ptr(peer[r], c, kFlagDone, c.rank), seq);
+    }
+    wait_all_peers(c, peer[c.rank], kFlagDone, seq, kWaitDispatchDone);
+  }
+}
+
 // Destination mask of one token (bit d: a selection is on rank d). Out-of-range expert ids are
 // reported and dropped.
 template <bool kReport>
@@ -408,14 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
   }
 
-  if (finish_block(c, seq)) {
-    if (threadIdx.x == 0) {
-      for (int peer = 0; peer < R; ++peer) {
-        st_release_sys(flag_ptr(s_peer[peer], c, kFlagDone, c.rank), seq);
-      }
-      wait_all_peers(c, local, kFlagDone, seq, kWaitDispatchDone);
-    }
-  }
+  finish_dispatch(c, s_peer, seq);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -718,14 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  if (finish_block(c, seq)) {
-    if (threadIdx.x == 0) {
-      for (int peer = 0; peer < R; ++peer) {
-        st_release_sys(flag_ptr(s_peer[peer], c, kFlagDone, c.rank), seq);
-      }
-      wait_all_peers(c, local, kFlagDone, seq, kWaitDispatchDone);
-    }
-  }
+  finish_dispatch(c, s_peer, seq);
 }
 
 // acc[0..8) += the 8 bf16 of one 16-byte vector, in fp32 (bf16 -> fp32 is exact).
@@ -1070,14 +1068,7 @@ __global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const Cach
       }
     }
   }
-  if (finish_block(c, seq)) {
-    if (threadIdx.x == 0) {
-      for (int peer = 0; peer < R; ++peer) {
-        st_release_sys(flag_ptr(s_peer[peer], c, kFlagDone, c.rank), seq);
-      }
-      wait_all_peers(c, local, kFlagDone, seq, kWaitDispatchDone);
-    }
-  }
+  finish_dispatch(c, s_peer, seq);
 }
 
 // ---------------------------------------------------------------------------------------------
