@@ -51,6 +51,12 @@ build_dir=${BUILD_DIR:-build-gpu}
   echo "nvcc: $(nvcc --version | tail -1)"
   echo "cmake: $(cmake --version | head -1)"
   echo "NCCL_ROOT=$NCCL_ROOT"
+  # What the engine's automatic spinning sees (EngineOptions::spin_us) and what may throttle it:
+  # the affinity mask, a CPU quota of the container, SMT siblings.
+  echo "nproc: $(nproc); $(grep Cpus_allowed_list /proc/self/status)"
+  echo "cgroup cpu.max: $(cat /sys/fs/cgroup/cpu.max 2>/dev/null ||
+                          cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || echo n/a)"
+  lscpu | grep -E '^(Model name|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|NUMA node\(s\)|CPU max MHz)'
 } >"$out/machine.txt" 2>&1
 
 start=$(date +%s)
@@ -88,7 +94,7 @@ if ((run_bench)); then
     line=${line%%#*}
     [[ -z "${line// }" ]] && continue
     [[ -n "$only" && ! "$line" =~ $only ]] && continue
-    echo "==== $line" >>"$out/bench.log"
+    echo "==== $line  [load: $(cut -d' ' -f1-3 /proc/loadavg)]" >>"$out/bench.log"
     if (cd "$build_dir" && timeout "${BENCH_TIMEOUT:-300}" bash -c "$line") </dev/null >>"$out/bench.log" 2>&1; then
       note "bench ok:   $line"
     else
