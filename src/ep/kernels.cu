@@ -4,7 +4,10 @@
 // `seq`, the same on every rank: the previous call's number (DeviceState::sequence, advanced by
 // the last block of each kernel) plus one. Flags in the window carry call numbers, so nothing is
 // ever reset and a flag from an older call never satisfies a wait (waits test flag >= seq).
-// Writers publish with st.release.sys after their data; readers poll with ld.acquire.sys.
+// Readers poll with ld.acquire.sys. A flag that publishes data is a relaxed store after a system
+// fence that follows the data (a release pattern; the fence is shared by everything the block or
+// warp wrote). An entry flag, stored first thing in a kernel, publishes no data: it says the
+// previous call has ended on this rank, which the kernel boundary already orders before it.
 // Why no rank overwrites a peer's data that is still in use: every call starts with a wait on
 // every peer having entered it (dispatch: the count exchange; combine: the entry flags), so a
 // rank is at most one call ahead of any peer; regions written per call by peers (counts) are
@@ -122,35 +125,58 @@ __device__ bool finish_block(const CommParams& c, uint64_t seq) {
 // rows this rank receives are complete when the kernel ends.
 __device__ void finish_dispatch(const CommParams& c, char* const* peer, uint64_t seq) {
   if (finish_block(c, seq) && threadIdx.x == 0) {
+    // finish_block's system fence (after every block's fence and arrival) orders the rows.
     for (int r = 0; r < c.num_ranks; ++r) {
-      st_release_sys(flag_ptr(peer[r], c, kFlagDone, c.rank), seq);
+      st_relaxed_sys(flag_ptr(peer[r], c, kFlagDone, c.rank), seq);
     }
     wait_all_peers(c, peer[c.rank], kFlagDone, seq, kWaitDispatchDone);
   }
 }
 
-// Destination mask of one token (bit d: a selection is on rank d). Out-of-range expert ids are
-// reported and dropped.
-template <bool kReport>
-__device__ uint32_t token_mask(const DispatchParams& p, int64_t t, int epr) {
-  uint32_t mask = 0;
-  for (int k = 0; k < p.top_k; ++k) {
-    const int64_t i = t * p.top_k + k;
-    const int64_t e = p.topk_idx_int64 ? static_cast<const int64_t*>(p.topk_idx)[i]
-                                       : static_cast<const int32_t*>(p.topk_idx)[i];
-    if (e == -1) continue;
-    if (e < 0 || e >= p.num_experts) {
-      if (kReport) raise_device_error(p.comm.error, kErrBadExpert, p.comm.rank, t, k, e);
-      continue;
-    }
-    mask |= 1u << static_cast<uint32_t>(e / epr);
-  }
-  return mask;
-}
-
 __device__ __forceinline__ int64_t load_expert(const DispatchParams& p, int64_t i) {
   return p.topk_idx_int64 ? static_cast<const int64_t*>(p.topk_idx)[i]
                           : static_cast<const int32_t*>(p.topk_idx)[i];
+}
+
+// Destination masks of tokens [begin, end) (bit d: a selection is on rank d), a tile of
+// blockDim.x / top_k tokens at a time: one thread per selection, so the index loads are coalesced
+// and all in flight at once (a thread per token would issue its top_k loads one after another).
+// fn(t, mask) runs once per token t, on one thread. With `hist`,
+// s_hist[e] counts each token once per expert. With `report`, bad expert ids are reported (and
+// always dropped). Every thread of the block calls it with the same range; s_tile and s_tmask
+// hold blockDim.x entries each.
+template <typename Fn>
+__device__ void token_masks(const DispatchParams& p, int64_t begin, int64_t end, int epr,
+                            bool hist, bool report, int32_t* s_tile, uint32_t* s_tmask,
+                            int32_t* s_hist, Fn&& fn) {
+  const int K = p.top_k;
+  const int tile_tokens = int(blockDim.x) / K;
+  const int i = int(threadIdx.x);
+  for (int64_t t0 = begin; t0 < end; t0 += tile_tokens) {
+    const int n = int(min(int64_t(tile_tokens), end - t0));
+    int64_t e = -1;
+    if (i < n * K) {
+      e = load_expert(p, t0 * K + i);
+      if (e != -1 && (e < 0 || e >= p.num_experts)) {
+        if (report) raise_device_error(p.comm.error, kErrBadExpert, p.comm.rank, t0 + i / K, i % K, e);
+        e = -1;
+      }
+      s_tile[i] = int32_t(e);
+    }
+    if (i < n) s_tmask[i] = 0;
+    __syncthreads();
+    if (e >= 0) {
+      atomicOr(&s_tmask[i / K], 1u << uint32_t(e / epr));
+      if (hist) {
+        bool repeated = false;  // a token counts once per expert
+        for (int j = i - i % K; j < i; ++j) repeated |= s_tile[j] == e;
+        if (!repeated) atomicAdd(&s_hist[e], 1);
+      }
+    }
+    __syncthreads();
+    if (i < n) fn(t0 + i, s_tmask[i]);
+    __syncthreads();  // s_tile and s_tmask are the next tile's
+  }
 }
 
 // One warp copies a row of n16 16-byte vectors.
@@ -172,8 +198,9 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
 // Dispatch: G blocks (G = f(T), see launch_dispatch); block b owns tokens [b*chunk, (b+1)*chunk).
 //  1. count, in one of two modes (DispatchParams::local_count):
 //     - local (small T): every block counts the destinations of the tokens before its chunk
-//       itself (at most T*K index loads, from L2); block 0 counts all T tokens and the per-expert
-//       histogram. No grid barrier: block 0 publishes as soon as it has counted.
+//       itself (at most T*K index loads, from L2, one thread per selection: token_masks); block 0
+//       counts all T tokens and the per-expert histogram. No grid barrier: block 0 publishes as
+//       soon as it has counted.
 //     - grid (large T): each block counts its chunk (block_counts, global per-expert atomics), a
 //       grid barrier, then block 0 sums and publishes; a block's prefix is the sum of the
 //       block_counts before it.
@@ -200,7 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int parity = int(seq & 1);
 
   // Shared memory: histogram [num_experts] | counts [R] | base [R] | mask [kSub] |
-  //                row [kSub][R] | items [kSub * R] (token << 8 | dst) | count words [R][R]
+  //                row [kSub][R] | items [kSub * R] (token << 8 | dst) | count words [R][R] |
+  //                tile [kThreads] | tile masks [kThreads] (token_masks)
   int32_t* s_hist = smem;
   int32_t* s_count = s_hist + p.num_experts;
   int32_t* s_base = s_count + kMaxRanks;
@@ -208,6 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   int32_t* s_row = reinterpret_cast<int32_t*>(s_mask + kSubChunkTokens);
   int32_t* s_item = s_row + kSubChunkTokens * R;
   int32_t* s_matrix = s_item + kSubChunkTokens * R;  // count[s][d] of this call
+  int32_t* s_tile = s_matrix + R * R;
+  uint32_t* s_tmask = reinterpret_cast<uint32_t*>(s_tile + kThreads);
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_num_items;
   __shared__ int s_ok;
@@ -225,21 +255,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   // `hist`, s_hist (tokens per expert). Bad expert ids are reported by the block that counts its
   // own chunk (grid mode) or by block 0 (local mode), so each is reported by one block.
   auto count_tokens = [&](int64_t begin, int64_t end, bool hist, bool report) {
-    for (int64_t t = begin + threadIdx.x; t < end; t += blockDim.x) {
-      const uint32_t mask = report ? token_mask<true>(p, t, epr) : token_mask<false>(p, t, epr);
-      for (int d = 0; d < R; ++d) {
-        if (mask >> d & 1u) atomicAdd(&s_count[d], 1);
-      }
-      if (!hist) continue;
-      for (int k = 0; k < p.top_k; ++k) {
-        const int64_t e = load_expert(p, t * p.top_k + k);
-        if (e < 0 || e >= p.num_experts) continue;
-        bool repeated = false;  // a token counts once per expert
-        for (int k2 = 0; k2 < k; ++k2) repeated |= load_expert(p, t * p.top_k + k2) == e;
-        if (!repeated) atomicAdd(&s_hist[e], 1);
-      }
-    }
-    __syncthreads();
+    token_masks(p, begin, end, epr, hist, report, s_tile, s_tmask, s_hist,
+                [&](int64_t, uint32_t mask) {
+                  for (; mask != 0; mask &= mask - 1) atomicAdd(&s_count[__ffs(int(mask)) - 1], 1);
+                });
   };
   bool ok = true;
   if (p.local_count) {
@@ -328,20 +347,26 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       c.state->own_count = s_matrix[c.rank * R + c.rank];
     }
     // Per-expert counts of every source: all sources' count words have arrived, but the expert
-    // words are separate stores, so each is polled for its tag too.
+    // words are separate stores, so each is polled for its tag too: one thread per (source,
+    // expert) word, so that all polls are in flight at once, into s_hist (published above; free).
     const uint64_t* em =
         reinterpret_cast<const uint64_t*>(local + c.layout.expert_matrix) + parity * R * epr;
+    bool arrived = true;  // a thread reports (and waits out) at most one timeout
+    for (int i = threadIdx.x; i < R * epr; i += blockDim.x) {
+      uint64_t v = 0;
+      arrived = arrived &&
+                spin_wait([&] { return ((v = ld_acquire_sys(em + i)) & ~0xffffffffull) == tag; },
+                          c.timeout_ns);
+      if (!arrived) {
+        raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, i / epr, int64_t(seq));
+        v = 0;
+      }
+      s_hist[i] = int32_t(uint32_t(v));
+    }
+    __syncthreads();
     for (int e = threadIdx.x; e < epr; e += blockDim.x) {
       int32_t n = 0;
-      for (int s = 0; s < R; ++s) {
-        uint64_t v = 0;
-        if (!spin_wait([&] { return ((v = ld_acquire_sys(em + s * epr + e)) & ~0xffffffffull) == tag; },
-                       c.timeout_ns)) {
-          raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, s, int64_t(seq));
-          break;
-        }
-        n += int32_t(uint32_t(v));
-      }
+      for (int src = 0; src < R; ++src) n += s_hist[src * epr + e];
       p.tokens_per_expert[e] = n;
       if constexpr (kAccumulateStats) p.cumulative_stats[e] += uint32_t(n);
     }
@@ -352,8 +377,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int64_t n16 = p.row_bytes / 16;
   for (int64_t sub = t_begin; ok && sub < t_end; sub += kSubChunkTokens) {
     const int n = int(min(int64_t(kSubChunkTokens), t_end - sub));
-    for (int i = threadIdx.x; i < n; i += blockDim.x) s_mask[i] = token_mask<false>(p, sub + i, epr);
-    __syncthreads();
+    token_masks(p, sub, sub + n, epr, false, false, s_tile, s_tmask, s_hist,
+                [&](int64_t t, uint32_t mask) { s_mask[t - sub] = mask; });
     if (warp == 0) {
       // Slots in token order per destination (ballot prefix), and the (token, dst) item list.
       int items = 0;
@@ -828,7 +853,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
 
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     for (int peer = 0; peer < R; ++peer) {
-      st_release_sys(flag_ptr(s_peer[peer], c, kFlagEntry, c.rank), seq);
+      st_relaxed_sys(flag_ptr(s_peer[peer], c, kFlagEntry, c.rank), seq);
     }
   }
 
@@ -1042,7 +1067,7 @@ __global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const Cach
   char* local = s_peer[c.rank];
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     for (int peer = 0; peer < R; ++peer) {
-      st_release_sys(flag_ptr(s_peer[peer], c, kFlagEntry, c.rank), seq);
+      st_relaxed_sys(flag_ptr(s_peer[peer], c, kFlagEntry, c.rank), seq);
     }
   }
   if (threadIdx.x == 0) s_ok = wait_all_peers(c, local, kFlagEntry, seq, kWaitCachedEntry);
@@ -1177,7 +1202,8 @@ void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t 
   const int R = params.comm.num_ranks;
   const std::size_t smem =
       sizeof(int32_t) * (std::size_t(params.num_experts) + 2 * kMaxRanks +
-                         kSubChunkTokens * (1 + 2 * std::size_t(R)) + std::size_t(R) * R);
+                         kSubChunkTokens * (1 + 2 * std::size_t(R)) + std::size_t(R) * R +
+                         2 * std::size_t(kThreads));
   auto* kernel =
       params.cumulative_stats != nullptr ? dispatch_kernel<true> : dispatch_kernel<false>;
   if (smem > 48 * 1024) {
