@@ -14,7 +14,7 @@
 // expert) in segments aligned to --expert-alignment rows, padding zeroed with --zero-padding);
 // each configuration's Buffer gets the smallest expand_factor its routing fits in (printed);
 // dispatch's rows are the real ones (not padding), combine's the (token, rank) sums it sends
-// back; no NCCL baseline (it has no expanded layout).
+// back; no NCCL baseline (it has no expanded layout); with --cached, the handle's expanded layout.
 //
 // The `blk` column is the blocks of each kernel: ceil(T / tokens-per-block), at most num-sms.
 //
@@ -179,10 +179,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (expand.enabled && send_warps_option->count() == 0) {
     send_warps_list = {weft::ep::BufferOptions{}.expanded_combine_send_warps};
-  }
-  if (expand.enabled && cached) {
-    std::fprintf(stderr, "--expand and --cached cannot be combined (no cached expanded dispatch)\n");
-    return 2;
   }
   no_baseline |= expand.enabled;
 

@@ -35,8 +35,10 @@ struct BufferState {
   int32_t* send_slot = nullptr;
   int32_t* tokens_per_expert = nullptr;
   // Expanded dispatch only (BufferConfig::expand_factor > 0), one cudaMalloc:
-  // expand_info [E/R + 3] int64 (ExpandDispatchParams), block_expert_counts [SMs][E] int32.
+  // expand_info [E/R + 3] int64, expand_rows [max_tokens][top_k] int2 (ExpandDispatchParams),
+  // block_expert_counts [SMs][E] int32.
   int64_t* expand_info = nullptr;
+  int2* expand_rows = nullptr;
   int32_t* block_expert_counts = nullptr;
   int32_t* host_count = nullptr;          // pinned, 16 bytes: the count, then
   int64_t* host_rows_required = nullptr;  // at byte 8, an expanded dispatch's rows_required
@@ -180,12 +182,15 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   state_->tokens_per_expert = at;
   if (config.expand_factor > 0) {
     const std::size_t info_words = std::size_t(config.num_local_experts(num_ranks_)) + 3;
+    const std::size_t num_selections = std::size_t(config.max_tokens) * std::size_t(config.top_k);
     const std::size_t count_words = std::size_t(device_num_sms_) * std::size_t(config.num_experts);
+    const std::size_t bytes = info_words * 8 + num_selections * sizeof(int2) + count_words * 4;
     void* expand = nullptr;
-    WEFT_CUDA_CHECK(cudaMalloc(&expand, info_words * 8 + count_words * 4));
-    WEFT_CUDA_CHECK(cudaMemset(expand, 0, info_words * 8 + count_words * 4));
+    WEFT_CUDA_CHECK(cudaMalloc(&expand, bytes));
+    WEFT_CUDA_CHECK(cudaMemset(expand, 0, bytes));
     state_->expand_info = static_cast<int64_t*>(expand);
-    state_->block_expert_counts = reinterpret_cast<int32_t*>(state_->expand_info + info_words);
+    state_->expand_rows = reinterpret_cast<int2*>(state_->expand_info + info_words);
+    state_->block_expert_counts = reinterpret_cast<int32_t*>(state_->expand_rows + num_selections);
   }
   void* host = nullptr;
   WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int64_t), cudaHostAllocDefault));
@@ -361,8 +366,8 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
   r.tokens_per_local_expert = state_->tokens_per_expert;
   r.num_recv_device = &state_->state->num_recv;
-  r.capacity = handle.expanded ? expand_capacity() : capacity();
-  if (handle.expanded) {
+  r.capacity = handle.expand.enabled ? expand_capacity() : capacity();
+  if (handle.expand.enabled) {
     r.segment_begin = state_->expand_info;
     r.rows_required_device = state_->expand_info + config_.num_local_experts(num_ranks_);
   }
@@ -419,13 +424,15 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     ep.capacity = expand_capacity();
     ep.expert_alignment = in.expand.expert_alignment;
     ep.zero_padding = in.expand.zero_padding;
+    ep.expand_rows = state_->expand_rows;
     detail::launch_expand_dispatch(ep, num_blocks_of_call, stream);
   } else {
     detail::launch_dispatch(p, num_blocks_of_call, stream);
   }
   ++dispatch_sequence_;
 
-  DispatchResult r = make_result(row_bytes, {id_, dispatch_sequence_, T, -1, in.expand.enabled});
+  DispatchResult r = make_result(
+      row_bytes, {id_, dispatch_sequence_, T, -1, in.expand.enabled ? in.expand : ExpandOptions{}});
   if (mode == CountMode::kExact) {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream));
@@ -447,8 +454,9 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   WEFT_CHECK(h.sequence == dispatch_sequence_, "cached dispatch: the handle is stale (its layout ",
              "is dispatch ", h.sequence, "'s, but dispatch ", dispatch_sequence_,
              " has computed a new one on this Buffer since)");
-  WEFT_CHECK(!h.expanded && !in.expand.enabled,
-             "cached dispatch of the expanded layout is not supported (dispatch it uncached)");
+  WEFT_CHECK(!in.expand.enabled || in.expand == h.expand,
+             "cached dispatch: expand must be left unset or equal the handle's (the layout, "
+             "expanded or not, is the handle's)");
   WEFT_CHECK(in.topk_idx.data == nullptr && in.topk_idx.rows == 0 &&
                  in.topk_weights.data == nullptr && in.topk_weights.rows == 0,
              "cached dispatch: topk_idx and topk_weights must be empty (the handle's are reused)");
@@ -468,6 +476,12 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   p.tokens_per_expert = state_->tokens_per_expert;
   p.num_local_experts = config_.num_local_experts(num_ranks_);
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
+  if (h.expand.enabled) {
+    p.expand_rows = state_->expand_rows;
+    p.top_k = config_.top_k;
+    p.segment_begin = state_->expand_info;
+    p.zero_padding = h.expand.zero_padding;
+  }
   detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
   note_launched(stream);
   return make_result(row_bytes, h);
@@ -482,7 +496,7 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   throw_if_device_error();
   result.num_recv = *state_->host_count;
   result.handle.num_recv = result.num_recv;
-  if (result.handle.expanded) result.rows_required = *state_->host_rows_required;
+  if (result.handle.expand.enabled) result.rows_required = *state_->host_rows_required;
   return result.num_recv;
 }
 
@@ -499,7 +513,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
              dtype_name(in.expert_out.dtype));
   WEFT_CHECK(in.expert_out.cols == config_.hidden, "expert_out must have ", config_.hidden,
              " columns, got ", in.expert_out.cols);
-  const int64_t rows_allowed = handle.expanded ? expand_capacity() : capacity();
+  const int64_t rows_allowed = handle.expand.enabled ? expand_capacity() : capacity();
   WEFT_CHECK(in.expert_out.rows >= 0 && in.expert_out.rows <= rows_allowed, "expert_out has ",
              in.expert_out.rows, " rows, at most ", rows_allowed, " allowed");
   WEFT_CHECK(handle.num_recv < 0 || in.expert_out.rows >= handle.num_recv, "expert_out has ",
@@ -528,7 +542,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
-  if (handle.expanded) {
+  if (handle.expand.enabled) {
     p.num_send_warps = options_.expanded_combine_send_warps;
     p.expand_info = state_->expand_info;
     p.num_local_experts = config_.num_local_experts(num_ranks_);

@@ -701,6 +701,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (dk == lane) slot = min(slot, rk);
         }
         if (lane < R) p.send_slot[(sub + i) * R + lane] = slot == INT32_MAX ? -1 : slot;
+        if (lane < K) ep.expand_rows[(sub + i) * K + lane] = d >= 0 ? make_int2(row, d) : make_int2(-1, -1);
         const uint32_t ballot = __ballot_sync(0xffffffffu, d >= 0);
         if (d >= 0) {
           const int at = items + __popc(ballot & ((1u << lane) - 1u));
@@ -741,10 +742,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
   }
-  // A block that timed out still records its rows as unsent, so combine reads nothing stale.
+  // A block that timed out still records its rows as unsent, so combine (and a cached dispatch)
+  // reads nothing stale.
   if (!ok) {
     for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
       for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
+      for (int k = 0; k < K; ++k) ep.expand_rows[t * K + k] = make_int2(-1, -1);
     }
   }
 
@@ -1052,6 +1055,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
 //     rows of the previous call are no longer being read when ours land there.
 //  2. scatter: one warp per (token, destination) with send_slot >= 0 copies the row to that row
 //     index at the destination (the row's metadata there is unchanged since the layout's call).
+//     An expanded layout: one warp per (token, selection) with a row in expand_rows, then, with
+//     zero_padding, this rank zeroes its own padding rows again (none where it overflowed: its
+//     num_recv is 0).
 //  3. the last block raises kFlagDone at every peer and waits for all peers' done, as dispatch.
 template <bool kAccumulateStats>
 __global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const CachedDispatchParams p) {
@@ -1077,13 +1083,34 @@ __global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const Cach
     const int64_t t_begin = min(p.num_tokens, int64_t(blockIdx.x) * chunk);
     const int64_t t_end = min(p.num_tokens, t_begin + chunk);
     const int64_t n16 = p.row_bytes / 16;
-    for (int64_t item = t_begin * R + warp; item < t_end * R; item += kThreads / 32) {
-      const int64_t t = item / R;
-      const int d = int(item % R);
-      const int64_t row = p.send_slot[item];
-      if (row < 0) continue;
-      warp_copy_row(reinterpret_cast<int4*>(s_peer[d] + c.layout.recv_x) + row * n16,
-                    static_cast<const int4*>(p.x) + t * n16, n16, lane);
+    if (p.expand_rows != nullptr) {  // one row per (token, selection with a row)
+      const int K = p.top_k;
+      for (int64_t item = t_begin * K + warp; item < t_end * K; item += kThreads / 32) {
+        const int2 at = p.expand_rows[item];
+        if (at.y < 0) continue;
+        warp_copy_row(reinterpret_cast<int4*>(s_peer[at.y] + c.layout.recv_x) + int64_t(at.x) * n16,
+                      static_cast<const int4*>(p.x) + item / K * n16, n16, lane);
+      }
+      if (p.zero_padding) {  // this rank's padding rows, segments over blocks, rows over warps
+        auto* recv_x = reinterpret_cast<int4*>(local + c.layout.recv_x);
+        const int64_t num_recv = c.state->num_recv;
+        for (int e = blockIdx.x; e < p.num_local_experts; e += gridDim.x) {
+          const int64_t end = min(p.segment_begin[e + 1], num_recv);
+          for (int64_t row = p.segment_begin[e] + p.tokens_per_expert[e] + warp; row < end;
+               row += kThreads / 32) {
+            for (int64_t i = lane; i < n16; i += 32) recv_x[row * n16 + i] = make_int4(0, 0, 0, 0);
+          }
+        }
+      }
+    } else {
+      for (int64_t item = t_begin * R + warp; item < t_end * R; item += kThreads / 32) {
+        const int64_t t = item / R;
+        const int d = int(item % R);
+        const int64_t row = p.send_slot[item];
+        if (row < 0) continue;
+        warp_copy_row(reinterpret_cast<int4*>(s_peer[d] + c.layout.recv_x) + row * n16,
+                      static_cast<const int4*>(p.x) + t * n16, n16, lane);
+      }
     }
     if constexpr (kAccumulateStats) {
       if (blockIdx.x == 0) {

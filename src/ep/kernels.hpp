@@ -131,10 +131,14 @@ struct ExpandDispatchParams {
   int64_t capacity;  // rows of the receive region (expand_factor * R * max_tokens)
   int expert_alignment;
   bool zero_padding;
+  // [max_tokens][top_k] out: {row, destination rank} of selection k of token t, {-1, -1} where
+  // it has no row (no selection, a repeat in the token, an overflowed destination): what a
+  // cached dispatch of this layout moves.
+  int2* expand_rows;
 };
 
-// A dispatch that reuses the layout of the last uncached one (send_slot and everything the
-// receivers derived from it are still in place): only payload rows move.
+// A dispatch that reuses the layout of the last uncached one (send_slot or expand_rows and
+// everything the receivers derived from them are still in place): only payload rows move.
 struct CachedDispatchParams {
   CommParams comm;
   const void* x;               // [num_tokens, row_bytes], opaque
@@ -144,6 +148,14 @@ struct CachedDispatchParams {
   const int32_t* tokens_per_expert;  // [num_experts / num_ranks], for cumulative_stats
   int num_local_experts;
   uint32_t* cumulative_stats;  // optional, as in DispatchParams
+  // An expanded layout (else null): its rows per selection (ExpandDispatchParams::expand_rows,
+  // [num_tokens][top_k]) instead of send_slot; with zero_padding, this rank's padding rows
+  // ([segment_begin[e] + tokens_per_expert[e], segment_begin[e + 1]), expand_info's) are zeroed
+  // again, so that the call equals a fresh expanded dispatch even where recv_x was written since.
+  const int2* expand_rows;
+  int top_k;
+  const int64_t* segment_begin;  // [num_local_experts + 1]
+  bool zero_padding;
 };
 
 // bf16 -> packed fp8 rows (weft::ep::Fp8RowLayout); see cast_to_fp8 in buffer.hpp.

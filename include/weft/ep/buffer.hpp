@@ -74,7 +74,7 @@ struct Handle {
   uint64_t sequence = 0;  // the layout's number (counts uncached dispatches of the Buffer)
   int64_t num_tokens = 0;
   int64_t num_recv = -1;  // known only after wait_num_recv()
-  bool expanded = false;  // the layout is the expanded one (DispatchInputs::expand)
+  ExpandOptions expand;   // the layout's DispatchInputs::expand (enabled: the expanded layout)
 };
 
 struct DispatchInputs {
@@ -85,8 +85,11 @@ struct DispatchInputs {
   TensorView topk_weights;  // [T, top_k] float32
   // Cached dispatch: reuse the layout of this handle's dispatch (topk_idx and topk_weights must
   // then be empty, T must be the handle's): only x moves, the layout phase is skipped. The
-  // result's metadata (recv_expert_idx, recv_weights, recv_src, tokens_per_local_expert, counts)
-  // is the handle's dispatch's. A stale handle throws (never misroutes).
+  // result's metadata (recv_expert_idx, recv_weights, recv_src, tokens_per_local_expert, counts,
+  // segments) is the handle's dispatch's. A stale handle throws (never misroutes). An expanded
+  // layout is reused as it is (expand may be left unset; if set it must equal the handle's):
+  // every (token, local expert) row gets the new payload, and with zero_padding the padding rows
+  // are zeroed again.
   const Handle* handle = nullptr;
   // Optional [num_local_experts] uint32 on this Buffer's device, 4-byte aligned, caller-owned:
   // this call's tokens_per_local_expert is added to it (DeepEP's

@@ -70,6 +70,7 @@ struct ExpandOptions {
 
   // Throws weft::Error naming the first violated invariant.
   void validate() const;
+  bool operator==(const ExpandOptions&) const = default;
 };
 
 // fp8 rows (DeepEP's per-token cast, per_token_cast_to_fp8): each group of kFp8GroupElements

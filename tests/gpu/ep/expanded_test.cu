@@ -81,6 +81,10 @@ struct Call {
   weft::ep::CountMode mode = weft::ep::CountMode::kOnDevice;
   int num_sms = 0;
   bool stats = false;  // accumulate into EpExpandedTest::stats
+  // Cached dispatch (else null): handles[r] is rank r's layout; topk views are left empty and
+  // only the rows are poisoned (the metadata is the layout's, kept by design).
+  const weft::ep::Handle* handles = nullptr;
+  bool cached_expand_unset = false;  // pass no expand with the handle (else call.expand)
 };
 
 class EpExpandedTest : public ::testing::Test {
@@ -132,15 +136,17 @@ class EpExpandedTest : public ::testing::Test {
     }
   }
 
-  // Poisons every received array of every rank, over the whole expanded capacity (the window
-  // views of the previous expanded dispatch; none before the first).
-  void poison() {
+  // Poisons every received array of every rank (only the rows without `metadata`), over the
+  // whole expanded capacity (the window views of the previous expanded dispatch; none before the
+  // first).
+  void poison(bool metadata = true) {
     for (int r = 0; r < static_cast<int>(views.size()); ++r) {
       const auto& v = views[std::size_t(r)];
       const auto cap = std::size_t(v.capacity);
       const auto K = std::size_t(config.top_k);
       WEFT_CUDA_CHECK(cudaSetDevice(r));
       WEFT_CUDA_CHECK(cudaMemset(rows_of(v), 0xFF, cap * std::size_t(config.row_bytes())));
+      if (!metadata) continue;
       WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(v.recv_src), 0x7F, cap * 8));
       WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(v.recv_expert_idx), 0x7F, cap * K * 4));
       WEFT_CUDA_CHECK(cudaMemset(const_cast<float*>(v.recv_weights), 0xFF, cap * K * 4));
@@ -160,7 +166,7 @@ class EpExpandedTest : public ::testing::Test {
   // else a stream sync) and checks the device error flags.
   std::vector<weft::ep::DispatchResult> dispatch(const std::vector<ref::RankInput>& inputs,
                                                  const Call& call) {
-    poison();
+    poison(/*metadata=*/call.handles == nullptr);
     auto res = launch(inputs, call);
     if (call.mode == weft::ep::CountMode::kExact) {
       for (int r = 0; r < R; ++r) eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
@@ -194,6 +200,12 @@ class EpExpandedTest : public ::testing::Test {
                       config.top_k};
       din.topk_weights = {weights[std::size_t(r)].ptr, DType::kFloat32, T, config.top_k};
       din.expand = call.expand;
+      if (call.handles != nullptr) {
+        din.topk_idx = {};
+        din.topk_weights = {};
+        din.handle = &call.handles[r];
+        if (call.cached_expand_unset) din.expand = {};
+      }
       din.num_sms = call.num_sms;
       if (call.stats) {
         din.cumulative_local_expert_recv_stats = static_cast<uint32_t*>(stats[std::size_t(r)].ptr);
@@ -211,7 +223,7 @@ class EpExpandedTest : public ::testing::Test {
       SCOPED_TRACE(testing::Message() << "rank " << r);
       const auto& L = layouts[std::size_t(r)];
       const auto& rr = res[std::size_t(r)];
-      ASSERT_TRUE(rr.handle.expanded);
+      ASSERT_EQ(rr.handle.expand, call.expand);
       ASSERT_EQ(rr.capacity, eps[std::size_t(r)]->expand_capacity());
       ASSERT_EQ(rr.rows_required_device, rr.segment_begin + epr());
       EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert, std::size_t(epr())),
@@ -389,6 +401,69 @@ TEST_F(EpExpandedTest, Fp8PackedRows) {
   }
 }
 
+// Cached dispatch of an expanded layout: new payload into the handle's rows (padding zeroed
+// again with zero_padding, untouched without), metadata, counts and segments the layout's; twice
+// (once naming the layout's expand options, once leaving them unset), each time equal to a fresh
+// expanded dispatch of the same routing; combine with the handle; stats accumulate. Then a new
+// layout makes the handle stale. Both count modes (T <= 1024 local, above grid), bf16 and fp8.
+TEST_F(EpExpandedTest, CachedDispatchMatchesFresh) {
+  make({.max_tokens = 1100, .hidden = 256, .num_experts = 32, .top_k = 6, .expand_factor = 6});
+  std::mt19937 rng(std::random_device{}());
+  int trial = 0;
+  for (int64_t T : {int64_t(100), int64_t(1100)}) {
+    for (bool fp8 : {false, true}) {
+      for (bool zero_padding : {true, false}) {
+        ++trial;
+        SCOPED_TRACE(testing::Message() << "T " << T << " fp8 " << fp8 << " zero_padding "
+                                        << zero_padding);
+        auto inputs = make_inputs(
+            config, {.tokens = tokens(T), .mask_ratio = 0.2, .repeat_ratio = 0.1}, rng, fp8);
+        const Call call{
+            .expand = {.enabled = true, .expert_alignment = 16, .zero_padding = zero_padding},
+            .fp8 = fp8,
+            .num_sms = trial % 3 == 0 ? 2 : 0,
+            .stats = true};
+        const ref::DispatchOptions options{.fp8 = fp8, .expand = call.expand};
+        const auto res = dispatch(inputs, call);
+        check_layout(ref::dispatch(config, inputs, options), res, call);
+        std::vector<weft::ep::Handle> handles;
+        for (const auto& rr : res) handles.push_back(rr.handle);
+        for (int round = 1; round <= 2; ++round) {
+          for (int r = 0; r < R; ++r) {  // new payload, same routing
+            auto& in = inputs[std::size_t(r)];
+            for (int64_t i = 0; i < in.num_tokens * config.hidden; ++i) {
+              in.x[std::size_t(i)] = identity_value(r + 10 * round, i / config.hidden,
+                                                    i % config.hidden);
+            }
+            if (fp8) in.x_fp8 = ref::cast_to_fp8(config.hidden, in.num_tokens, in.x);
+          }
+          Call cached = call;
+          cached.handles = handles.data();
+          cached.cached_expand_unset = round == 2;
+          const auto cres = dispatch(inputs, cached);
+          const auto want = ref::dispatch(config, inputs, options);
+          for (int r = 0; r < R; ++r) {
+            EXPECT_EQ(cres[std::size_t(r)].handle.sequence, handles[std::size_t(r)].sequence);
+          }
+          check_layout(want, cres, call);
+          check_combine(want, cres, round % 2, round == 2 && !fp8, rng);
+        }
+        // A new layout makes the handles stale.
+        const auto again = dispatch(inputs, call);
+        check_layout(ref::dispatch(config, inputs, options), again, call);
+        for (int r = 0; r < R; ++r) {
+          weft::ep::DispatchInputs stale{
+              .x = {x[std::size_t(r)].ptr, fp8 ? DType::kUInt8 : DType::kBFloat16,
+                    inputs[std::size_t(r)].num_tokens,
+                    fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : config.hidden},
+              .handle = &handles[std::size_t(r)]};
+          EXPECT_THROW(eps[std::size_t(r)]->dispatch(stale, streams[std::size_t(r)]), weft::Error);
+        }
+      }
+    }
+  }
+}
+
 // Rank 0 needs 4 rows per token of every rank (top-5, its 4 experts first): 512 rows against a
 // capacity of 1 x 2 x 64 = 128; rank 1 needs exactly its capacity. Rank 0 receives nothing and
 // reports 512, nothing of its window is written, rank 1 is complete; the combine is skipped on
@@ -544,10 +619,11 @@ TEST_F(EpExpandedTest, BadArgumentsAreClearErrors) {
   check_layout(layouts, res, call);
   for (int r = 0; r < R; ++r) {
     const auto& rr = res[std::size_t(r)];
-    // Cached dispatch of an expanded layout, and an expanded cached dispatch, are refused.
+    // A cached dispatch that names other expand options than its handle's layout is refused.
     weft::ep::DispatchInputs cached{.x = {x[std::size_t(r)].ptr, DType::kBFloat16,
                                           inputs[std::size_t(r)].num_tokens, config.hidden},
-                                    .handle = &rr.handle};
+                                    .handle = &rr.handle,
+                                    .expand = {.enabled = true, .expert_alignment = 8}};
     EXPECT_THROW(eps[std::size_t(r)]->dispatch(cached, streams[std::size_t(r)]), weft::Error);
     // expert_out rows beyond the expanded capacity.
     DeviceArray out(r, std::size_t(32 * config.hidden * 2));
