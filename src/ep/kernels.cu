@@ -6,8 +6,9 @@
 // ever reset and a flag from an older call never satisfies a wait (waits test flag >= seq).
 // Readers poll with ld.acquire.sys. A flag that publishes data is a relaxed store after a system
 // fence that follows the data (a release pattern; the fence is shared by everything the block or
-// warp wrote). An entry flag, stored first thing in a kernel, publishes no data: it says the
-// previous call has ended on this rank, which the kernel boundary already orders before it.
+// warp wrote). An entry flag (and the construction handshake's), stored first thing in a kernel,
+// publishes no data: it says the previous call has ended on this rank, which the kernel boundary
+// already orders before it.
 // Why no rank overwrites a peer's data that is still in use: every call starts with a wait on
 // every peer having entered it (dispatch: the count exchange; combine: the entry flags), so a
 // rank is at most one call ahead of any peer; regions written per call by peers (counts) are
@@ -34,9 +35,6 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
-}
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -112,6 +110,9 @@ __device__ bool finish_block(const CommParams& c, uint64_t seq) {
     last = atomicAdd(&c.state->done_counter, 1u) == gridDim.x - 1;
     if (last) {
       atomicExch(&c.state->done_counter, 0u);
+      // Orders every block's stores (each fenced before its arrival, which this block's atomic
+      // observed) before what the last block stores next: finish_dispatch's done flags are
+      // relaxed stores that rely on this fence.
       __threadfence_system();
       c.state->sequence = seq;
     }
@@ -354,14 +355,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     bool arrived = true;  // a thread reports (and waits out) at most one timeout
     for (int i = threadIdx.x; i < R * epr; i += blockDim.x) {
       uint64_t v = 0;
-      arrived = arrived &&
-                spin_wait([&] { return ((v = ld_acquire_sys(em + i)) & ~0xffffffffull) == tag; },
-                          c.timeout_ns);
-      if (!arrived) {
-        raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, i / epr, int64_t(seq));
-        v = 0;
+      if (arrived) {
+        arrived = spin_wait(
+            [&] { return ((v = ld_acquire_sys(em + i)) & ~0xffffffffull) == tag; }, c.timeout_ns);
+        if (!arrived) raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, i / epr, int64_t(seq));
       }
-      s_hist[i] = int32_t(uint32_t(v));
+      s_hist[i] = arrived ? int32_t(uint32_t(v)) : 0;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < epr; e += blockDim.x) {
@@ -438,11 +437,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
     __syncthreads();
   }
-  // A block that timed out still records its rows as unsent, so combine reads nothing stale.
+  // A block that timed out still records its rows as unsent, so combine reads nothing stale;
+  // where block 0 timed out, this rank's count is 0 rather than the previous layout's.
   if (!ok) {
     for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
       for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
     }
+    if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_recv = 0;
   }
 
   finish_dispatch(c, s_peer, seq);
@@ -743,12 +744,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
   // A block that timed out still records its rows as unsent, so combine (and a cached dispatch)
-  // reads nothing stale.
+  // reads nothing stale; where block 0 timed out, this rank's count is 0 rather than the previous
+  // layout's (a cached dispatch bounds its padding rows by it).
   if (!ok) {
     for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
       for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
       for (int k = 0; k < K; ++k) ep.expand_rows[t * K + k] = make_int2(-1, -1);
     }
+    if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_recv = 0;
   }
 
   finish_dispatch(c, s_peer, seq);
@@ -1170,7 +1173,7 @@ __global__ void handshake_kernel(const HandshakeParams p) {
   const uint64_t seq = c.state->sequence + 1;
   if (threadIdx.x == 0) {
     for (int peer = 0; peer < c.num_ranks; ++peer) {
-      st_release_sys(flag_ptr(peer_base(c, peer), c, kFlagHandshake, c.rank), seq);
+      st_relaxed_sys(flag_ptr(peer_base(c, peer), c, kFlagHandshake, c.rank), seq);
     }
     wait_all_peers(c, peer_base(c, c.rank), kFlagHandshake, seq, kWaitHandshake);
     c.state->sequence = seq;

@@ -440,6 +440,7 @@ TEST_F(EpExpandedTest, CachedDispatchMatchesFresh) {
           Call cached = call;
           cached.handles = handles.data();
           cached.cached_expand_unset = round == 2;
+          cached.num_sms = round == 1 ? 1 : 0;  // a grid other than the layout's
           const auto cres = dispatch(inputs, cached);
           const auto want = ref::dispatch(config, inputs, options);
           for (int r = 0; r < R; ++r) {
@@ -486,6 +487,14 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
     EXPECT_EQ(res[0].num_recv, 0);
     EXPECT_EQ(res[0].rows_required, 512);
     check_layout(layouts, res, call);
+    // A cached dispatch of the overflowed layout writes nothing at rank 0 either (rows poisoned
+    // again first) and rank 1's rows and zeroed padding as before.
+    std::vector<weft::ep::Handle> handles;
+    for (const auto& rr : res) handles.push_back(rr.handle);
+    Call cached = call;
+    cached.handles = handles.data();
+    cached.mode = weft::ep::CountMode::kOnDevice;
+    check_layout(layouts, dispatch(inputs, cached), cached);
 
     std::vector<DeviceArray> out;
     for (int r = 0; r < R; ++r) {

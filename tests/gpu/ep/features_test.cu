@@ -313,6 +313,16 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
         // The handle stays valid for combine after cached dispatches.
         check_combine(want_layouts, cached, rng);
       }
+      // A deduplicated layout cannot be reused as an expanded one.
+      for (int r = 0; r < R; ++r) {
+        weft::ep::DispatchInputs din;
+        din.x = {x[std::size_t(r)].ptr, fp8 ? DType::kUInt8 : DType::kBFloat16,
+                 inputs[std::size_t(r)].num_tokens,
+                 fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : config.hidden};
+        din.handle = &handles[std::size_t(r)];
+        din.expand = {.enabled = true};
+        EXPECT_THROW(eps[std::size_t(r)]->dispatch(din, streams[std::size_t(r)]), weft::Error);
+      }
       // A new layout makes the old handle stale: cached dispatch and combine refuse it.
       const auto again = dispatch(inputs, fp8, nullptr);
       check_received(ref::dispatch(config, inputs, {.fp8 = fp8}), again, fp8);
