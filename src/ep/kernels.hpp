@@ -82,6 +82,9 @@ struct DeviceState {
   int32_t num_recv;        // rows received by the last dispatch
   int32_t own_begin;       // ... of which [own_begin, own_begin + own_count) came from this rank
   int32_t own_count;
+  // Units of work handed out so far in the running kernel (combine's store-back batches:
+  // work_claim); the last block resets it.
+  uint32_t work_counter;
 };
 
 // What every kernel needs to talk to its peers.
