@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_array.hpp"
+#include "payload.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/nccl.hpp"
@@ -25,14 +26,11 @@ using weft::ep::ExpandOptions;
 namespace ref = weft::ep::reference;
 using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
+using weft::ep::testing::identity_value;
+using weft::ep::testing::refill_x;
 using weft::ep::testing::upload;
 
 int num_gpus() { return weft::cuda::device_count(); }
-
-// Biased exponents 112..135: |v| in [2^-15, 2^9).
-uint16_t identity_value(int rank, int64_t token, int64_t col) {
-  return ref::identity_bf16(rank, token, col, 112, 24);
-}
 
 struct RoutingSpec {
   std::vector<int64_t> tokens;  // per rank
@@ -429,14 +427,7 @@ TEST_F(EpExpandedTest, CachedDispatchMatchesFresh) {
         std::vector<weft::ep::Handle> handles;
         for (const auto& rr : res) handles.push_back(rr.handle);
         for (int round = 1; round <= 2; ++round) {
-          for (int r = 0; r < R; ++r) {  // new payload, same routing
-            auto& in = inputs[std::size_t(r)];
-            for (int64_t i = 0; i < in.num_tokens * config.hidden; ++i) {
-              in.x[std::size_t(i)] = identity_value(r + 10 * round, i / config.hidden,
-                                                    i % config.hidden);
-            }
-            if (fp8) in.x_fp8 = ref::cast_to_fp8(config.hidden, in.num_tokens, in.x);
-          }
+          refill_x(config, inputs, 10 * round);  // new payload, same routing
           Call cached = call;
           cached.handles = handles.data();
           cached.cached_expand_unset = round == 2;

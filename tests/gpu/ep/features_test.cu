@@ -15,6 +15,7 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
 #include "device_array.hpp"
+#include "payload.hpp"
 
 namespace {
 
@@ -23,14 +24,11 @@ using weft::ep::DType;
 namespace ref = weft::ep::reference;
 using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
+using weft::ep::testing::identity_value;
+using weft::ep::testing::refill_x;
 using weft::ep::testing::upload;
 
 int num_gpus() { return weft::cuda::device_count(); }
-
-// Biased exponents 112..135: |v| in [2^-15, 2^9).
-uint16_t identity_value(int rank, int64_t token, int64_t col) {
-  return ref::identity_bf16(rank, token, col, 112, 24);
-}
 
 // Random distinct experts per token, each masked with probability mask_ratio; x filled with
 // identity values and, with fp8, its packed rows.
@@ -54,17 +52,6 @@ std::vector<ref::RankInput> make_inputs(const BufferConfig& c, int R, int64_t T,
     if (fp8) in.x_fp8 = ref::cast_to_fp8(c.hidden, in.num_tokens, in.x);
   }
   return inputs;
-}
-
-// The payload of new rows for the same tokens (a cached dispatch's x).
-void refill_x(const BufferConfig& c, std::vector<ref::RankInput>& inputs, int salt) {
-  for (std::size_t r = 0; r < inputs.size(); ++r) {
-    auto& in = inputs[r];
-    for (int64_t i = 0; i < in.num_tokens * c.hidden; ++i) {
-      in.x[std::size_t(i)] = identity_value(int(r) + salt, i / c.hidden, i % c.hidden);
-    }
-    if (!in.x_fp8.empty()) in.x_fp8 = ref::cast_to_fp8(c.hidden, in.num_tokens, in.x);
-  }
 }
 
 class EpFeaturesTest : public ::testing::Test {
@@ -313,13 +300,18 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
         // The handle stays valid for combine after cached dispatches.
         check_combine(want_layouts, cached, rng);
       }
-      // A deduplicated layout cannot be reused as an expanded one.
-      for (int r = 0; r < R; ++r) {
+      // Rank r's cached dispatch of the handle's layout, x as last uploaded.
+      auto cached_inputs = [&](int r) {
         weft::ep::DispatchInputs din;
         din.x = {x[std::size_t(r)].ptr, fp8 ? DType::kUInt8 : DType::kBFloat16,
                  inputs[std::size_t(r)].num_tokens,
                  fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : config.hidden};
         din.handle = &handles[std::size_t(r)];
+        return din;
+      };
+      // A deduplicated layout cannot be reused as an expanded one.
+      for (int r = 0; r < R; ++r) {
+        auto din = cached_inputs(r);
         din.expand = {.enabled = true};
         EXPECT_THROW(eps[std::size_t(r)]->dispatch(din, streams[std::size_t(r)]), weft::Error);
       }
@@ -327,12 +319,8 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
       const auto again = dispatch(inputs, fp8, nullptr);
       check_received(ref::dispatch(config, inputs, {.fp8 = fp8}), again, fp8);
       for (int r = 0; r < R; ++r) {
-        weft::ep::DispatchInputs din;
-        din.x = {x[std::size_t(r)].ptr, fp8 ? DType::kUInt8 : DType::kBFloat16,
-                 inputs[std::size_t(r)].num_tokens,
-                 fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : config.hidden};
-        din.handle = &handles[std::size_t(r)];
-        EXPECT_THROW(eps[std::size_t(r)]->dispatch(din, streams[std::size_t(r)]), weft::Error);
+        EXPECT_THROW(eps[std::size_t(r)]->dispatch(cached_inputs(r), streams[std::size_t(r)]),
+                     weft::Error);
         DeviceArray out(r, std::size_t(inputs[std::size_t(r)].num_tokens * config.hidden * 2));
         weft::ep::CombineInputs cin;
         cin.expert_out = {nullptr, DType::kBFloat16, 0, config.hidden};
