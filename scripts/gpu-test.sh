@@ -4,10 +4,13 @@
 # `gpu`-labelled tests, the engine's concurrency tests (a many-core machine exposes races that the
 # 2-core CI machine cannot), and the GPU benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
-#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX] [--bench-list FILE]
+#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-python] [--only REGEX]
+#                       [--bench-list FILE]
 #
-# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, bench.log, machine.txt, summary.txt,
-# and bench-files.tar.gz (what the benchmarks wrote under the build folder's bench-out/).
+# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, python-build.log, pytest.log,
+# bench.log, machine.txt, summary.txt, and bench-files.tar.gz (what the benchmarks wrote under the
+# build folder's bench-out/). The Python package is built by pip from this checkout against the
+# machine's python3 (its torch) and the same NCCL, and its pytest suite runs on the GPUs present.
 # The benchmarks run are the lines of bench/gpu-benchmarks.txt, or of the --bench-list FILEs (one
 # or more; e.g. bench/gpu-sweeps.txt, the parameter sweeps behind the defaults): commands relative
 # to the build folder, '#' starts a comment, each stopped after BENCH_TIMEOUT seconds (default 300).
@@ -15,14 +18,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--only REGEX] [--bench-list FILE]}
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-python] [--only REGEX] [--bench-list FILE]}
 shift
 run_bench=1
+run_cpp_tests=1
+run_python=1
 only=""
 bench_lists=()
 while (($#)); do
   case "$1" in
     --no-bench) run_bench=0 ;;
+    --no-cpp-tests) run_cpp_tests=0 ;;
+    --no-python) run_python=0 ;;
     --only) only=$2; shift ;;
     --bench-list) bench_lists+=("$2"); shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -70,13 +77,27 @@ fi
 note "build: ok in $(( $(date +%s) - start )) s"
 
 status=0
-ctest_args=(--test-dir "$build_dir" -L gpu --output-on-failure --timeout 900)
-[[ -n "$only" ]] && ctest_args+=(-R "$only")
-ctest "${ctest_args[@]}" >"$out/gpu-tests.log" 2>&1 || status=1
-note "gpu tests: $(grep -E 'tests passed|No tests were found' "$out/gpu-tests.log" | tail -1)"
-grep -E '\(Failed\)|\(Timeout\)|\(Subprocess' "$out/gpu-tests.log" | sed 's/^/  /' | tee -a "$summary"
+if ((run_cpp_tests)); then
+  ctest_args=(--test-dir "$build_dir" -L gpu --output-on-failure --timeout 900)
+  [[ -n "$only" ]] && ctest_args+=(-R "$only")
+  ctest "${ctest_args[@]}" >"$out/gpu-tests.log" 2>&1 || status=1
+  note "gpu tests: $(grep -E 'tests passed|No tests were found' "$out/gpu-tests.log" | tail -1)"
+  grep -E '\(Failed\)|\(Timeout\)|\(Subprocess' "$out/gpu-tests.log" | sed 's/^/  /' | tee -a "$summary"
+fi
 
-if [[ -z "$only" ]]; then
+if ((run_python)); then
+  if python3 -m pip install --no-build-isolation --no-deps -v . >"$out/python-build.log" 2>&1; then
+    python3 -m pytest python/tests -v -rs >"$out/pytest.log" 2>&1 || status=1
+    note "python tests: $(tail -1 "$out/pytest.log")"
+    grep -E '^(FAILED|ERROR)' "$out/pytest.log" | sed 's/^/  /' | tee -a "$summary"
+  else
+    tail -30 "$out/python-build.log"
+    note "FAIL: python package build (see python-build.log)"
+    status=1
+  fi
+fi
+
+if ((run_cpp_tests)) && [[ -z "$only" ]]; then
   # The engine's CPU tests (stress, multi-rank, failure injection) on all of this machine's cores.
   ctest --test-dir "$build_dir" -L cpu -R 'Pipeline|Engine|Stress|MultiRank|Failure|Wait|Step' \
     --output-on-failure --timeout 300 -j 4 >"$out/cpu-stress.log" 2>&1 || status=1

@@ -14,3 +14,10 @@ jobs=${JOBS:-$(nproc)}
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWEFT_WERROR=ON
 cmake --build "$build_dir" -j "$jobs"
 ctest --test-dir "$build_dir" --output-on-failure -j "$jobs"
+
+# The Python package: built by `pip install .` (the same CMake project, through scikit-build-core)
+# into the environment of scripts/python-env.sh, then its pytest suite. Without a GPU the tests
+# that need one report themselves skipped.
+python=$(bash scripts/python-env.sh)
+"$python" -m pip install -q --no-build-isolation .
+"$python" -m pytest python/tests -q -rs

@@ -300,6 +300,13 @@ std::vector<std::unique_ptr<Buffer>> Buffer::create_local(int num_devices,
   return buffers;
 }
 
+uint64_t Buffer::window_bytes(const BufferConfig& config, int num_ranks) {
+  config.validate(num_ranks);
+  return detail::make_window_layout(num_ranks, config.max_tokens, config.hidden, config.top_k,
+                                    config.num_experts, config.expand_factor)
+      .total_bytes;
+}
+
 int Buffer::num_blocks(int64_t num_tokens) const noexcept {
   const int64_t wanted = (num_tokens + options_.tokens_per_block - 1) / options_.tokens_per_block;
   return int(std::clamp<int64_t>(wanted, 1, num_blocks_));

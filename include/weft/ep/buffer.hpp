@@ -246,6 +246,9 @@ class Buffer {
   int64_t capacity() const noexcept { return int64_t(num_ranks_) * config_.max_tokens; }
   // Rows an expanded dispatch can receive (BufferConfig::expand_factor x capacity(); 0: none).
   int64_t expand_capacity() const noexcept { return config_.expand_capacity(num_ranks_); }
+  // Bytes of the symmetric window a Buffer of this config allocates on each of num_ranks ranks
+  // (validates the config first): what sizing a Buffer to a memory budget needs.
+  static uint64_t window_bytes(const BufferConfig& config, int num_ranks);
   int num_blocks() const noexcept { return num_blocks_; }  // the most blocks per kernel
   int num_blocks(int64_t num_tokens) const noexcept;      // blocks of a call of num_tokens
   // ... with a per-call num_sms (0 = the Buffer's); throws unless 0 <= num_sms <= the device's.

@@ -1,0 +1,145 @@
+"""weft.ep from Python: what a caller pays per call, beside the kernel.
+
+    python bench/python/ep_bench.py --tokens 8192 --hidden 7168 --experts 256 --top-k 8
+    torchrun --nproc-per-node 2 bench/python/ep_bench.py ...        # one process per GPU
+
+Per API form: host us per call (the Python call's wall time while the GPU is busy, median over
+--iters back-to-back calls), the same for the bare extension call (weft's C++ host path), their
+difference (what the Python layer adds), and GPU us per call (CUDA events over the same calls).
+Bandwidth as weft-ep-bench defines it: logical GB/s = received rows x row bytes / GPU time.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import weft
+import weft.ep
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=3, help="runs of every measurement (a range)")
+    return p.parse_args()
+
+
+def timed(fn, iters, warmup):
+    """(host us per call: median, GPU us per call) over iters back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = []
+    start.record()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+    stop.record()
+    stop.synchronize()
+    return statistics.median(host), start.elapsed_time(stop) * 1e3 / iters
+
+
+def main():
+    a = parse()
+    group = None
+    if "RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        group = dist.group.WORLD
+    rank = dist.get_rank() if group else 0
+    world = dist.get_world_size() if group else 1
+    torch.manual_seed(rank)
+    T, H, E, K = a.tokens, a.hidden, a.experts, a.top_k
+    x = torch.randn((T, H), device="cuda").bfloat16()
+    idx = torch.rand((T, E), device="cuda").topk(K, dim=1).indices
+    w = torch.rand((T, K), device="cuda")
+    native = weft.ep.NativeBuffer(group, max_tokens=T, hidden=H, num_experts=E, top_k=K)
+    compat = weft.ep.Buffer(group, weft.ep.sizing.window_bytes_for(T, H, world, K, E))
+    config = weft.ep.Config(torch.cuda.get_device_properties(0).multi_processor_count)
+    per_rank, _, per_expert, in_rank, _ = compat.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
+    res = native.dispatch(x, idx, w, sync_count=True)
+    n = res.num_recv
+    y = res.recv_x[:n].clone()
+    # The bare calls run on the current stream, where the events time them.
+    stream = torch.cuda.current_stream().cuda_stream
+    raw = native._native
+
+    def raw_dispatch():
+        raw.dispatch(x.data_ptr(), "bfloat16", T, H, idx.data_ptr(), "int64", w.data_ptr(), None,
+                     0, 0, False, 1, False, stream, False)
+
+    handle = native.dispatch(x, idx, w).handle
+
+    def raw_combine():
+        raw.combine(y.data_ptr(), n, 0, 0, handle, out.data_ptr(), 0, stream)
+
+    out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+    _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
+                                             **layout)
+    forms = {
+        "bare extension dispatch (C++ host path)": raw_dispatch,
+        "native dispatch, zero-copy, count on device": lambda: native.dispatch(x, idx, w),
+        "native dispatch, zero-copy, count read (host sync)":
+            lambda: native.dispatch(x, idx, w, sync_count=True),
+        "DeepEP dispatch, owned tensors (host sync)":
+            lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config, **layout),
+        "DeepEP dispatch, owned, num_worst_tokens (no sync)":
+            lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
+                                    num_worst_tokens=n, **layout),
+    }
+    results = {}
+    for name, fn in forms.items():
+        results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
+    # A cached dispatch and the combines need their layout to be the latest.
+    _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
+                                             **layout)
+    results["DeepEP cached dispatch, owned"] = [
+        timed(lambda: compat.dispatch(x, handle=chandle, config=config), a.iters, a.warmup)
+        for _ in range(a.repeats)]
+    native.dispatch(x, idx, w)
+    handle = native.dispatch(x, idx, w).handle
+    results["bare extension combine (C++ host path)"] = [
+        timed(raw_combine, a.iters, a.warmup) for _ in range(a.repeats)]
+    results["native combine, into out="] = [
+        timed(lambda: native.combine(y, handle, out=out), a.iters, a.warmup)
+        for _ in range(a.repeats)]
+    _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
+                                             **layout)
+    results["DeepEP combine, owned output"] = [
+        timed(lambda: compat.combine(y, chandle, config=config), a.iters, a.warmup)
+        for _ in range(a.repeats)]
+    if rank == 0:
+        info = weft.info()
+        print(f"# weft {info['version']}, NCCL {info['nccl_loaded']}, torch {torch.__version__}, "
+              f"{torch.cuda.get_device_name()} x {world}; T={T} H={H} E={E} top-{K}; "
+              f"received rows on rank 0: {n}; {a.repeats} runs of {a.iters} calls")
+        print(f"{'form':55s} {'host us/call':>14s} {'GPU us/call':>16s} {'logical GB/s':>14s}")
+        row_bytes = H * 2
+        for name, runs in results.items():
+            hosts = [h for h, _ in runs]
+            gpus = [g for _, g in runs]
+            gbps = [n * row_bytes / (g * 1e-6) / 1e9 for g in gpus]
+            print(f"{name:55s} {min(hosts):6.1f}-{max(hosts):<7.1f} {min(gpus):7.1f}-{max(gpus):<8.1f}"
+                  f" {min(gbps):6.0f}-{max(gbps):<6.0f}")
+    native.destroy()
+    if group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""The Python examples run as a user runs them."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_gpus
+
+EXAMPLES = Path(__file__).parents[2] / "examples" / "python"
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+def test_ep_moe_layer_example_runs():
+    run = subprocess.run([sys.executable, str(EXAMPLES / "ep_moe_layer.py")],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "combine max |error|" in run.stdout

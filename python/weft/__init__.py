@@ -1,0 +1,27 @@
+"""weft: overlap communication with computation in multi-GPU training.
+
+    import weft
+    weft.info()          # what was built, the NCCL it was compiled against and the one loaded
+    import weft.ep       # expert-parallel dispatch/combine (DeepEP V1's intranode API and a native one)
+
+`import weft` needs no torch; `weft.ep` does.
+"""
+
+from ._weft import Error  # a RuntimeError whose message starts with the C++ file:line
+
+from . import _weft
+
+__version__ = _weft.version()
+
+
+def info() -> dict:
+    """What this build of weft contains and which libraries it runs with.
+
+    Keys: version, built_with_cuda; with CUDA also cuda_architectures, nccl_compiled,
+    nccl_loaded (the libnccl of this process: weft.ep needs it equal to nccl_compiled),
+    cuda_runtime, cuda_driver (None without a driver) and num_gpus.
+    """
+    return dict(_weft.info())
+
+
+__all__ = ["Error", "info", "__version__"]

@@ -1,0 +1,21 @@
+"""weft.ep: expert-parallel dispatch and combine over NVLink (weft::ep from torch).
+
+Two APIs over the same kernels:
+- DeepEP V1's intranode API: `Buffer`, `Config`, `EventOverlap`, `EventHandle`, `topk_idx_t`;
+  code written for `deep_ep` runs with `import weft.ep as deep_ep` (docs/python.md).
+- The native API: `NativeBuffer` (sized by tokens; zero-copy results, the count on the device,
+  the expanded layout, receive statistics, per-call num_sms).
+"""
+
+import torch
+
+from .buffer import Buffer, Handle
+from .config import Config
+from .event import EventHandle, EventOverlap
+from .native import DispatchResult, Expand, NativeBuffer, pack_fp8, unpack_fp8
+
+# DeepEP's dtype of topk_idx.
+topk_idx_t = torch.int64
+
+__all__ = ["Buffer", "Config", "DispatchResult", "EventHandle", "EventOverlap", "Expand",
+           "Handle", "NativeBuffer", "pack_fp8", "topk_idx_t", "unpack_fp8"]
