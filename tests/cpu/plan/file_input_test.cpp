@@ -167,3 +167,44 @@ TEST(FileInput, ThreadMapGroupOrderIsKept) {
 }
 
 }  // namespace
+
+// The lines of `file` from the first that starts with `first` after `heading` to the next that
+// starts with `last` (both included when `inclusive`), each without its `strip` prefix.
+std::string example_in(const std::string& file, const std::string& heading, const std::string& first,
+                       const std::string& last, const std::string& strip, bool inclusive) {
+  std::ifstream in(std::string(WEFT_SOURCE_DIR) + "/" + file);
+  std::string line, text;
+  bool after_heading = heading.empty(), inside = false;
+  auto keep = [&] { text += (line.rfind(strip, 0) == 0 ? line.substr(strip.size()) : line) + "\n"; };
+  while (std::getline(in, line)) {
+    if (!after_heading) {
+      after_heading = line.rfind(heading, 0) == 0;
+    } else if (!inside) {
+      inside = line.rfind(first, 0) == 0;
+      if (inside && inclusive) keep();
+    } else if (line.rfind(last, 0) == 0) {
+      if (inclusive) keep();
+      break;
+    } else {
+      keep();
+    }
+  }
+  return text;
+}
+
+TEST(FileInput, TheDocumentedScheduleExamplesAreAccepted) {
+  // include/weft/plan/schedule_file.hpp: the comment block from "//   {" to "//   }".
+  const std::string header =
+      example_in("include/weft/plan/schedule_file.hpp", "", "//   {", "//   }", "//   ", true);
+  const std::string planner =
+      example_in("docs/planner.md", "## Schedule files", "```json", "```", "", false);
+  for (const auto& text : {header, planner}) {
+    ASSERT_GT(text.size(), 100u) << text;
+    const std::string error = error_of([&] {
+      const auto file = ScheduleFile::parse(text);
+      const CompiledSchedule compiled(file.schedule);
+      for (const auto& map : file.thread_maps) map.assign(compiled);
+    });
+    EXPECT_EQ(error, "no error") << text;
+  }
+}
