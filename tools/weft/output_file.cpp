@@ -41,13 +41,16 @@ OutputFile::OutputFile(std::string path) : path_(std::move(path)) {
   WEFT_CHECK(!path_.empty(), "an output path is empty");
   std::error_code ec;
   const fs::file_status status = fs::status(path_, ec);
-  if (fs::exists(status)) {
-    target_ = fs::canonical(path_, ec).string();
-    WEFT_CHECK(!ec, "cannot resolve '", path_, "': ", ec.message());
-    stream_ = fs::is_character_file(status) || fs::is_fifo(status);
-    WEFT_CHECK(stream_ || fs::is_regular_file(status), "'", path_,
+  if (fs::is_character_file(status) || fs::is_fifo(status)) {
+    // Opened by its own name: /dev/stdout on a pipe resolves to no path.
+    stream_ = true;
+    target_ = path_;
+  } else if (fs::exists(status)) {
+    WEFT_CHECK(fs::is_regular_file(status), "'", path_,
                "' is not a regular file, a character device or a FIFO (it is ",
                kind_name(status.type()), "); refusing to replace it");
+    target_ = fs::canonical(path_, ec).string();
+    WEFT_CHECK(!ec, "cannot resolve '", path_, "': ", ec.message());
   } else {
     target_ = fs::weakly_canonical(path_, ec).string();
     WEFT_CHECK(!ec, "cannot resolve '", path_, "': ", ec.message());

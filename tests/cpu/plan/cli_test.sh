@@ -90,6 +90,18 @@ else
   fail "-o a link to /dev/null: now $(stat -c %F "$work/null_link")"; cat "$work/link_to_null.log"
 fi
 
+# -o a link to /dev/stdout, stdout a pipe: the report comes through the pipe.
+ln -s /dev/stdout "$work/stdout_link"
+"$weft" plan --schedule "$data/schedule_ok.json" -o "$work/stdout_link" 2>"$work/stdout.log" |
+  cat >"$work/stdout.read"
+status=${PIPESTATUS[0]}
+if [[ $status -eq 0 && -L "$work/stdout_link" ]] && grep -q "<svg" "$work/stdout.read"; then
+  pass "-o a link to /dev/stdout on a pipe"
+else
+  fail "-o a link to /dev/stdout on a pipe: exit $status, now $(stat -c %F "$work/stdout_link")"
+  cat "$work/stdout.log"
+fi
+
 # --trace with --costs: the trace and the HSTU variants simulated with those costs.
 if "$weft" plan --trace "$data/trace_small.json" --costs "$data/costs_forward.json" \
      -o "$work/trace_costs.html" --json "$work/trace_costs.json" >"$work/trace_costs.log" 2>&1 &&
