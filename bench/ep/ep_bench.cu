@@ -25,7 +25,8 @@
 // Dispatch is timed in the no-host-sync mode (CountMode::kOnDevice), layout included: back-to-back
 // calls, events around the loop. Baseline (NCCL): layout kernel, counts exchange (grouped
 // ncclSend/ncclRecv), host sync, permute kernel, grouped ncclSend/ncclRecv of the rows; combine:
-// the reverse send/recv and an un-permute + fp32 reduce kernel. Exit status 1 on any wrong element.
+// the reverse send/recv and an un-permute + fp32 reduce kernel. Exit status 1 on any wrong element
+// or error, 2 when fewer than 2 GPUs are found (or fewer than --gpus asks for).
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -43,6 +44,7 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
 #include "bench_inputs.hpp"
+#include "bench_main.hpp"
 
 namespace {
 
@@ -138,9 +140,7 @@ int64_t expanded_rows_needed(const weft::ep::BufferConfig& c, int R,
   return most;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   CLI::App app{"weft-ep-bench: weft::ep dispatch/combine vs an NCCL all-to-all baseline"};
   std::vector<int64_t> tokens_list{128, 8192};
   std::vector<int64_t> hidden_list{7168};
@@ -157,7 +157,9 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", hidden_list, "hidden size (list)")->delimiter(',');
   app.add_option("--topk", topk_list, "top-k (list)")->delimiter(',');
   app.add_option("--experts", experts_list, "experts (list)")->delimiter(',');
-  app.add_option("--num-sms", sms_list, "blocks per kernel, 0 = all SMs (list)")->delimiter(',');
+  app.add_option("--num-sms", sms_list, "blocks per kernel, 0 = all SMs (list)")
+      ->delimiter(',')
+      ->check(CLI::Range(0, weft::ep::bench::kMaxNumSms));
   app.add_option("--tokens-per-block", tpb_list, "tokens per block (list)")->delimiter(',');
   auto* send_warps_option =
       app.add_option("--send-warps", send_warps_list,
@@ -166,7 +168,7 @@ int main(int argc, char** argv) {
           ->delimiter(',');
   app.add_option("--warmup", warmup, "untimed calls before timing");
   app.add_option("--iters", iters, "timed calls");
-  app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)");
+  app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)")->check(CLI::Range(0, 1024));
   app.add_option("--mask-ratio", mask_ratio, "fraction of selections set to -1");
   app.add_flag("--no-baseline", no_baseline, "skip the NCCL baseline");
   app.add_flag("--fp8", fp8, "dispatch packed fp8 rows (hidden a multiple of 128)");
@@ -182,11 +184,8 @@ int main(int argc, char** argv) {
   }
   no_baseline |= expand.enabled;
 
-  const int R = num_gpus > 0 ? num_gpus : weft::cuda::device_count();
-  if (R < 2) {
-    std::fprintf(stderr, "weft-ep-bench needs 2 GPUs, found %d\n", R);
-    return 2;
-  }
+  const int R = weft::ep::bench::gpus_to_drive("weft-ep-bench", num_gpus);
+  if (R == 0) return weft::ep::bench::kExitTooFewGpus;
   std::printf("# weft-ep-bench: %d ranks, warmup %d, iters %d, mask %.2f%s%s%s\n", R, warmup,
               iters, mask_ratio, fp8 ? ", fp8" : "", cached ? ", cached" : "",
               stats ? ", stats" : "");
@@ -563,4 +562,10 @@ int main(int argc, char** argv) {
   }
   std::printf("# total wrong elements: %ld\n", total_wrong);
   return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return weft::ep::bench::run_main("weft-ep-bench", [&] { return run(argc, argv); });
 }

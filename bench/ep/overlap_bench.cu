@@ -33,7 +33,8 @@
 //   #wrong     after the overlapped loop, the window and the combine output are poisoned and
 //              one more overlapped iteration runs: received rows, their sources and (disp+comb)
 //              the combine output, element by element against the CPU reference.
-// Exit status 1 on any wrong element.
+// Exit status 1 on any wrong element or error, 2 when fewer than 2 GPUs are found (or fewer than
+// --gpus asks for).
 #include <CLI/CLI.hpp>
 #include <cublas_v2.h>
 
@@ -53,6 +54,7 @@
 #include "weft/ep/event.hpp"
 #include "weft/ep/reference.hpp"
 #include "bench_inputs.hpp"
+#include "bench_main.hpp"
 
 namespace {
 
@@ -91,9 +93,7 @@ struct Rank {
   }
 };
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   CLI::App app{"weft-ep-overlap-bench: a weft::ep dispatch (and combine) hidden behind a GEMM"};
   int64_t T = 8192, H = 7168;
   int K = 8, E = 256, warmup = 5, iters = 20, num_gpus = 0;
@@ -107,13 +107,14 @@ int main(int argc, char** argv) {
   app.add_option("--experts", E, "experts");
   app.add_option("--num-sms", sms_list, "blocks of each EP kernel (list)")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber);  // 0 (every SM) would leave the GEMM no SMs to target
+      // 0 (every SM) would leave the GEMM no SMs to target.
+      ->check(CLI::Range(1, weft::ep::bench::kMaxNumSms));
   app.add_option("--gemm-m", shape.m, "GEMM m");
   app.add_option("--gemm-n", shape.n, "GEMM n");
   app.add_option("--gemm-k", shape.k, "GEMM k");
   app.add_option("--warmup", warmup, "untimed iterations before each timing");
   app.add_option("--iters", iters, "timed iterations");
-  app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)");
+  app.add_option("--gpus", num_gpus, "GPUs (0 = all visible)")->check(CLI::Range(0, 1024));
   app.add_flag("--no-combine", no_combine, "only the dispatch rows");
   app.add_flag("--gemm-split", gemm_split,
                "overlapped GEMM in two parts: the op's length on the SMs it leaves, then all SMs");
@@ -124,11 +125,8 @@ int main(int argc, char** argv) {
                "the overlapped GEMM may use every SM (no cublasSetSmCountTarget)");
   CLI11_PARSE(app, argc, argv);
 
-  const int R = num_gpus > 0 ? num_gpus : weft::cuda::device_count();
-  if (R < 2) {
-    std::fprintf(stderr, "weft-ep-overlap-bench needs 2 GPUs, found %d\n", R);
-    return 2;
-  }
+  const int R = weft::ep::bench::gpus_to_drive("weft-ep-overlap-bench", num_gpus);
+  if (R == 0) return weft::ep::bench::kExitTooFewGpus;
   const weft::ep::BufferConfig config{.max_tokens = T, .hidden = H, .num_experts = E, .top_k = K};
   auto eps = weft::ep::Buffer::create_local(R, config);
 
@@ -344,4 +342,10 @@ int main(int argc, char** argv) {
   }
   std::printf("# total wrong elements: %ld\n", total_wrong);
   return total_wrong == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return weft::ep::bench::run_main("weft-ep-overlap-bench", [&] { return run(argc, argv); });
 }

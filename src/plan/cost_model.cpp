@@ -8,13 +8,17 @@
 namespace weft::plan {
 namespace {
 
-using nlohmann::json;
+using json = detail::Json;
 using detail::only_keys;
 
-double non_negative(const json& value, const std::string& path) {
-  WEFT_CHECK(value.is_number(), path, ": expected a number, got ", value.dump());
-  const double x = value.get<double>();
+// Cost files are small; anything this large is not one.
+constexpr std::size_t kMaxCostFileBytes = std::size_t(16) << 20;
+
+double cost_at(const json& value, const std::string& path) {
+  const double x = detail::number_at(value, path);
   WEFT_CHECK(x >= 0, path, ": expected a cost >= 0, got ", x);
+  WEFT_CHECK(x <= CostModel::kMaxCostUs, path, ": expected a cost <= ", CostModel::kMaxCostUs,
+             " us, got ", x);
   return x;
 }
 
@@ -25,7 +29,7 @@ CostModel CostModel::parse(std::string_view json_text) {
   only_keys(root, "$", {"default_host_us", "tasks"});
   CostModel model;
   if (root.contains("default_host_us")) {
-    model.default_host_us = non_negative(root["default_host_us"], "$.default_host_us");
+    model.default_host_us = cost_at(root["default_host_us"], "$.default_host_us");
   }
   if (root.contains("tasks")) {
     const json& tasks = root["tasks"];
@@ -34,19 +38,18 @@ CostModel CostModel::parse(std::string_view json_text) {
       const std::string path = "$.tasks." + name;
       only_keys(entry, path, {"host_us", "gpu"});
       TaskCost cost;
-      if (entry.contains("host_us")) cost.host_us = non_negative(entry["host_us"], path + ".host_us");
+      if (entry.contains("host_us")) cost.host_us = cost_at(entry["host_us"], path + ".host_us");
       if (entry.contains("gpu")) {
         const json& gpu = entry["gpu"];
         WEFT_CHECK(gpu.is_array(), path, ".gpu: expected an array of {stream, us}");
         for (std::size_t i = 0; i < gpu.size(); ++i) {
           const std::string seg_path = path + ".gpu[" + std::to_string(i) + "]";
           only_keys(gpu[i], seg_path, {"stream", "us"});
-          WEFT_CHECK(gpu[i].contains("stream") && gpu[i]["stream"].is_string() &&
-                         !gpu[i]["stream"].get<std::string>().empty(),
-                     seg_path, ".stream: expected a stream name");
+          WEFT_CHECK(gpu[i].contains("stream"), seg_path, ".stream: missing");
+          std::string stream = detail::string_at(gpu[i]["stream"], seg_path + ".stream");
+          WEFT_CHECK(!stream.empty(), seg_path, ".stream: expected a stream name");
           WEFT_CHECK(gpu[i].contains("us"), seg_path, ".us: missing");
-          cost.gpu.push_back({gpu[i]["stream"].get<std::string>(),
-                              non_negative(gpu[i]["us"], seg_path + ".us")});
+          cost.gpu.push_back({std::move(stream), cost_at(gpu[i]["us"], seg_path + ".us")});
         }
       }
       model.tasks.emplace(name, std::move(cost));
@@ -56,7 +59,7 @@ CostModel CostModel::parse(std::string_view json_text) {
 }
 
 CostModel CostModel::load(const std::string& path) {
-  return detail::load_json_file(path, "cost file", parse);
+  return detail::load_json_file(path, "cost file", kMaxCostFileBytes, parse);
 }
 
 std::string CostModel::to_json() const {
@@ -82,9 +85,13 @@ TaskCost CostModel::cost_of(std::string_view task) const {
 }
 
 void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const {
-  for (const auto& [name, _] : tasks) {
+  for (const auto& [name, cost] : tasks) {
     WEFT_CHECK(schedule.find_task(name).has_value(), "$.tasks.", name,
                ": the schedule has no task of that name");
+    for (std::size_t i = 0; i < cost.gpu.size(); ++i) {
+      WEFT_CHECK(schedule.find_stream(cost.gpu[i].stream).has_value(), "$.tasks.", name, ".gpu[", i,
+                 "].stream: the schedule has no stream '", cost.gpu[i].stream, "'");
+    }
   }
 }
 

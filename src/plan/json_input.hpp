@@ -1,11 +1,18 @@
 // Helpers shared by the planner's JSON readers (private to src/plan). Every error they raise is a
-// weft::Error whose message starts with the JSON path of the offending value ("$.tasks[0].name").
+// weft::Error whose message starts with the JSON path of the offending value ("$.tasks[0].name")
+// and quotes at most a short excerpt of it.
+//
+// Limits: a file is read up to its kind's byte limit (an endless file such as /dev/zero is an
+// error, not an ever-growing buffer); a document nested deeper than kMaxNestingDepth is refused
+// while it is parsed. Objects keep the order of their keys as written (thread-map groups do).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <fstream>
 #include <initializer_list>
+#include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <string_view>
 
@@ -13,33 +20,101 @@
 
 namespace weft::plan::detail {
 
-inline nlohmann::json parse_json(std::string_view text) {
+using Json = nlohmann::ordered_json;
+
+// Deeper than anything the planner's formats need (they nest five levels at most).
+constexpr int kMaxNestingDepth = 64;
+constexpr std::size_t kMaxExcerptChars = 40;
+
+// A short description of `value` for an error message: scalars as written (long strings cut),
+// arrays and objects by their size.
+inline std::string excerpt(const Json& value) {
+  if (value.is_array()) return "an array of " + std::to_string(value.size()) + " values";
+  if (value.is_object()) return "an object of " + std::to_string(value.size()) + " keys";
+  std::string text = value.dump();
+  if (text.size() > kMaxExcerptChars) text = text.substr(0, kMaxExcerptChars) + "...";
+  return text;
+}
+
+inline Json parse_json(std::string_view text) {
+  const Json::parser_callback_t limit_depth = [](int depth, Json::parse_event_t event, Json&) {
+    if ((event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) &&
+        depth >= kMaxNestingDepth) {
+      WEFT_FAIL("$: nested deeper than ", kMaxNestingDepth, " levels");
+    }
+    return true;
+  };
   try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    WEFT_FAIL("$: not valid JSON: ", e.what());
+    return Json::parse(text, limit_depth);
+  } catch (const Json::parse_error& e) {
+    std::string what = e.what();
+    if (what.size() > 4 * kMaxExcerptChars) what = what.substr(0, 4 * kMaxExcerptChars) + "...";
+    WEFT_FAIL("$: not valid JSON: ", what);
   }
 }
 
-inline void only_keys(const nlohmann::json& object, const std::string& path,
+inline void only_keys(const Json& object, const std::string& path,
                       std::initializer_list<std::string_view> allowed) {
-  WEFT_CHECK(object.is_object(), path, ": expected an object, got ", object.dump());
+  WEFT_CHECK(object.is_object(), path, ": expected an object, got ", excerpt(object));
   for (const auto& [key, _] : object.items()) {
     bool known = false;
     for (auto a : allowed) known = known || key == a;
-    WEFT_CHECK(known, path, ".", key, ": unknown key");
+    WEFT_CHECK(known, path, ".", key.substr(0, kMaxExcerptChars), ": unknown key");
   }
 }
 
-// Reads `path` and parses it with `parse`; errors are prefixed with the file's path.
-template <typename Parse>
-auto load_json_file(const std::string& path, const char* what, Parse&& parse) {
-  std::ifstream in(path);
+inline std::string string_at(const Json& value, const std::string& path) {
+  WEFT_CHECK(value.is_string(), path, ": expected a string, got ", excerpt(value));
+  return value.get<std::string>();
+}
+
+inline double number_at(const Json& value, const std::string& path) {
+  WEFT_CHECK(value.is_number(), path, ": expected a number, got ", excerpt(value));
+  return value.get<double>();
+}
+
+// An integer in [min, max]; values outside it are errors, never wrapped.
+template <typename Int>
+Int integer_at(const Json& value, const std::string& path) {
+  constexpr auto min = std::numeric_limits<Int>::min();
+  constexpr auto max = std::numeric_limits<Int>::max();
+  WEFT_CHECK(value.is_number_integer(), path, ": expected an integer, got ", excerpt(value));
+  const bool in_range =
+      value.is_number_unsigned()
+          ? value.get<std::uint64_t>() <= std::uint64_t(max)
+          : value.get<std::int64_t>() >= std::int64_t(min) &&
+                (max >= std::numeric_limits<std::int64_t>::max() ||
+                 value.get<std::int64_t>() <= std::int64_t(max));
+  WEFT_CHECK(in_range, path, ": expected an integer in [", std::int64_t(min), ", ", max, "], got ",
+             excerpt(value));
+  return value.get<Int>();
+}
+
+inline int int_at(const Json& value, const std::string& path) { return integer_at<int>(value, path); }
+
+// Reads `path` whole, refusing files longer than max_bytes; errors name the file.
+inline std::string read_text_file(const std::string& path, const char* what,
+                                  std::size_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
   WEFT_CHECK(in.good(), "cannot read ", what, " '", path, "'");
-  std::stringstream text;
-  text << in.rdbuf();
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+    text.append(chunk, std::size_t(in.gcount()));
+    WEFT_CHECK(text.size() <= max_bytes, path, ": larger than ", max_bytes >> 20, " MiB, too large for a ",
+               what);
+  }
+  WEFT_CHECK(!in.bad(), "reading ", what, " '", path, "' failed");
+  return text;
+}
+
+// Reads `path` (at most max_bytes) and parses it with `parse`; errors are prefixed with the path.
+template <typename Parse>
+auto load_json_file(const std::string& path, const char* what, std::size_t max_bytes,
+                    Parse&& parse) {
+  const std::string text = read_text_file(path, what, max_bytes);
   try {
-    return parse(text.str());
+    return parse(text);
   } catch (const Error& e) {
     WEFT_FAIL(path, ": ", e.message());
   }

@@ -393,7 +393,7 @@ std::string render_html(const std::vector<VariantReport>& variants, const Report
 
   out << "<h2>Variants</h2>\n<table id=variants><tr><th>variant</th><th>cascade</th>"
          "<th>thread_map</th><th>#threads</th><th>step (us)</th><th>host per progress (us)</th>"
-         "<th>cross-thread waits</th><th>source</th></tr>\n";
+         "<th>cross-thread waits</th><th>of them seed rules</th><th>source</th></tr>\n";
   for (const auto& v : variants) {
     std::size_t seed_waits = 0;
     for (const auto& w : v.timeline.waits) {
@@ -403,7 +403,8 @@ std::string render_html(const std::vector<VariantReport>& variants, const Report
         << escape(v.cascade) << "</td><td>" << escape(v.thread_map) << "</td><td class=num>"
         << v.timeline.threads.size() << "</td><td class=num>" << fmt(v.timeline.step_us)
         << "</td><td class=num>" << fmt(v.timeline.host_step_us) << "</td><td class=num>"
-        << seed_waits << "</td><td>" << escape(v.source) << "</td></tr>\n";
+        << v.timeline.waits.size() << "</td><td class=num>" << seed_waits << "</td><td>"
+        << escape(v.source) << "</td></tr>\n";
   }
   out << "</table>\n";
 

@@ -1,35 +1,51 @@
 #include "weft/plan/schedule_file.hpp"
 
-#include <nlohmann/json.hpp>
+#include <cstdint>
 
 #include "json_input.hpp"
 #include "weft/core/error.hpp"
+#include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/schedule_config.hpp"
 
 namespace weft::plan {
 namespace {
 
-using nlohmann::json;
+using json = detail::Json;
+using detail::int_at;
 using detail::only_keys;
 
-std::string string_at(const json& value, const std::string& path) {
+// Schedule files are small; anything this large is not one.
+constexpr std::size_t kMaxScheduleFileBytes = std::size_t(16) << 20;
+
+std::string name_at(const json& value, const std::string& path) {
   WEFT_CHECK(value.is_string() && !value.get<std::string>().empty(), path,
-             ": expected a non-empty string, got ", value.dump());
+             ": expected a non-empty string, got ", detail::excerpt(value));
   return value.get<std::string>();
 }
 
-int int_at(const json& value, const std::string& path) {
-  WEFT_CHECK(value.is_number_integer(), path, ": expected an integer, got ", value.dump());
-  return value.get<int>();
-}
-
-std::vector<std::string> strings_at(const json& value, const std::string& path) {
-  WEFT_CHECK(value.is_array(), path, ": expected an array of names, got ", value.dump());
+std::vector<std::string> names_at(const json& value, const std::string& path) {
+  WEFT_CHECK(value.is_array(), path, ": expected an array of names, got ", detail::excerpt(value));
   std::vector<std::string> out;
   for (std::size_t i = 0; i < value.size(); ++i) {
-    out.push_back(string_at(value[i], path + "[" + std::to_string(i) + "]"));
+    out.push_back(name_at(value[i], path + "[" + std::to_string(i) + "]"));
   }
   return out;
+}
+
+// The JSON path a schedule rule's error is about: the first task the message quotes, else the
+// streams or inputs it concerns, else the task list as a whole (a cycle).
+std::string path_of_rule_error(const std::string& message, const json& tasks) {
+  const auto quoted = message.find("task '");
+  if (quoted != std::string::npos) {
+    const auto begin = quoted + 6;
+    const std::string name = message.substr(begin, message.find('\'', begin) - begin);
+    for (std::size_t i = 0; i < tasks.size(); ++i) {
+      if (tasks[i].value("name", "") == name) return "$.tasks[" + std::to_string(i) + "]";
+    }
+  }
+  if (message.find("schedule: stream '") != std::string::npos) return "$.streams";
+  if (message.find("input slot") != std::string::npos) return "$.inputs";
+  return "$.tasks";
 }
 
 pipeline::Task parse_task(const json& entry, const std::string& path) {
@@ -37,17 +53,17 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
             {"name", "stream", "lookahead", "reads", "writes", "depends_on",
              "cross_iter_depends_on", "same_progress_sync", "collective"});
   WEFT_CHECK(entry.contains("name"), path, ".name: missing");
-  pipeline::Task task(string_at(entry["name"], path + ".name"));
-  if (entry.contains("stream")) task.stream(string_at(entry["stream"], path + ".stream"));
+  pipeline::Task task(name_at(entry["name"], path + ".name"));
+  if (entry.contains("stream")) task.stream(name_at(entry["stream"], path + ".stream"));
   if (entry.contains("lookahead")) task.lookahead(int_at(entry["lookahead"], path + ".lookahead"));
   if (entry.contains("reads")) {
-    for (const auto& s : strings_at(entry["reads"], path + ".reads")) task.reads(s);
+    for (const auto& s : names_at(entry["reads"], path + ".reads")) task.reads(s);
   }
   if (entry.contains("writes")) {
-    for (const auto& s : strings_at(entry["writes"], path + ".writes")) task.writes(s);
+    for (const auto& s : names_at(entry["writes"], path + ".writes")) task.writes(s);
   }
   if (entry.contains("depends_on")) {
-    for (const auto& s : strings_at(entry["depends_on"], path + ".depends_on")) task.depends_on(s);
+    for (const auto& s : names_at(entry["depends_on"], path + ".depends_on")) task.depends_on(s);
   }
   if (entry.contains("cross_iter_depends_on")) {
     const json& list = entry["cross_iter_depends_on"];
@@ -57,7 +73,7 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
       only_keys(list[i], p, {"producer", "offset"});
       WEFT_CHECK(list[i].contains("producer") && list[i].contains("offset"), p,
                  ": needs producer and offset");
-      task.cross_iter_depends_on(string_at(list[i]["producer"], p + ".producer"),
+      task.cross_iter_depends_on(name_at(list[i]["producer"], p + ".producer"),
                                  int_at(list[i]["offset"], p + ".offset"));
     }
   }
@@ -71,12 +87,12 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
       pipeline::SyncSide side = pipeline::SyncSide::kBoth;
       if (list[i].contains("side")) {
         try {
-          side = pipeline::parse_sync_side(string_at(list[i]["side"], p + ".side"));
+          side = pipeline::parse_sync_side(name_at(list[i]["side"], p + ".side"));
         } catch (const Error& e) {
           WEFT_FAIL(p, ".side: ", e.message());
         }
       }
-      task.same_progress_sync(string_at(list[i]["producer"], p + ".producer"), side);
+      task.same_progress_sync(name_at(list[i]["producer"], p + ".producer"), side);
     }
   }
   if (entry.contains("collective")) {
@@ -91,15 +107,11 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
         only_keys(c[i], p, {"kind", "stream", "bytes", "count"});
         pipeline::CollectiveOp op;
         WEFT_CHECK(c[i].contains("kind"), p, ".kind: missing");
-        op.kind = string_at(c[i]["kind"], p + ".kind");
-        op.stream = c[i].contains("stream") ? string_at(c[i]["stream"], p + ".stream")
+        op.kind = name_at(c[i]["kind"], p + ".kind");
+        op.stream = c[i].contains("stream") ? name_at(c[i]["stream"], p + ".stream")
                                             : task.stream();
         if (c[i].contains("bytes")) {
-          WEFT_CHECK(c[i]["bytes"].is_number_unsigned() || c[i]["bytes"].is_number_integer(), p,
-                     ".bytes: expected an integer");
-          const auto bytes = c[i]["bytes"].get<long long>();
-          WEFT_CHECK(bytes >= 0, p, ".bytes: expected >= 0, got ", bytes);
-          op.num_bytes = std::size_t(bytes);
+          op.num_bytes = detail::integer_at<std::size_t>(c[i]["bytes"], p + ".bytes");
         }
         if (c[i].contains("count")) {
           op.count = int_at(c[i]["count"], p + ".count");
@@ -125,11 +137,11 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
     for (std::size_t i = 0; i < streams.size(); ++i) {
       const std::string p = "$.streams[" + std::to_string(i) + "]";
       if (streams[i].is_string()) {
-        file.schedule.add_stream(string_at(streams[i], p));
+        file.schedule.add_stream(name_at(streams[i], p));
       } else {
         only_keys(streams[i], p, {"name", "priority"});
         WEFT_CHECK(streams[i].contains("name"), p, ".name: missing");
-        file.schedule.add_stream(string_at(streams[i]["name"], p + ".name"),
+        file.schedule.add_stream(name_at(streams[i]["name"], p + ".name"),
                                  streams[i].contains("priority")
                                      ? int_at(streams[i]["priority"], p + ".priority")
                                      : 0);
@@ -137,7 +149,7 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
     }
   }
   if (root.contains("inputs")) {
-    for (const auto& s : strings_at(root["inputs"], "$.inputs")) file.schedule.add_input(s);
+    for (const auto& s : names_at(root["inputs"], "$.inputs")) file.schedule.add_input(s);
   }
   WEFT_CHECK(root.contains("tasks") && root["tasks"].is_array() && !root["tasks"].empty(),
              "$.tasks: expected a non-empty array of tasks");
@@ -175,11 +187,27 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
       WEFT_FAIL(message);
     }
   }
+  // The schedule's own rules (and the costs' tasks and streams), checked here so that their
+  // errors name the JSON path.
+  try {
+    const pipeline::CompiledSchedule compiled(file.schedule);
+    if (file.costs) {
+      try {
+        file.costs->check_against(compiled);
+      } catch (const Error& e) {
+        WEFT_FAIL("$.costs", e.message().substr(1));
+      }
+    }
+  } catch (const Error& e) {
+    const std::string& message = e.message();
+    if (message.rfind("$", 0) == 0) throw;
+    WEFT_FAIL(path_of_rule_error(message, root["tasks"]), ": ", message);
+  }
   return file;
 }
 
 ScheduleFile ScheduleFile::load(const std::string& path) {
-  return detail::load_json_file(path, "schedule file", parse);
+  return detail::load_json_file(path, "schedule file", kMaxScheduleFileBytes, parse);
 }
 
 }  // namespace weft::plan

@@ -2,18 +2,21 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
-#include <sstream>
+#include <utility>
 
+#include "json_input.hpp"
 #include "weft/core/error.hpp"
 
 namespace weft::plan {
 namespace {
 
-using nlohmann::json;
+using json = detail::Json;
+
+// A long run's trace is tens of MiB; the limit keeps a wrong file from exhausting memory.
+constexpr std::size_t kMaxTraceFileBytes = std::size_t(256) << 20;
 
 // The engine's wait-rule names (pipeline::to_string(WaitRule)) -> the planner's.
 WaitRule rule_from_flow_name(const std::string& name) {
@@ -21,6 +24,56 @@ WaitRule rule_from_flow_name(const std::string& name) {
   if (name.find("stream_order") != std::string::npos) return WaitRule::kStreamOrder;
   if (name.find("ticket") != std::string::npos) return WaitRule::kTicket;
   return WaitRule::kSameLookahead;
+}
+
+// The fields of one trace event the reader uses, their JSON types checked: an error names the
+// event and the field ("traceEvents[6].args.iteration: expected an integer, got \"three\"").
+struct Event {
+  std::string path;
+  std::string ph, name;
+  int pid = -1, tid = 0;
+  double ts = 0, dur = 0;
+  long long id = -1;
+  // args
+  std::string args_name;
+  long long batch = -1;
+  std::optional<long long> iteration;
+  int lookahead = 0;
+  int ticket = -1;
+};
+
+template <typename Read>
+auto field_or(const json& object, const char* key, const std::string& path,
+              decltype(std::declval<Read>()(object, path)) fallback, Read read) {
+  const auto it = object.find(key);
+  return it == object.end() ? fallback : read(*it, path + "." + key);
+}
+
+Event read_event(const json& e, std::size_t index) {
+  Event out;
+  out.path = "traceEvents[" + std::to_string(index) + "]";
+  WEFT_CHECK(e.is_object(), out.path, ": expected an object, got ", detail::excerpt(e));
+  const auto& p = out.path;
+  out.ph = field_or(e, "ph", p, std::string(), detail::string_at);
+  out.name = field_or(e, "name", p, std::string(), detail::string_at);
+  out.pid = field_or(e, "pid", p, -1, detail::int_at);
+  out.tid = field_or(e, "tid", p, 0, detail::int_at);
+  out.ts = field_or(e, "ts", p, 0.0, detail::number_at);
+  out.dur = field_or(e, "dur", p, 0.0, detail::number_at);
+  out.id = field_or(e, "id", p, -1LL, detail::integer_at<long long>);
+  const auto args = e.find("args");
+  if (args != e.end()) {
+    const std::string a = p + ".args";
+    WEFT_CHECK(args->is_object(), a, ": expected an object, got ", detail::excerpt(*args));
+    out.args_name = field_or(*args, "name", a, std::string(), detail::string_at);
+    out.batch = field_or(*args, "batch", a, -1LL, detail::integer_at<long long>);
+    if (args->contains("iteration")) {
+      out.iteration = detail::integer_at<long long>((*args)["iteration"], a + ".iteration");
+    }
+    out.lookahead = field_or(*args, "lookahead", a, 0, detail::int_at);
+    out.ticket = field_or(*args, "ticket", a, -1, detail::int_at);
+  }
+  return out;
 }
 
 struct Span {
@@ -39,23 +92,28 @@ struct Span {
 VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   json root;
   try {
-    root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    WEFT_FAIL("trace: not valid JSON: ", e.what());
+    root = detail::parse_json(json_text);
+  } catch (const Error& e) {
+    WEFT_FAIL("trace: ", e.message());
   }
-  const json* events = &root;
+  const json* event_list = &root;
   if (root.is_object()) {
     WEFT_CHECK(root.contains("traceEvents"), "trace: no traceEvents array");
-    events = &root["traceEvents"];
+    event_list = &root["traceEvents"];
   }
-  WEFT_CHECK(events->is_array(), "trace: traceEvents is not an array");
+  WEFT_CHECK(event_list->is_array(), "trace: traceEvents is not an array");
+  std::vector<Event> events;
+  try {
+    for (std::size_t i = 0; i < event_list->size(); ++i) events.push_back(read_event((*event_list)[i], i));
+  } catch (const Error& e) {
+    WEFT_FAIL("trace: ", e.message());
+  }
 
   int host_pid = -1, gpu_pid = -1;
-  for (const auto& e : *events) {
-    if (e.value("ph", "") == "M" && e.value("name", "") == "process_name") {
-      const std::string process = e["args"].value("name", "");
-      if (process == "host") host_pid = e.value("pid", -1);
-      if (process == "gpu") gpu_pid = e.value("pid", -1);
+  for (const auto& e : events) {
+    if (e.ph == "M" && e.name == "process_name") {
+      if (e.args_name == "host") host_pid = e.pid;
+      if (e.args_name == "gpu") gpu_pid = e.pid;
     }
   }
   WEFT_CHECK(host_pid >= 0, "trace: no \"host\" process: not a trace written by weft's engine");
@@ -63,30 +121,20 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   std::vector<Span> host, gpu;
   std::map<long long, std::pair<int, double>> flow_start, flow_end;
   std::map<long long, std::string> flow_name;
-  for (const auto& e : *events) {
-    const std::string ph = e.value("ph", "");
-    const int pid = e.value("pid", -1);
-    const int tid = e.value("tid", 0);
-    if (ph == "M" && e.value("name", "") == "thread_name") {
-      (pid == host_pid ? thread_names : stream_names)[tid] = e["args"].value("name", "");
-    } else if (ph == "X" && (pid == host_pid || pid == gpu_pid)) {
-      Span s;
-      s.task = e.value("name", "");
-      s.tid = tid;
-      s.begin = e.value("ts", 0.0);
-      s.end = s.begin + e.value("dur", 0.0);
-      if (e.contains("args")) {
-        const json& a = e["args"];
-        s.batch = a.value("batch", -1LL);
-        s.iteration = a.value("iteration", -1LL);
-        s.lookahead = a.value("lookahead", 0);
-        s.ticket = a.value("ticket", -1);
-      }
-      (pid == host_pid ? host : gpu).push_back(std::move(s));
-    } else if ((ph == "s" || ph == "f") && pid == host_pid) {
-      const long long id = e.value("id", -1LL);
-      (ph == "s" ? flow_start : flow_end)[id] = {tid, e.value("ts", 0.0)};
-      flow_name[id] = e.value("name", "");
+  for (const auto& e : events) {
+    if (e.ph == "M" && e.name == "thread_name") {
+      (e.pid == host_pid ? thread_names : stream_names)[e.tid] = e.args_name;
+    } else if (e.ph == "X" && (e.pid == host_pid || e.pid == gpu_pid)) {
+      // Spans are grouped by iteration: without it every iteration would be drawn as one.
+      WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", e.path, ": host span '",
+                 e.name.substr(0, detail::kMaxExcerptChars),
+                 "' has no args.iteration (not a trace written by weft's engine)");
+      (e.pid == host_pid ? host : gpu)
+          .push_back({e.name, e.tid, e.ts, e.ts + e.dur, e.batch, e.iteration.value_or(-1),
+                      e.lookahead, e.ticket});
+    } else if ((e.ph == "s" || e.ph == "f") && e.pid == host_pid) {
+      (e.ph == "s" ? flow_start : flow_end)[e.id] = {e.tid, e.ts};
+      flow_name[e.id] = e.name;
     }
   }
   WEFT_CHECK(!host.empty(), "trace: no host task spans");
@@ -185,17 +233,11 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
 }
 
 VariantReport read_chrome_trace(const std::string& path) {
-  std::ifstream in(path);
-  WEFT_CHECK(in.good(), "cannot read trace '", path, "'");
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    auto report = parse_chrome_trace(text.str(), std::filesystem::path(path).stem().string());
-    report.source = "trace " + std::filesystem::path(path).filename().string();
-    return report;
-  } catch (const Error& e) {
-    WEFT_FAIL(path, ": ", e.message());
-  }
+  auto report = detail::load_json_file(path, "trace", kMaxTraceFileBytes, [&](const std::string& text) {
+    return parse_chrome_trace(text, std::filesystem::path(path).stem().string());
+  });
+  report.source = "trace " + std::filesystem::path(path).filename().string();
+  return report;
 }
 
 }  // namespace weft::plan

@@ -11,6 +11,15 @@ endfunction()
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(prefix "${WORK_DIR}/prefix")
 run_step("install weft" ${CMAKE_COMMAND} --install "${WEFT_BUILD_DIR}" --prefix "${prefix}")
+# The installed package names no library by the build machine's path: NCCL is found again where
+# the package is used (and must be the version weft was built against).
+file(GLOB_RECURSE package_files "${prefix}/lib*/cmake/weft/*.cmake")
+foreach(package_file IN LISTS package_files)
+  file(READ "${package_file}" package_text)
+  if(package_text MATCHES "/[^ \"]*libnccl[^ \"]*")
+    message(FATAL_ERROR "${package_file} hard-codes ${CMAKE_MATCH_0}")
+  endif()
+endforeach()
 set(extra "")
 if(CUDA_COMPILER)
   list(APPEND extra "-DCMAKE_CUDA_COMPILER=${CUDA_COMPILER}"

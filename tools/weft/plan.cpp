@@ -5,9 +5,8 @@
 //   weft plan --variant full_split_d6 --costs my_costs.json -o hstu.html
 //   weft plan --schedule my_schedule.json --json waits.json
 //   weft plan --trace run.trace.json           # a real run's trace, drawn the same way
+//   weft plan --trace run.trace.json --costs costs.json   # and the HSTU variants with those costs
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "output_file.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/hstu.hpp"
@@ -35,24 +35,6 @@ struct PlanOptions {
   std::string json_path;
   int num_progress = 12;
 };
-
-// Writes through a temporary file and a rename, so a failed run leaves no partial file behind.
-void write_file_atomically(const std::string& path, const std::string& content) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    WEFT_CHECK(out.good(), "cannot write '", tmp, "'");
-    out << content;
-    out.close();
-    WEFT_CHECK(out.good(), "writing '", tmp, "' failed");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp);
-    WEFT_FAIL("cannot move the report to '", path, "': ", ec.message());
-  }
-}
 
 std::string describe_thread_map(const pipeline::ThreadMap& map,
                                 const pipeline::ThreadAssignment& threads) {
@@ -138,20 +120,28 @@ nlohmann::json timeline_json(const plan::VariantReport& v) {
 void run_plan(const PlanOptions& options) {
   WEFT_CHECK(options.schedule_path.empty() || options.variants.empty(),
              "--variant names HSTU variants; it cannot be combined with --schedule");
+  // Both outputs are checked before any work, and written aside before either is put in place:
+  // a failed run leaves neither.
+  OutputFile html_file(options.out);
+  std::optional<OutputFile> json_file;
+  if (!options.json_path.empty()) json_file.emplace(options.json_path);
   std::vector<plan::VariantReport> reports;
   plan::ReportOptions report_options;
   std::optional<plan::CostModel> costs;
   if (!options.costs_path.empty()) costs = plan::CostModel::load(options.costs_path);
+  // A schedule file's own costs are checked when it is read; --costs here.
   auto check_costs = [&](const pipeline::CompiledSchedule& compiled) {
+    if (options.costs_path.empty()) return;
     try {
       costs->check_against(compiled);
     } catch (const Error& e) {
-      WEFT_FAIL(options.costs_path.empty() ? "costs" : options.costs_path, ": ", e.message());
+      WEFT_FAIL(options.costs_path, ": ", e.message());
     }
   };
 
+  // With --trace, the HSTU variants are drawn too when --variant or --costs asks for them.
   const bool draw_hstu = options.schedule_path.empty() &&
-                         (options.traces.empty() || !options.variants.empty());
+                         (options.traces.empty() || !options.variants.empty() || costs.has_value());
   if (!options.schedule_path.empty()) {
     auto file = plan::ScheduleFile::load(options.schedule_path);
     if (!costs) costs = file.costs;
@@ -197,15 +187,14 @@ void run_plan(const PlanOptions& options) {
     reports.push_back(plan::read_chrome_trace(path));
   }
 
-  const std::string html = plan::render_html(reports, report_options);
-  std::string json_text;
-  if (!options.json_path.empty()) {
+  html_file.stage(plan::render_html(reports, report_options));
+  if (json_file) {
     nlohmann::json root = {{"variants", nlohmann::json::array()}};
     for (const auto& r : reports) root["variants"].push_back(timeline_json(r));
-    json_text = root.dump(2);
+    json_file->stage(root.dump(2));
   }
-  write_file_atomically(options.out, html);
-  if (!options.json_path.empty()) write_file_atomically(options.json_path, json_text);
+  html_file.commit();
+  if (json_file) json_file->commit();
   for (const auto& r : reports) {
     std::printf("%-26s step %9.1f us   host %8.1f us   %2zu threads   %zu waits\n",
                 r.name.c_str(), r.timeline.step_us, r.timeline.host_step_us,
@@ -221,7 +210,9 @@ void register_plan(CLI::App& app) {
   auto options = std::make_shared<PlanOptions>();
   auto* command = app.add_subcommand(
       "plan", "Simulate schedules under thread maps and draw them into one HTML report");
-  command->add_option("-o,--out", options->out, "HTML report to write")
+  command->add_option("-o,--out", options->out,
+                      "HTML report to write (a regular file, replaced only on success; or a "
+                      "device or FIFO, written to)")
       ->capture_default_str();
   command->add_option("--variant", options->variants,
                       "HSTU variant to draw (repeatable; default: all nine)");
@@ -231,7 +222,8 @@ void register_plan(CLI::App& app) {
                       "a schedule of your own (JSON) instead of the HSTU presets")
       ->check(CLI::ExistingFile);
   command->add_option("--trace", options->traces,
-                      "Chrome trace of a real run to draw as well (repeatable)")
+                      "Chrome trace of a real run to draw (repeatable); the HSTU variants are "
+                      "drawn next to it with --variant or --costs")
       ->check(CLI::ExistingFile);
   command->add_option("--json", options->json_path,
                       "also write the timelines and every wait as JSON");

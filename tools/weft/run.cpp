@@ -336,8 +336,34 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
               options.out_dir.c_str());
 }
 
-void run_hstu(const RunOptions& options) {
+// Every argument, checked before a GPU or NCCL is touched, so that a mistake is reported as
+// itself rather than as whatever the GPUs say first.
+void check_arguments(const RunOptions& options) {
   WEFT_CHECK(options.num_steps >= 8, "--steps must be >= 8");
+  for (const auto& name : options.variants) {
+    if (name != "all") pipeline::hstu_variant(name);
+  }
+  try {
+    pipeline::hstu_variant(options.calibrate_from);
+  } catch (const Error& e) {
+    WEFT_FAIL("--calibrate-from: ", e.message());
+  }
+  WEFT_CHECK(options.local_gpus >= 0, "--local-gpus ", options.local_gpus,
+             ": expected >= 0 (0: one GPU per process)");
+  const hstu::HstuConfig& shape = options.shape;
+  WEFT_CHECK(shape.local_batch >= 1, "--local-batch ", shape.local_batch, ": expected >= 1");
+  WEFT_CHECK(shape.max_seq_len >= 1, "--max-seq-len ", shape.max_seq_len, ": expected >= 1");
+  WEFT_CHECK(shape.hidden >= 8 && shape.hidden % 8 == 0, "--hidden ", shape.hidden,
+             ": expected a multiple of 8, >= 8 (tensor-core GEMMs)");
+  WEFT_CHECK(shape.num_layers >= 1, "--layers ", shape.num_layers, ": expected >= 1");
+  WEFT_CHECK(shape.num_layers >= shape.bucket_split_layer, "--layers ", shape.num_layers,
+             ": expected >= ", shape.bucket_split_layer, " (the gradient AllReduce's first bucket ",
+             "starts at layer ", shape.bucket_split_layer, ")");
+  shape.validate();  // what is left (the world is known only after the launch)
+}
+
+void run_hstu(const RunOptions& options) {
+  check_arguments(options);
   cuda::check_nccl_runtime();
   if (options.local_gpus > 0) {
     WEFT_CHECK(cuda::device_count() >= options.local_gpus, "--local-gpus ", options.local_gpus,

@@ -11,8 +11,10 @@
 //   }
 //
 // A task's GPU segments run one after the other, each on its stream, after the task's body has
-// enqueued them. Every figure is >= 0. Unknown keys and, when checked against a schedule, tasks
-// the schedule lacks are errors whose message starts with the JSON path ("$.tasks.h2d.host_us").
+// enqueued them. Every figure is in [0, kMaxCostUs] (1000 s: a larger figure is a unit mistake,
+// and the simulation's sums stay finite). Unknown keys, JSON nested deeper than 64 levels, files
+// over 16 MiB and, when checked against a schedule, tasks or streams the schedule lacks are errors
+// whose message starts with the JSON path ("$.tasks.h2d.host_us").
 #pragma once
 
 #include <map>
@@ -37,6 +39,8 @@ struct TaskCost {
 };
 
 struct CostModel {
+  static constexpr double kMaxCostUs = 1e9;
+
   double default_host_us = 20;
   std::map<std::string, TaskCost, std::less<>> tasks;
 
@@ -46,7 +50,8 @@ struct CostModel {
 
   // The cost of a task (default_host_us and no GPU work when the model does not list it).
   TaskCost cost_of(std::string_view task) const;
-  // Throws weft::Error naming the first task of the model that the schedule lacks.
+  // Throws weft::Error naming the first task of the model that the schedule lacks, or the first
+  // GPU segment on a stream the schedule does not declare.
   void check_against(const pipeline::CompiledSchedule& schedule) const;
 
   // Rough figures for the HSTU preset tasks (see docs/planner.md for where they come from).

@@ -3,13 +3,14 @@
 //
 //   {
 //     "streams": ["memcpy", {"name": "comm", "priority": 1}],
-//     "inputs": ["batch_cpu"],
+//     "inputs": ["batch_cpu", "step_cpu"],
 //     "tasks": [
 //       {"name": "h2d", "stream": "memcpy", "lookahead": 1,
 //        "reads": ["batch_cpu"], "writes": ["batch_gpu"]},
+//       {"name": "log", "reads": ["step_cpu"]},
 //       {"name": "allreduce", "reads": ["batch_gpu"], "writes": ["sum"],
-//        "collective": [{"kind": "AllReduce", "stream": "default", "bytes": 4096, "count": 1}]},
-//       {"name": "train", "reads": ["sum"], "depends_on": ["h2d"],
+//        "collective": [{"kind": "AllReduce", "stream": "comm", "bytes": 4096, "count": 1}]},
+//       {"name": "train", "reads": ["sum"], "depends_on": ["log"],
 //        "cross_iter_depends_on": [{"producer": "train", "offset": -1}],
 //        "same_progress_sync": [{"producer": "h2d", "side": "gpu"}]}
 //     ],
@@ -17,9 +18,13 @@
 //     "costs": {"tasks": {"train": {"host_us": 500, "gpu": [{"stream": "default", "us": 9000}]}}}
 //   }
 //
-// "collective" may also be just true. Thread maps take the forms of ScheduleConfig's
-// "thread_map"; without "thread_maps", legacy, by_stream and per_task are compared. Errors are
-// weft::Error whose message starts with the JSON path of the offending value.
+// "collective" may also be just true. A consumer names a producer in one edge kind only (a slot
+// it reads, depends_on, cross_iter_depends_on or same_progress_sync). Thread maps take the forms
+// of ScheduleConfig's "thread_map" (groups in the order written); without "thread_maps", legacy,
+// by_stream and per_task are compared. The schedule's rules (CompiledSchedule) and the costs
+// (CostModel::check_against) are checked by parse(). Errors are weft::Error whose message starts
+// with the JSON path of the offending value (a rule's error: of the first task it names); load()
+// prefixes the file's path. Limits: 16 MiB, 64 levels of nesting, integers in int range.
 #pragma once
 
 #include <optional>

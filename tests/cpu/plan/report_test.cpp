@@ -107,4 +107,20 @@ TEST(Report, ThreadLoadsCountBusyTimeAndIdleGapsOnce) {
   EXPECT_DOUBLE_EQ(weft::plan::thread_loads(v.timeline)[1].wait_us, 100.0);
 }
 
+
+// The variants table counts the same waits the variant's own list shows, and how many of them
+// follow the seed's rules.
+TEST(Report, VariantsTableCountsTheWaitsTheDetailsList) {
+  VariantReport v = crowded_variant("one");
+  v.timeline.waits.push_back({"task_with_a_long_name_2", "task_with_a_long_name_3", "a", "b",
+                              WaitRule::kTicket, 22, 1});
+  v.timeline.waits.push_back({"task_with_a_long_name_4", "task_with_a_long_name_5", "a", "b",
+                              WaitRule::kStreamOrder, 42, 1});
+  const std::string html = weft::plan::render_html({v}, {});
+  const auto table = html.substr(html.find("<table id=variants>"));
+  const std::string row = table.substr(table.find("<tr><td>"), table.find("</tr>", table.find("<tr><td>")) - table.find("<tr><td>"));
+  EXPECT_NE(html.find("<summary>3 cross-thread waits</summary>"), std::string::npos);
+  EXPECT_NE(row.find("<td class=num>3</td><td class=num>1</td>"), std::string::npos) << row;
+  EXPECT_NE(table.find("<th>cross-thread waits</th><th>of them seed rules</th>"), std::string::npos);
+}
 }  // namespace

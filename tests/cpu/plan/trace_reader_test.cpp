@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <string>
 #include <unistd.h>
@@ -81,6 +82,74 @@ TEST(TraceReader, RejectsWhatIsNotAnEngineTrace) {
   EXPECT_THROW(plan::parse_chrome_trace("{\"traceEvents\": []}", "x"), Error);
   EXPECT_THROW(plan::parse_chrome_trace("[1, 2", "x"), Error);
   EXPECT_THROW(plan::read_chrome_trace("/nonexistent/trace.json"), Error);
+}
+
+// The smallest trace the engine writes: one thread, tasks a and b, `iterations` iterations.
+std::string small_trace(int iterations, const std::string& extra_event = "") {
+  std::string events = R"({"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "host"}},
+    {"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "main"}})";
+  for (int i = 0; i < iterations; ++i) {
+    for (const char* task : {"a", "b"}) {
+      const int ts = 100 * i + (task[0] == 'a' ? 0 : 50);
+      events += ",\n    {\"ph\": \"X\", \"name\": \"" + std::string(task) +
+                "\", \"pid\": 1, \"tid\": 0, \"ts\": " + std::to_string(ts) +
+                ", \"dur\": 40, \"args\": {\"batch\": " + std::to_string(i) +
+                ", \"lookahead\": 0, \"iteration\": " + std::to_string(i) + "}}";
+    }
+  }
+  if (!extra_event.empty()) events += ",\n    " + extra_event;
+  return "{\"traceEvents\": [" + events + "]}";
+}
+
+std::string trace_error(const std::string& text) {
+  try {
+    plan::parse_chrome_trace(text, "x");
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "no error";
+}
+
+TEST(TraceReader, ReadsTheSmallestEngineTrace) {
+  const plan::VariantReport report = plan::parse_chrome_trace(small_trace(4), "x");
+  ASSERT_EQ(report.timeline.host.size(), 2u);
+  EXPECT_DOUBLE_EQ(report.timeline.step_us, 100);
+  EXPECT_DOUBLE_EQ(report.timeline.host_step_us, 90);
+}
+
+TEST(TraceReader, WrongFieldTypesNameTheEvent) {
+  // Event 6 is the appended one (two metadata events, then 2 x 2 spans).
+  EXPECT_EQ(trace_error(small_trace(2, R"({"ph": "X", "name": "a", "pid": 1, "tid": 0, "ts": 0, "dur": 1,
+                                           "args": {"iteration": "three"}})")),
+            "trace: traceEvents[6].args.iteration: expected an integer, got \"three\"");
+  EXPECT_EQ(trace_error(small_trace(2, R"({"ph": 5})")),
+            "trace: traceEvents[6].ph: expected a string, got 5");
+  EXPECT_EQ(trace_error(small_trace(2, R"({"ph": "X", "name": "a", "pid": 1, "tid": 0, "ts": "soon"})")),
+            "trace: traceEvents[6].ts: expected a number, got \"soon\"");
+  EXPECT_EQ(trace_error(small_trace(2, R"({"ph": "X", "name": "a", "pid": 1, "tid": 4294967296, "ts": 0})")),
+            "trace: traceEvents[6].tid: expected an integer in [-2147483648, 2147483647], got "
+            "4294967296");
+  EXPECT_EQ(trace_error(small_trace(2, R"(7)")), "trace: traceEvents[6]: expected an object, got 7");
+}
+
+TEST(TraceReader, HostSpansWithoutIterationNumbersAreRefused) {
+  EXPECT_EQ(trace_error(small_trace(2, R"({"ph": "X", "name": "a", "pid": 1, "tid": 0, "ts": 500, "dur": 1})")),
+            "trace: traceEvents[6]: host span 'a' has no args.iteration (not a trace written by "
+            "weft's engine)");
+}
+
+TEST(TraceReader, ErrorsNameTheFile) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("weft-trace-type-" + std::to_string(::getpid()) + ".json");
+  std::ofstream(path) << small_trace(2, R"({"ph": 5})");
+  std::string message;
+  try {
+    plan::read_chrome_trace(path.string());
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  std::filesystem::remove(path);
+  EXPECT_EQ(message, path.string() + ": trace: traceEvents[6].ph: expected a string, got 5");
 }
 
 }  // namespace
