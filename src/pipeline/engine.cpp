@@ -162,6 +162,14 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   }
 }
 
+EngineCore::~EngineCore() {
+  try {
+    backend_->synchronize();
+  } catch (const std::exception&) {
+    // Errors of work nobody waits for any more are dropped, as in reset().
+  }
+}
+
 void EngineCore::run_inits(std::uint32_t thread) {
   for (TaskId t : threads_.tasks_of_thread[thread]) {
     const Task& task = schedule_.task(t);
@@ -417,6 +425,7 @@ void EngineCore::reset() {
   }
   for (Batch& b : ring_) b.clear();
   result_.clear();
+  retired_.clear();
   iteration_ = 0;
   num_pulled_ = 0;
   num_returned_ = 0;
@@ -449,6 +458,21 @@ void EngineCore::pull() {
   } else {
     exhausted_ = true;
     batch.clear();
+  }
+}
+
+void EngineCore::retire(Batch& batch) {
+  const bool empty = std::none_of(batch.values_.begin(), batch.values_.end(),
+                                  [](const std::any& v) { return v.has_value(); });
+  if (empty) return;
+  Retired retired{backend_->fence(), std::vector<std::any>(batch.values_.size())};
+  std::swap(retired.values, batch.values_);
+  retired_.push_back(std::move(retired));
+}
+
+void EngineCore::release_retired() {
+  while (!retired_.empty() && backend_->fence_completed(retired_.front().fence)) {
+    retired_.pop_front();
   }
 }
 
@@ -507,6 +531,7 @@ std::optional<Step> EngineCore::progress() {
     }
   }
   while (!ended_) {
+    release_retired();
     pull();
     if (exhausted_ && (num_pulled_ == 0 || iteration_ >= num_pulled_ + max_lookahead_)) {
       ended_ = true;
@@ -518,10 +543,12 @@ std::optional<Step> EngineCore::progress() {
     const std::int64_t batch = batch_by_la_[0];
     ++iteration_;
     if (finished) {
+      // The previous result's time with the caller is over; its values go once the streams are
+      // done with them.
+      retire(result_);
       Batch& done = ring_[static_cast<std::size_t>(batch % in_flight_)];
       std::swap(result_.values_, done.values_);
       result_.index_ = batch;
-      done.clear();
       ++num_returned_;
       return Step(&result_);
     }

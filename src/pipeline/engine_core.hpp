@@ -14,8 +14,10 @@
 #pragma once
 
 #include <atomic>
+#include <any>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -97,7 +99,8 @@ class EngineCore {
              EngineOptions options);
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
-  ~EngineCore() = default;
+  // Drains the backend's streams before the slot values they may still read are destroyed.
+  ~EngineCore();
 
   void set_source(Source source);
   std::optional<Step> progress();
@@ -130,6 +133,10 @@ class EngineCore {
   void worker_main(std::uint32_t thread);
   void run_inits(std::uint32_t thread);
   void pull();
+  // Keeps the values of a batch that left the ring (and empties it) until the backend's streams
+  // have finished all work enqueued so far; release_retired() destroys those whose time came.
+  void retire(Batch& batch);
+  void release_retired();
   void prepare_iteration();
   void run_iteration();
   void run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded);
@@ -157,6 +164,11 @@ class EngineCore {
   // Ring: ring_[batch % in_flight] holds the batch; result_ the last finished one.
   std::vector<Batch> ring_;
   Batch result_;
+  struct Retired {
+    std::uint64_t fence;
+    std::vector<std::any> values;
+  };
+  std::deque<Retired> retired_;  // oldest first
   Source source_;
   std::int64_t iteration_ = 0;
   std::int64_t num_pulled_ = 0;
