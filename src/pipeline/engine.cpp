@@ -117,6 +117,7 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
       const bool known = std::any_of(plan.host_waits.begin(), plan.host_waits.end(),
                                      [&](const auto& h) { return h.producer == w.producer; });
       if (!known) plan.host_waits.push_back({w.producer, w.rule});
+      if (w.rule == WaitRule::kStreamOrder) plan.stream_order_waits.push_back({w.producer, w.rule});
     }
     if (w.stream_wait) {
       plan.stream_waits.push_back({w.producer, w.batch_offset});
@@ -351,7 +352,9 @@ double EngineCore::now_us() const noexcept {
 void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded) {
   const std::uint32_t epoch = epoch_;
   if (!active_by_la_[static_cast<std::size_t>(plan.lookahead)]) {
-    if (threaded) mark_done(plan.id, epoch);
+    if (!threaded) return;
+    for (const TaskPlan::HostWait& w : plan.stream_order_waits) wait_done(w, epoch, plan.id, thread);
+    mark_done(plan.id, epoch);
     return;
   }
   const int ticket = ticket_of_task_[plan.id];

@@ -5,7 +5,8 @@
 //  - remaining_: threads still running this iteration; the last one wakes the caller.
 //  - done_[task]: the epoch of the last iteration in which the task finished or was passed
 //    (inactive tasks are passed by their thread, so waiting on one means "its thread got past
-//    it", which keeps stream-order chains transitive across inactive tasks).
+//    it"). A thread passes an inactive task only after that task's stream-order producers are
+//    done, which keeps stream-order chains transitive across inactive tasks (prefill, drain).
 //  - ticket_: the ticket now serving; a collective task waits for ticket_base_ + its ticket.
 // Every wait is on a task earlier in run order, and each thread runs its tasks in run order, so
 // the earliest unfinished task can always proceed: no deadlock. On failure, aborted_ is set and
@@ -90,6 +91,8 @@ struct TaskPlan {
   // event record is a driver call under a lock, and most tasks have no cross-stream consumer).
   bool records_event = false;
   std::vector<HostWait> host_waits;  // one per producer
+  // The kStreamOrder producers, waited for also in an iteration where this task is inactive.
+  std::vector<HostWait> stream_order_waits;
   std::vector<StreamWait> stream_waits;
 };
 
