@@ -218,23 +218,20 @@ void EngineCore::report_stall(double seconds) const {
                 seconds, static_cast<long long>(iteration_));
   std::string text = header;
   for (std::uint32_t t = 0; t < threads_.num_threads(); ++t) {
-    const ThreadProgress& p = progress_by_thread_[t];
+    const ThreadProgress::State p = progress_by_thread_[t].get();
     const auto& tasks = threads_.tasks_of_thread[t];
-    const std::uint32_t position = p.position.load(std::memory_order_relaxed);
     text += "  thread '" + threads_.thread_names[t] + "': ";
-    if (position >= tasks.size()) {
+    if (p.position >= tasks.size()) {
       text += "done\n";
       continue;
     }
-    text += "in task '" + schedule_.task(tasks[position]).name() + "'";
-    switch (p.wait.load(std::memory_order_relaxed)) {
+    text += "in task '" + schedule_.task(tasks[p.position]).name() + "'";
+    switch (p.wait) {
       case ThreadProgress::kTask:
-        text += ", waiting for task '" +
-                schedule_.task(p.wait_target.load(std::memory_order_relaxed)).name() + "'";
+        text += ", waiting for task '" + schedule_.task(p.wait_target).name() + "'";
         break;
       case ThreadProgress::kTicket:
-        text += ", waiting for collective ticket " +
-                std::to_string(p.wait_target.load(std::memory_order_relaxed) - ticket_base_) +
+        text += ", waiting for collective ticket " + std::to_string(p.wait_target - ticket_base_) +
                 " (now serving " +
                 std::to_string(ticket_.value.load(std::memory_order_relaxed) - ticket_base_) + ")";
         break;
@@ -271,8 +268,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
     ThreadProgress& progress = progress_by_thread_[thread];
     for (std::uint32_t i = 0; i < tasks.size(); ++i) {
       const TaskId t = tasks[i];
-      progress.position.store(i, std::memory_order_relaxed);
-      progress.wait.store(ThreadProgress::kNone, std::memory_order_relaxed);
+      progress.set(i);
       try {
         run_task(plans_[t], thread, true);
       } catch (const AbortSignal&) {
@@ -282,7 +278,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
         break;
       }
     }
-    progress.position.store(static_cast<std::uint32_t>(tasks.size()), std::memory_order_relaxed);
+    progress.set(static_cast<std::uint32_t>(tasks.size()));
     report_done();
   }
 }
@@ -326,8 +322,7 @@ void EngineCore::wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, 
   Signal& signal = done_[wait.producer];
   if (signal.value.load(std::memory_order_acquire) == epoch) return;
   ThreadProgress& progress = progress_by_thread_[thread];
-  progress.wait_target.store(wait.producer, std::memory_order_relaxed);
-  progress.wait.store(ThreadProgress::kTask, std::memory_order_relaxed);
+  progress.set(progress.get().position, ThreadProgress::kTask, wait.producer);
   if (!tracing_) {
     wait_value(signal, epoch);
     return;
@@ -364,11 +359,11 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     if (ticket >= 0) {
       const std::uint32_t target = ticket_base_ + static_cast<std::uint32_t>(ticket);
       ThreadProgress& progress = progress_by_thread_[thread];
-      progress.wait_target.store(target, std::memory_order_relaxed);
-      progress.wait.store(ThreadProgress::kTicket, std::memory_order_relaxed);
+      progress.set(progress.get().position, ThreadProgress::kTicket, target);
       wait_value(ticket_, target);
     }
-    progress_by_thread_[thread].wait.store(ThreadProgress::kNone, std::memory_order_relaxed);
+    ThreadProgress& progress = progress_by_thread_[thread];
+    progress.set(progress.get().position);
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
   }
   const auto la = static_cast<std::size_t>(plan.lookahead);

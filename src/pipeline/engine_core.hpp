@@ -60,12 +60,28 @@ struct alignas(64) Signal {
 // hang, and a waiting caller gets to look at the clock.
 void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept;
 
-// Where an engine thread is, for the stall report; written by the thread, read by the caller.
+// Where an engine thread is, for the stall report; written by the thread, read by the caller
+// while the thread runs. Position, wait kind and wait target change together in one 64-bit
+// store, so that a reader's one load sees a state the thread was in (a target never read with
+// another state's kind).
 struct alignas(64) ThreadProgress {
   enum Wait : std::uint32_t { kNone, kTask, kTicket };
-  std::atomic<std::uint32_t> position{0};  // index into the thread's task list; size = done
-  std::atomic<std::uint32_t> wait{kNone};
-  std::atomic<std::uint32_t> wait_target{0};  // the producer TaskId, or the ticket value
+  struct State {
+    std::uint32_t position;  // index into the thread's task list; its size = done
+    Wait wait;
+    std::uint32_t wait_target;  // the producer TaskId (kTask), or the ticket value (kTicket)
+  };
+  void set(std::uint32_t position, Wait wait = kNone, std::uint32_t wait_target = 0) noexcept {
+    // position: 30 bits (a thread's task count), wait: 2 bits, wait_target: 32 bits.
+    packed.store((std::uint64_t{position} << 34) | (std::uint64_t{wait} << 32) | wait_target,
+                 std::memory_order_relaxed);
+  }
+  State get() const noexcept {
+    const std::uint64_t v = packed.load(std::memory_order_relaxed);
+    return {static_cast<std::uint32_t>(v >> 34), static_cast<Wait>((v >> 32) & 3),
+            static_cast<std::uint32_t>(v)};
+  }
+  std::atomic<std::uint64_t> packed{0};
 };
 // Wakes every thread sleeping in wait_for_change on this signal. Call after changing the value.
 void wake_all(Signal& signal) noexcept;
