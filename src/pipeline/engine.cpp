@@ -382,19 +382,32 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     begin_us = now_us();
     gpu_span = backend_->begin_gpu_span(plan.id, plan.stream, batch);
   }
-  if (plan.collective) ++num_collective_runs_[plan.id];
-  if (task.body()) {
-    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
-    task.body()(context);
-  }
-  if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);
-  if (tracing_) {
+  // Closes the run's spans; a failed run's end where its body threw, marked (take_trace()).
+  auto end_spans = [&](bool failed) {
     backend_->end_gpu_span(gpu_span, plan.stream);
     spans_by_thread_[thread].push_back({.task = plan.id, .thread = thread, .batch = batch,
                                         .lookahead = plan.lookahead, .iteration = iteration_,
                                         .ticket = ticket, .begin_us = begin_us,
-                                        .end_us = now_us()});
+                                        .end_us = now_us(), .failed = failed});
+  };
+  if (plan.collective) ++num_collective_runs_[plan.id];
+  if (task.body()) {
+    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
+    try {
+      task.body()(context);
+    } catch (...) {
+      if (tracing_) {
+        try {
+          end_spans(true);
+        } catch (...) {
+          // The body's error is the one to report.
+        }
+      }
+      throw;
+    }
   }
+  if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);
+  if (tracing_) end_spans(false);
   if (threaded) {
     if (ticket >= 0) {
       ticket_.value.store(ticket_base_ + static_cast<std::uint32_t>(ticket) + 1,
@@ -600,6 +613,11 @@ Trace EngineCore::take_trace() {
   const auto origin_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(origin_.time_since_epoch()).count();
   trace.gpu_spans = backend_->take_gpu_spans(origin_ns);
+  for (GpuSpan& g : trace.gpu_spans) {
+    g.failed = std::any_of(trace.host_spans.begin(), trace.host_spans.end(), [&](const HostSpan& h) {
+      return h.failed && h.task == g.task && h.batch == g.batch;
+    });
+  }
   return trace;
 }
 

@@ -26,6 +26,8 @@ struct GpuSpan {
   std::int64_t batch = 0;
   double begin_us = 0;
   double end_us = 0;
+  // The task's body threw: the span ends at the work the body had enqueued when it did.
+  bool failed = false;
 };
 
 class Backend {
