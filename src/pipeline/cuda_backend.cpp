@@ -18,6 +18,9 @@ CudaBackend::CudaBackend(CudaBackend&& other) noexcept
       priorities_(std::move(other.priorities_)),
       events_(std::move(other.events_)),
       in_flight_(other.in_flight_),
+      pending_fences_(std::move(other.pending_fences_)),
+      num_fences_(other.num_fences_),
+      free_fence_events_(std::move(other.free_fence_events_)),
       gpu_spans_(other.gpu_spans_),
       spans_mutex_(std::move(other.spans_mutex_)),
       spans_(std::move(other.spans_)),
@@ -28,12 +31,17 @@ CudaBackend::CudaBackend(CudaBackend&& other) noexcept
   other.events_.clear();
   other.spans_.clear();
   other.free_timing_events_.clear();
+  other.pending_fences_.clear();
+  other.free_fence_events_.clear();
 }
 
 CudaBackend::~CudaBackend() { release(); }
 
 void CudaBackend::release() noexcept {
-  if (streams_.empty() && events_.empty() && spans_.empty() && free_timing_events_.empty()) return;
+  if (streams_.empty() && events_.empty() && spans_.empty() && free_timing_events_.empty() &&
+      pending_fences_.empty() && free_fence_events_.empty()) {
+    return;
+  }
   cudaSetDevice(device_);
   for (cudaStream_t s : streams_) cudaStreamSynchronize(s);
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
@@ -42,12 +50,18 @@ void CudaBackend::release() noexcept {
     cudaEventDestroy(s.end);
   }
   for (cudaEvent_t e : free_timing_events_) cudaEventDestroy(e);
+  for (const auto& fence : pending_fences_) {
+    for (cudaEvent_t e : fence) cudaEventDestroy(e);
+  }
+  for (cudaEvent_t e : free_fence_events_) cudaEventDestroy(e);
   if (reference_ != nullptr) cudaEventDestroy(reference_);
   for (cudaStream_t s : streams_) cudaStreamDestroy(s);
   streams_.clear();
   events_.clear();
   spans_.clear();
   free_timing_events_.clear();
+  pending_fences_.clear();
+  free_fence_events_.clear();
   reference_ = nullptr;
   cudaGetLastError();  // nothing sticky left behind by teardown
 }
@@ -97,6 +111,40 @@ void CudaBackend::wait(StreamId stream, TaskId producer, std::uint32_t ring_slot
 void CudaBackend::synchronize() {
   WEFT_CUDA_CHECK(cudaSetDevice(device_));
   for (cudaStream_t s : streams_) WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+std::uint64_t CudaBackend::fence() {
+  std::vector<cudaEvent_t> fence;
+  fence.reserve(streams_.size());
+  for (cudaStream_t s : streams_) {
+    cudaEvent_t e = nullptr;
+    if (free_fence_events_.empty()) {
+      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    } else {
+      e = free_fence_events_.back();
+      free_fence_events_.pop_back();
+    }
+    fence.push_back(e);
+    WEFT_CUDA_CHECK(cudaEventRecord(e, s));
+  }
+  pending_fences_.push_back(std::move(fence));
+  return num_fences_++;
+}
+
+bool CudaBackend::fence_completed(std::uint64_t fence) {
+  auto complete = [](const std::vector<cudaEvent_t>& events) {
+    for (cudaEvent_t e : events) {
+      const cudaError_t status = cudaEventQuery(e);
+      if (status == cudaErrorNotReady) return false;
+      WEFT_CUDA_CHECK(status);
+    }
+    return true;
+  };
+  while (!pending_fences_.empty() && complete(pending_fences_.front())) {
+    for (cudaEvent_t e : pending_fences_.front()) free_fence_events_.push_back(e);
+    pending_fences_.pop_front();
+  }
+  return fence < num_fences_ - pending_fences_.size();
 }
 
 cudaEvent_t CudaBackend::pooled_timing_event() {

@@ -117,6 +117,7 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
       const bool known = std::any_of(plan.host_waits.begin(), plan.host_waits.end(),
                                      [&](const auto& h) { return h.producer == w.producer; });
       if (!known) plan.host_waits.push_back({w.producer, w.rule});
+      if (w.rule == WaitRule::kStreamOrder) plan.stream_order_waits.push_back({w.producer, w.rule});
     }
     if (w.stream_wait) {
       plan.stream_waits.push_back({w.producer, w.batch_offset});
@@ -159,6 +160,14 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   } else {
     start_workers();
     if (aborted_.load()) throw_failure();  // an init failed; workers_ joins on unwinding
+  }
+}
+
+EngineCore::~EngineCore() {
+  try {
+    backend_->synchronize();
+  } catch (const std::exception&) {
+    // Errors of work nobody waits for any more are dropped, as in reset().
   }
 }
 
@@ -209,23 +218,20 @@ void EngineCore::report_stall(double seconds) const {
                 seconds, static_cast<long long>(iteration_));
   std::string text = header;
   for (std::uint32_t t = 0; t < threads_.num_threads(); ++t) {
-    const ThreadProgress& p = progress_by_thread_[t];
+    const ThreadProgress::State p = progress_by_thread_[t].get();
     const auto& tasks = threads_.tasks_of_thread[t];
-    const std::uint32_t position = p.position.load(std::memory_order_relaxed);
     text += "  thread '" + threads_.thread_names[t] + "': ";
-    if (position >= tasks.size()) {
+    if (p.position >= tasks.size()) {
       text += "done\n";
       continue;
     }
-    text += "in task '" + schedule_.task(tasks[position]).name() + "'";
-    switch (p.wait.load(std::memory_order_relaxed)) {
+    text += "in task '" + schedule_.task(tasks[p.position]).name() + "'";
+    switch (p.wait) {
       case ThreadProgress::kTask:
-        text += ", waiting for task '" +
-                schedule_.task(p.wait_target.load(std::memory_order_relaxed)).name() + "'";
+        text += ", waiting for task '" + schedule_.task(p.wait_target).name() + "'";
         break;
       case ThreadProgress::kTicket:
-        text += ", waiting for collective ticket " +
-                std::to_string(p.wait_target.load(std::memory_order_relaxed) - ticket_base_) +
+        text += ", waiting for collective ticket " + std::to_string(p.wait_target - ticket_base_) +
                 " (now serving " +
                 std::to_string(ticket_.value.load(std::memory_order_relaxed) - ticket_base_) + ")";
         break;
@@ -262,8 +268,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
     ThreadProgress& progress = progress_by_thread_[thread];
     for (std::uint32_t i = 0; i < tasks.size(); ++i) {
       const TaskId t = tasks[i];
-      progress.position.store(i, std::memory_order_relaxed);
-      progress.wait.store(ThreadProgress::kNone, std::memory_order_relaxed);
+      progress.set(i);
       try {
         run_task(plans_[t], thread, true);
       } catch (const AbortSignal&) {
@@ -273,7 +278,7 @@ void EngineCore::worker_main(std::uint32_t thread) {
         break;
       }
     }
-    progress.position.store(static_cast<std::uint32_t>(tasks.size()), std::memory_order_relaxed);
+    progress.set(static_cast<std::uint32_t>(tasks.size()));
     report_done();
   }
 }
@@ -317,8 +322,7 @@ void EngineCore::wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, 
   Signal& signal = done_[wait.producer];
   if (signal.value.load(std::memory_order_acquire) == epoch) return;
   ThreadProgress& progress = progress_by_thread_[thread];
-  progress.wait_target.store(wait.producer, std::memory_order_relaxed);
-  progress.wait.store(ThreadProgress::kTask, std::memory_order_relaxed);
+  progress.set(progress.get().position, ThreadProgress::kTask, wait.producer);
   if (!tracing_) {
     wait_value(signal, epoch);
     return;
@@ -343,7 +347,9 @@ double EngineCore::now_us() const noexcept {
 void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded) {
   const std::uint32_t epoch = epoch_;
   if (!active_by_la_[static_cast<std::size_t>(plan.lookahead)]) {
-    if (threaded) mark_done(plan.id, epoch);
+    if (!threaded) return;
+    for (const TaskPlan::HostWait& w : plan.stream_order_waits) wait_done(w, epoch, plan.id, thread);
+    mark_done(plan.id, epoch);
     return;
   }
   const int ticket = ticket_of_task_[plan.id];
@@ -353,11 +359,11 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     if (ticket >= 0) {
       const std::uint32_t target = ticket_base_ + static_cast<std::uint32_t>(ticket);
       ThreadProgress& progress = progress_by_thread_[thread];
-      progress.wait_target.store(target, std::memory_order_relaxed);
-      progress.wait.store(ThreadProgress::kTicket, std::memory_order_relaxed);
+      progress.set(progress.get().position, ThreadProgress::kTicket, target);
       wait_value(ticket_, target);
     }
-    progress_by_thread_[thread].wait.store(ThreadProgress::kNone, std::memory_order_relaxed);
+    ThreadProgress& progress = progress_by_thread_[thread];
+    progress.set(progress.get().position);
     if (aborted_.load(std::memory_order_acquire)) throw AbortSignal{};
   }
   const auto la = static_cast<std::size_t>(plan.lookahead);
@@ -376,19 +382,32 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
     begin_us = now_us();
     gpu_span = backend_->begin_gpu_span(plan.id, plan.stream, batch);
   }
-  if (plan.collective) ++num_collective_runs_[plan.id];
-  if (task.body()) {
-    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
-    task.body()(context);
-  }
-  if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);
-  if (tracing_) {
+  // Closes the run's spans; a failed run's end where its body threw, marked (take_trace()).
+  auto end_spans = [&](bool failed) {
     backend_->end_gpu_span(gpu_span, plan.stream);
     spans_by_thread_[thread].push_back({.task = plan.id, .thread = thread, .batch = batch,
                                         .lookahead = plan.lookahead, .iteration = iteration_,
                                         .ticket = ticket, .begin_us = begin_us,
-                                        .end_us = now_us()});
+                                        .end_us = now_us(), .failed = failed});
+  };
+  if (plan.collective) ++num_collective_runs_[plan.id];
+  if (task.body()) {
+    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
+    try {
+      task.body()(context);
+    } catch (...) {
+      if (tracing_) {
+        try {
+          end_spans(true);
+        } catch (...) {
+          // The body's error is the one to report.
+        }
+      }
+      throw;
+    }
   }
+  if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);
+  if (tracing_) end_spans(false);
   if (threaded) {
     if (ticket >= 0) {
       ticket_.value.store(ticket_base_ + static_cast<std::uint32_t>(ticket) + 1,
@@ -417,6 +436,7 @@ void EngineCore::reset() {
   }
   for (Batch& b : ring_) b.clear();
   result_.clear();
+  retired_.clear();
   iteration_ = 0;
   num_pulled_ = 0;
   num_returned_ = 0;
@@ -449,6 +469,21 @@ void EngineCore::pull() {
   } else {
     exhausted_ = true;
     batch.clear();
+  }
+}
+
+void EngineCore::retire(Batch& batch) {
+  const bool empty = std::none_of(batch.values_.begin(), batch.values_.end(),
+                                  [](const std::any& v) { return v.has_value(); });
+  if (empty) return;
+  Retired retired{backend_->fence(), std::vector<std::any>(batch.values_.size())};
+  std::swap(retired.values, batch.values_);
+  retired_.push_back(std::move(retired));
+}
+
+void EngineCore::release_retired() {
+  while (!retired_.empty() && backend_->fence_completed(retired_.front().fence)) {
+    retired_.pop_front();
   }
 }
 
@@ -507,6 +542,7 @@ std::optional<Step> EngineCore::progress() {
     }
   }
   while (!ended_) {
+    release_retired();
     pull();
     if (exhausted_ && (num_pulled_ == 0 || iteration_ >= num_pulled_ + max_lookahead_)) {
       ended_ = true;
@@ -518,10 +554,12 @@ std::optional<Step> EngineCore::progress() {
     const std::int64_t batch = batch_by_la_[0];
     ++iteration_;
     if (finished) {
+      // The previous result's time with the caller is over; its values go once the streams are
+      // done with them.
+      retire(result_);
       Batch& done = ring_[static_cast<std::size_t>(batch % in_flight_)];
       std::swap(result_.values_, done.values_);
       result_.index_ = batch;
-      done.clear();
       ++num_returned_;
       return Step(&result_);
     }
@@ -575,6 +613,11 @@ Trace EngineCore::take_trace() {
   const auto origin_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(origin_.time_since_epoch()).count();
   trace.gpu_spans = backend_->take_gpu_spans(origin_ns);
+  for (GpuSpan& g : trace.gpu_spans) {
+    g.failed = std::any_of(trace.host_spans.begin(), trace.host_spans.end(), [&](const HostSpan& h) {
+      return h.failed && h.task == g.task && h.batch == g.batch;
+    });
+  }
   return trace;
 }
 

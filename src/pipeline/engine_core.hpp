@@ -5,7 +5,8 @@
 //  - remaining_: threads still running this iteration; the last one wakes the caller.
 //  - done_[task]: the epoch of the last iteration in which the task finished or was passed
 //    (inactive tasks are passed by their thread, so waiting on one means "its thread got past
-//    it", which keeps stream-order chains transitive across inactive tasks).
+//    it"). A thread passes an inactive task only after that task's stream-order producers are
+//    done, which keeps stream-order chains transitive across inactive tasks (prefill, drain).
 //  - ticket_: the ticket now serving; a collective task waits for ticket_base_ + its ticket.
 // Every wait is on a task earlier in run order, and each thread runs its tasks in run order, so
 // the earliest unfinished task can always proceed: no deadlock. On failure, aborted_ is set and
@@ -14,8 +15,10 @@
 #pragma once
 
 #include <atomic>
+#include <any>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -57,12 +60,28 @@ struct alignas(64) Signal {
 // hang, and a waiting caller gets to look at the clock.
 void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept;
 
-// Where an engine thread is, for the stall report; written by the thread, read by the caller.
+// Where an engine thread is, for the stall report; written by the thread, read by the caller
+// while the thread runs. Position, wait kind and wait target change together in one 64-bit
+// store, so that a reader's one load sees a state the thread was in (a target never read with
+// another state's kind).
 struct alignas(64) ThreadProgress {
   enum Wait : std::uint32_t { kNone, kTask, kTicket };
-  std::atomic<std::uint32_t> position{0};  // index into the thread's task list; size = done
-  std::atomic<std::uint32_t> wait{kNone};
-  std::atomic<std::uint32_t> wait_target{0};  // the producer TaskId, or the ticket value
+  struct State {
+    std::uint32_t position;  // index into the thread's task list; its size = done
+    Wait wait;
+    std::uint32_t wait_target;  // the producer TaskId (kTask), or the ticket value (kTicket)
+  };
+  void set(std::uint32_t position, Wait wait = kNone, std::uint32_t wait_target = 0) noexcept {
+    // position: 30 bits (a thread's task count), wait: 2 bits, wait_target: 32 bits.
+    packed.store((std::uint64_t{position} << 34) | (std::uint64_t{wait} << 32) | wait_target,
+                 std::memory_order_relaxed);
+  }
+  State get() const noexcept {
+    const std::uint64_t v = packed.load(std::memory_order_relaxed);
+    return {static_cast<std::uint32_t>(v >> 34), static_cast<Wait>((v >> 32) & 3),
+            static_cast<std::uint32_t>(v)};
+  }
+  std::atomic<std::uint64_t> packed{0};
 };
 // Wakes every thread sleeping in wait_for_change on this signal. Call after changing the value.
 void wake_all(Signal& signal) noexcept;
@@ -88,6 +107,8 @@ struct TaskPlan {
   // event record is a driver call under a lock, and most tasks have no cross-stream consumer).
   bool records_event = false;
   std::vector<HostWait> host_waits;  // one per producer
+  // The kStreamOrder producers, waited for also in an iteration where this task is inactive.
+  std::vector<HostWait> stream_order_waits;
   std::vector<StreamWait> stream_waits;
 };
 
@@ -97,7 +118,8 @@ class EngineCore {
              EngineOptions options);
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
-  ~EngineCore() = default;
+  // Drains the backend's streams before the slot values they may still read are destroyed.
+  ~EngineCore();
 
   void set_source(Source source);
   std::optional<Step> progress();
@@ -130,6 +152,10 @@ class EngineCore {
   void worker_main(std::uint32_t thread);
   void run_inits(std::uint32_t thread);
   void pull();
+  // Keeps the values of a batch that left the ring (and empties it) until the backend's streams
+  // have finished all work enqueued so far; release_retired() destroys those whose time came.
+  void retire(Batch& batch);
+  void release_retired();
   void prepare_iteration();
   void run_iteration();
   void run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded);
@@ -157,6 +183,11 @@ class EngineCore {
   // Ring: ring_[batch % in_flight] holds the batch; result_ the last finished one.
   std::vector<Batch> ring_;
   Batch result_;
+  struct Retired {
+    std::uint64_t fence;
+    std::vector<std::any> values;
+  };
+  std::deque<Retired> retired_;  // oldest first
   Source source_;
   std::int64_t iteration_ = 0;
   std::int64_t num_pulled_ = 0;

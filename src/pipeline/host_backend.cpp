@@ -110,6 +110,25 @@ void HostBackend::synchronize() {
   if (error) std::rethrow_exception(error);
 }
 
+std::uint64_t HostBackend::fence() {
+  std::vector<std::uint64_t> positions;
+  positions.reserve(streams_.size());
+  for (const auto& s : streams_) positions.push_back(s->num_enqueued());
+  pending_fences_.push_back(std::move(positions));
+  return num_fences_++;
+}
+
+bool HostBackend::fence_completed(std::uint64_t fence) {
+  auto complete = [&](const std::vector<std::uint64_t>& positions) {
+    for (std::size_t s = 0; s < streams_.size(); ++s) {
+      if (streams_[s]->num_completed() < positions[s]) return false;
+    }
+    return true;
+  };
+  while (!pending_fences_.empty() && complete(pending_fences_.front())) pending_fences_.pop_front();
+  return fence < num_fences_ - pending_fences_.size();
+}
+
 HostStream& host_stream(TaskContext& context) {
   return host_stream(context, context.schedule().stream(context.stream_id()).name);
 }

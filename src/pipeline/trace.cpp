@@ -41,14 +41,17 @@ std::string Trace::to_chrome_json() const {
   for (const HostSpan& s : host_spans) {
     json args = {{"batch", s.batch}, {"lookahead", s.lookahead}, {"iteration", s.iteration}};
     if (s.ticket >= 0) args["ticket"] = s.ticket;
+    if (s.failed) args["failed"] = true;
     events.push_back({{"ph", "X"}, {"name", task_names.at(s.task)}, {"cat", "task"},
                       {"pid", kHostPid}, {"tid", s.thread}, {"ts", s.begin_us},
                       {"dur", s.end_us - s.begin_us}, {"args", std::move(args)}});
   }
   for (const GpuSpan& s : gpu_spans) {
+    json args = {{"batch", s.batch}};
+    if (s.failed) args["failed"] = true;
     events.push_back({{"ph", "X"}, {"name", task_names.at(s.task)}, {"cat", "gpu"},
                       {"pid", kGpuPid}, {"tid", s.stream}, {"ts", s.begin_us},
-                      {"dur", s.end_us - s.begin_us}, {"args", {{"batch", s.batch}}}});
+                      {"dur", s.end_us - s.begin_us}, {"args", std::move(args)}});
   }
   int flow_id = 0;
   for (const WaitRecord& w : waits) {

@@ -26,6 +26,8 @@ struct GpuSpan {
   std::int64_t batch = 0;
   double begin_us = 0;
   double end_us = 0;
+  // The task's body threw: the span ends at the work the body had enqueued when it did.
+  bool failed = false;
 };
 
 class Backend {
@@ -47,6 +49,15 @@ class Backend {
   virtual void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) = 0;
   // Blocks until all work on all streams is done; throws the first error of that work.
   virtual void synchronize() = 0;
+
+  // Fences keep slot values alive for the stream work that reads them. fence() marks everything
+  // enqueued on every stream so far and returns the fence's id (ids increase from 0);
+  // fence_completed(id) tells, without blocking, whether all of that work has finished (a fence
+  // completes after every earlier one). Both are called on the engine's caller thread only,
+  // between iterations; the engine destroys a batch's slot values only once a fence taken after
+  // the batch's last task has completed.
+  virtual std::uint64_t fence() = 0;
+  virtual bool fence_completed(std::uint64_t fence) = 0;
 
   // GPU spans (only while the engine traces). A backend without them keeps the defaults.
   virtual void set_gpu_spans(bool enabled) { (void)enabled; }

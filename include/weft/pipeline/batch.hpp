@@ -1,7 +1,8 @@
 // weft::pipeline::Batch: the values of one batch in the ring, one per named slot.
 //
 // Slots hold any copyable or movable value (std::any); a slot is empty until its writer (or the
-// source, for inputs) sets it. A batch's slot is cleared when the batch leaves the ring.
+// source, for inputs) sets it. A batch's values are destroyed after it has left the ring, once
+// the stream work enqueued while they were live has completed (docs/pipeline.md).
 // Thread safety: different slots of one batch may be accessed from different threads at once;
 // one slot is ordered by the schedule's edges (its writer runs before every reader).
 //

@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -41,6 +42,9 @@ class CudaBackend final : public Backend {
   void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override;
   void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override;
   void synchronize() override;
+  // A fence is one event per stream (pooled, reused once the fence completed).
+  std::uint64_t fence() override;
+  bool fence_completed(std::uint64_t fence) override;
 
   void set_gpu_spans(bool enabled) override { gpu_spans_ = enabled; }
   std::uint64_t begin_gpu_span(TaskId task, StreamId stream, std::int64_t batch) override;
@@ -75,6 +79,9 @@ class CudaBackend final : public Backend {
   std::vector<int> priorities_;
   std::vector<cudaEvent_t> events_;  // [task * in_flight + ring_slot]
   std::uint32_t in_flight_ = 0;
+  std::deque<std::vector<cudaEvent_t>> pending_fences_;  // oldest first
+  std::uint64_t num_fences_ = 0;
+  std::vector<cudaEvent_t> free_fence_events_;
   bool gpu_spans_ = false;
   // Tracing only: guarded by spans_mutex_ (engine threads trace concurrently).
   std::unique_ptr<std::mutex> spans_mutex_ = std::make_unique<std::mutex>();

@@ -9,6 +9,8 @@
 //  - progress() runs internal iterations (StepRule) until the la = 0 tasks finish a batch, and
 //    returns that batch (valid until the next progress()), or std::nullopt at end of data. M
 //    batches in give exactly M results.
+//  - A slot's value lives until every task that reads it has completed its work on its stream
+//    (Backend::fence); values are destroyed on the caller's thread, never on an engine thread.
 //  - set_source() starts a new data source and resets the ring; calling it while batches of the
 //    previous source are in flight (not all results returned) is an error: drain first, or reset().
 //  - Threaded executor (any map but legacy): persistent threads, one per thread of the map, each

@@ -80,6 +80,8 @@ class HostBackend final : public Backend {
   void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override;
   void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override;
   void synchronize() override;
+  std::uint64_t fence() override;
+  bool fence_completed(std::uint64_t fence) override;
 
   HostStream& stream(StreamId id) { return *streams_.at(id); }
   // Markers enqueued by wait() so far (tests check that complete events enqueue none).
@@ -92,6 +94,9 @@ class HostBackend final : public Backend {
   };
   std::vector<std::unique_ptr<HostStream>> streams_;
   std::vector<Event> events_;  // [task * in_flight + ring_slot]
+  // Fences not known to be complete, oldest first: each stream's num_enqueued() at fence().
+  std::deque<std::vector<std::uint64_t>> pending_fences_;
+  std::uint64_t num_fences_ = 0;
   std::uint32_t in_flight_ = 0;
   std::unique_ptr<std::atomic<std::uint64_t>> num_wait_markers_ =
       std::make_unique<std::atomic<std::uint64_t>>(0);

@@ -1,6 +1,7 @@
 // weft::pipeline::Trace: what an engine recorded while tracing, and its Chrome/Perfetto export.
 //
-// Host spans: one per task run (thread, batch, lookahead, iteration, ticket). Waits: every
+// Host spans: one per task run (thread, batch, lookahead, iteration, ticket; failed when the body
+// threw, also kept after a failed progress()). Waits: every
 // cross-thread wait edge that actually blocked a consumer (the export draws it as a flow arrow
 // from the producer's span to the consumer's). GPU spans: from backend events (CUDA backend).
 // Times are in microseconds from the trace origin (when tracing was enabled).
@@ -28,6 +29,7 @@ struct HostSpan {
   int ticket = -1;
   double begin_us = 0;
   double end_us = 0;
+  bool failed = false;  // the body threw: the span ends where it did
 };
 
 struct WaitRecord {

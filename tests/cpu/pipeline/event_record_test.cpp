@@ -44,6 +44,8 @@ class CountingBackend final : public Backend {
     inner_.wait(stream, producer, ring_slot);
   }
   void synchronize() override { inner_.synchronize(); }
+  std::uint64_t fence() override { return inner_.fence(); }
+  bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
 
  private:
   std::shared_ptr<Counts> counts_;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -65,6 +66,30 @@ TEST(StallReport, QuietWhenFastOrTurnedOff) {
   };
   EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::per_task(), 0), "");
   EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::per_task(), 30), "");
+}
+
+// The report reads where each thread is while the threads go on: with a report in every
+// progress() (a threshold below any step's time), every read is concurrent with threads moving
+// between task waits and ticket waits. Each report must describe a state a thread was in.
+TEST(StallReport, ReportsWhileThreadsRunReadConsistentStates) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  int num_steps = 0;
+  for (std::uint64_t round = 0; std::chrono::steady_clock::now() < deadline; ++round) {
+    Engine engine(hstu_schedule({.cascade = round % 2 ? HstuCascade::kD6 : HstuCascade::kD3}),
+                  ThreadMap::per_task(), std::make_unique<HostBackend>(),
+                  EngineOptions{.stall_report_s = 1e-9, .spin_us = 0});
+    engine.set_source([](Batch&) { return true; });
+    testing::internal::CaptureStderr();
+    try {
+      for (int i = 0; i < 200; ++i, ++num_steps) ASSERT_TRUE(engine.progress().has_value());
+    } catch (const std::exception& e) {
+      testing::internal::GetCapturedStderr();
+      FAIL() << "progress() threw while reporting, after " << num_steps << " steps: " << e.what();
+    }
+    const std::string report = testing::internal::GetCapturedStderr();
+    EXPECT_NE(report.find("progress() has waited"), std::string::npos);
+  }
+  EXPECT_GT(num_steps, 0);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -59,16 +60,16 @@ void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
   for (int r = 0; r < num_ranks; ++r) {
     ranks.emplace_back([&, r] {
       try {
-        testing::Jitter jitter(seed + static_cast<std::uint64_t>(r));
+        const std::uint64_t rank_seed = seed + static_cast<std::uint64_t>(r);
         std::atomic<bool> in_collective{false};
         HstuOptions options{.cascade = cascade};
         for (auto name : hstu_task_names()) {
           options.bodies[std::string(name)] = [&, r](TaskContext& c) {
-            jitter();
+            testing::jitter(rank_seed, c);
             if (!c.task().is_collective()) return;
             if (in_collective.exchange(true)) ++overlap_violations;
             checker.enqueue(r, std::string(c.name()) + "@" + std::to_string(c.batch_index()));
-            jitter();
+            testing::jitter(rank_seed, c, 1);
             in_collective.store(false);
           };
         }
@@ -160,12 +161,11 @@ TEST(FailureInjection, RandomTaskThrowsOnRandomStep) {
       const auto names = hstu_task_names();
       const std::string victim(names[rng() % names.size()]);
       const int bad_batch = static_cast<int>(rng() % 20);
-      testing::Jitter jitter(seed);
       std::atomic<bool> armed{true};
       HstuOptions options{.cascade = seed % 2 ? HstuCascade::kD3 : HstuCascade::kD6};
       for (auto name : names) {
         options.bodies[std::string(name)] = [&, n = std::string(name)](TaskContext& c) {
-          jitter();
+          testing::jitter(seed, c);
           if (n == victim && c.batch_index() == bad_batch && armed.exchange(false)) {
             throw std::runtime_error("injected failure in " + n);
           }
@@ -193,6 +193,36 @@ TEST(FailureInjection, RandomTaskThrowsOnRandomStep) {
       EXPECT_LE(num_steps + num_after, 30);
     }
   }
+}
+
+// The delays a seed gives do not depend on which thread runs a task, nor on the order the
+// threads run in: a failing seed replays them.
+TEST(Jitter, DelaysAreAFunctionOfTheSeedTaskAndBatch) {
+  auto delays = [](std::uint64_t seed, const char* map) {
+    std::mutex mutex;
+    std::map<std::pair<std::string, std::int64_t>, int> out;
+    HstuOptions options;
+    for (auto name : hstu_task_names()) {
+      options.bodies[std::string(name)] = [&](TaskContext& c) {
+        testing::jitter(seed, c);
+        std::lock_guard lock(mutex);
+        out[{std::string(c.name()), c.batch_index()}] =
+            testing::jitter_delay_us(seed, c.task_id(), c.batch_index());
+      };
+    }
+    Engine engine(hstu_schedule(options), ThreadMap::preset(map));
+    engine.set_source([n = 0](Batch&) mutable { return n++ < 20; });
+    while (engine.progress()) {
+    }
+    return out;
+  };
+  const auto first = delays(5, "per_task");
+  EXPECT_EQ(first, delays(5, "legacy"));
+  EXPECT_EQ(first, delays(5, "full_split"));
+  EXPECT_NE(first, delays(6, "per_task"));
+  int num_sleeps = 0;
+  for (const auto& [run, delay_us] : first) num_sleeps += delay_us > 0 ? 1 : 0;
+  EXPECT_GT(num_sleeps, 0);
 }
 
 TEST(FailureInjection, InitFailureJoinsThreadsAndThrows) {

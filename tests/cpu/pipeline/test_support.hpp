@@ -66,23 +66,27 @@ class RunLog {
   std::vector<Run> runs_;
 };
 
-// Random short delays so that thread interleavings vary; deterministic per (seed, thread).
-class Jitter {
- public:
-  explicit Jitter(std::uint64_t seed) : seed_(seed) {}
-  void operator()() const {
-    thread_local std::mt19937_64 rng(seed_ ^ std::hash<std::thread::id>{}(std::this_thread::get_id()));
-    const auto r = rng() % 16;
-    if (r < 10) return;
-    if (r < 14) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 50));
-    }
-  }
+// Random short delays so that thread interleavings vary. The delay of one call is a function of
+// (seed, task, batch, salt) only, so that a failing seed replays the same delays whichever thread
+// runs the task: -1 none, 0 a yield, > 0 a sleep of that many microseconds.
+inline int jitter_delay_us(std::uint64_t seed, TaskId task, std::int64_t batch,
+                           std::uint64_t salt = 0) {
+  std::uint64_t x = seed * 0x9e3779b97f4a7c15ull + task;
+  x = x * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(batch + 1);
+  x = x * 0x9e3779b97f4a7c15ull + salt;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;  // splitmix64's finaliser
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  const auto r = x % 16;
+  if (r < 10) return -1;
+  if (r < 14) return 0;
+  return static_cast<int>((x >> 8) % 50) + 1;
+}
 
- private:
-  std::uint64_t seed_;
-};
+inline void jitter(std::uint64_t seed, const TaskContext& c, std::uint64_t salt = 0) {
+  const int delay_us = jitter_delay_us(seed, c.task_id(), c.batch_index(), salt);
+  if (delay_us == 0) std::this_thread::yield();
+  if (delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+}
 
 }  // namespace weft::pipeline::testing

@@ -126,7 +126,6 @@ TEST(WaitRules, EngineHonoursHostWaitsForEveryVariant) {
   for (const HstuVariant& v : hstu_variants()) {
     const std::uint64_t seed = 1234 + v.name.size();
     SCOPED_TRACE(std::string(v.name) + " seed " + std::to_string(seed));
-    testing::Jitter jitter(seed);
     std::atomic<std::int64_t> clock{0};
     const auto num_tasks = hstu_task_names().size();
     // [iteration % 64][task] -> start / end ticks
@@ -137,7 +136,7 @@ TEST(WaitRules, EngineHonoursHostWaitsForEveryVariant) {
       options.bodies[std::string(hstu_task_names()[t])] = [&, t](TaskContext& c) {
         auto& slot = ticks[static_cast<std::size_t>(c.iteration() % 64)][t];
         slot.first = clock.fetch_add(1);
-        jitter();
+        testing::jitter(seed, c);
         slot.second = clock.fetch_add(1);
       };
     }

@@ -1,0 +1,166 @@
+// A slot's value lives until every task that reads it has completed its work on its stream:
+// the engine destroys a batch's values only after the stream work enqueued while they were live
+// has finished, also when the engine itself is destroyed. The stream work here reads the values
+// through a pointer taken in the body, as GPU work reads a tensor's memory; under AddressSanitizer
+// a value destroyed too early is a heap-use-after-free, in any build a failed liveness check.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace weft::pipeline {
+namespace {
+
+// A slot value that knows whether it has been destroyed (the flag outlives it).
+struct Tracked {
+  std::vector<std::int64_t> payload;  // on the heap: freed memory when the value is gone
+  std::shared_ptr<std::atomic<bool>> alive = std::make_shared<std::atomic<bool>>(true);
+  explicit Tracked(std::int64_t batch) : payload(64, batch) {}
+  Tracked(const Tracked& other) : payload(other.payload) {}
+  ~Tracked() { alive->store(false); }
+};
+
+// Blocks a stream until opened.
+class Gate {
+ public:
+  void wait() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return open_; });
+  }
+  void open() {
+    {
+      std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+struct Reads {
+  std::atomic<int> num_reads{0};
+  std::atomic<int> num_dead{0};     // the value was destroyed before the stream work ran
+  std::atomic<int> num_corrupt{0};  // the payload did not hold the batch's number
+};
+
+// "late" (la 1, stream "side") and "early" (la 0, default stream) read the source's value of
+// their batch on their stream; both streams are held shut by the gate.
+Schedule reading_schedule(std::shared_ptr<Reads> reads, std::shared_ptr<Gate> gate) {
+  Schedule s;
+  s.add_stream("side");
+  s.add_input("input");
+  auto body = [reads, gate](TaskContext& c) {
+    const Tracked* value = &c.get<Tracked>("input");
+    const std::int64_t batch = c.batch_index();
+    host_stream(c).enqueue([reads, gate, value, batch, alive = value->alive] {
+      gate->wait();
+      if (!alive->load()) ++reads->num_dead;
+      // Read through the pointer as stream work reads device memory: a use after free if the
+      // value is gone (AddressSanitizer reports it).
+      for (std::int64_t v : value->payload) {
+        if (v != batch) {
+          ++reads->num_corrupt;
+          break;
+        }
+      }
+      ++reads->num_reads;
+    });
+  };
+  s.add(Task("late").lookahead(1).stream("side").reads("input").body(body));
+  s.add(Task("early").reads("input").body(body));
+  return s;
+}
+
+Source tracked_source(std::int64_t num_batches) {
+  return [next = std::int64_t{0}, num_batches](Batch& b) mutable {
+    if (next == num_batches) return false;
+    b.set("input", Tracked(next++));
+    return true;
+  };
+}
+
+constexpr std::int64_t kNumBatches = 6;
+
+TEST(SlotLifetime, ValuesOutliveTheStreamWorkThatReadsThem) {
+  for (auto map : {"legacy", "per_task", "by_stream"}) {
+    SCOPED_TRACE(map);
+    auto reads = std::make_shared<Reads>();
+    auto gate = std::make_shared<Gate>();
+    Engine engine(reading_schedule(reads, gate), ThreadMap::preset(map));
+    engine.set_source(tracked_source(kNumBatches));
+    std::int64_t num_steps = 0;
+    while (engine.progress()) ++num_steps;
+    ASSERT_EQ(num_steps, kNumBatches);
+    // Every batch has left the ring; its stream work has not run yet.
+    gate->open();
+    engine.synchronize();
+    EXPECT_EQ(reads->num_reads.load(), 2 * kNumBatches);
+    EXPECT_EQ(reads->num_dead.load(), 0);
+    EXPECT_EQ(reads->num_corrupt.load(), 0);
+  }
+}
+
+// The engine is destroyed while its streams still hold work that reads the last batches.
+TEST(SlotLifetime, DestructorDrainsTheStreamsBeforeDestroyingValues) {
+  for (auto map : {"legacy", "per_task"}) {
+    SCOPED_TRACE(map);
+    auto reads = std::make_shared<Reads>();
+    auto gate = std::make_shared<Gate>();
+    std::thread opener;
+    {
+      Engine engine(reading_schedule(reads, gate), ThreadMap::preset(map));
+      engine.set_source(tracked_source(kNumBatches));
+      // Two results out: batches 0..2 are in the ring or the result, their work is queued.
+      ASSERT_TRUE(engine.progress().has_value());
+      ASSERT_TRUE(engine.progress().has_value());
+      opener = std::thread([gate] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        gate->open();
+      });
+    }
+    opener.join();
+    EXPECT_EQ(reads->num_reads.load(), 2 * 2 + 1);  // batches 0, 1 by both tasks, 2 by "late"
+    EXPECT_EQ(reads->num_dead.load(), 0);
+    EXPECT_EQ(reads->num_corrupt.load(), 0);
+  }
+}
+
+// A stream that is slow for a while: values are kept until its work is done, then released
+// without waiting for the end of the run (the engine does not hoard finished batches).
+TEST(SlotLifetime, FinishedBatchesAreReleasedWhileTheRunGoesOn) {
+  auto reads = std::make_shared<Reads>();
+  auto gate = std::make_shared<Gate>();
+  std::weak_ptr<std::atomic<bool>> first_alive;
+  Engine engine(reading_schedule(reads, gate), ThreadMap::legacy());
+  engine.set_source([next = std::int64_t{0}, &first_alive](Batch& b) mutable {
+    b.set("input", Tracked(next));
+    if (next++ == 0) first_alive = b.get<Tracked>("input").alive;
+    return true;
+  });
+  ASSERT_TRUE(engine.progress().has_value());
+  ASSERT_TRUE(engine.progress().has_value());
+  ASSERT_TRUE(engine.progress().has_value());
+  ASSERT_FALSE(first_alive.expired());
+  EXPECT_TRUE(first_alive.lock()->load()) << "batch 0's stream work has not run yet";
+  gate->open();
+  engine.synchronize();
+  ASSERT_TRUE(engine.progress().has_value());
+  EXPECT_TRUE(first_alive.expired() || !first_alive.lock()->load())
+      << "batch 0's work is done; its value should be gone";
+  EXPECT_EQ(reads->num_dead.load(), 0);
+  EXPECT_EQ(reads->num_corrupt.load(), 0);
+}
+
+}  // namespace
+}  // namespace weft::pipeline
