@@ -210,6 +210,12 @@ SymmetricWindows SymmetricWindows::allocate(const Communicators& comms, std::siz
                                            &result.windows_[i], NCCL_WIN_COLL_SYMMETRIC));
   }
   group.end();
+  for (std::size_t i = 0; i < result.windows_.size(); ++i) {
+    // NCCL returns success without a window where the communicator has no symmetric memory.
+    WEFT_CHECK(result.windows_[i] != nullptr, "ncclCommWindowRegister gave rank ",
+               comms.rank(i), " no window: symmetric memory is not supported on this "
+               "communicator (NCCL_WIN_ENABLE=0, or no CUDA P2P / cuMem)");
+  }
   return result;
 }
 

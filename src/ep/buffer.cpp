@@ -44,7 +44,11 @@ struct BufferState {
   int64_t* host_rows_required = nullptr;  // at byte 8, an expanded dispatch's rows_required
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
-  cuda::DeviceErrorFlag error;
+  cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable
+  cuda::DeviceErrorFlag fatal;    // timeouts (detail::is_fatal): the Buffer is unusable after
+  std::string unusable;           // the fatal error's message, thrown by every later call
+  // The layout in place (the last uncached dispatch launched): what a handle must match.
+  Handle layout;
 
   ~BufferState() {
     int previous = 0;
@@ -79,6 +83,12 @@ const char* wait_name(int64_t what) {
   }
 }
 
+detail::CommParams comm_params(const detail::BufferGroup& group, std::size_t index, int rank,
+                               int num_ranks, detail::BufferState& state, double timeout_s) {
+  return {group.windows.window(index), group.layout, rank, num_ranks, state.state,
+          state.error.device_record(), state.fatal.device_record(), uint64_t(timeout_s * 1e9)};
+}
+
 std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& config,
                      double timeout_s) {
   std::ostringstream out;
@@ -92,12 +102,32 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
       out << "weft::ep on rank " << r.rank << " timed out after " << timeout_s
           << " s waiting for " << wait_name(r.args[0]);
       if (r.args[1] >= 0) out << " from rank " << r.args[1];
-      out << " in call " << r.args[2]
-          << "; the ranks no longer agree on the call sequence, destroy the Buffers";
+      out << " in call " << r.args[2];
+      break;
+    case detail::kErrPeerFailed:
+      out << "weft::ep on rank " << r.rank << ": rank " << r.args[1] << " failed call "
+          << r.args[2] << " (a wait timed out there) while this rank waited for "
+          << wait_name(r.args[0]) << "; the rows of that call are incomplete";
       break;
     case detail::kErrTooManyRows:
       out << "weft::ep combine on rank " << r.rank << ": " << r.args[0]
-          << " rows were received but expert_out has only " << r.args[1] << " rows";
+          << " rows were received but expert_out has only " << r.args[1]
+          << " rows; none was read or sent, out was not written";
+      break;
+    case detail::kErrPeerRowsMissing:
+      out << "weft::ep combine on rank " << r.rank << ": rank " << r.args[0]
+          << " sent no rows (its expert_out has fewer rows than it received) in call "
+          << r.args[1] << "; the tokens it contributes to were not written to out";
+      break;
+    case detail::kErrLayoutMismatch:
+      out << "weft::ep on rank " << r.rank << ": a combine or cached dispatch of the layout of "
+          << "dispatch " << r.args[0] << " ran while the layout of dispatch " << r.args[1]
+          << " was in place (a CUDA graph replayed out of order?); the call was skipped";
+      break;
+    case detail::kErrBadSource:
+      out << "weft::ep combine on rank " << r.rank << ": received row " << r.args[0]
+          << " names source (rank " << r.args[1] << ", token " << r.args[2]
+          << "), out of range (recv_src overwritten?); that row was not sent back";
       break;
     case detail::kErrExpandOverflow:
       out << "weft::ep combine on rank " << r.rank << ": the expanded dispatch it combines "
@@ -123,6 +153,68 @@ void check_view(const TensorView& v, const char* name, std::initializer_list<DTy
   WEFT_CHECK(v.rows == rows && v.cols == cols, name, " must be [", rows, ", ", cols, "], got [",
              v.rows, ", ", v.cols, "]");
   WEFT_CHECK(rows == 0 || v.data != nullptr, name, " is null");
+}
+
+const char* memory_type_name(cudaMemoryType type) {
+  switch (type) {
+    case cudaMemoryTypeUnregistered: return "host (not registered with CUDA)";
+    case cudaMemoryTypeHost: return "pinned host";
+    case cudaMemoryTypeDevice: return "device";
+    case cudaMemoryTypeManaged: return "managed";
+  }
+  return "unknown";
+}
+
+// The Buffer's device and its rank's window: what check_pointer accepts.
+struct PointerHome {
+  int device = 0;
+  const char* window = nullptr;  // [window, window + window_bytes): the Buffer's own memory
+  std::size_t window_bytes = 0;
+};
+
+PointerHome pointer_home(const detail::BufferGroup& group, std::size_t index, int device) {
+  return {device, static_cast<const char*>(group.windows.local_ptr(index)),
+          group.windows.num_bytes()};
+}
+
+// Throws unless p is null or memory the kernels may read and write as `name`: aligned to
+// `alignment` bytes, and device memory of the Buffer's device (or managed memory, or the window:
+// dispatch results passed back, e.g. expert_out = recv_x). A misaligned or foreign pointer would
+// fault inside a kernel, which ends the CUDA context.
+void check_pointer(const void* p, const char* name, const PointerHome& home,
+                   std::size_t alignment) {
+  if (p == nullptr) return;
+  WEFT_CHECK(reinterpret_cast<uintptr_t>(p) % alignment == 0, name, " must be ", alignment,
+             "-byte aligned, got address ", p);
+  const auto* byte = static_cast<const char*>(p);
+  if (byte >= home.window && byte < home.window + home.window_bytes) return;
+  const int device = home.device;
+  cudaPointerAttributes a{};
+  const cudaError_t status = cudaPointerGetAttributes(&a, p);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // the failed query must not surface as the next launch's error
+    WEFT_FAIL(name, " (", p, ") is no memory CUDA knows: ", cudaGetErrorString(status));
+  }
+  WEFT_CHECK(a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged, name, " (", p,
+             ") is ", memory_type_name(a.type), " memory; it must be device memory of device ",
+             device);
+  WEFT_CHECK(a.type == cudaMemoryTypeManaged || a.device == device, name, " (", p,
+             ") is memory of device ", a.device, ", not of the Buffer's device ", device);
+}
+
+// Throws unless h names the layout in place (`layout`, the last uncached dispatch of the Buffer
+// `buffer_id`) with that layout's own fields: combine and a cached dispatch take T and the kernel
+// from the layout, so a handle whose fields were changed would otherwise run the wrong one.
+void check_handle(const Handle& h, const Handle& layout, uint64_t buffer_id, const char* call) {
+  WEFT_CHECK(h.buffer_id == buffer_id, call, ": the handle is from another Buffer");
+  WEFT_CHECK(h.sequence == layout.sequence, call, ": the handle is stale (its layout is dispatch ",
+             h.sequence, "'s, but the layout in place is dispatch ", layout.sequence, "'s)");
+  WEFT_CHECK(h.num_tokens == layout.num_tokens && h.expand == layout.expand &&
+                 (h.num_recv < 0 || h.num_recv == layout.num_recv),
+             call, ": the handle does not match the layout of dispatch ", layout.sequence,
+             " (num_tokens ", h.num_tokens, " for ", layout.num_tokens, ", num_recv ", h.num_recv,
+             " for ", layout.num_recv, ", expand ", h.expand.enabled, " for ",
+             layout.expand.enabled, "); a Handle must be used as the dispatch returned it");
 }
 
 int env_int(const char* a, const char* b, int fallback) {
@@ -246,9 +338,8 @@ void Buffer::handshake(std::vector<Buffer*> buffers) {
     Buffer& b = *buffers[i];
     DeviceGuard guard(b.device_);
     detail::HandshakeParams params{};
-    params.comm = {b.group_->windows.window(b.index_), b.group_->layout, b.rank_, b.num_ranks_,
-                   b.state_->state, b.state_->error.device_record(),
-                   uint64_t(b.options_.timeout_s * 1e9)};
+    params.comm = comm_params(*b.group_, b.index_, b.rank_, b.num_ranks_, *b.state_,
+                              b.options_.timeout_s);
     detail::launch_handshake(params, streams[i]);
   }
   for (std::size_t i = 0; i < buffers.size(); ++i) {
@@ -325,15 +416,27 @@ void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
   const Fp8RowLayout l = fp8_row_layout(hidden);
   WEFT_CHECK(num_tokens >= 0, "cast_to_fp8: num_tokens must not be negative");
   WEFT_CHECK(num_tokens == 0 || (x != nullptr && out != nullptr), "cast_to_fp8: null pointer");
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
-             "cast_to_fp8: x and out must be 16-byte aligned");
+  if (num_tokens > 0) {
+    PointerHome home;
+    WEFT_CUDA_CHECK(cudaGetDevice(&home.device));
+    check_pointer(x, "cast_to_fp8: x", home, 16);
+    check_pointer(out, "cast_to_fp8: out", home, 16);
+  }
   detail::launch_cast_fp8({static_cast<const uint16_t*>(x), static_cast<uint8_t*>(out), num_tokens,
                            hidden, l.raw_bytes, l.row_bytes},
                           stream);
 }
 
 void Buffer::throw_if_device_error() {
-  state_->error.throw_if_raised([&](const cuda::DeviceErrorRecord& r) {
+  detail::BufferState& st = *state_;
+  // A fatal error first (a bad-data error recorded before it must not hide it), and for good.
+  if (st.unusable.empty() && st.fatal.raised()) {
+    st.unusable = describe(st.fatal.read(), config_, options_.timeout_s) +
+                  "; the ranks no longer agree on the call sequence, so this Buffer refuses "
+                  "every call: destroy the Buffers of every rank and build new ones";
+  }
+  WEFT_CHECK(st.unusable.empty(), st.unusable);
+  st.error.throw_if_raised([&](const cuda::DeviceErrorRecord& r) {
     return describe(r, config_, options_.timeout_s);
   });
 }
@@ -390,12 +493,17 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "dispatch of ", T,
              " tokens, but the buffer was sized for at most ", config_.max_tokens);
   const int64_t row_bytes = dispatch_row_bytes(in.x, config_);
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.x.data) % 16 == 0, "x must be 16-byte aligned");
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.cumulative_local_expert_recv_stats) % 4 == 0,
-             "cumulative_local_expert_recv_stats must be 4-byte aligned");
+  const PointerHome home = pointer_home(*group_, index_, device_);
+  check_pointer(T > 0 ? in.x.data : nullptr, "x", home, 16);
+  check_pointer(in.cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", home,
+                4);
   if (in.handle != nullptr) return dispatch_cached(in, row_bytes, stream, mode);
   check_view(in.topk_idx, "topk_idx", {DType::kInt32, DType::kInt64}, T, config_.top_k);
   check_view(in.topk_weights, "topk_weights", {DType::kFloat32}, T, config_.top_k);
+  if (T > 0) {
+    check_pointer(in.topk_idx.data, "topk_idx", home, dtype_size(in.topk_idx.dtype));
+    check_pointer(in.topk_weights.data, "topk_weights", home, 4);
+  }
   const int num_blocks_of_call = num_blocks(T, in.num_sms);
   if (in.expand.enabled) {
     in.expand.validate();
@@ -403,10 +511,8 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
                "BufferConfig::expand_factor >= 1 (it sizes the window's receive region)");
   }
   DeviceGuard guard(device_);
-  const auto& layout = group_->layout;
   detail::DispatchParams p{};
-  p.comm = {group_->windows.window(index_), layout, rank_, num_ranks_, state_->state,
-            state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
+  p.comm = comm_params(*group_, index_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.x = in.x.data;
   p.row_bytes = row_bytes;
   p.topk_idx = in.topk_idx.data;
@@ -423,6 +529,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.send_slot = state_->send_slot;
   p.tokens_per_expert = state_->tokens_per_expert;
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
+  p.layout_id = dispatch_sequence_ + 1;
   if (in.expand.enabled) {
     detail::ExpandDispatchParams ep{};
     ep.dispatch = p;
@@ -437,9 +544,10 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     detail::launch_dispatch(p, num_blocks_of_call, stream);
   }
   ++dispatch_sequence_;
+  state_->layout = {id_, dispatch_sequence_, T, -1,
+                    in.expand.enabled ? in.expand : ExpandOptions{}};
 
-  DispatchResult r = make_result(
-      row_bytes, {id_, dispatch_sequence_, T, -1, in.expand.enabled ? in.expand : ExpandOptions{}});
+  DispatchResult r = make_result(row_bytes, state_->layout);
   if (mode == CountMode::kExact) {
     WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream));
@@ -456,11 +564,8 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
 
 DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_bytes,
                                        cudaStream_t stream, CountMode mode) {
-  const Handle& h = *in.handle;
-  WEFT_CHECK(h.buffer_id == id_, "cached dispatch: the handle is from another Buffer");
-  WEFT_CHECK(h.sequence == dispatch_sequence_, "cached dispatch: the handle is stale (its layout ",
-             "is dispatch ", h.sequence, "'s, but dispatch ", dispatch_sequence_,
-             " has computed a new one on this Buffer since)");
+  check_handle(*in.handle, state_->layout, id_, "cached dispatch");
+  const Handle& h = state_->layout;  // what the handle was checked to match
   WEFT_CHECK(!in.expand.enabled || in.expand == h.expand,
              "cached dispatch: expand must be left unset or equal the handle's (the layout, "
              "expanded or not, is the handle's)");
@@ -474,8 +579,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   const int num_blocks_of_call = num_blocks(h.num_tokens, in.num_sms);
   DeviceGuard guard(device_);
   detail::CachedDispatchParams p{};
-  p.comm = {group_->windows.window(index_), group_->layout, rank_, num_ranks_, state_->state,
-            state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
+  p.comm = comm_params(*group_, index_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.x = in.x.data;
   p.row_bytes = row_bytes;
   p.num_tokens = h.num_tokens;
@@ -489,9 +593,10 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
     p.segment_begin = state_->expand_info;
     p.zero_padding = h.expand.zero_padding;
   }
+  p.layout_id = h.sequence;
   detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
   note_launched(stream);
-  return make_result(row_bytes, h);
+  return make_result(row_bytes, *in.handle);
 }
 
 int64_t Buffer::wait_num_recv(DispatchResult& result) {
@@ -503,6 +608,7 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   throw_if_device_error();
   result.num_recv = *state_->host_count;
   result.handle.num_recv = result.num_recv;
+  if (state_->layout.sequence == result.handle.sequence) state_->layout.num_recv = result.num_recv;
   if (result.handle.expand.enabled) result.rows_required = *state_->host_rows_required;
   return result.num_recv;
 }
@@ -511,34 +617,32 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
                      cudaStream_t stream) {
   pace_host();
   throw_if_device_error();
-  WEFT_CHECK(handle.buffer_id == id_, "combine: the handle is from another Buffer");
-  WEFT_CHECK(handle.sequence == dispatch_sequence_, "combine: the handle is stale (dispatch ",
-             handle.sequence, ", but dispatch ", dispatch_sequence_,
-             " has been launched on this Buffer since)");
-  const int64_t T = handle.num_tokens;
+  check_handle(handle, state_->layout, id_, "combine");
+  const Handle& layout = state_->layout;  // what the handle was checked to match
+  const int64_t T = layout.num_tokens;
   WEFT_CHECK(in.expert_out.dtype == DType::kBFloat16, "expert_out must be bfloat16, got ",
              dtype_name(in.expert_out.dtype));
   WEFT_CHECK(in.expert_out.cols == config_.hidden, "expert_out must have ", config_.hidden,
              " columns, got ", in.expert_out.cols);
-  const int64_t rows_allowed = handle.expand.enabled ? expand_capacity() : capacity();
+  const int64_t rows_allowed = layout.expand.enabled ? expand_capacity() : capacity();
   WEFT_CHECK(in.expert_out.rows >= 0 && in.expert_out.rows <= rows_allowed, "expert_out has ",
              in.expert_out.rows, " rows, at most ", rows_allowed, " allowed");
-  WEFT_CHECK(handle.num_recv < 0 || in.expert_out.rows >= handle.num_recv, "expert_out has ",
-             in.expert_out.rows, " rows but ", handle.num_recv, " were received");
+  WEFT_CHECK(layout.num_recv < 0 || in.expert_out.rows >= layout.num_recv, "expert_out has ",
+             in.expert_out.rows, " rows but ", layout.num_recv, " were received");
   WEFT_CHECK(in.expert_out.rows == 0 || in.expert_out.data != nullptr, "expert_out is null");
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(in.expert_out.data) % 16 == 0,
-             "expert_out must be 16-byte aligned");
   if (in.bias0.data != nullptr) check_view(in.bias0, "bias0", {DType::kBFloat16}, T, config_.hidden);
   if (in.bias1.data != nullptr) check_view(in.bias1, "bias1", {DType::kBFloat16}, T, config_.hidden);
   WEFT_CHECK(T == 0 || out != nullptr, "out is null");
-  WEFT_CHECK(reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
-                 reinterpret_cast<uintptr_t>(in.bias0.data) % 16 == 0 &&
-                 reinterpret_cast<uintptr_t>(in.bias1.data) % 16 == 0,
-             "out and biases must be 16-byte aligned");
+  const PointerHome home = pointer_home(*group_, index_, device_);
+  check_pointer(in.expert_out.rows > 0 ? in.expert_out.data : nullptr, "expert_out", home, 16);
+  if (T > 0) {
+    check_pointer(in.bias0.data, "bias0", home, 16);
+    check_pointer(in.bias1.data, "bias1", home, 16);
+    check_pointer(out, "out", home, 16);
+  }
   DeviceGuard guard(device_);
   detail::CombineParams p{};
-  p.comm = {group_->windows.window(index_), group_->layout, rank_, num_ranks_, state_->state,
-            state_->error.device_record(), uint64_t(options_.timeout_s * 1e9)};
+  p.comm = comm_params(*group_, index_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.expert_out = static_cast<const uint16_t*>(in.expert_out.data);
   p.expert_out_rows = in.expert_out.rows;
   p.bias0 = static_cast<const uint16_t*>(in.bias0.data);
@@ -549,7 +653,8 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
-  if (handle.expand.enabled) {
+  p.layout_id = layout.sequence;
+  if (layout.expand.enabled) {
     p.num_send_warps = options_.expanded_combine_send_warps;
     p.expand_info = state_->expand_info;
     p.num_local_experts = config_.num_local_experts(num_ranks_);

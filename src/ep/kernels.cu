@@ -60,14 +60,47 @@ __device__ __forceinline__ uint64_t* flag_ptr(char* base, const CommParams& c, i
   return reinterpret_cast<uint64_t*>(base + c.layout.flags) + kind * kMaxRanks + src;
 }
 
+// A fatal error on this rank (is_fatal): recorded apart from bad data, and the rank is broken
+// from now on (every later kernel returns at once, so nothing runs on state a failed call left,
+// such as a grid barrier's arrivals). peer >= 0: the rest of this kernel skips its waits for it.
+__device__ void raise_fatal(const CommParams& c, uint32_t code, int64_t what, int peer,
+                            uint64_t seq) {
+  raise_device_error(c.fatal, code, c.rank, what, peer, int64_t(seq));
+  if (peer >= 0) atomicOr(&c.state->dead_peers, 1u << peer);
+  atomicExch(&c.state->broken, 1u);
+}
+__device__ __forceinline__ void raise_timeout(const CommParams& c, int64_t what, int peer,
+                                              uint64_t seq) {
+  raise_fatal(c, kErrTimeout, what, peer, seq);
+}
+__device__ __forceinline__ bool is_broken(const CommParams& c) {
+  return *reinterpret_cast<volatile const uint32_t*>(&c.state->broken) != 0;
+}
+__device__ __forceinline__ bool is_dead(const CommParams& c, int peer) {
+  return (*reinterpret_cast<volatile const uint32_t*>(&c.state->dead_peers) >> peer & 1u) != 0;
+}
+// A flag value of call seq (kFlagFailed aside): has it arrived, and did its writer fail the call?
+__device__ __forceinline__ bool flag_arrived(uint64_t v, uint64_t seq) {
+  return (v & ~kFlagFailed) >= seq;
+}
+__device__ __forceinline__ bool flag_failed(uint64_t v, uint64_t seq) {
+  return (v & kFlagFailed) != 0 && (v & ~kFlagFailed) == seq;
+}
+
 // Thread 0 only: waits until this rank's flag[kind][s] >= seq for every s; on timeout reports
-// (rank, what, peer, seq) and returns false.
+// (rank, what, peer, seq), on a flag that says its writer failed the call reports that peer;
+// either returns false.
 __device__ bool wait_all_peers(const CommParams& c, char* local, int kind, uint64_t seq,
                                WaitKind what) {
   for (int s = 0; s < c.num_ranks; ++s) {
     const uint64_t* f = flag_ptr(local, c, kind, s);
-    if (!spin_wait([&] { return ld_acquire_sys(f) >= seq; }, c.timeout_ns)) {
-      raise_device_error(c.error, kErrTimeout, c.rank, what, s, int64_t(seq));
+    uint64_t v = 0;
+    if (!spin_wait([&] { return flag_arrived(v = ld_acquire_sys(f), seq); }, c.timeout_ns)) {
+      raise_timeout(c, what, s, seq);
+      return false;
+    }
+    if (flag_failed(v, seq)) {
+      raise_fatal(c, kErrPeerFailed, what, s, seq);
       return false;
     }
   }
@@ -89,7 +122,7 @@ __device__ bool grid_barrier(const CommParams& c, uint64_t seq) {
       atomicAdd(&st->barrier_generation, 1u);
     } else if (!spin_wait([&] { return ld_acquire_gpu(&st->barrier_generation) != generation; },
                           c.timeout_ns)) {
-      raise_device_error(c.error, kErrTimeout, c.rank, kWaitGridBarrier, -1, int64_t(seq));
+      raise_timeout(c, kWaitGridBarrier, -1, seq);
       ok = 0;
     }
     __threadfence();
@@ -111,6 +144,7 @@ __device__ bool finish_block(const CommParams& c, uint64_t seq) {
     if (last) {
       atomicExch(&c.state->done_counter, 0u);
       atomicExch(&c.state->work_counter, 0u);
+      atomicExch(&c.state->dead_peers, 0u);
       // Orders every block's stores (each fenced before its arrival, which this block's atomic
       // observed) before what the last block stores next: finish_dispatch's done flags are
       // relaxed stores that rely on this fence.
@@ -120,6 +154,19 @@ __device__ bool finish_block(const CommParams& c, uint64_t seq) {
   }
   __syncthreads();
   return last != 0;
+}
+
+// Combine and cached dispatch (every thread): is the layout in place not the one the call was
+// made for (a layout the host checked the handle against, but a CUDA graph replayed after another
+// dispatch)? Block 0 reports it; the caller then skips the call. Every rank that finds another
+// layout skips alike; a peer that did not times out waiting for it.
+__device__ bool layout_mismatch(const CommParams& c, uint64_t layout_id) {
+  const uint64_t in_place = c.state->layout_id;
+  if (in_place == layout_id) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    raise_device_error(c.error, kErrLayoutMismatch, c.rank, int64_t(layout_id), int64_t(in_place));
+  }
+  return true;
 }
 
 // One warp claims the next unit of work of the running kernel (all lanes get the same index):
@@ -133,14 +180,17 @@ __device__ __forceinline__ int64_t work_claim(const CommParams& c, int lane) {
 
 // The end of every dispatch kernel (all threads call it): once the last block has issued its
 // stores (finish_block), raise kFlagDone at every peer and wait for every peer's, so that the
-// rows this rank receives are complete when the kernel ends.
+// rows this rank receives are complete when the kernel ends. Where a wait of this call timed out
+// on this rank (every block's raise precedes its arrival in finish_block), the done flags carry
+// kFlagFailed: a peer then reports this rank's failure instead of returning rows never written.
 __device__ void finish_dispatch(const CommParams& c, char* const* peer, uint64_t seq) {
   if (finish_block(c, seq) && threadIdx.x == 0) {
+    const bool failed = is_broken(c);
     // finish_block's system fence (after every block's fence and arrival) orders the rows.
     for (int r = 0; r < c.num_ranks; ++r) {
-      st_relaxed_sys(flag_ptr(peer[r], c, kFlagDone, c.rank), seq);
+      st_relaxed_sys(flag_ptr(peer[r], c, kFlagDone, c.rank), seq | (failed ? kFlagFailed : 0));
     }
-    wait_all_peers(c, peer[c.rank], kFlagDone, seq, kWaitDispatchDone);
+    if (!failed) wait_all_peers(c, peer[c.rank], kFlagDone, seq, kWaitDispatchDone);
   }
 }
 
@@ -235,7 +285,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  if (is_broken(c)) return;
   const int parity = int(seq & 1);
+  if (blockIdx.x == 0 && threadIdx.x == 0) c.state->layout_id = p.layout_id;
 
   // Shared memory: histogram [num_experts] | counts [R] | base [R] | mask [kSub] |
   //                row [kSub][R] | items [kSub * R] (token << 8 | dst) | count words [R][R] |
@@ -333,8 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
                   c.timeout_ns)) {
       s_matrix[threadIdx.x] = int32_t(uint32_t(v));
     } else {
-      raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, threadIdx.x / R,
-                         int64_t(seq));
+      raise_timeout(c, kWaitCounts, threadIdx.x / R, seq);
       s_ok = 0;
     }
   }
@@ -368,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       if (arrived) {
         arrived = spin_wait(
             [&] { return ((v = ld_acquire_sys(em + i)) & ~0xffffffffull) == tag; }, c.timeout_ns);
-        if (!arrived) raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, i / epr, int64_t(seq));
+        if (!arrived) raise_timeout(c, kWaitCounts, i / epr, seq);
       }
       s_hist[i] = arrived ? int32_t(uint32_t(v)) : 0;
     }
@@ -498,7 +549,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  if (is_broken(c)) return;
   const int parity = int(seq & 1);
+  if (blockIdx.x == 0 && threadIdx.x == 0) c.state->layout_id = p.layout_id;
 
   int64_t* s_next = smem64;
   int64_t* s_seg = s_next + E;
@@ -587,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         arrived = spin_wait([&] { return ((v = ld_acquire_sys(w)) & ~0xffffffffull) == tag; },
                             c.timeout_ns);
         if (!arrived) {
-          raise_device_error(c.error, kErrTimeout, c.rank, kWaitCounts, s, int64_t(seq));
+          raise_timeout(c, kWaitCounts, s, seq);
           s_ok = 0;
           break;
         }
@@ -846,6 +899,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  if (is_broken(c)) return;
+  if (layout_mismatch(c, p.layout_id)) {  // out unwritten
+    finish_block(c, seq);
+    return;
+  }
   if constexpr (kExpanded) {
     // The dispatch overflowed at some rank, which then holds none of its rows. Every rank derived
     // the same overflow from the same counts, so every rank skips the call alike (none waits for
@@ -866,6 +924,25 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __syncthreads();
   char* local = s_peer[c.rank];
   const int64_t n16 = p.hidden * 2 / 16;
+  // expert_out has fewer rows than were received: this rank reads none of them, reduces nothing
+  // (out unwritten) and marks the rows it would have sent as failed, so that its peers skip the
+  // tokens they wait for instead of timing out.
+  const int32_t num_recv = c.state->num_recv;
+  const bool rows_missing = num_recv > p.expert_out_rows;
+  const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
+  // The flag of a received row's (source, token) at the source, or null (reported) where the
+  // source is out of range: rows are sent only to sources that exist.
+  auto source_in_range = [&](int2 src) {
+    return src.x >= 0 && src.x < R && src.y >= 0 && src.y < p.max_tokens;
+  };
+  auto source_flag = [&](int64_t j, int2 src) -> uint64_t* {
+    if (!source_in_range(src)) {
+      raise_device_error(c.error, kErrBadSource, c.rank, j, src.x, src.y);
+      return nullptr;
+    }
+    return reinterpret_cast<uint64_t*>(s_peer[src.x] + c.layout.comb_flags) +
+           int64_t(c.rank) * p.max_tokens + src.y;
+  };
 
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     for (int peer = 0; peer < R; ++peer) {
@@ -877,10 +954,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     const int num_send_threads = p.num_send_warps * 32;
     if (threadIdx.x == 0) s_ok = wait_all_peers(c, local, kFlagEntry, seq, kWaitCombineEntry);
     asm volatile("bar.sync 1, %0;" ::"r"(num_send_threads) : "memory");
-    const int32_t num_recv = c.state->num_recv;
-    if (s_ok && num_recv > p.expert_out_rows) {
-      if (threadIdx.x == 0) {
+    if (s_ok && rows_missing) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
         raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
+      }
+      // Every row that would have gone out (expanded: every chain head, the own rank's too):
+      // its flag carries kFlagFailed, and no payload.
+      const int2* chain = reinterpret_cast<const int2*>(local + c.layout.expand_chain);
+      const int64_t own_begin = c.state->own_begin;
+      const int64_t own_count = kExpanded ? 0 : c.state->own_count;
+      for (int64_t r = int64_t(blockIdx.x) * num_send_threads + threadIdx.x;
+           r < int64_t(num_recv) - own_count; r += int64_t(gridDim.x) * num_send_threads) {
+        const int64_t j = r < own_begin || kExpanded ? r : r + own_count;
+        if (kExpanded && chain[j].y == 0) continue;
+        if (uint64_t* flag = source_flag(j, recv_src[j])) st_relaxed_sys(flag, seq | kFlagFailed);
       }
     } else if (s_ok && kExpanded) {
       // Every row that heads its (source, token)'s chain here: the chain's sum goes to the
@@ -890,7 +977,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       // landed. A chain ascends and has at most min(top_k, E/R) <= 32 rows; the walk is bounded
       // by that and by num_recv regardless.
       constexpr int kMaxSendBatch = 4;
-      const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
       const int2* chain = reinterpret_cast<const int2*>(local + c.layout.expand_chain);
       const int total_warps = int(gridDim.x) * p.num_send_warps;
       const int64_t batch =
@@ -902,7 +988,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         const int64_t r1 = min(int64_t(num_recv), r0 + batch);
         bool any_head = false;  // a batch of padding rows and chain members needs no fence
         for (int64_t j = r0; j < r1; ++j) {
-          if (chain[j].y == 0) continue;
+          if (chain[j].y == 0 || !source_in_range(recv_src[j])) continue;
           any_head = true;
           int32_t lane_row = -1;  // lane i: the chain's i-th row
           int num_rows = 0;
@@ -920,10 +1006,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
           __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
           for (int64_t j = r0; j < r1; ++j) {
             if (chain[j].y == 0) continue;
-            const int2 src = recv_src[j];
-            uint64_t* flag = reinterpret_cast<uint64_t*>(s_peer[src.x] + c.layout.comb_flags) +
-                             int64_t(c.rank) * p.max_tokens + src.y;
-            st_relaxed_sys(flag, seq);
+            if (uint64_t* flag = source_flag(j, recv_src[j])) st_relaxed_sys(flag, seq);
           }
         }
         __syncwarp();
@@ -938,7 +1021,6 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       // after the warp's stores), then lane 0 marks each row's slot as landed. With few rows
       // (small T) a batch is one row, so that every row has its own warp and all are in flight.
       constexpr int kMaxSendBatch = 4;
-      const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
       const int64_t own_begin = c.state->own_begin;
       const int64_t own_count = c.state->own_count;
       const int64_t num_remote = int64_t(num_recv) - own_count;
@@ -953,6 +1035,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         for (int64_t r = r0; r < r1; ++r) {
           const int64_t j = received_row(r);
           const int2 src = recv_src[j];
+          if (!source_in_range(src)) continue;
           warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
                             (int64_t(c.rank) * p.max_tokens + src.y) * n16,
                         reinterpret_cast<const int4*>(p.expert_out) + j * n16, n16, lane);
@@ -961,16 +1044,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         if (lane == 0) {
           __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
           for (int64_t r = r0; r < r1; ++r) {
-            const int2 src = recv_src[received_row(r)];
-            uint64_t* flag = reinterpret_cast<uint64_t*>(s_peer[src.x] + c.layout.comb_flags) +
-                             int64_t(c.rank) * p.max_tokens + src.y;
-            st_relaxed_sys(flag, seq);
+            const int64_t j = received_row(r);
+            if (uint64_t* flag = source_flag(j, recv_src[j])) st_relaxed_sys(flag, seq);
           }
         }
         __syncwarp();
       }
     }
-  } else {
+  } else if (!rows_missing) {
     // Work unit: (token, piece of kPieceVecs 16-byte vectors), so even a few tokens spread over
     // many warps. Per step each lane loads kVec vectors of up to kGroup sources before adding,
     // to keep enough bytes in flight; the additions keep the reference's order.
@@ -994,15 +1075,25 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         ranks |= 1u << d;
         if ((!kExpanded && d == c.rank) || !arrived) continue;
         const uint64_t* f = comb_flags + int64_t(d) * p.max_tokens + t;
-        arrived = spin_wait(
-            [&] {
-              if (ld_acquire_sys(f) >= seq) return true;
-              __nanosleep(32);  // leave issue slots and L2 to the senders
-              return false;
-            },
-            c.timeout_ns);
-        if (!arrived && lane == 0) {
-          raise_device_error(c.error, kErrTimeout, c.rank, kWaitCombineRow, d, int64_t(seq));
+        uint64_t v = ld_acquire_sys(f);
+        if (!flag_arrived(v, seq)) {
+          // A peer that timed out once in this call is not waited for again: one timeout per
+          // call, not one per unit.
+          const bool dead = is_dead(c, d);
+          auto poll = [&] {
+            if (flag_arrived(v = ld_acquire_sys(f), seq)) return true;
+            __nanosleep(32);  // leave issue slots and L2 to the senders
+            return false;
+          };
+          arrived = !dead && spin_wait(poll, c.timeout_ns);
+          if (!arrived) {
+            if (!dead && lane == 0) raise_timeout(c, kWaitCombineRow, d, seq);
+            continue;
+          }
+        }
+        if (flag_failed(v, seq)) {  // d had no expert_out rows to send
+          arrived = false;
+          if (lane == 0) raise_device_error(c.error, kErrPeerRowsMissing, c.rank, d, int64_t(seq));
         }
       }
       if (!arrived) continue;
@@ -1083,6 +1174,11 @@ __global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const Cach
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
+  if (is_broken(c)) return;
+  if (layout_mismatch(c, p.layout_id)) {
+    finish_block(c, seq);
+    return;
+  }
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_ok;
   if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);

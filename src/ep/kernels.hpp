@@ -22,14 +22,32 @@ constexpr int64_t kLocalCountMaxTokens = 1024;
 // shared arrays hold kExpandSubChunkTokens * top_k entries).
 constexpr int kExpandSubChunkTokens = 128;
 
-// Device error codes of weft::ep (DeviceErrorRecord::code) and what the args hold.
+// Device error codes of weft::ep (DeviceErrorRecord::code) and what the args hold. Two kinds,
+// recorded apart (CommParams::error and CommParams::fatal) so that neither hides the other:
+//  - bad data (error): the call skipped what it could not do and the ranks still agree on the
+//    call sequence; the Buffer stays usable.
+//  - fatal (fatal): a wait timed out on this rank or on a peer; the ranks no longer agree on the
+//    call sequence, and every later kernel of this rank does nothing (DeviceState::broken).
 enum ErrorCode : uint32_t {
-  kErrBadExpert = 1,       // args: token, selection k, expert id
-  kErrTimeout = 2,         // args: WaitKind, peer rank (or -1), call sequence number
-  kErrTooManyRows = 3,     // args: rows received, rows of expert_out
-  kErrExpandOverflow = 4,  // combine of an overflowed expanded dispatch; args: the lowest
-                           // overflowed rank, the rows it needed, its capacity
+  kErrBadExpert = 1,        // args: token, selection k, expert id
+  kErrTimeout = 2,          // fatal; args: WaitKind, peer rank (or -1), call sequence number
+  kErrTooManyRows = 3,      // args: rows received, rows of expert_out
+  kErrExpandOverflow = 4,   // combine of an overflowed expanded dispatch; args: the lowest
+                            // overflowed rank, the rows it needed, its capacity
+  kErrLayoutMismatch = 5,   // combine / cached dispatch of a layout that is not the one in
+                            // place; args: the call's layout, the layout in place
+  kErrBadSource = 6,        // combine: a received row's source is out of range (the row was not
+                            // sent back); args: row, source rank, source token
+  kErrPeerRowsMissing = 7,  // combine: a peer's expert_out lacked rows, so it sent none; args:
+                            // that peer, call sequence number
+  kErrPeerFailed = 8,       // fatal; a peer's call failed (it timed out) and said so in its done
+                            // flag; args: WaitKind, that peer, call sequence number
 };
+constexpr bool is_fatal(uint32_t code) { return code == kErrTimeout || code == kErrPeerFailed; }
+// A flag's value is a call number; this bit is set where its writer failed that call (dispatch
+// done flags: the call timed out there; combine row flags: no row was sent). Call numbers never
+// reach it.
+constexpr uint64_t kFlagFailed = uint64_t(1) << 63;
 enum WaitKind : int64_t {
   kWaitHandshake = 1,
   kWaitCounts = 2,       // dispatch: a peer's count words
@@ -85,6 +103,14 @@ struct DeviceState {
   // Units of work handed out so far in the running kernel (combine's store-back batches:
   // work_claim); the last block resets it.
   uint32_t work_counter;
+  // Bit d: a wait for rank d timed out in the running kernel (later waits for d are skipped, so
+  // a dead peer costs one timeout per call); the last block resets it.
+  uint32_t dead_peers;
+  // Non-zero once a fatal error was raised on this rank: every later kernel returns at once.
+  uint32_t broken;
+  // The uncached dispatch whose layout is in place (its Handle::sequence): what combine and a
+  // cached dispatch check their layout against.
+  uint64_t layout_id;
 };
 
 // What every kernel needs to talk to its peers.
@@ -94,7 +120,8 @@ struct CommParams {
   int rank;
   int num_ranks;
   DeviceState* state;
-  cuda::DeviceErrorRecord* error;
+  cuda::DeviceErrorRecord* error;  // bad data (ErrorCode)
+  cuda::DeviceErrorRecord* fatal;  // timeouts (is_fatal)
   uint64_t timeout_ns;
 };
 
@@ -120,6 +147,7 @@ struct DispatchParams {
   // (block 0 only, after the counts arrived; not atomic: one writer). Null: the kernel variant
   // without it runs, so the default path does not pay.
   uint32_t* cumulative_stats;
+  uint64_t layout_id;          // this dispatch's layout number (DeviceState::layout_id)
 };
 
 // The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
@@ -159,6 +187,7 @@ struct CachedDispatchParams {
   int top_k;
   const int64_t* segment_begin;  // [num_local_experts + 1]
   bool zero_padding;
+  uint64_t layout_id;          // the layout reused: must be DeviceState::layout_id
 };
 
 // bf16 -> packed fp8 rows (weft::ep::Fp8RowLayout); see cast_to_fp8 in buffer.hpp.
@@ -187,6 +216,7 @@ struct CombineParams {
   const int64_t* expand_info;
   int num_local_experts;
   int64_t expand_capacity;
+  uint64_t layout_id;          // the layout combined: must be DeviceState::layout_id
 };
 
 struct HandshakeParams {

@@ -92,7 +92,7 @@ struct Received {
 class EpAsyncTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (num_gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << num_gpus();
+    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
   }
   void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
     config = c;

@@ -1,8 +1,6 @@
-// weft::ep dispatch/combine on 2+ GPUs (one process driving all of them, and one process per GPU
-// through Buffer::from_env and Buffer(ncclComm_t, ...)), checked element by
-// element against the CPU reference. Every payload element is a hash of (source rank, source
-// token, column), so a misrouted row cannot look plausible; outputs are poisoned before each
-// call; inputs are drawn fresh per round.
+// weft::ep dispatch/combine on every visible GPU (one process driving all of them, and one
+// process per GPU through Buffer::from_env and Buffer(ncclComm_t, ...)), checked element by
+// element against the CPU reference (ep_fixture.hpp); one GPU is one rank, every row local.
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -25,6 +23,8 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
 #include "device_array.hpp"
+#include "ep_fixture.hpp"
+#include "payload.hpp"
 
 namespace {
 
@@ -33,223 +33,12 @@ using weft::ep::DType;
 namespace ref = weft::ep::reference;
 using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
+using weft::ep::testing::EpTest;
+using weft::ep::testing::make_inputs;
+using weft::ep::testing::num_gpus;
+using weft::ep::testing::RankDevice;
+using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
-
-int num_gpus() { return weft::cuda::device_count(); }
-
-#define REQUIRE_GPUS()                                                                   \
-  do {                                                                                   \
-    if (num_gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << num_gpus();           \
-  } while (0)
-
-struct RoutingSpec {
-  std::vector<int64_t> tokens;  // per rank
-  double mask_ratio = 0.0;
-  int only_rank = -1;           // every selection on this rank (-1: random)
-  int avoid_rank = -1;          // no selection on this rank
-  bool all_masked = false;
-};
-
-std::vector<ref::RankInput> make_inputs(const BufferConfig& c, int R, const RoutingSpec& spec,
-                                        std::mt19937& rng) {
-  std::vector<ref::RankInput> inputs(static_cast<std::size_t>(R));
-  const int epr = c.num_experts / R;
-  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
-  for (int r = 0; r < R; ++r) {
-    auto& in = inputs[static_cast<std::size_t>(r)];
-    in.num_tokens = spec.tokens[static_cast<std::size_t>(r)];
-    in.x.resize(static_cast<std::size_t>(in.num_tokens * c.hidden));
-    for (int64_t t = 0; t < in.num_tokens; ++t) {
-      for (int64_t h = 0; h < c.hidden; ++h) {
-        in.x[static_cast<std::size_t>(t * c.hidden + h)] = ref::identity_bf16(r, t, h);
-      }
-      std::vector<int> experts;
-      for (int e = 0; e < c.num_experts; ++e) {
-        const int owner = e / epr;
-        if (spec.only_rank >= 0 && owner != spec.only_rank) continue;
-        if (spec.avoid_rank >= 0 && owner == spec.avoid_rank) continue;
-        experts.push_back(e);
-      }
-      std::shuffle(experts.begin(), experts.end(), rng);
-      for (int k = 0; k < c.top_k; ++k) {
-        int64_t e = experts[static_cast<std::size_t>(k) % experts.size()];
-        if (spec.all_masked || uni(rng) < spec.mask_ratio) e = -1;
-        in.topk_idx.push_back(e);
-        in.topk_weights.push_back(uni(rng));
-      }
-    }
-  }
-  return inputs;
-}
-
-struct RankDevice {
-  DeviceArray x, idx, weights, out, bias0, bias1, expert_out;
-  cudaStream_t stream = nullptr;
-};
-
-class EpTest : public ::testing::Test {
- protected:
-  // The options default to BufferOptions{} (combine_send_warps, tokens_per_block as shipped).
-  void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
-    config = c;
-    R = num_gpus();
-    eps = weft::ep::Buffer::create_local(R, c, o);
-    ranks.resize(static_cast<std::size_t>(R));
-    for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
-      WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&ranks[static_cast<std::size_t>(r)].stream,
-                                                cudaStreamNonBlocking));
-    }
-  }
-  void TearDown() override {
-    for (auto& rd : ranks) {
-      if (rd.stream != nullptr) cudaStreamDestroy(rd.stream);
-    }
-  }
-  void sync_all() {
-    for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
-      WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[static_cast<std::size_t>(r)].stream));
-    }
-  }
-
-  // One dispatch + checks + combine + checks. expert_out: the received rows themselves
-  // (zero-copy round trip) or fresh random rows.
-  void round(const std::vector<ref::RankInput>& inputs, bool idx64, int num_bias,
-             bool random_expert_out, bool exact) {
-    const auto layouts = ref::dispatch(config, inputs);
-    const int64_t H = config.hidden;
-    const int K = config.top_k;
-    std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[static_cast<std::size_t>(r)];
-      const auto& in = inputs[static_cast<std::size_t>(r)];
-      rd.x = upload(r, in.x);
-      if (idx64) {
-        rd.idx = upload(r, in.topk_idx);
-      } else {
-        std::vector<int32_t> v(in.topk_idx.begin(), in.topk_idx.end());
-        rd.idx = upload(r, v);
-      }
-      rd.weights = upload(r, in.topk_weights);
-    }
-    // Poison the (zero-copy) outputs of every rank before any rank starts.
-    for (int r = 0; r < R; ++r) {
-      auto* b = eps[static_cast<std::size_t>(r)].get();
-      if (poison_ptr_.size() == static_cast<std::size_t>(R)) {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
-        const auto& pp = poison_ptr_[static_cast<std::size_t>(r)];
-        WEFT_CUDA_CHECK(cudaMemset(const_cast<uint16_t*>(pp.recv_x), 0xFF, b->capacity() * H * 2));
-        WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.recv_expert_idx), 0x7F, b->capacity() * K * 4));
-        WEFT_CUDA_CHECK(cudaMemset(const_cast<float*>(pp.recv_weights), 0xFF, b->capacity() * K * 4));
-        WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.recv_src), 0x7F, b->capacity() * 8));
-        WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.tokens_per_local_expert), 0x7F,
-                                   config.num_local_experts(R) * 4));
-        WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[static_cast<std::size_t>(r)];
-      const auto T = inputs[static_cast<std::size_t>(r)].num_tokens;
-      weft::ep::DispatchInputs din{
-          .x = {rd.x.ptr, DType::kBFloat16, T, H},
-          .topk_idx = {rd.idx.ptr, idx64 ? DType::kInt64 : DType::kInt32, T, K},
-          .topk_weights = {rd.weights.ptr, DType::kFloat32, T, K}};
-      res[static_cast<std::size_t>(r)] = eps[static_cast<std::size_t>(r)]->dispatch(
-          din, rd.stream, exact ? weft::ep::CountMode::kExact : weft::ep::CountMode::kOnDevice);
-    }
-    std::vector<int64_t> num_recv(static_cast<std::size_t>(R));
-    for (int r = 0; r < R; ++r) {
-      auto& res_r = res[static_cast<std::size_t>(r)];
-      if (exact) {
-        num_recv[static_cast<std::size_t>(r)] = eps[static_cast<std::size_t>(r)]->wait_num_recv(res_r);
-      } else {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
-        WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[static_cast<std::size_t>(r)].stream));
-        eps[static_cast<std::size_t>(r)]->check();
-        num_recv[static_cast<std::size_t>(r)] = download<int32_t>(r, res_r.num_recv_device, 1)[0];
-      }
-    }
-    poison_ptr_ = res;
-    for (int r = 0; r < R; ++r) {
-      const auto& L = layouts[static_cast<std::size_t>(r)];
-      const auto& rr = res[static_cast<std::size_t>(r)];
-      const auto n = num_recv[static_cast<std::size_t>(r)];
-      ASSERT_EQ(n, L.num_recv) << "rank " << r;
-      const auto rx = download<uint16_t>(r, rr.recv_x, std::size_t(n * H));
-      ASSERT_EQ(rx, L.recv_x) << "rank " << r << ": received rows differ";
-      const auto src = download<int32_t>(r, rr.recv_src, std::size_t(n * 2));
-      for (int64_t j = 0; j < n; ++j) {
-        ASSERT_EQ(src[std::size_t(2 * j)], L.recv_src_rank[std::size_t(j)]) << "row " << j;
-        ASSERT_EQ(src[std::size_t(2 * j + 1)], L.recv_src_token[std::size_t(j)]) << "row " << j;
-      }
-      EXPECT_EQ(download<int32_t>(r, rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
-      EXPECT_EQ(download<float>(r, rr.recv_weights, std::size_t(n * K)), L.recv_weights);
-      EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert,
-                                  std::size_t(config.num_local_experts(R))),
-                L.tokens_per_local_expert);
-    }
-
-    // Combine.
-    std::vector<std::vector<uint16_t>> expert_out(static_cast<std::size_t>(R));
-    std::vector<std::vector<uint16_t>> bias0(static_cast<std::size_t>(R)), bias1(static_cast<std::size_t>(R));
-    std::mt19937 rng(static_cast<uint32_t>(num_recv[0] * 7 + 1));
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[static_cast<std::size_t>(r)];
-      const auto n = num_recv[static_cast<std::size_t>(r)];
-      const auto T = inputs[static_cast<std::size_t>(r)].num_tokens;
-      if (random_expert_out) {
-        auto& e = expert_out[static_cast<std::size_t>(r)];
-        e.resize(std::size_t(n * H));
-        for (auto& v : e) v = ref::identity_bf16(7 + r, int64_t(rng() % 100000), 3);
-        rd.expert_out = upload(r, e);
-      } else {
-        expert_out[static_cast<std::size_t>(r)] = layouts[static_cast<std::size_t>(r)].recv_x;
-      }
-      for (int b = 0; b < num_bias; ++b) {
-        auto& bias = b == 0 ? bias0[static_cast<std::size_t>(r)] : bias1[static_cast<std::size_t>(r)];
-        bias.resize(std::size_t(T * H));
-        for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = ref::identity_bf16(20 + b, i / H, i % H);
-        (b == 0 ? rd.bias0 : rd.bias1) = upload(r, bias);
-      }
-      rd.out = DeviceArray(r, std::size_t(T * H * 2));
-      WEFT_CUDA_CHECK(cudaMemset(rd.out.ptr, 0xFF, std::size_t(T * H * 2)));
-    }
-    for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
-      WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-    }
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[static_cast<std::size_t>(r)];
-      const auto& rr = res[static_cast<std::size_t>(r)];
-      const auto T = inputs[static_cast<std::size_t>(r)].num_tokens;
-      weft::ep::CombineInputs cin;
-      cin.expert_out = random_expert_out
-                           ? weft::ep::TensorView{rd.expert_out.ptr, DType::kBFloat16,
-                                                  num_recv[std::size_t(r)], H}
-                           : weft::ep::TensorView{rr.recv_x, DType::kBFloat16, rr.capacity, H};
-      if (num_bias >= 1) cin.bias0 = {rd.bias0.ptr, DType::kBFloat16, T, H};
-      if (num_bias >= 2) cin.bias1 = {rd.bias1.ptr, DType::kBFloat16, T, H};
-      eps[static_cast<std::size_t>(r)]->combine(cin, rr.handle, rd.out.ptr, rd.stream);
-    }
-    sync_all();
-    for (int r = 0; r < R; ++r) {
-      eps[static_cast<std::size_t>(r)]->check();
-      const auto want = ref::combine(config, r, layouts, expert_out, bias0[std::size_t(r)],
-                                     bias1[std::size_t(r)]);
-      const auto got = download<uint16_t>(r, ranks[std::size_t(r)].out.ptr, want.size());
-      std::size_t wrong = 0;
-      for (std::size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
-      ASSERT_EQ(wrong, 0u) << "rank " << r << ": combine output differs from the reference";
-    }
-  }
-
-  BufferConfig config;
-  int R = 0;
-  std::vector<std::unique_ptr<weft::ep::Buffer>> eps;
-  std::vector<RankDevice> ranks;
-  std::vector<weft::ep::DispatchResult> poison_ptr_;
-};
 
 TEST_F(EpTest, RandomRoutingMatchesReference) {
   REQUIRE_GPUS();
@@ -310,7 +99,7 @@ TEST_F(EpTest, ThousandsOfBackToBackCalls) {
   for (int i = 0; i < kRoutings; ++i) {
     RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), 256 - 37 * i),
                      .mask_ratio = 0.1 * i};
-    if (i == 4) spec.only_rank = 1;
+    if (i == 4) spec.only_rank = R - 1;
     routings.push_back(make_inputs(config, R, spec, rng));
   }
   const int64_t H = config.hidden;
@@ -366,103 +155,234 @@ TEST_F(EpTest, ThousandsOfBackToBackCalls) {
   }
 }
 
-TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
+// Tokens that select one expert more than once (every odd selection repeats the one before it),
+// in local (T <= 1024) and grid mode: such a token goes to a rank once, both selections are
+// marked in recv_expert_idx / recv_weights, and tokens_per_local_expert counts it once.
+TEST_F(EpTest, RepeatedExpertsInOneTokenMatchReference) {
   REQUIRE_GPUS();
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 2});
-  std::mt19937 rng(5);
-  RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), 64)};
-  auto inputs = make_inputs(config, R, spec, rng);
-  const int64_t H = config.hidden;
-  std::vector<RankDevice>& rd = ranks;
-  for (int r = 0; r < R; ++r) {
-    auto in = inputs[std::size_t(r)];
-    if (r == 0) in.topk_idx[5] = 8;  // out of range
-    rd[std::size_t(r)].x = upload(r, in.x);
-    rd[std::size_t(r)].idx = upload(r, in.topk_idx);
-    rd[std::size_t(r)].weights = upload(r, in.topk_weights);
+  make({.max_tokens = 2000, .hidden = 256, .num_experts = 16, .top_k = 8});
+  std::mt19937 rng(std::random_device{}());
+  for (int64_t T : {300, 2000}) {
+    SCOPED_TRACE(testing::Message() << "T " << T);
+    RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.1,
+                     .duplicates = true};
+    round(make_inputs(config, R, spec, rng), T == 300, 1, true, true);
   }
-  auto din = [&](int r, int64_t T) {
-    return weft::ep::DispatchInputs{
-        .x = {rd[std::size_t(r)].x.ptr, DType::kBFloat16, T, H},
-        .topk_idx = {rd[std::size_t(r)].idx.ptr, DType::kInt64, T, 2},
-        .topk_weights = {rd[std::size_t(r)].weights.ptr, DType::kFloat32, T, 2}};
-  };
-  // Host-visible errors: nothing is launched.
-  auto& ep0 = *eps[0];
-  auto bad = din(0, 64);
-  bad.x.dtype = DType::kFloat32;
-  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
-  bad = din(0, 64);
-  bad.topk_weights.dtype = DType::kBFloat16;
-  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
-  bad = din(0, 64);
-  bad.x.rows = bad.topk_idx.rows = bad.topk_weights.rows = 65;
-  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
-  bad = din(0, 64);
-  bad.x.cols = 120;
-  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
-  EXPECT_THROW(weft::ep::Buffer::create_local(R, {.max_tokens = 8, .hidden = 12, .num_experts = 8, .top_k = 2}),
-               weft::Error);
-
-  // Device-found error: rank 0's out-of-range expert is reported, the call still completes.
-  std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
-  for (int r = 0; r < R; ++r) {
-    res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(din(r, 64), rd[std::size_t(r)].stream,
-                                                       weft::ep::CountMode::kExact);
-  }
-  try {
-    eps[0]->wait_num_recv(res[0]);
-    ADD_FAILURE() << "no error for an expert id out of range";
-  } catch (const weft::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("expert id 8, out of range"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
-  }
-  for (int r = 1; r < R; ++r) EXPECT_NO_THROW(eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]));
-  // Handles: another Buffer's, then a stale one.
-  DeviceArray out(0, 64 * H * 2);
-  EXPECT_THROW(eps[0]->combine({.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, H}},
-                               res[1].handle, out.ptr, rd[0].stream),
-               weft::Error);
-  auto wrong_dtype = weft::ep::CombineInputs{.expert_out = {res[0].recv_x, DType::kFloat32, res[0].capacity, H}};
-  EXPECT_THROW(eps[0]->combine(wrong_dtype, res[0].handle, out.ptr, rd[0].stream), weft::Error);
-  // The Buffers still agree: a clean round works.
-  inputs = make_inputs(config, R, spec, rng);
-  round(inputs, false, 1, true, true);
-  const auto old_handle = res[0].handle;
-  EXPECT_THROW(eps[0]->combine({.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, H}},
-                               old_handle, out.ptr, rd[0].stream),
-               weft::Error);
 }
 
-TEST_F(EpTest, AMissingPeerTimesOutWithRankAndReason) {
+// The seed's largest call, T = 8192 per rank, in grid mode (a grid barrier, every SM).
+TEST_F(EpTest, EightThousandTokensInGridMode) {
   REQUIRE_GPUS();
-  make({.max_tokens = 16, .hidden = 64, .num_experts = 4, .top_k = 1}, {.timeout_s = 0.2});
-  std::vector<int64_t> idx(16, 0);
-  std::vector<float> w(16, 1.0f);
-  std::vector<uint16_t> x(16 * 64, 0);
-  auto dx = upload(0, x);
-  auto di = upload(0, idx);
-  auto dw = upload(0, w);
-  auto res = eps[0]->dispatch({.x = {dx.ptr, DType::kBFloat16, 16, 64},
-                               .topk_idx = {di.ptr, DType::kInt64, 16, 1},
-                               .topk_weights = {dw.ptr, DType::kFloat32, 16, 1}},
-                              ranks[0].stream, weft::ep::CountMode::kExact);
-  try {
-    eps[0]->wait_num_recv(res);  // rank 1 never calls
-    ADD_FAILURE() << "no timeout";
-  } catch (const weft::Error& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find("rank 0 timed out"), std::string::npos) << what;
-    EXPECT_NE(what.find("count vector"), std::string::npos) << what;
+  make({.max_tokens = 8192, .hidden = 512, .num_experts = 64, .top_k = 8});
+  std::mt19937 rng(std::random_device{}());
+  RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), 8192), .mask_ratio = 0.05};
+  round(make_inputs(config, R, spec, rng), true, 2, true, false);
+  spec.tokens[0] = 8191;
+  round(make_inputs(config, R, spec, rng), false, 0, false, true);
+}
+
+// top-16 of 1024 experts: more than 8 selections per token (a count tile holds 64 tokens) and
+// more than 256 experts (the per-expert histogram), local and grid mode.
+TEST_F(EpTest, TopSixteenOfAThousandExperts) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 1500, .hidden = 256, .num_experts = 1024, .top_k = 16});
+  std::mt19937 rng(std::random_device{}());
+  int trial = 0;
+  for (int64_t T : {1, 700, 1500}) {
+    SCOPED_TRACE(testing::Message() << "T " << T);
+    RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.1};
+    round(make_inputs(config, R, spec, rng), trial % 2 == 0, trial % 3, trial % 2 == 1, true);
+    ++trial;
+  }
+}
+
+// BufferOptions::tokens_per_block sizes every call's grid: one block per token, an odd share,
+// and 1000 tokens per block (one or two blocks, each with many sub-chunks).
+TEST_F(EpTest, TokensPerBlockOtherThanFour) {
+  REQUIRE_GPUS();
+  std::mt19937 rng(std::random_device{}());
+  for (int tokens_per_block : {1, 37, 1000}) {
+    make({.max_tokens = 1500, .hidden = 256, .num_experts = 32, .top_k = 6},
+         {.tokens_per_block = tokens_per_block});
+    for (int64_t T : {1, 130, 1500}) {
+      SCOPED_TRACE(testing::Message() << "tokens_per_block " << tokens_per_block << " T " << T);
+      RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.2};
+      round(make_inputs(config, R, spec, rng), T != 130, 1, T == 130, T != 1);
+    }
+  }
+}
+
+// Rows move as whole 16-byte vectors, so a hidden size with a partial last vector is refused
+// (BufferConfig::validate, at construction). Rows of 1 vector, of 9 (fewer than a warp's lanes)
+// and of 33 (a partial last round of every per-row loop) match the reference.
+TEST_F(EpTest, RowsOfFewOrOddNumbersOfVectors) {
+  REQUIRE_GPUS();
+  EXPECT_THROW(weft::ep::Buffer::create_local(
+                   num_gpus(), {.max_tokens = 8, .hidden = 100, .num_experts = 16, .top_k = 2}),
+               weft::Error);  // 200 bytes: 12.5 vectors
+  std::mt19937 rng(std::random_device{}());
+  for (int64_t hidden : {8, 72, 264}) {
+    make({.max_tokens = 300, .hidden = hidden, .num_experts = 16, .top_k = 4});
+    SCOPED_TRACE(testing::Message() << "hidden " << hidden);
+    RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), 300), .mask_ratio = 0.1};
+    round(make_inputs(config, R, spec, rng), true, 2, true, true);
+    round(make_inputs(config, R, spec, rng), false, 0, false, false);
+  }
+}
+
+// Calls of one kind launched back to back at T = 4096 (grid mode) with no host synchronisation
+// until the end: dispatch -> dispatch, combine -> combine (two outputs of one layout), cached ->
+// cached (two payloads). What the second call of a pair overwrites in the window is copied out
+// on the stream in between (device to device, no host wait).
+TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 4096, .hidden = 256, .num_experts = 32, .top_k = 6});
+  std::mt19937 rng(std::random_device{}());
+  const int64_t H = config.hidden;
+  const int K = config.top_k;
+  const auto num = std::size_t(R);
+  RoutingSpec spec{.tokens = std::vector<int64_t>(num, 4096), .mask_ratio = 0.1};
+  const auto a_in = make_inputs(config, R, spec, rng);
+  spec.tokens[0] = 4095;
+  spec.mask_ratio = 0.3;
+  const auto b_in = make_inputs(config, R, spec, rng);
+  auto b_x2 = b_in, b_x3 = b_in;  // the cached dispatches' payloads
+  weft::ep::testing::refill_x(config, b_x2, 10);
+  weft::ep::testing::refill_x(config, b_x3, 20);
+  const auto a_layouts = ref::dispatch(config, a_in);
+  const auto b_layouts = ref::dispatch(config, b_in);
+  const auto x2_layouts = ref::dispatch(config, b_x2);
+  const auto x3_layouts = ref::dispatch(config, b_x3);
+
+  struct PerRank {
+    DeviceArray a_x, a_idx, a_w, b_x, b_idx, b_w, x2, x3, e1, e2, out1, out2;
+    DeviceArray a_rows, a_src, a_count, x2_rows;  // copies of what the next call overwrites
+  };
+  std::vector<PerRank> d(num);
+  std::vector<std::vector<uint16_t>> e1(num), e2(num);
+  for (int r = 0; r < R; ++r) {
+    auto& p = d[std::size_t(r)];
+    p.a_x = upload(r, a_in[std::size_t(r)].x);
+    p.a_idx = upload(r, a_in[std::size_t(r)].topk_idx);
+    p.a_w = upload(r, a_in[std::size_t(r)].topk_weights);
+    p.b_x = upload(r, b_in[std::size_t(r)].x);
+    p.b_idx = upload(r, b_in[std::size_t(r)].topk_idx);
+    p.b_w = upload(r, b_in[std::size_t(r)].topk_weights);
+    p.x2 = upload(r, b_x2[std::size_t(r)].x);
+    p.x3 = upload(r, b_x3[std::size_t(r)].x);
+    const int64_t n = b_layouts[std::size_t(r)].num_recv;
+    for (auto* e : {&e1[std::size_t(r)], &e2[std::size_t(r)]}) {
+      e->resize(std::size_t(n * H));
+      for (auto& v : *e) v = weft::ep::testing::identity_value(30 + r, int64_t(rng() % 100000), 7);
+    }
+    p.e1 = upload(r, e1[std::size_t(r)]);
+    p.e2 = upload(r, e2[std::size_t(r)]);
+    const int64_t T = b_in[std::size_t(r)].num_tokens;
+    p.out1 = DeviceArray(r, std::size_t(T * H * 2));
+    p.out2 = DeviceArray(r, std::size_t(T * H * 2));
+    WEFT_CUDA_CHECK(cudaMemset(p.out1.ptr, 0xFF, std::size_t(T * H * 2)));
+    WEFT_CUDA_CHECK(cudaMemset(p.out2.ptr, 0xFF, std::size_t(T * H * 2)));
+    const int64_t cap = eps[std::size_t(r)]->capacity();
+    p.a_rows = DeviceArray(r, std::size_t(cap * H * 2));
+    p.a_src = DeviceArray(r, std::size_t(cap * 8));
+    p.a_count = DeviceArray(r, 4);
+    p.x2_rows = DeviceArray(r, std::size_t(cap * H * 2));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  auto copy = [&](int r, void* dst, const void* src, int64_t bytes) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDeviceToDevice,
+                                    ranks[std::size_t(r)].stream));
+  };
+  auto dispatch = [&](int r, const DeviceArray& x, const DeviceArray* idx, const DeviceArray* w,
+                      const weft::ep::Handle* handle, int64_t T) {
+    weft::ep::DispatchInputs in{.x = {x.ptr, DType::kBFloat16, T, H}, .handle = handle};
+    if (handle == nullptr) {
+      in.topk_idx = {idx->ptr, DType::kInt64, T, K};
+      in.topk_weights = {w->ptr, DType::kFloat32, T, K};
+    }
+    return eps[std::size_t(r)]->dispatch(in, ranks[std::size_t(r)].stream);
+  };
+  std::vector<weft::ep::DispatchResult> a(num), b(num);
+  for (int r = 0; r < R; ++r) {
+    auto& p = d[std::size_t(r)];
+    a[std::size_t(r)] = dispatch(r, p.a_x, &p.a_idx, &p.a_w, nullptr, a_in[std::size_t(r)].num_tokens);
+  }
+  for (int r = 0; r < R; ++r) {
+    const auto& ar = a[std::size_t(r)];
+    auto& p = d[std::size_t(r)];
+    copy(r, p.a_rows.ptr, ar.recv_x, ar.capacity * H * 2);
+    copy(r, p.a_src.ptr, ar.recv_src, ar.capacity * 8);
+    copy(r, p.a_count.ptr, ar.num_recv_device, 4);
+  }
+  for (int r = 0; r < R; ++r) {
+    auto& p = d[std::size_t(r)];
+    b[std::size_t(r)] = dispatch(r, p.b_x, &p.b_idx, &p.b_w, nullptr, b_in[std::size_t(r)].num_tokens);
+  }
+  for (int i = 0; i < 2; ++i) {
+    for (int r = 0; r < R; ++r) {
+      auto& p = d[std::size_t(r)];
+      const DeviceArray& e = i == 0 ? p.e1 : p.e2;
+      eps[std::size_t(r)]->combine(
+          {.expert_out = {e.ptr, DType::kBFloat16, b_layouts[std::size_t(r)].num_recv, H}},
+          b[std::size_t(r)].handle, (i == 0 ? p.out1 : p.out2).ptr, ranks[std::size_t(r)].stream);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    dispatch(r, d[std::size_t(r)].x2, nullptr, nullptr, &b[std::size_t(r)].handle,
+             b_in[std::size_t(r)].num_tokens);
+  }
+  for (int r = 0; r < R; ++r) {
+    copy(r, d[std::size_t(r)].x2_rows.ptr, b[std::size_t(r)].recv_x, b[std::size_t(r)].capacity * H * 2);
+  }
+  for (int r = 0; r < R; ++r) {
+    dispatch(r, d[std::size_t(r)].x3, nullptr, nullptr, &b[std::size_t(r)].handle,
+             b_in[std::size_t(r)].num_tokens);
+  }
+  sync_all();
+
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    eps[std::size_t(r)]->check();
+    const auto& p = d[std::size_t(r)];
+    const auto& A = a_layouts[std::size_t(r)];
+    const int64_t na = download<int32_t>(r, p.a_count.ptr, 1)[0];
+    ASSERT_EQ(na, A.num_recv) << "the first dispatch";
+    ASSERT_EQ(download<uint16_t>(r, p.a_rows.ptr, std::size_t(na * H)), A.recv_x) << "the first dispatch";
+    const auto a_src = download<int32_t>(r, p.a_src.ptr, std::size_t(na * 2));
+    for (int64_t j = 0; j < na; ++j) {
+      ASSERT_EQ(a_src[std::size_t(2 * j)], A.recv_src_rank[std::size_t(j)]) << "row " << j;
+      ASSERT_EQ(a_src[std::size_t(2 * j + 1)], A.recv_src_token[std::size_t(j)]) << "row " << j;
+    }
+    const auto& br = b[std::size_t(r)];
+    const auto& B = b_layouts[std::size_t(r)];
+    const int64_t nb = download<int32_t>(r, br.num_recv_device, 1)[0];
+    ASSERT_EQ(nb, B.num_recv);
+    EXPECT_EQ(download<int32_t>(r, br.recv_expert_idx, std::size_t(nb * K)), B.recv_expert_idx);
+    EXPECT_EQ(download<float>(r, br.recv_weights, std::size_t(nb * K)), B.recv_weights);
+    EXPECT_EQ(download<int32_t>(r, br.tokens_per_local_expert,
+                                std::size_t(config.num_local_experts(R))),
+              B.tokens_per_local_expert);
+    ASSERT_EQ(download<uint16_t>(r, p.x2_rows.ptr, std::size_t(nb * H)),
+              x2_layouts[std::size_t(r)].recv_x) << "the first cached dispatch";
+    ASSERT_EQ(download<uint16_t>(r, br.recv_x, std::size_t(nb * H)),
+              x3_layouts[std::size_t(r)].recv_x) << "the second cached dispatch";
+    for (int i = 0; i < 2; ++i) {
+      const auto want = ref::combine(config, r, b_layouts, i == 0 ? e1 : e2, {}, {});
+      const auto got = download<uint16_t>(r, (i == 0 ? p.out1 : p.out2).ptr, want.size());
+      std::size_t wrong = 0;
+      for (std::size_t k = 0; k < want.size(); ++k) wrong += got[k] != want[k];
+      ASSERT_EQ(wrong, 0u) << "combine " << i + 1 << " differs from the reference";
+    }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// One process per GPU. The parent test starts two copies of this binary (fork + exec of
-// /proc/self/exe, filtered to EpOneProcessPerGpu.Child) with RANK, WORLD_SIZE, LOCAL_RANK and
-// NCCL_COMM_ID=127.0.0.1:<free port>; each child builds its Buffer (from the environment, or over
-// a communicator it created itself) and runs checked dispatch + combine rounds. Both children
-// must exit 0 within the deadline.
+// One process per GPU. The parent test starts one copy of this binary per visible GPU (fork +
+// exec of /proc/self/exe, filtered to EpOneProcessPerGpu.Child) with RANK, WORLD_SIZE,
+// LOCAL_RANK and NCCL_COMM_ID=127.0.0.1:<free port>; each child builds its Buffer (from the
+// environment, or over a communicator it created itself) and runs checked dispatch + combine
+// rounds. Every child must exit 0 within the deadline.
 constexpr const char* kChildModeVariable = "WEFT_EP_TEST_CHILD_MODE";  // "env" or "comm"
 
 int free_tcp_port() {
@@ -482,7 +402,7 @@ int free_tcp_port() {
 }
 
 // Rounds of dispatch + combine on this process's rank, checked in full against the reference
-// computed for every rank from the same seeds (both processes draw the same inputs).
+// computed for every rank from the same seeds (every process draws the same inputs).
 void checked_rounds_one_rank(weft::ep::Buffer& ep) {
   const BufferConfig& config = ep.config();
   const int R = ep.num_ranks();
@@ -538,14 +458,16 @@ void checked_rounds_one_rank(weft::ep::Buffer& ep) {
   WEFT_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
-const BufferConfig kOneProcessConfig{.max_tokens = 256, .hidden = 1024, .num_experts = 16,
-                                     .top_k = 4};
+// Four experts per rank, whatever the number of ranks (WORLD_SIZE).
+BufferConfig one_process_config(int num_ranks) {
+  return {.max_tokens = 256, .hidden = 1024, .num_experts = 4 * num_ranks, .top_k = 4};
+}
 
 TEST(EpOneProcessPerGpu, Child) {
   const char* mode = std::getenv(kChildModeVariable);
   if (mode == nullptr) GTEST_SKIP() << "runs only as a child of the other EpOneProcessPerGpu tests";
   if (std::string(mode) == "env") {
-    auto ep = weft::ep::Buffer::from_env(kOneProcessConfig);
+    auto ep = weft::ep::Buffer::from_env(one_process_config(std::atoi(std::getenv("WORLD_SIZE"))));
     checked_rounds_one_rank(*ep);
     return;
   }
@@ -555,26 +477,27 @@ TEST(EpOneProcessPerGpu, Child) {
   ncclUniqueId id;
   WEFT_NCCL_CHECK(ncclGetUniqueId(&id));
   ncclComm_t comm = nullptr;
-  WEFT_NCCL_CHECK(ncclCommInitRank(&comm, std::atoi(std::getenv("WORLD_SIZE")), id,
-                                   std::atoi(std::getenv("RANK"))));
+  const int world = std::atoi(std::getenv("WORLD_SIZE"));
+  WEFT_NCCL_CHECK(ncclCommInitRank(&comm, world, id, std::atoi(std::getenv("RANK"))));
   {
-    weft::ep::Buffer ep(comm, kOneProcessConfig);
+    weft::ep::Buffer ep(comm, one_process_config(world));
     checked_rounds_one_rank(ep);
   }
   WEFT_NCCL_CHECK(ncclCommDestroy(comm));
 }
 
-// Starts one child per rank in `mode` and waits (at most 120 s) for both to exit 0.
+// Starts one child per visible GPU (one rank each) in `mode` and waits (at most 120 s) for every
+// one to exit 0.
 void run_one_process_per_gpu(const char* mode) {
-  constexpr int kRanks = 2;
+  const int num_ranks = num_gpus();
   const int port = free_tcp_port();
   ASSERT_GT(port, 0) << "no free TCP port on 127.0.0.1";
   std::vector<pid_t> pids;
-  for (int rank = 0; rank < kRanks; ++rank) {
+  for (int rank = 0; rank < num_ranks; ++rank) {
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
     env.push_back("RANK=" + std::to_string(rank));
-    env.push_back("WORLD_SIZE=" + std::to_string(kRanks));
+    env.push_back("WORLD_SIZE=" + std::to_string(num_ranks));
     env.push_back("LOCAL_RANK=" + std::to_string(rank));
     env.push_back("NCCL_COMM_ID=127.0.0.1:" + std::to_string(port));
     env.push_back(std::string(kChildModeVariable) + "=" + mode);

@@ -88,7 +88,7 @@ struct Call {
 class EpExpandedTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (num_gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << num_gpus();
+    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
   }
   void TearDown() override {
     for (auto s : streams) cudaStreamDestroy(s);

@@ -57,7 +57,7 @@ std::vector<ref::RankInput> make_inputs(const BufferConfig& c, int R, int64_t T,
 class EpFeaturesTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (num_gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << num_gpus();
+    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
   }
   void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
     config = c;

@@ -1,0 +1,531 @@
+// weft::ep's errors on every visible GPU (one process driving all of them): arguments the host
+// can check (alignment, the device of every pointer, a modified Handle) throw before anything is
+// launched; errors found on the device are of two kinds (docs/ep.md "Errors"): bad data leaves
+// the Buffer usable, a timeout makes it refuse every later call, on the host and on the device.
+// Results that are still produced are checked against the CPU reference element by element.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "weft/core/error.hpp"
+#include "weft/cuda/check.hpp"
+#include "weft/ep/buffer.hpp"
+#include "weft/ep/reference.hpp"
+#include "device_array.hpp"
+#include "ep_fixture.hpp"
+
+namespace {
+
+using weft::ep::BufferConfig;
+using weft::ep::DType;
+namespace ref = weft::ep::reference;
+using weft::ep::testing::DeviceArray;
+using weft::ep::testing::download;
+using weft::ep::testing::EpTest;
+using weft::ep::testing::make_inputs;
+using weft::ep::testing::num_gpus;
+using weft::ep::testing::RankDevice;
+using weft::ep::testing::RoutingSpec;
+using weft::ep::testing::upload;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The message of the weft::Error that f() throws; a test failure (and "") if it throws none.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const weft::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no weft::Error";
+  return {};
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+class EpErrorsTest : public EpTest {
+ protected:
+  // Uploads every rank's x (bf16), topk_idx (int64) and weights into ranks[r].
+  void put_inputs(const std::vector<ref::RankInput>& inputs) {
+    for (int r = 0; r < R; ++r) {
+      auto& rd = ranks[std::size_t(r)];
+      const auto& in = inputs[std::size_t(r)];
+      rd.x = upload(r, in.x);
+      rd.idx = upload(r, in.topk_idx);
+      rd.weights = upload(r, in.topk_weights);
+    }
+  }
+  weft::ep::DispatchInputs inputs_of(int r, int64_t T) const {
+    const auto& rd = ranks[std::size_t(r)];
+    return {.x = {rd.x.ptr, DType::kBFloat16, T, config.hidden},
+            .topk_idx = {rd.idx.ptr, DType::kInt64, T, config.top_k},
+            .topk_weights = {rd.weights.ptr, DType::kFloat32, T, config.top_k}};
+  }
+  // Every rank's dispatch of put_inputs' arrays; with kExact, also every rank's count.
+  std::vector<weft::ep::DispatchResult> dispatch_all(const std::vector<ref::RankInput>& inputs,
+                                                     weft::ep::CountMode mode) {
+    std::vector<weft::ep::DispatchResult> res(std::size_t(R), weft::ep::DispatchResult{});
+    for (int r = 0; r < R; ++r) {
+      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
+          inputs_of(r, inputs[std::size_t(r)].num_tokens), ranks[std::size_t(r)].stream, mode);
+    }
+    for (int r = 0; r < R && mode == weft::ep::CountMode::kExact; ++r) {
+      eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
+    }
+    return res;
+  }
+  // Waits for every rank's stream without checking the Buffers' errors.
+  void wait_all() {
+    for (int r = 0; r < R; ++r) {
+      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
+    }
+  }
+  RoutingSpec spec_of(int64_t T, double mask_ratio = 0.0) const {
+    return {.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = mask_ratio};
+  }
+};
+
+TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 2});
+  std::mt19937 rng(5);
+  RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), 64)};
+  auto inputs = make_inputs(config, R, spec, rng);
+  const int64_t H = config.hidden;
+  std::vector<RankDevice>& rd = ranks;
+  for (int r = 0; r < R; ++r) {
+    auto in = inputs[std::size_t(r)];
+    if (r == 0) in.topk_idx[5] = 8;  // out of range
+    rd[std::size_t(r)].x = upload(r, in.x);
+    rd[std::size_t(r)].idx = upload(r, in.topk_idx);
+    rd[std::size_t(r)].weights = upload(r, in.topk_weights);
+  }
+  auto din = [&](int r, int64_t T) {
+    return weft::ep::DispatchInputs{
+        .x = {rd[std::size_t(r)].x.ptr, DType::kBFloat16, T, H},
+        .topk_idx = {rd[std::size_t(r)].idx.ptr, DType::kInt64, T, 2},
+        .topk_weights = {rd[std::size_t(r)].weights.ptr, DType::kFloat32, T, 2}};
+  };
+  // Host-visible errors: nothing is launched.
+  auto& ep0 = *eps[0];
+  auto bad = din(0, 64);
+  bad.x.dtype = DType::kFloat32;
+  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
+  bad = din(0, 64);
+  bad.topk_weights.dtype = DType::kBFloat16;
+  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
+  bad = din(0, 64);
+  bad.x.rows = bad.topk_idx.rows = bad.topk_weights.rows = 65;
+  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
+  bad = din(0, 64);
+  bad.x.cols = 120;
+  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
+  EXPECT_THROW(weft::ep::Buffer::create_local(R, {.max_tokens = 8, .hidden = 12, .num_experts = 8, .top_k = 2}),
+               weft::Error);
+
+  // Device-found error: rank 0's out-of-range expert is reported, the call still completes.
+  std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(din(r, 64), rd[std::size_t(r)].stream,
+                                                       weft::ep::CountMode::kExact);
+  }
+  try {
+    eps[0]->wait_num_recv(res[0]);
+    ADD_FAILURE() << "no error for an expert id out of range";
+  } catch (const weft::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert id 8, out of range"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+  }
+  for (int r = 1; r < R; ++r) EXPECT_NO_THROW(eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]));
+  // Handles: another Buffer's (at one rank: one whose Buffer id was changed), then a stale one.
+  DeviceArray out(0, 64 * H * 2);
+  weft::ep::Handle foreign = R > 1 ? res[1].handle : res[0].handle;
+  if (R == 1) foreign.buffer_id += 1000;
+  EXPECT_THROW(eps[0]->combine({.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, H}},
+                               foreign, out.ptr, rd[0].stream),
+               weft::Error);
+  auto wrong_dtype = weft::ep::CombineInputs{.expert_out = {res[0].recv_x, DType::kFloat32, res[0].capacity, H}};
+  EXPECT_THROW(eps[0]->combine(wrong_dtype, res[0].handle, out.ptr, rd[0].stream), weft::Error);
+  // The Buffers still agree: a clean round works.
+  inputs = make_inputs(config, R, spec, rng);
+  round(inputs, false, 1, true, true);
+  const auto old_handle = res[0].handle;
+  EXPECT_THROW(eps[0]->combine({.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, H}},
+                               old_handle, out.ptr, rd[0].stream),
+               weft::Error);
+}
+
+// Rank 0 dispatches alone: it times out waiting for a peer's counts, and says which.
+TEST_F(EpTest, AMissingPeerTimesOutWithRankAndReason) {
+  REQUIRE_PEERS();
+  const int num_experts = 2 * num_gpus();
+  make({.max_tokens = 16, .hidden = 64, .num_experts = num_experts, .top_k = 1}, {.timeout_s = 0.2});
+  std::vector<int64_t> idx(16);
+  for (std::size_t t = 0; t < idx.size(); ++t) idx[t] = int64_t(t) % num_experts;  // every rank
+  std::vector<float> w(16, 1.0f);
+  std::vector<uint16_t> x(16 * 64, 0);
+  auto dx = upload(0, x);
+  auto di = upload(0, idx);
+  auto dw = upload(0, w);
+  auto res = eps[0]->dispatch({.x = {dx.ptr, DType::kBFloat16, 16, 64},
+                               .topk_idx = {di.ptr, DType::kInt64, 16, 1},
+                               .topk_weights = {dw.ptr, DType::kFloat32, 16, 1}},
+                              ranks[0].stream, weft::ep::CountMode::kExact);
+  const std::string what = error_of([&] { eps[0]->wait_num_recv(res); });  // no peer calls
+  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
+  EXPECT_TRUE(contains(what, "count vector")) << what;
+  EXPECT_TRUE(contains(what, "from rank ") && !contains(what, "from rank 0 ")) << what;
+}
+
+// Pointers the kernels could not use are refused before any launch, naming the argument: topk_idx
+// misaligned for its element (8 bytes for int64, 4 for int32), topk_weights, x, the statistics,
+// expert_out, out and biases misaligned; host memory (pageable or pinned); another GPU's memory.
+// The Buffers stay usable.
+TEST_F(EpErrorsTest, MisalignedOrForeignPointersAreClearErrors) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 2});
+  std::mt19937 rng(3);
+  const int64_t T = 64, H = config.hidden;
+  const auto inputs = make_inputs(config, R, spec_of(T), rng);
+  put_inputs(inputs);
+  auto& ep0 = *eps[0];
+  DeviceArray spare(0, std::size_t(T * H * 2 + 64));  // base + a few bytes stays inside it
+  auto* at = static_cast<char*>(spare.ptr);
+  std::vector<int64_t> pageable(std::size_t(T * H), 0);
+  void* pinned = nullptr;
+  WEFT_CUDA_CHECK(cudaMallocHost(&pinned, std::size_t(T * H * 2)));
+  auto dispatch_error = [&](const weft::ep::DispatchInputs& in) {
+    return error_of([&] { ep0.dispatch(in, ranks[0].stream); });
+  };
+  auto in = inputs_of(0, T);
+  in.topk_idx.data = at + 4;
+  EXPECT_TRUE(contains(dispatch_error(in), "topk_idx must be 8-byte aligned"));
+  in = inputs_of(0, T);
+  in.topk_idx = {at + 2, DType::kInt32, T, config.top_k};
+  EXPECT_TRUE(contains(dispatch_error(in), "topk_idx must be 4-byte aligned"));
+  in = inputs_of(0, T);
+  in.topk_weights.data = at + 2;
+  EXPECT_TRUE(contains(dispatch_error(in), "topk_weights must be 4-byte aligned"));
+  in = inputs_of(0, T);
+  in.x.data = at + 8;
+  EXPECT_TRUE(contains(dispatch_error(in), "x must be 16-byte aligned"));
+  in = inputs_of(0, T);
+  in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(at + 2);
+  EXPECT_TRUE(contains(dispatch_error(in), "cumulative_local_expert_recv_stats must be 4-byte"));
+  in = inputs_of(0, T);
+  in.topk_idx.data = pageable.data();
+  std::string what = dispatch_error(in);
+  EXPECT_TRUE(contains(what, "topk_idx") && contains(what, "host (not registered with CUDA)"))
+      << what;
+  in = inputs_of(0, T);
+  in.x.data = pinned;
+  what = dispatch_error(in);
+  EXPECT_TRUE(contains(what, "x (") && contains(what, "pinned host memory")) << what;
+  if (R > 1) {
+    DeviceArray other(1, std::size_t(T * config.top_k * 8));
+    in = inputs_of(0, T);
+    in.topk_idx.data = other.ptr;
+    what = dispatch_error(in);
+    EXPECT_TRUE(contains(what, "is memory of device 1, not of the Buffer's device 0")) << what;
+  }
+  EXPECT_TRUE(contains(error_of([&] { weft::ep::cast_to_fp8(pageable.data(), 1, 128, at, nullptr); }),
+                       "cast_to_fp8: x"));
+
+  const auto res = dispatch_all(inputs, weft::ep::CountMode::kExact);
+  DeviceArray out(0, std::size_t(T * H * 2));
+  auto combine_error = [&](const void* expert_out, const void* bias, void* out_ptr) {
+    weft::ep::CombineInputs cin{.expert_out = {expert_out, DType::kBFloat16, res[0].capacity, H}};
+    if (bias != nullptr) cin.bias0 = {bias, DType::kBFloat16, T, H};
+    return error_of([&] { ep0.combine(cin, res[0].handle, out_ptr, ranks[0].stream); });
+  };
+  EXPECT_TRUE(contains(combine_error(at + 8, nullptr, out.ptr), "expert_out must be 16-byte aligned"));
+  EXPECT_TRUE(contains(combine_error(res[0].recv_x, at + 8, out.ptr), "bias0 must be 16-byte aligned"));
+  what = combine_error(res[0].recv_x, nullptr, pageable.data());
+  EXPECT_TRUE(contains(what, "out (") && contains(what, "host (not registered")) << what;
+  WEFT_CUDA_CHECK(cudaFreeHost(pinned));
+  // Nothing was launched: the Buffers agree, a clean round works.
+  round(make_inputs(config, R, spec_of(T, 0.2), rng), true, 1, true, true);
+}
+
+// A Handle whose fields were changed is refused by combine and cached dispatch (they take T and
+// the kernel from the layout the Buffer keeps): T, num_recv, the expand options, the sequence, the
+// Buffer. Nothing runs, the Buffers agree afterwards.
+TEST_F(EpErrorsTest, AModifiedHandleIsRefused) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 2, .expand_factor = 4});
+  std::mt19937 rng(11);
+  const int64_t T = 64, H = config.hidden;
+  auto inputs = make_inputs(config, R, spec_of(T), rng);
+  put_inputs(inputs);
+  DeviceArray out(0, std::size_t(T * H * 2));
+  auto refused = [&](const weft::ep::DispatchResult& res, const weft::ep::Handle& h,
+                     const std::string& reason) {
+    SCOPED_TRACE(reason);
+    weft::ep::CombineInputs cin{.expert_out = {res.recv_x, DType::kBFloat16, res.capacity, H}};
+    EXPECT_TRUE(contains(error_of([&] { eps[0]->combine(cin, h, out.ptr, ranks[0].stream); }),
+                         reason));
+    weft::ep::DispatchInputs cached{.x = {ranks[0].x.ptr, DType::kBFloat16, h.num_tokens, H},
+                                    .handle = &h};
+    EXPECT_TRUE(contains(error_of([&] { eps[0]->dispatch(cached, ranks[0].stream); }), reason));
+  };
+  for (bool expanded : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "expanded " << expanded);
+    std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+    for (int r = 0; r < R; ++r) {
+      auto din = inputs_of(r, T);
+      if (expanded) din.expand = {.enabled = true, .expert_alignment = 4, .zero_padding = true};
+      res[std::size_t(r)] =
+          eps[std::size_t(r)]->dispatch(din, ranks[std::size_t(r)].stream, weft::ep::CountMode::kExact);
+    }
+    for (int r = 0; r < R; ++r) eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
+    const weft::ep::Handle good = res[0].handle;
+    weft::ep::Handle h = good;
+    h.num_tokens -= 1;
+    refused(res[0], h, "does not match the layout");
+    h = good;
+    h.num_recv += 1;
+    refused(res[0], h, "does not match the layout");
+    h = good;
+    h.expand.enabled = !expanded;  // the other kernel
+    refused(res[0], h, "does not match the layout");
+    h = good;
+    h.expand.zero_padding = !h.expand.zero_padding;
+    if (expanded) refused(res[0], h, "does not match the layout");
+    h = good;
+    h.sequence += 1;
+    refused(res[0], h, "stale");
+    h = good;
+    h.buffer_id += 1000;
+    refused(res[0], h, "another Buffer");
+  }
+  round(make_inputs(config, R, spec_of(T, 0.1), rng), true, 1, true, true);
+}
+
+// The device keeps the number of the layout in place and checks it: a combine captured in a CUDA
+// graph for one layout and replayed after a new dispatch (which the host cannot see) is skipped
+// on every rank with an error, out unwritten; the Buffers stay usable.
+TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 256, .hidden = 256, .num_experts = 16, .top_k = 4});
+  std::mt19937 rng(17);
+  const int64_t H = config.hidden;
+  const auto first = make_inputs(config, R, spec_of(256), rng);
+  put_inputs(first);
+  const auto res1 = dispatch_all(first, weft::ep::CountMode::kExact);
+  std::vector<DeviceArray> out(static_cast<std::size_t>(R));
+  std::vector<cudaGraphExec_t> replay(std::size_t(R), nullptr);
+  for (int r = 0; r < R; ++r) {
+    const auto& rr = res1[std::size_t(r)];
+    out[std::size_t(r)] = DeviceArray(r, std::size_t(256 * H * 2));
+    WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
+    cudaStream_t s = ranks[std::size_t(r)].stream;
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    eps[std::size_t(r)]->combine({.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}},
+                                 rr.handle, out[std::size_t(r)].ptr, s);
+    cudaGraph_t graph = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&replay[std::size_t(r)], graph, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  auto second = make_inputs(config, R, spec_of(100, 0.1), rng);
+  put_inputs(second);
+  const auto res2 = dispatch_all(second, weft::ep::CountMode::kExact);
+  for (int r = 0; r < R; ++r) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaGraphLaunch(replay[std::size_t(r)], ranks[std::size_t(r)].stream));
+  }
+  wait_all();
+  for (int r = 0; r < R; ++r) {
+    const std::string what = error_of([&] { eps[std::size_t(r)]->check(); });
+    EXPECT_TRUE(contains(what, "layout of dispatch " + std::to_string(res1[0].handle.sequence) +
+                                   " ran while the layout of dispatch " +
+                                   std::to_string(res2[0].handle.sequence)))
+        << what;
+    const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, std::size_t(256 * H));
+    EXPECT_EQ(std::count(got.begin(), got.end(), uint16_t(0xFFFF)), std::ptrdiff_t(got.size()))
+        << "rank " << r << ": out was written";
+    WEFT_CUDA_CHECK(cudaGraphExecDestroy(replay[std::size_t(r)]));
+  }
+  // The layout in place combines as ever.
+  const auto layouts = ref::dispatch(config, second);
+  std::vector<std::vector<uint16_t>> expert_out;
+  for (const auto& L : layouts) expert_out.push_back(L.recv_x);
+  for (int r = 0; r < R; ++r) {
+    const auto& rr = res2[std::size_t(r)];
+    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
+    eps[std::size_t(r)]->combine({.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}},
+                                 rr.handle, out[std::size_t(r)].ptr, ranks[std::size_t(r)].stream);
+  }
+  sync_all();
+  for (int r = 0; r < R; ++r) {
+    eps[std::size_t(r)]->check();
+    const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
+    EXPECT_EQ(download<uint16_t>(r, out[std::size_t(r)].ptr, want.size()), want) << "rank " << r;
+  }
+}
+
+// Rank 0's expert_out has half the rows it received (CountMode::kOnDevice: only the device
+// knows the count). Rank 0 reads none of them and reports it; it marks the rows it would have
+// sent as failed, so every peer reports rank 0 at once (no timeout) and writes the tokens rank 0
+// does not contribute to; no rank writes a token it lacks a row for. The Buffers stay usable.
+TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
+  REQUIRE_GPUS();
+  const double timeout_s = 5.0;
+  make({.max_tokens = 256, .hidden = 256, .num_experts = 16, .top_k = 4}, {.timeout_s = timeout_s});
+  std::mt19937 rng(23);
+  const int64_t H = config.hidden;
+  const auto inputs = make_inputs(config, R, spec_of(256, 0.1), rng);
+  const auto layouts = ref::dispatch(config, inputs);
+  put_inputs(inputs);
+  const auto res = dispatch_all(inputs, weft::ep::CountMode::kOnDevice);
+  sync_all();
+  std::vector<std::vector<uint16_t>> expert_out(static_cast<std::size_t>(R));
+  std::vector<DeviceArray> expert_dev(static_cast<std::size_t>(R)), out(static_cast<std::size_t>(R));
+  const int64_t short_rows = layouts[0].num_recv / 2;
+  ASSERT_GT(layouts[0].num_recv, short_rows);
+  for (int r = 0; r < R; ++r) {
+    auto& e = expert_out[std::size_t(r)];
+    e.resize(std::size_t(layouts[std::size_t(r)].num_recv * H));
+    for (auto& v : e) v = ref::identity_bf16(40 + r, int64_t(rng() % 100000), 1);
+    // Rank 0's device array holds exactly its short_rows rows: a read past them is out of bounds.
+    const std::vector<uint16_t> given(e.begin(), e.begin() + (r == 0 ? short_rows * H : int64_t(e.size())));
+    expert_dev[std::size_t(r)] = upload(r, given);
+    out[std::size_t(r)] = DeviceArray(r, std::size_t(256 * H * 2));
+    WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
+    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  const auto start = Clock::now();
+  for (int r = 0; r < R; ++r) {
+    const int64_t rows = r == 0 ? short_rows : layouts[std::size_t(r)].num_recv;
+    eps[std::size_t(r)]->combine(
+        {.expert_out = {expert_dev[std::size_t(r)].ptr, DType::kBFloat16, rows, H}},
+        res[std::size_t(r)].handle, out[std::size_t(r)].ptr, ranks[std::size_t(r)].stream);
+  }
+  wait_all();
+  EXPECT_LT(seconds_since(start), timeout_s / 2) << "a rank waited out its timeout";
+  for (int r = 0; r < R; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    const auto& L = layouts[std::size_t(r)];
+    bool needs_rank0 = false;  // some token of rank r has a row at rank 0
+    for (int64_t t = 0; t < L.num_tokens; ++t) needs_rank0 |= L.send_slot[std::size_t(t * R)] >= 0;
+    const std::string what =
+        r == 0 || needs_rank0 ? error_of([&] { eps[std::size_t(r)]->check(); }) : std::string();
+    if (r == 0) {
+      EXPECT_TRUE(contains(what, " rows were received but expert_out has only " +
+                                     std::to_string(short_rows) + " rows"))
+          << what;
+    } else if (needs_rank0) {
+      EXPECT_TRUE(contains(what, "rank 0 sent no rows")) << what;
+    }
+    const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
+    const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, want.size());
+    for (int64_t t = 0; t < L.num_tokens; ++t) {
+      const bool written = r != 0 && L.send_slot[std::size_t(t * R)] < 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const auto i = std::size_t(t * H + h);
+        ASSERT_EQ(got[i], written ? want[i] : uint16_t(0xFFFF)) << "token " << t << " column " << h;
+      }
+    }
+  }
+  round(make_inputs(config, R, spec_of(256, 0.2), rng), true, 1, true, true);
+}
+
+// Rank 0 dispatches alone (T = 2048: grid mode) with a bad expert id and times out waiting for
+// its peers. The timeout is what the host sees (the earlier bad-data error does not hide it), and
+// from then on every call on that Buffer throws it: on the host, and on the device a call
+// launched before the host could know does nothing (it neither waits again nor runs on the
+// counts and barrier arrivals the failed call left).
+TEST_F(EpErrorsTest, ATimeoutMakesTheBufferRefuseEveryLaterCall) {
+  REQUIRE_PEERS();
+  const double timeout_s = 1.0;
+  make({.max_tokens = 2048, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+       {.timeout_s = timeout_s});
+  std::mt19937 rng(29);
+  auto inputs = make_inputs(config, R, spec_of(2048), rng);
+  inputs[0].topk_idx[10] = config.num_experts;  // out of range, found before the wait
+  put_inputs(inputs);
+  const auto in0 = inputs_of(0, 2048);
+  const auto start = Clock::now();
+  auto first = eps[0]->dispatch(in0, ranks[0].stream, weft::ep::CountMode::kExact);
+  const auto second = eps[0]->dispatch(in0, ranks[0].stream);  // queued behind the failing call
+  WEFT_CUDA_CHECK(cudaSetDevice(0));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
+  EXPECT_LT(seconds_since(start), 1.8 * timeout_s) << "the queued call waited for its peers too";
+  const std::string what = error_of([&] { eps[0]->wait_num_recv(first); });
+  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
+  EXPECT_TRUE(contains(what, "refuses every call")) << what;
+  DeviceArray out(0, std::size_t(2048 * config.hidden * 2));
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(contains(error_of([&] { eps[0]->check(); }), "rank 0 timed out"));
+    EXPECT_TRUE(contains(error_of([&] { eps[0]->dispatch(in0, ranks[0].stream); }), "rank 0 timed out"));
+    EXPECT_TRUE(contains(error_of([&] {
+                           eps[0]->combine({.expert_out = {second.recv_x, DType::kBFloat16,
+                                                           second.capacity, config.hidden}},
+                                           second.handle, out.ptr, ranks[0].stream);
+                         }),
+                         "rank 0 timed out"));
+  }
+}
+
+// Rank 0 times out waiting for its peers, which call late (after its timeout): they find rank
+// 0's failure in its done flags and report it, instead of returning rows rank 0 never wrote.
+TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
+  REQUIRE_PEERS();
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+       {.timeout_s = 0.5});
+  std::mt19937 rng(31);
+  const auto inputs = make_inputs(config, R, spec_of(64), rng);
+  put_inputs(inputs);
+  std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+  res[0] = eps[0]->dispatch(inputs_of(0, 64), ranks[0].stream, weft::ep::CountMode::kExact);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  for (int r = 1; r < R; ++r) {
+    res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(inputs_of(r, 64), ranks[std::size_t(r)].stream,
+                                                       weft::ep::CountMode::kExact);
+  }
+  std::string what = error_of([&] { eps[0]->wait_num_recv(res[0]); });
+  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
+  for (int r = 1; r < R; ++r) {
+    what = error_of([&] { eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]); });
+    EXPECT_TRUE(contains(what, "rank 0 failed call")) << "rank " << r << ": " << what;
+  }
+}
+
+// Only rank 0 combines: its peers never store back. With 4 blocks, 2048 tokens of 2 pieces each
+// are about 37 rounds of reduce units per warp; the first wait for a peer that times out marks
+// it dead for the rest of the call, so the call costs one timeout, not one per round.
+TEST_F(EpErrorsTest, ADeadPeerCostsCombineOneTimeout) {
+  REQUIRE_PEERS();
+  const double timeout_s = 0.5;
+  make({.max_tokens = 2048, .hidden = 2048, .num_experts = 2 * num_gpus(), .top_k = 4},
+       {.num_sms = 4, .timeout_s = timeout_s});
+  std::mt19937 rng(37);
+  const auto inputs = make_inputs(config, R, spec_of(2048), rng);
+  put_inputs(inputs);
+  const auto res = dispatch_all(inputs, weft::ep::CountMode::kExact);
+  DeviceArray out(0, std::size_t(2048 * config.hidden * 2));
+  const auto start = Clock::now();
+  eps[0]->combine({.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, config.hidden}},
+                  res[0].handle, out.ptr, ranks[0].stream);
+  WEFT_CUDA_CHECK(cudaSetDevice(0));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
+  EXPECT_LT(seconds_since(start), 6 * timeout_s) << "more than one timeout per call";
+  const std::string what = error_of([&] { eps[0]->check(); });
+  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
+}
+
+}  // namespace
