@@ -374,6 +374,28 @@ TEST_F(EpExpandedTest, LayoutAndCombineMatchReference) {
   }
 }
 
+// top-16 of 1024 experts: the expanded dispatch's shared memory (16 bytes per expert, 8 per local
+// expert, 2 KB per selection) is above 48 KB, which needs the launch's opt-in to more (local and
+// grid mode). Alignment 1 and expand_factor 16 (= top_k): no routing overflows.
+TEST_F(EpExpandedTest, TopSixteenOfAThousandExpertsPastFortyEightKilobytes) {
+  make({.max_tokens = 1100, .hidden = 128, .num_experts = 1024, .top_k = 16, .expand_factor = 16});
+  std::mt19937 rng(std::random_device{}());
+  int trial = 0;
+  for (int64_t T : {int64_t(1), int64_t(300), int64_t(1100)}) {
+    SCOPED_TRACE(testing::Message() << "T " << T);
+    const RoutingSpec spec{.tokens = tokens(T), .mask_ratio = 0.1, .repeat_ratio = 0.1};
+    const Call call{.expand = {.enabled = true, .zero_padding = trial % 2 == 0},
+                    .mode = trial % 2 == 1 ? weft::ep::CountMode::kExact : weft::ep::CountMode::kOnDevice};
+    const auto inputs = make_inputs(config, spec, rng, false);
+    const auto layouts = ref::dispatch(config, inputs, {.expand = call.expand});
+    for (const auto& L : layouts) ASSERT_FALSE(L.overflowed) << "the test's routing overflowed";
+    const auto res = dispatch(inputs, call);
+    check_layout(layouts, res, call);
+    check_combine(layouts, res, trial % 3, false, rng);
+    ++trial;
+  }
+}
+
 // Packed fp8 rows move as opaque bytes into the expanded layout (padding zeroed or untouched);
 // combine takes bf16 expert outputs as ever.
 TEST_F(EpExpandedTest, Fp8PackedRows) {
