@@ -60,9 +60,10 @@ __device__ __forceinline__ uint64_t* flag_ptr(char* base, const CommParams& c, i
   return reinterpret_cast<uint64_t*>(base + c.layout.flags) + kind * kMaxRanks + src;
 }
 
-// A fatal error on this rank (kErrTimeout, kErrPeerFailed): recorded apart from bad data, and the rank is broken
-// from now on (every later kernel returns at once, so nothing runs on state a failed call left,
-// such as a grid barrier's arrivals). peer >= 0: the rest of this kernel skips its waits for it.
+// A fatal error on this rank (kErrTimeout, kErrPeerFailed): recorded apart from bad data, and
+// the rank is broken from now on (every later kernel returns at once, so nothing runs on state a
+// failed call left, such as a grid barrier's arrivals). peer >= 0: the rest of this kernel skips
+// its waits for it.
 __device__ void raise_fatal(const CommParams& c, uint32_t code, int64_t what, int peer,
                             uint64_t seq) {
   raise_device_error(c.fatal, code, c.rank, what, peer, int64_t(seq));

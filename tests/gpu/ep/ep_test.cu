@@ -306,7 +306,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
   std::vector<weft::ep::DispatchResult> a(num), b(num);
   for (int r = 0; r < R; ++r) {
     auto& p = d[std::size_t(r)];
-    a[std::size_t(r)] = dispatch(r, p.a_x, &p.a_idx, &p.a_w, nullptr, a_in[std::size_t(r)].num_tokens);
+    a[std::size_t(r)] =
+        dispatch(r, p.a_x, &p.a_idx, &p.a_w, nullptr, a_in[std::size_t(r)].num_tokens);
   }
   for (int r = 0; r < R; ++r) {
     const auto& ar = a[std::size_t(r)];
@@ -317,7 +318,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
   }
   for (int r = 0; r < R; ++r) {
     auto& p = d[std::size_t(r)];
-    b[std::size_t(r)] = dispatch(r, p.b_x, &p.b_idx, &p.b_w, nullptr, b_in[std::size_t(r)].num_tokens);
+    b[std::size_t(r)] =
+        dispatch(r, p.b_x, &p.b_idx, &p.b_w, nullptr, b_in[std::size_t(r)].num_tokens);
   }
   for (int i = 0; i < 2; ++i) {
     for (int r = 0; r < R; ++r) {
@@ -333,7 +335,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
              b_in[std::size_t(r)].num_tokens);
   }
   for (int r = 0; r < R; ++r) {
-    copy(r, d[std::size_t(r)].x2_rows.ptr, b[std::size_t(r)].recv_x, b[std::size_t(r)].capacity * H * 2);
+    const auto& br = b[std::size_t(r)];
+    copy(r, d[std::size_t(r)].x2_rows.ptr, br.recv_x, br.capacity * H * 2);
   }
   for (int r = 0; r < R; ++r) {
     dispatch(r, d[std::size_t(r)].x3, nullptr, nullptr, &b[std::size_t(r)].handle,
@@ -348,7 +351,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
     const auto& A = a_layouts[std::size_t(r)];
     const int64_t na = download<int32_t>(r, p.a_count.ptr, 1)[0];
     ASSERT_EQ(na, A.num_recv) << "the first dispatch";
-    ASSERT_EQ(download<uint16_t>(r, p.a_rows.ptr, std::size_t(na * H)), A.recv_x) << "the first dispatch";
+    ASSERT_EQ(download<uint16_t>(r, p.a_rows.ptr, std::size_t(na * H)), A.recv_x)
+        << "the first dispatch";
     weft::ep::testing::check_sources(download<int32_t>(r, p.a_src.ptr, std::size_t(na * 2)), A);
     const auto& br = b[std::size_t(r)];
     const auto& B = b_layouts[std::size_t(r)];
