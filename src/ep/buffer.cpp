@@ -45,7 +45,7 @@ struct BufferState {
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable
-  cuda::DeviceErrorFlag fatal;    // timeouts (detail::is_fatal): the Buffer is unusable after
+  cuda::DeviceErrorFlag fatal;    // timeouts (kErrTimeout, kErrPeerFailed): unusable after
   std::string unusable;           // the fatal error's message, thrown by every later call
   // The layout in place (the last uncached dispatch launched): what a handle must match.
   Handle layout;

@@ -60,9 +60,10 @@ __device__ __forceinline__ uint64_t* flag_ptr(char* base, const CommParams& c, i
   return reinterpret_cast<uint64_t*>(base + c.layout.flags) + kind * kMaxRanks + src;
 }
 
-// A fatal error on this rank (is_fatal): recorded apart from bad data, and the rank is broken
-// from now on (every later kernel returns at once, so nothing runs on state a failed call left,
-// such as a grid barrier's arrivals). peer >= 0: the rest of this kernel skips its waits for it.
+// A fatal error on this rank (kErrTimeout, kErrPeerFailed): recorded apart from bad data, and
+// the rank is broken from now on (every later kernel returns at once, so nothing runs on state a
+// failed call left, such as a grid barrier's arrivals). peer >= 0: the rest of this kernel skips
+// its waits for it.
 __device__ void raise_fatal(const CommParams& c, uint32_t code, int64_t what, int peer,
                             uint64_t seq) {
   raise_device_error(c.fatal, code, c.rank, what, peer, int64_t(seq));
@@ -988,8 +989,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         const int64_t r1 = min(int64_t(num_recv), r0 + batch);
         bool any_head = false;  // a batch of padding rows and chain members needs no fence
         for (int64_t j = r0; j < r1; ++j) {
-          if (chain[j].y == 0 || !source_in_range(recv_src[j])) continue;
+          if (chain[j].y == 0) continue;
           any_head = true;
+          if (!source_in_range(recv_src[j])) continue;  // reported with the flags below
           int32_t lane_row = -1;  // lane i: the chain's i-th row
           int num_rows = 0;
           for (int32_t r = int32_t(j); r >= 0 && r < num_recv && num_rows < 32; r = chain[r].x) {

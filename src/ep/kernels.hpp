@@ -43,7 +43,6 @@ enum ErrorCode : uint32_t {
   kErrPeerFailed = 8,       // fatal; a peer's call failed (it timed out) and said so in its done
                             // flag; args: WaitKind, that peer, call sequence number
 };
-constexpr bool is_fatal(uint32_t code) { return code == kErrTimeout || code == kErrPeerFailed; }
 // A flag's value is a call number; this bit is set where its writer failed that call (dispatch
 // done flags: the call timed out there; combine row flags: no row was sent). Call numbers never
 // reach it.
@@ -121,7 +120,7 @@ struct CommParams {
   int num_ranks;
   DeviceState* state;
   cuda::DeviceErrorRecord* error;  // bad data (ErrorCode)
-  cuda::DeviceErrorRecord* fatal;  // timeouts (is_fatal)
+  cuda::DeviceErrorRecord* fatal;  // timeouts: kErrTimeout, kErrPeerFailed
   uint64_t timeout_ns;
 };
 

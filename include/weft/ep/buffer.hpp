@@ -22,12 +22,16 @@
 //    CUDA graph capture (the call sequence number lives on the device). CountMode::kExact only
 //    adds an asynchronous 4-byte device-to-host copy (expanded: and an 8-byte one of
 //    rows_required); wait_num_recv() is the one host wait.
-//  - Errors: bad arguments the host can see throw weft::Error at once. Bad data found on the
-//    device (an expert id out of range: that selection is dropped, nothing out of bounds is
-//    touched) and timed-out waits (the message names the rank and what it waited for) are
-//    recorded in a pinned device flag and thrown by the next call on this Buffer, by
-//    wait_num_recv(), or by check() after the stream was synchronised. After a timeout the
-//    ranks no longer agree on the call sequence: destroy the Buffers.
+//  - Errors (docs/ep.md "Errors"): bad arguments the host can see throw weft::Error at once,
+//    among them pointers misaligned for their use or not device memory of this Buffer's device,
+//    and handles that are stale or differ from the layout the Buffer keeps. Errors found on the
+//    device are thrown by the next call on this Buffer, by wait_num_recv(), or by check() after
+//    the stream was synchronised, and are of two kinds. Bad data (an expert id out of range: that
+//    selection is dropped; expert_out with fewer rows than were received; a layout mismatch
+//    under graph replay) leaves the Buffer usable. A timed-out wait (the message names the rank,
+//    what it waited for and from which peer), or a peer's, is fatal: the ranks no longer agree
+//    on the call sequence, every later call on this Buffer throws it and every later kernel does
+//    nothing; destroy the Buffers of every rank.
 //  - Async (the overloads taking AsyncOptions; docs/ep.md "Async"): the call runs on the Buffer's
 //    comm stream (highest priority), after previous_event or else after the work queued so far
 //    on the caller's stream; it returns an Event (event.hpp) to order the caller's stream after
@@ -66,9 +70,11 @@ struct BufferOptions {
 };
 
 // Identifies one layout of one Buffer (the uncached dispatch that computed it); what combine and
-// a cached dispatch need of it stays in the Buffer. A handle is stale once the next uncached
-// dispatch on its Buffer was launched (combine and cached dispatch then throw: the layout it
-// names has been overwritten). A cached dispatch returns the handle it was given.
+// a cached dispatch need of it stays in the Buffer, which takes T and the kernel from its own
+// record and throws where a handle's fields differ from it (use a handle as returned). A handle
+// is stale once the next uncached dispatch on its Buffer was launched (combine and cached
+// dispatch then throw: the layout it names has been overwritten). A cached dispatch returns the
+// handle it was given.
 struct Handle {
   uint64_t buffer_id = 0;
   uint64_t sequence = 0;  // the layout's number (counts uncached dispatches of the Buffer)
@@ -81,8 +87,10 @@ struct DispatchInputs {
   // [T, hidden] bf16, or [T, fp8_row_layout(hidden).row_bytes] uint8 packed fp8 rows (types.hpp;
   // cast_to_fp8 makes them from bf16; hidden must be a multiple of 128); 16-byte aligned.
   TensorView x;
-  TensorView topk_idx;      // [T, top_k] int32 or int64; -1 = no selection
-  TensorView topk_weights;  // [T, top_k] float32
+  // [T, top_k] int32 or int64, aligned to its element; -1 = no selection. Every pointer of a
+  // call is device memory of this Buffer's device (checked; the Buffer's own window is too).
+  TensorView topk_idx;
+  TensorView topk_weights;  // [T, top_k] float32, 4-byte aligned
   // Cached dispatch: reuse the layout of this handle's dispatch (topk_idx and topk_weights must
   // then be empty, T must be the handle's): only x moves, the layout phase is skipped. The
   // result's metadata (recv_expert_idx, recv_weights, recv_src, tokens_per_local_expert, counts,
@@ -169,7 +177,10 @@ struct AsyncOptions {
 // records a device error naming that rank and the rows it needed, which the next call on the
 // Buffer, wait_num_recv() or check() throws; the Buffer stays usable.
 struct CombineInputs {
-  TensorView expert_out{};  // [rows >= num_recv, hidden] bf16 in the received-row order
+  // [rows >= num_recv, hidden] bf16 in the received-row order. With fewer rows than were
+  // received (known only on the device) this rank reads and sends none and writes no out; its
+  // peers report it and leave the tokens it contributes to unwritten (bad data: docs/ep.md).
+  TensorView expert_out{};
   TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
   TensorView bias1{};       // optional [T, hidden] bf16
   int num_sms = 0;          // most blocks (SMs) of this call; 0 = BufferOptions::num_sms

@@ -81,6 +81,23 @@ inline std::vector<ref::RankInput> make_inputs(const BufferConfig& c, int R, con
   return inputs;
 }
 
+// Elements where got and want differ (bit for bit).
+inline std::size_t count_differences(const std::vector<uint16_t>& got,
+                                     const std::vector<uint16_t>& want) {
+  std::size_t wrong = got.size() == want.size() ? 0 : std::max(got.size(), want.size());
+  for (std::size_t i = 0; i < std::min(got.size(), want.size()); ++i) wrong += got[i] != want[i];
+  return wrong;
+}
+
+// Received sources src [rows][2] (rank, token) against the layout's, row by row.
+inline void check_sources(const std::vector<int32_t>& src, const ref::RankLayout& L) {
+  ASSERT_EQ(src.size(), 2 * L.recv_src_rank.size());
+  for (std::size_t j = 0; j < L.recv_src_rank.size(); ++j) {
+    ASSERT_EQ(src[2 * j], L.recv_src_rank[j]) << "row " << j;
+    ASSERT_EQ(src[2 * j + 1], L.recv_src_token[j]) << "row " << j;
+  }
+}
+
 struct RankDevice {
   DeviceArray x, idx, weights, out, bias0, bias1, expert_out;
   cudaStream_t stream = nullptr;
@@ -180,16 +197,7 @@ class EpTest : public ::testing::Test {
       ASSERT_EQ(n, L.num_recv) << "rank " << r;
       const auto rx = download<uint16_t>(r, rr.recv_x, std::size_t(n * H));
       ASSERT_EQ(rx, L.recv_x) << "rank " << r << ": received rows differ";
-      const auto src = download<int32_t>(r, rr.recv_src, std::size_t(n * 2));
-      for (int64_t j = 0; j < n; ++j) {
-        ASSERT_EQ(src[std::size_t(2 * j)], L.recv_src_rank[std::size_t(j)]) << "row " << j;
-        ASSERT_EQ(src[std::size_t(2 * j + 1)], L.recv_src_token[std::size_t(j)]) << "row " << j;
-      }
-      EXPECT_EQ(download<int32_t>(r, rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
-      EXPECT_EQ(download<float>(r, rr.recv_weights, std::size_t(n * K)), L.recv_weights);
-      EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert,
-                                  std::size_t(config.num_local_experts(R))),
-                L.tokens_per_local_expert);
+      check_metadata(r, rr, L);
     }
 
     // Combine.
@@ -240,10 +248,22 @@ class EpTest : public ::testing::Test {
       const auto want = ref::combine(config, r, layouts, expert_out, bias0[std::size_t(r)],
                                      bias1[std::size_t(r)]);
       const auto got = download<uint16_t>(r, ranks[std::size_t(r)].out.ptr, want.size());
-      std::size_t wrong = 0;
-      for (std::size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
-      ASSERT_EQ(wrong, 0u) << "rank " << r << ": combine output differs from the reference";
+      ASSERT_EQ(count_differences(got, want), 0u)
+          << "rank " << r << ": combine output differs from the reference";
     }
+  }
+
+  // Rank r's received metadata (recv_src, recv_expert_idx, recv_weights, tokens per local
+  // expert) against the reference's layout L of that rank.
+  void check_metadata(int r, const weft::ep::DispatchResult& rr, const ref::RankLayout& L) {
+    const int64_t n = L.num_recv;
+    const int K = config.top_k;
+    check_sources(download<int32_t>(r, rr.recv_src, std::size_t(n * 2)), L);
+    EXPECT_EQ(download<int32_t>(r, rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
+    EXPECT_EQ(download<float>(r, rr.recv_weights, std::size_t(n * K)), L.recv_weights);
+    EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert,
+                                std::size_t(config.num_local_experts(R))),
+              L.tokens_per_local_expert);
   }
 
   BufferConfig config;

@@ -306,7 +306,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
   std::vector<weft::ep::DispatchResult> a(num), b(num);
   for (int r = 0; r < R; ++r) {
     auto& p = d[std::size_t(r)];
-    a[std::size_t(r)] = dispatch(r, p.a_x, &p.a_idx, &p.a_w, nullptr, a_in[std::size_t(r)].num_tokens);
+    a[std::size_t(r)] =
+        dispatch(r, p.a_x, &p.a_idx, &p.a_w, nullptr, a_in[std::size_t(r)].num_tokens);
   }
   for (int r = 0; r < R; ++r) {
     const auto& ar = a[std::size_t(r)];
@@ -317,7 +318,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
   }
   for (int r = 0; r < R; ++r) {
     auto& p = d[std::size_t(r)];
-    b[std::size_t(r)] = dispatch(r, p.b_x, &p.b_idx, &p.b_w, nullptr, b_in[std::size_t(r)].num_tokens);
+    b[std::size_t(r)] =
+        dispatch(r, p.b_x, &p.b_idx, &p.b_w, nullptr, b_in[std::size_t(r)].num_tokens);
   }
   for (int i = 0; i < 2; ++i) {
     for (int r = 0; r < R; ++r) {
@@ -333,7 +335,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
              b_in[std::size_t(r)].num_tokens);
   }
   for (int r = 0; r < R; ++r) {
-    copy(r, d[std::size_t(r)].x2_rows.ptr, b[std::size_t(r)].recv_x, b[std::size_t(r)].capacity * H * 2);
+    const auto& br = b[std::size_t(r)];
+    copy(r, d[std::size_t(r)].x2_rows.ptr, br.recv_x, br.capacity * H * 2);
   }
   for (int r = 0; r < R; ++r) {
     dispatch(r, d[std::size_t(r)].x3, nullptr, nullptr, &b[std::size_t(r)].handle,
@@ -348,21 +351,14 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
     const auto& A = a_layouts[std::size_t(r)];
     const int64_t na = download<int32_t>(r, p.a_count.ptr, 1)[0];
     ASSERT_EQ(na, A.num_recv) << "the first dispatch";
-    ASSERT_EQ(download<uint16_t>(r, p.a_rows.ptr, std::size_t(na * H)), A.recv_x) << "the first dispatch";
-    const auto a_src = download<int32_t>(r, p.a_src.ptr, std::size_t(na * 2));
-    for (int64_t j = 0; j < na; ++j) {
-      ASSERT_EQ(a_src[std::size_t(2 * j)], A.recv_src_rank[std::size_t(j)]) << "row " << j;
-      ASSERT_EQ(a_src[std::size_t(2 * j + 1)], A.recv_src_token[std::size_t(j)]) << "row " << j;
-    }
+    ASSERT_EQ(download<uint16_t>(r, p.a_rows.ptr, std::size_t(na * H)), A.recv_x)
+        << "the first dispatch";
+    weft::ep::testing::check_sources(download<int32_t>(r, p.a_src.ptr, std::size_t(na * 2)), A);
     const auto& br = b[std::size_t(r)];
     const auto& B = b_layouts[std::size_t(r)];
     const int64_t nb = download<int32_t>(r, br.num_recv_device, 1)[0];
     ASSERT_EQ(nb, B.num_recv);
-    EXPECT_EQ(download<int32_t>(r, br.recv_expert_idx, std::size_t(nb * K)), B.recv_expert_idx);
-    EXPECT_EQ(download<float>(r, br.recv_weights, std::size_t(nb * K)), B.recv_weights);
-    EXPECT_EQ(download<int32_t>(r, br.tokens_per_local_expert,
-                                std::size_t(config.num_local_experts(R))),
-              B.tokens_per_local_expert);
+    check_metadata(r, br, B);
     ASSERT_EQ(download<uint16_t>(r, p.x2_rows.ptr, std::size_t(nb * H)),
               x2_layouts[std::size_t(r)].recv_x) << "the first cached dispatch";
     ASSERT_EQ(download<uint16_t>(r, br.recv_x, std::size_t(nb * H)),
@@ -370,9 +366,8 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
     for (int i = 0; i < 2; ++i) {
       const auto want = ref::combine(config, r, b_layouts, i == 0 ? e1 : e2, {}, {});
       const auto got = download<uint16_t>(r, (i == 0 ? p.out1 : p.out2).ptr, want.size());
-      std::size_t wrong = 0;
-      for (std::size_t k = 0; k < want.size(); ++k) wrong += got[k] != want[k];
-      ASSERT_EQ(wrong, 0u) << "combine " << i + 1 << " differs from the reference";
+      ASSERT_EQ(weft::ep::testing::count_differences(got, want), 0u)
+          << "combine " << i + 1 << " differs from the reference";
     }
   }
 }

@@ -374,6 +374,29 @@ TEST_F(EpExpandedTest, LayoutAndCombineMatchReference) {
   }
 }
 
+// top-16 of 1024 experts: the expanded dispatch's shared memory (16 bytes per expert, 8 per local
+// expert, 2 KB per selection) is above 48 KB, which needs the launch's opt-in to more (local and
+// grid mode). Alignment 1 and expand_factor 16 (= top_k): no routing overflows.
+TEST_F(EpExpandedTest, TopSixteenOfAThousandExpertsPastFortyEightKilobytes) {
+  make({.max_tokens = 1100, .hidden = 128, .num_experts = 1024, .top_k = 16, .expand_factor = 16});
+  std::mt19937 rng(std::random_device{}());
+  int trial = 0;
+  for (int64_t T : {int64_t(1), int64_t(300), int64_t(1100)}) {
+    SCOPED_TRACE(testing::Message() << "T " << T);
+    const RoutingSpec spec{.tokens = tokens(T), .mask_ratio = 0.1, .repeat_ratio = 0.1};
+    const Call call{
+        .expand = {.enabled = true, .zero_padding = trial % 2 == 0},
+        .mode = trial % 2 == 1 ? weft::ep::CountMode::kExact : weft::ep::CountMode::kOnDevice};
+    const auto inputs = make_inputs(config, spec, rng, false);
+    const auto layouts = ref::dispatch(config, inputs, {.expand = call.expand});
+    for (const auto& L : layouts) ASSERT_FALSE(L.overflowed) << "the test's routing overflowed";
+    const auto res = dispatch(inputs, call);
+    check_layout(layouts, res, call);
+    check_combine(layouts, res, trial % 3, false, rng);
+    ++trial;
+  }
+}
+
 // Packed fp8 rows move as opaque bytes into the expanded layout (padding zeroed or untouched);
 // combine takes bf16 expert outputs as ever.
 TEST_F(EpExpandedTest, Fp8PackedRows) {
@@ -456,27 +479,32 @@ TEST_F(EpExpandedTest, CachedDispatchMatchesFresh) {
   }
 }
 
-// Rank 0 needs 4 rows per token of every rank (top-5, its 4 experts first): 512 rows against a
-// capacity of 1 x 2 x 64 = 128; rank 1 needs exactly its capacity. Rank 0 receives nothing and
-// reports 512, nothing of its window is written, rank 1 is complete; the combine is skipped on
-// every rank with a clear error; then the Buffer works as before.
+// 2 ranks: rank 0 needs 4 rows per token of every rank (top-5, its 4 experts first): 512 rows
+// against a capacity of 1 x 2 x 64 = 128; rank 1 needs exactly its capacity. 1 rank: 5 rows per
+// token, 320 against 64. Rank 0 receives nothing and reports its need, nothing of its window is
+// written, rank 1 is complete; the combine is skipped on every rank with a clear error; then the
+// Buffer works as before.
 TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
   make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 5, .expand_factor = 1});
-  if (R != 2) GTEST_SKIP() << "the routing is sized for 2 ranks";
+  if (R > 2) GTEST_SKIP() << "the routing is sized for 1 or 2 ranks";
+  const int64_t needed = R == 2 ? 512 : 320;
   std::mt19937 rng(std::random_device{}());
   for (int round = 0; round < 2; ++round) {
     SCOPED_TRACE(testing::Message() << "round " << round);
-    const auto inputs = make_inputs(config, {.tokens = {64, 64}, .crowd_rank0 = true}, rng, false);
+    const std::vector<int64_t> full(std::size_t(R), 64);
+    const auto inputs = make_inputs(config, {.tokens = full, .crowd_rank0 = true}, rng, false);
     const Call call{.expand = {.enabled = true, .zero_padding = true},
                     .mode = weft::ep::CountMode::kExact};
     const auto layouts = ref::dispatch(config, inputs, {.expand = call.expand});
     ASSERT_TRUE(layouts[0].overflowed);
-    ASSERT_EQ(layouts[0].rows_required, 512);
-    ASSERT_FALSE(layouts[1].overflowed);
-    ASSERT_EQ(layouts[1].rows_required, 128);
+    ASSERT_EQ(layouts[0].rows_required, needed);
+    if (R == 2) {
+      ASSERT_FALSE(layouts[1].overflowed);
+      ASSERT_EQ(layouts[1].rows_required, 128);
+    }
     const auto res = dispatch(inputs, call);
     EXPECT_EQ(res[0].num_recv, 0);
-    EXPECT_EQ(res[0].rows_required, 512);
+    EXPECT_EQ(res[0].rows_required, layouts[0].rows_required);
     check_layout(layouts, res, call);
     // A cached dispatch of the overflowed layout writes nothing at rank 0 either (rows poisoned
     // again first) and rank 1's rows and zeroed padding as before.
@@ -507,7 +535,8 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
         ADD_FAILURE() << "rank " << r << ": no error for the combine of an overflowed dispatch";
       } catch (const weft::Error& e) {
         const std::string what = e.what();
-        EXPECT_NE(what.find("overflowed at rank 0, which needed 512 rows for a capacity of 128"),
+        EXPECT_NE(what.find("overflowed at rank 0, which needed " + std::to_string(needed) +
+                            " rows for a capacity of " + std::to_string(64 * R)),
                   std::string::npos)
             << what;
       }
@@ -516,8 +545,10 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
       EXPECT_EQ(std::count(got.begin(), got.end(), uint16_t(0xFFFF)), std::ptrdiff_t(got.size()))
           << "rank " << r << ": out was written";
     }
-    // The Buffer stays usable: one selection per token needs at most 2 x 64 rows anywhere.
-    const auto fits = make_inputs(config, {.tokens = {64, 63}, .max_selections = 1}, rng, false);
+    // The Buffer stays usable: one selection per token needs at most R x 64 rows anywhere.
+    std::vector<int64_t> fewer = full;
+    fewer.back() = R > 1 ? 63 : 64;
+    const auto fits = make_inputs(config, {.tokens = fewer, .max_selections = 1}, rng, false);
     const auto fit_layouts = ref::dispatch(config, fits, {.expand = call.expand});
     const auto fit_res = dispatch(fits, call);
     check_layout(fit_layouts, fit_res, call);
