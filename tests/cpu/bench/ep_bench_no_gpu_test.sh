@@ -1,29 +1,9 @@
 #!/usr/bin/env bash
-# The EP benchmarks where no GPU is visible (CUDA_VISIBLE_DEVICES empty, so the same on a GPU
-# machine): a clear error and a non-zero exit, never an uncaught exception (abort); the GPU count
-# reported is the one found; a bad --num-sms is refused in a short message.
+# The EP benchmarks where no GPU is visible: a clear error and a non-zero exit, never an uncaught
+# exception (abort); the GPU count reported is the one found; a bad --num-sms is refused in a
+# short message.
 #   ep_bench_no_gpu_test.sh EP_BENCH OVERLAP_BENCH
-set -uo pipefail
-export CUDA_VISIBLE_DEVICES=
-passed=0 failures=0
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-
-expect_error() {  # name, expected message fragment, command...
-  local name=$1 fragment=$2
-  shift 2
-  timeout 60 "$@" >"$log" 2>&1
-  local status=$?
-  if [[ $status -eq 0 || $status -ge 124 ]]; then
-    echo "FAIL $name: exit status $status"; cat "$log"; failures=$((failures + 1))
-  elif grep -q "terminate called" "$log" || ! grep -qF -- "$fragment" "$log"; then
-    echo "FAIL $name: expected '$fragment':"; cat "$log"; failures=$((failures + 1))
-  elif grep -qE '[0-9]{30}' "$log" || [[ $(wc -c <"$log") -gt 600 ]]; then
-    echo "FAIL $name: a long message:"; cat "$log"; failures=$((failures + 1))
-  else
-    echo "ok $name (exit $status): $(head -1 "$log")"; passed=$((passed + 1))
-  fi
-}
+source "$(dirname "$0")/../expect_error.sh"
 
 for bench in "$1" "$2"; do
   name=$(basename "$bench")
@@ -34,6 +14,4 @@ for bench in "$1" "$2"; do
 done
 expect_error "$(basename "$2") --num-sms 0" "--num-sms" "$2" --num-sms 0
 expect_error "$(basename "$1") --num-sms -1" "--num-sms" "$1" --num-sms -1
-
-echo "$passed passed, $failures failed"
-exit $((failures > 0))
+finish

@@ -90,6 +90,16 @@ else
   fail "-o a link to /dev/null: now $(stat -c %F "$work/null_link")"; cat "$work/link_to_null.log"
 fi
 
+# -o a link to a regular file: the file is replaced, the link kept.
+echo old >"$work/link_target.html"
+ln -s link_target.html "$work/file_link.html"
+if "$weft" plan --schedule "$data/schedule_ok.json" -o "$work/file_link.html" \
+     >"$work/file_link.log" 2>&1 && [[ -L "$work/file_link.html" ]] && grep -q "<svg" "$work/link_target.html"; then
+  pass "-o a link to a regular file"
+else
+  fail "-o a link to a regular file: now $(stat -c %F "$work/file_link.html")"; cat "$work/file_link.log"
+fi
+
 # -o a link to /dev/stdout, stdout a pipe: the report comes through the pipe.
 ln -s /dev/stdout "$work/stdout_link"
 "$weft" plan --schedule "$data/schedule_ok.json" -o "$work/stdout_link" 2>"$work/stdout.log" |
