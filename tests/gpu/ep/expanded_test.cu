@@ -343,10 +343,11 @@ class EpExpandedTest : public ::testing::Test {
 
 // Layout and combine over alignments, zero padding, both count modes (T <= 1024: local, above:
 // grid), index widths, per-call SMs (1 block: many sub-chunks per block), repeated and masked
-// selections, a rank with no tokens, accumulated statistics. With top-6 of 32 experts over 2
-// ranks a token has about 3 rows at a rank, against expand_factor 6: no overflow here.
+// selections, a rank with no tokens, accumulated statistics. A token has at most 6 rows at a
+// rank (top-6), plus up to 127 padding rows per expert at alignment 128: expand_factor 12 holds
+// that even at one rank, where every expert is local.
 TEST_F(EpExpandedTest, LayoutAndCombineMatchReference) {
-  make({.max_tokens = 1100, .hidden = 256, .num_experts = 32, .top_k = 6, .expand_factor = 6});
+  make({.max_tokens = 1100, .hidden = 256, .num_experts = 32, .top_k = 6, .expand_factor = 12});
   std::mt19937 rng(std::random_device{}());
   int trial = 0;
   for (int64_t T : {int64_t(0), int64_t(1), int64_t(100), int64_t(1025), int64_t(1100)}) {
@@ -638,8 +639,9 @@ TEST_F(EpExpandedTest, BadArgumentsAreClearErrors) {
   EXPECT_THROW(dispatch(inputs, call), weft::Error);
   EXPECT_EQ(eps[0]->expand_capacity(), 0);
 
-  make({.max_tokens = 32, .hidden = 128, .num_experts = 8, .top_k = 2, .expand_factor = 2});
-  EXPECT_EQ(eps[0]->expand_capacity(), 2 * R * 32);
+  // Room for every selection plus the padding at one rank too (2 rows a token + 8 x 3).
+  make({.max_tokens = 32, .hidden = 128, .num_experts = 8, .top_k = 2, .expand_factor = 4});
+  EXPECT_EQ(eps[0]->expand_capacity(), 4 * R * 32);
   for (int alignment : {0, 4097}) {
     call.expand.expert_alignment = alignment;
     EXPECT_THROW(dispatch(inputs, call), weft::Error) << "alignment " << alignment;
