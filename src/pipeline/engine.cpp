@@ -408,24 +408,24 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
                                         .end_us = now_us(), .failed = failed});
   };
   if (plan.collective) ++num_collective_runs_[plan.id];
-  if (task.body()) {
-    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
-    try {
+  try {
+    if (task.body()) {
+      TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
       task.body()(context);
-    } catch (...) {
-      if (tracing_) {
-        try {
-          end_spans(true);
-        } catch (...) {
-          // The body's error is the one to report.
-        }
-      }
-      throw;
     }
-  }
-  if (plan.records_event) {
-    backend_->record(plan.id, ring_slot, plan.stream);
-    ++num_records_[plan.id * in_flight_ + ring_slot];
+    if (plan.records_event) {
+      backend_->record(plan.id, ring_slot, plan.stream);
+      ++num_records_[plan.id * in_flight_ + ring_slot];
+    }
+  } catch (...) {
+    if (tracing_) {
+      try {
+        end_spans(true);
+      } catch (...) {
+        // The body's error is the one to report.
+      }
+    }
+    throw;
   }
   if (tracing_) end_spans(false);
   if (threaded) {
