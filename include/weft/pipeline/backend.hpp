@@ -1,12 +1,14 @@
 // weft::pipeline::Backend: the streams and events the engine drives (host or CUDA).
 //
 // The engine calls bind() once, then, for every task it runs: wait() for each cross-stream
-// producer (on the producer's event for the producer's batch), the body, then — only for a task
-// some consumer on another stream waits on — record() on the task's own stream. Events are
-// indexed by (task, ring slot): ring slot = batch index modulo
-// in_flight, so each event is reused, never re-created. The engine guarantees that an event is
-// recorded before anything waits on it, and that no two threads use one event at once.
-// record() and wait() are called from the engine's threads concurrently (for different tasks).
+// producer (on the producer's event for the producer's batch; wait_for_record() for a
+// SyncSide::kGpu producer on another thread, where the backend supports it), the body, then —
+// only for a task some consumer on another stream waits on — record() on the task's own stream.
+// Events are indexed by (task, ring slot): ring slot = batch index modulo in_flight, so each
+// event is reused, never re-created. The engine guarantees that an event is recorded before
+// wait() waits on it, and that no two threads record one event at once. record(), wait() and
+// wait_for_record() are called from the engine's threads concurrently (for different tasks);
+// fence() and fence_completed() from the caller's thread, once per step.
 //
 // Implementations: HostBackend (host_backend.hpp), CudaBackend (cuda_backend.hpp, weft::cuda).
 #pragma once
