@@ -4,6 +4,7 @@
 #include <array>
 #include <bit>
 #include <cstring>
+#include <deque>
 #include <mutex>
 
 #include "weft/core/error.hpp"
@@ -20,8 +21,10 @@ namespace {
 
 using pipeline::TaskContext;
 
-// Buffer sets: one more than the deepest cascade keeps in flight (d6: 6).
-constexpr int kNumBufferSets = 7;
+// Buffer sets made with the rank: enough for the deepest preset cascade (d6 keeps 6 batches in
+// flight, one more lets h2d fill a set while the oldest batch finishes). A schedule that keeps
+// more in flight gets more when its engine is built (h2d's init).
+constexpr int kNumInitialBufferSets = 7;
 
 // Default-stream tasks in run order; each records a begin and an end mark per step.
 constexpr std::array<std::string_view, 8> kDefaultTasks = {
@@ -101,7 +104,10 @@ struct HstuRank::State {
   std::int64_t num_steps;
   HostDataset data;
   DenseMlp mlp;
-  std::array<BatchBuffers, kNumBufferSets> sets{};
+  // Batch b uses sets[b % sets.size()]; at least the schedule's in_flight of them, so that a
+  // set is reused only by a batch that enters the ring after the set's batch left it. A deque:
+  // growing keeps the sets' addresses (slots hold pointers to them).
+  std::deque<BatchBuffers> sets;
   float* table = nullptr;        // [num_local_rows, dim]
   std::vector<float> initial_table;
   float* target = nullptr;       // [num_items]
@@ -126,7 +132,9 @@ struct HstuRank::State {
   State(const State&) = delete;
   State& operator=(const State&) = delete;
 
-  BatchBuffers& set_of(std::int64_t batch) { return sets[std::size_t(batch % kNumBufferSets)]; }
+  BatchBuffers& set_of(std::int64_t batch) { return sets[std::size_t(batch) % sets.size()]; }
+  // Allocates sets until there are num_sets (the GPU must be idle: between runs).
+  void ensure_buffer_sets(std::size_t num_sets);
 
   void mark(std::int64_t step, int id, cudaStream_t stream) {
     if (step < 0 || step >= num_steps) return;
@@ -186,29 +194,11 @@ std::string describe_device_error(const cuda::DeviceErrorRecord& r) {
 
 }  // namespace
 
-HstuRank::HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::int64_t num_steps)
-    : config_(config) {
-  config.validate();
-  WEFT_CHECK(num_steps >= 1, "HstuRank: num_steps must be >= 1");
-  WEFT_CUDA_CHECK(cudaSetDevice(device));
-  state_ = std::make_unique<State>(config, comm, device, num_steps);
-  State& s = *state_;
-  if (config.communicator_per_role) {
-    // Collective over the ranks of comm, in the same order on each. The split keeps the ranks'
-    // order only if the key is the rank within comm.
-    int comm_rank = -1;
-    WEFT_NCCL_CHECK(ncclCommUserRank(comm, &comm_rank));
-    WEFT_CHECK(comm_rank == config.rank, "HstuRank: config.rank ", config.rank,
-               " is not the communicator's rank ", comm_rank);
-    for (ncclComm_t* role : {&s.input_comm, &s.output_comm}) {
-      WEFT_NCCL_CHECK(ncclCommSplit(comm, 0, config.rank, role, nullptr));
-      s.owned_comms.push_back(*role);
-    }
-  }
+void HstuRank::State::ensure_buffer_sets(std::size_t num_sets) {
   const int W = config.world_size, B = config.local_batch, dim = config.embedding_dim;
   const std::int64_t max_local = config.max_local_tokens(), max_global = config.max_global_tokens();
-  s.key_bits = std::max(1, int(std::bit_width(std::uint64_t(config.num_items - 1))));
-  for (BatchBuffers& b : s.sets) {
+  while (sets.size() < num_sets) {
+    BatchBuffers& b = sets.emplace_back();
     b.lengths = device_alloc<std::int64_t>(B);
     b.ids = device_alloc<std::int64_t>(max_local);
     b.all_workloads = device_alloc<std::int64_t>(W * B);
@@ -228,7 +218,7 @@ HstuRank::HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::i
     b.send_ids = device_alloc<std::int64_t>(max_local);
     b.position = device_alloc<std::int64_t>(max_local);
     b.recv_ids = device_alloc<std::int64_t>(max_global);
-    b.temp_bytes = prefetch_temp_bytes(max_global, s.key_bits);
+    b.temp_bytes = prefetch_temp_bytes(max_global, key_bits);
     b.temp = device_alloc<char>(std::int64_t(b.temp_bytes));
     b.arrival = device_alloc<std::int32_t>(max_global);
     b.sorted_arrival = device_alloc<std::int32_t>(max_global);
@@ -238,6 +228,31 @@ HstuRank::HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::i
     b.cache = device_alloc<float>(max_global * dim);
     b.released = new_event(false);
   }
+}
+
+HstuRank::HstuRank(const HstuConfig& config, ncclComm_t comm, int device, std::int64_t num_steps)
+    : config_(config) {
+  config.validate();
+  WEFT_CHECK(num_steps >= 1, "HstuRank: num_steps must be >= 1");
+  WEFT_CUDA_CHECK(cudaSetDevice(device));
+  state_ = std::make_unique<State>(config, comm, device, num_steps);
+  State& s = *state_;
+  if (config.communicator_per_role) {
+    // Collective over the ranks of comm, in the same order on each. The split keeps the ranks'
+    // order only if the key is the rank within comm.
+    int comm_rank = -1;
+    WEFT_NCCL_CHECK(ncclCommUserRank(comm, &comm_rank));
+    WEFT_CHECK(comm_rank == config.rank, "HstuRank: config.rank ", config.rank,
+               " is not the communicator's rank ", comm_rank);
+    for (ncclComm_t* role : {&s.input_comm, &s.output_comm}) {
+      WEFT_NCCL_CHECK(ncclCommSplit(comm, 0, config.rank, role, nullptr));
+      s.owned_comms.push_back(*role);
+    }
+  }
+  const int W = config.world_size, dim = config.embedding_dim;
+  const std::int64_t max_local = config.max_local_tokens(), max_global = config.max_global_tokens();
+  s.key_bits = std::max(1, int(std::bit_width(std::uint64_t(config.num_items - 1))));
+  s.ensure_buffer_sets(kNumInitialBufferSets);
   const std::int64_t rows = config.num_local_rows();
   s.table = device_alloc<float>(rows * dim);
   s.initial_table.resize(std::size_t(rows * dim));
@@ -597,7 +612,14 @@ pipeline::Schedule HstuRank::schedule(pipeline::HstuCascade cascade) {
     s->error.throw_if_raised(describe_device_error);
   });
 
-  return pipeline::hstu_schedule({.cascade = cascade, .prefetch = true, .bodies = std::move(bodies)});
+  pipeline::Schedule schedule =
+      pipeline::hstu_schedule({.cascade = cascade, .prefetch = true, .bodies = std::move(bodies)});
+  // Runs when the engine is built, after any edit of the schedule (e.g. a ScheduleConfig's
+  // lookaheads): as many buffer sets as the schedule keeps batches in flight.
+  schedule.task("h2d").init([s](TaskContext& c) {
+    s->ensure_buffer_sets(std::size_t(c.schedule().in_flight()));
+  });
+  return schedule;
 }
 
 std::vector<float> HstuRank::losses() const {

@@ -113,6 +113,16 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   }
   for (const WaitEdge& w : wait_edges(schedule_, threads_)) {
     TaskPlan& plan = plans_[w.consumer];
+    const bool future_record =
+        w.rule == WaitRule::kSameProgressSync && w.host_wait && w.stream_wait &&
+        schedule_.edges()[static_cast<std::size_t>(w.edge_index)].side == SyncSide::kGpu &&
+        backend_->waits_for_future_records();
+    if (future_record) {
+      plan.stream_waits.push_back({w.producer, w.batch_offset, true});
+      plans_[w.producer].records_event = true;
+      plans_[w.producer].has_future_waiters = true;
+      continue;
+    }
     if (w.host_wait) {
       const bool known = std::any_of(plan.host_waits.begin(), plan.host_waits.end(),
                                      [&](const auto& h) { return h.producer == w.producer; });
@@ -136,6 +146,8 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   batch_by_la_.assign(num_la, -1);
   ring_slot_by_la_.assign(num_la, 0);
   ticket_of_task_.assign(num_tasks, -1);
+  num_records_.assign(num_tasks * in_flight_, 0);
+  awaited_record_.assign(num_tasks, 0);
   done_ = std::make_unique<Signal[]>(num_tasks);
   tallies_by_task_.resize(num_tasks);
   num_collective_runs_.assign(num_tasks, 0);
@@ -372,8 +384,13 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
   for (const TaskPlan::StreamWait& w : plan.stream_waits) {
     const std::int64_t producer_batch = batch + w.batch_offset;
     if (producer_batch < 0 || producer_batch >= num_pulled_) continue;  // never ran on it
-    backend_->wait(plan.stream, w.producer,
-                   static_cast<std::uint32_t>(producer_batch % in_flight_));
+    const auto producer_slot = static_cast<std::uint32_t>(producer_batch % in_flight_);
+    if (w.future_record) {
+      backend_->wait_for_record(plan.stream, w.producer, producer_slot,
+                                awaited_record_[w.producer]);
+    } else {
+      backend_->wait(plan.stream, w.producer, producer_slot);
+    }
   }
   const Task& task = schedule_.task(plan.id);
   double begin_us = 0;
@@ -391,22 +408,25 @@ void EngineCore::run_task(const TaskPlan& plan, std::uint32_t thread, bool threa
                                         .end_us = now_us(), .failed = failed});
   };
   if (plan.collective) ++num_collective_runs_[plan.id];
-  if (task.body()) {
-    TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
-    try {
+  try {
+    if (task.body()) {
+      TaskContext context(this, plan.id, &ring_[ring_slot], iteration_, ticket, thread, gpu_span);
       task.body()(context);
-    } catch (...) {
-      if (tracing_) {
-        try {
-          end_spans(true);
-        } catch (...) {
-          // The body's error is the one to report.
-        }
-      }
-      throw;
     }
+    if (plan.records_event) {
+      backend_->record(plan.id, ring_slot, plan.stream);
+      ++num_records_[plan.id * in_flight_ + ring_slot];
+    }
+  } catch (...) {
+    if (tracing_) {
+      try {
+        end_spans(true);
+      } catch (...) {
+        // The body's error is the one to report.
+      }
+    }
+    throw;
   }
-  if (plan.records_event) backend_->record(plan.id, ring_slot, plan.stream);
   if (tracing_) end_spans(false);
   if (threaded) {
     if (ticket >= 0) {
@@ -496,6 +516,11 @@ void EngineCore::prepare_iteration() {
     batch_by_la_[k] = batch;
     ring_slot_by_la_[k] = batch >= 0 ? static_cast<std::uint32_t>(batch % in_flight_) : 0;
   }
+  for (const TaskPlan& plan : plans_) {
+    const auto la = static_cast<std::size_t>(plan.lookahead);
+    if (!plan.has_future_waiters || !active_by_la_[la]) continue;
+    awaited_record_[plan.id] = num_records_[plan.id * in_flight_ + ring_slot_by_la_[la]] + 1;
+  }
   int next_ticket = 0;
   for (TaskId t : schedule_.collective_order()) {
     const bool active = active_by_la_[static_cast<std::size_t>(plans_[t].lookahead)] != 0;
@@ -527,7 +552,23 @@ void EngineCore::run_iteration() {
   ticket_base_ += static_cast<std::uint32_t>(num_tickets);
   if (aborted_.load(std::memory_order_acquire)) {
     failed_ = true;
+    make_awaited_records();
     throw_failure();
+  }
+}
+
+void EngineCore::make_awaited_records() noexcept {
+  for (const TaskPlan& plan : plans_) {
+    const auto la = static_cast<std::size_t>(plan.lookahead);
+    if (!plan.has_future_waiters || !active_by_la_[la]) continue;
+    const std::size_t event = plan.id * in_flight_ + ring_slot_by_la_[la];
+    if (num_records_[event] >= awaited_record_[plan.id]) continue;
+    try {
+      backend_->record(plan.id, ring_slot_by_la_[la], plan.stream);
+      ++num_records_[event];
+    } catch (const std::exception&) {
+      // A backend that cannot record any more cannot run the stream work either.
+    }
   }
 }
 

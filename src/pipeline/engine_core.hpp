@@ -98,6 +98,9 @@ struct TaskPlan {
   struct StreamWait {
     TaskId producer;
     int batch_offset;
+    // SyncSide::kGpu across threads on a backend that waits for future records: no host wait;
+    // the stream waits for the producer's record of this iteration, made now or later.
+    bool future_record = false;
   };
   TaskId id = 0;
   StreamId stream = 0;
@@ -106,6 +109,7 @@ struct TaskPlan {
   // Some consumer's stream waits on this task's event: only then is the event recorded (an
   // event record is a driver call under a lock, and most tasks have no cross-stream consumer).
   bool records_event = false;
+  bool has_future_waiters = false;  // some consumer's StreamWait::future_record names this task
   std::vector<HostWait> host_waits;  // one per producer
   // The kStreamOrder producers, waited for also in an iteration where this task is inactive.
   std::vector<HostWait> stream_order_waits;
@@ -158,6 +162,9 @@ class EngineCore {
   void release_retired();
   void prepare_iteration();
   void run_iteration();
+  // After an aborted iteration: makes the records that future-record waits of this iteration
+  // wait for and that a failed or skipped producer did not make, so that no stream waits forever.
+  void make_awaited_records() noexcept;
   void run_task(const TaskPlan& plan, std::uint32_t thread, bool threaded);
   void wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, TaskId consumer,
                  std::uint32_t thread);
@@ -202,6 +209,10 @@ class EngineCore {
   std::vector<std::int64_t> batch_by_la_;
   std::vector<std::uint32_t> ring_slot_by_la_;
   std::vector<int> ticket_of_task_;  // -1: no ticket this iteration
+  // record() calls per event [task * in_flight + ring slot] since bind(), written by the task's
+  // thread; for a task with future waiters, the number its record of this iteration will have.
+  std::vector<std::uint64_t> num_records_;
+  std::vector<std::uint64_t> awaited_record_;  // by task
   std::uint32_t ticket_base_ = 0;
 
   // Collectives recorded by each task's body; written only by the thread that runs the task,

@@ -81,16 +81,61 @@ void HostBackend::bind(const CompiledSchedule& schedule) {
   }
   in_flight_ = static_cast<std::uint32_t>(schedule.in_flight());
   events_.assign(schedule.num_tasks() * in_flight_, Event{});
+  awaited_.resize(events_.size());
 }
 
 void* HostBackend::stream_handle(StreamId stream) { return streams_.at(stream).get(); }
 
 void HostBackend::record(TaskId task, std::uint32_t ring_slot, StreamId stream) {
-  events_[task * in_flight_ + ring_slot] = {stream, streams_[stream]->num_enqueued()};
+  {
+    std::lock_guard lock(*events_mutex_);
+    Event& event = events_[task * in_flight_ + ring_slot];
+    event = {stream, streams_[stream]->num_enqueued(), event.num_records + 1};
+    auto& awaited = awaited_[task * in_flight_ + ring_slot];
+    std::erase_if(awaited, [&](const std::shared_ptr<AwaitedRecord>& a) {
+      if (a->num_records != event.num_records) return false;
+      a->made = true;
+      a->event = event;
+      return true;
+    });
+  }
+  record_made_->notify_all();
+}
+
+void HostBackend::wait_for_record(StreamId stream, TaskId producer, std::uint32_t ring_slot,
+                                  std::uint64_t num_records) {
+  auto awaited = std::make_shared<AwaitedRecord>();
+  awaited->num_records = num_records;
+  {
+    std::lock_guard lock(*events_mutex_);
+    const Event& event = events_[producer * in_flight_ + ring_slot];
+    if (event.num_records >= num_records) {
+      // Made already, and it is the latest: the next record of this event comes in_flight
+      // iterations later.
+      awaited->made = true;
+      awaited->event = event;
+    } else {
+      awaited_[producer * in_flight_ + ring_slot].push_back(awaited);
+    }
+  }
+  num_wait_markers_->fetch_add(1, std::memory_order_relaxed);
+  streams_[stream]->enqueue([this, awaited] {
+    Event event;
+    {
+      std::unique_lock lock(*events_mutex_);
+      record_made_->wait(lock, [&] { return awaited->made; });
+      event = awaited->event;
+    }
+    streams_[event.stream]->wait_for(event.position);
+  });
 }
 
 void HostBackend::wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) {
-  const Event event = events_[producer * in_flight_ + ring_slot];
+  Event event;
+  {
+    std::lock_guard lock(*events_mutex_);
+    event = events_[producer * in_flight_ + ring_slot];
+  }
   if (event.stream == stream) return;  // FIFO order already
   HostStream& source = *streams_[event.stream];
   if (source.num_completed() >= event.position) return;

@@ -22,7 +22,9 @@
 //    ahead, before batch i - 1's update, which waits for it), and everything else is ordered by
 //    the schedule's edges, so every variant gives bit-identical losses and parameters;
 //  - device buffers of batch i are reused by batch i + num_buffer_sets only after batch i's last
-//    task (watchdog) finished on the GPU;
+//    task (watchdog) finished on the GPU; num_buffer_sets >= the schedule's in_flight (7 are made
+//    with the rank, and h2d's init adds what a deeper schedule needs when its engine is built,
+//    e.g. after a ScheduleConfig raised a lookahead);
 //  - collectives are NCCL calls on the rank's communicators: grouped send/recv for the
 //    all-to-alls, grouped broadcasts for the AllGatherV. Each body records its calls through
 //    TaskContext::record_collective, so Engine::collective_inventory() gives the measured

@@ -1,12 +1,14 @@
 // weft::pipeline::Backend: the streams and events the engine drives (host or CUDA).
 //
 // The engine calls bind() once, then, for every task it runs: wait() for each cross-stream
-// producer (on the producer's event for the producer's batch), the body, then — only for a task
-// some consumer on another stream waits on — record() on the task's own stream. Events are
-// indexed by (task, ring slot): ring slot = batch index modulo
-// in_flight, so each event is reused, never re-created. The engine guarantees that an event is
-// recorded before anything waits on it, and that no two threads use one event at once.
-// record() and wait() are called from the engine's threads concurrently (for different tasks).
+// producer (on the producer's event for the producer's batch; wait_for_record() for a
+// SyncSide::kGpu producer on another thread, where the backend supports it), the body, then —
+// only for a task some consumer on another stream waits on — record() on the task's own stream.
+// Events are indexed by (task, ring slot): ring slot = batch index modulo in_flight, so each
+// event is reused, never re-created. The engine guarantees that an event is recorded before
+// wait() waits on it, and that no two threads record one event at once. record(), wait() and
+// wait_for_record() are called from the engine's threads concurrently (for different tasks);
+// fence() and fence_completed() from the caller's thread, once per step.
 //
 // Implementations: HostBackend (host_backend.hpp), CudaBackend (cuda_backend.hpp, weft::cuda).
 #pragma once
@@ -15,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 
 namespace weft::pipeline {
@@ -47,6 +50,19 @@ class Backend {
   virtual void record(TaskId task, std::uint32_t ring_slot, StreamId stream) = 0;
   // Makes `stream` wait for the producer's event of `ring_slot` (never for the whole stream).
   virtual void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) = 0;
+  // Whether wait_for_record() is supported: a stream can wait for a record that has not been
+  // made yet. Then a SyncSide::kGpu consumer's thread does not wait for its producer's body;
+  // elsewhere it waits until the producer's event is recorded (CUDA: cudaStreamWaitEvent takes
+  // the event's latest record, so a wait must follow the record it means on the host).
+  virtual bool waits_for_future_records() const noexcept { return false; }
+  // Makes `stream` wait for the `num_records`-th record (counted from 1 since bind(), over all
+  // calls of record() for this task and ring slot) of the producer's event, made now or later.
+  // The engine guarantees that this record is made, in this iteration, even if the producer fails.
+  virtual void wait_for_record(StreamId stream, TaskId producer, std::uint32_t ring_slot,
+                               std::uint64_t num_records) {
+    (void)stream, (void)producer, (void)ring_slot, (void)num_records;
+    WEFT_FAIL("backend '", name(), "' cannot wait for a record yet to come");
+  }
   // Blocks until all work on all streams is done; throws the first error of that work.
   virtual void synchronize() = 0;
 

@@ -79,6 +79,11 @@ class HostBackend final : public Backend {
   void* stream_handle(StreamId stream) override;
   void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override;
   void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override;
+  // A marker on `stream` that blocks its worker until the record is made, then until the event
+  // completes.
+  bool waits_for_future_records() const noexcept override { return true; }
+  void wait_for_record(StreamId stream, TaskId producer, std::uint32_t ring_slot,
+                       std::uint64_t num_records) override;
   void synchronize() override;
   std::uint64_t fence() override;
   bool fence_completed(std::uint64_t fence) override;
@@ -91,9 +96,20 @@ class HostBackend final : public Backend {
   struct Event {
     StreamId stream = 0;
     std::uint64_t position = 0;  // complete when the stream has completed this many items
+    std::uint64_t num_records = 0;
+  };
+  // Where a record awaited by wait_for_record() landed, once it is made.
+  struct AwaitedRecord {
+    std::uint64_t num_records = 0;
+    bool made = false;
+    Event event;
   };
   std::vector<std::unique_ptr<HostStream>> streams_;
+  // Guards events_ and awaited_ (wait_for_record's markers read them from stream workers).
+  std::unique_ptr<std::mutex> events_mutex_ = std::make_unique<std::mutex>();
+  std::unique_ptr<std::condition_variable> record_made_ = std::make_unique<std::condition_variable>();
   std::vector<Event> events_;  // [task * in_flight + ring_slot]
+  std::vector<std::vector<std::shared_ptr<AwaitedRecord>>> awaited_;  // like events_
   // Fences not known to be complete, oldest first: each stream's num_enqueued() at fence().
   std::deque<std::vector<std::uint64_t>> pending_fences_;
   std::uint64_t num_fences_ = 0;

@@ -33,9 +33,12 @@ using TaskBody = std::function<void(TaskContext&)>;
 
 // Which side of a same_progress_sync consumer waits for the producer of this progress.
 //  kCpu:  the consumer's body starts after the producer's body returned; no stream wait.
-//  kGpu:  the consumer's stream waits on the producer's event. The event must exist before it can
-//         be waited on, so the consumer's thread also waits until the producer has been enqueued.
-//  kBoth: both.
+//  kGpu:  the consumer's stream waits for the producer's stream work of this progress; the bodies
+//         are not ordered. On a backend whose streams can wait for a record yet to come
+//         (Backend::waits_for_future_records(), the host backend) the consumer's thread does not
+//         wait at all; elsewhere (CUDA: a stream waits on an event's latest record) it waits
+//         until the producer's event is recorded, at the end of the producer's body.
+//  kBoth: both: the bodies are ordered and the stream waits.
 enum class SyncSide : std::uint8_t { kCpu, kGpu, kBoth };
 
 std::string_view to_string(SyncSide side) noexcept;

@@ -8,7 +8,8 @@
 //  - kOrderingEarlierProgress: an ordering edge whose producer ran in an earlier progress; the
 //    ring has satisfied it on the host, nobody's thread waits.
 //  - kSameProgressSync: a same_progress_sync edge; always a within-progress wait, whatever the
-//    lookaheads.
+//    lookaheads (side kGpu: the engine skips the host wait on a backend that waits for future
+//    records, see SyncSide).
 //  - kStreamOrder: two tasks on one stream, consecutive in run order, fed by different threads:
 //    the later one waits on the host so the stream sees them in run order.
 // Stream waits (the consumer's stream waits on the producer's event for the producer's batch)

@@ -102,6 +102,55 @@ TEST(Engine, ThreadsPersistAndInitRunsOnceOnTheTaskThread) {
   }
 }
 
+// cross_iter_depends_on at run time: the consumer of batch b runs after the producer of batch
+// b + offset, on the host (same progress, other thread) and on the streams (other stream).
+TEST(Engine, CrossIterDependenciesHoldAtRunTime) {
+  struct Seen {
+    std::atomic<std::int64_t> host_done{-1};    // the producer's last batch, set after its body
+    std::atomic<std::int64_t> stream_done{-1};  // the same, by the producer's stream work
+    std::atomic<int> num_host_early{0};
+    std::atomic<int> num_stream_early{0};
+    std::atomic<int> num_runs{0};
+  };
+  // Progress distance 0 (p at la 0, c at la 1, offset -1: both in one progress) and 1 (both at
+  // la 0; "ahead" at la 1 makes the ring 2 deep, so that p's event of batch b - 1 is kept).
+  for (const int consumer_la : {1, 0}) {
+    for (const ThreadMap& map : {ThreadMap::per_task(), ThreadMap::legacy()}) {
+      SCOPED_TRACE("consumer la " + std::to_string(consumer_la) + ", map " + map.name());
+      auto seen = std::make_shared<Seen>();
+      Schedule s;
+      s.add_stream("ps").add_stream("cs");
+      s.add(Task("ahead").lookahead(1));
+      s.add(Task("p").stream("ps").body([seen](TaskContext& c) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        host_stream(c).enqueue([seen, batch = c.batch_index()] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          seen->stream_done.store(batch);
+        });
+        seen->host_done.store(c.batch_index());
+      }));
+      s.add(Task("c").stream("cs").lookahead(consumer_la).cross_iter_depends_on("p", -1).body(
+          [seen](TaskContext& c) {
+            const std::int64_t needed = c.batch_index() - 1;
+            if (seen->host_done.load() < needed) ++seen->num_host_early;
+            host_stream(c).enqueue([seen, needed] {
+              if (seen->stream_done.load() < needed) ++seen->num_stream_early;
+              ++seen->num_runs;
+            });
+          }));
+      Engine engine(std::move(s), map);
+      engine.set_source([n = 0](Batch&) mutable { return n++ < 12; });
+      std::int64_t num_steps = 0;
+      while (engine.progress()) ++num_steps;
+      engine.synchronize();
+      EXPECT_EQ(num_steps, 12);
+      EXPECT_EQ(seen->num_runs.load(), 12);
+      EXPECT_EQ(seen->num_host_early.load(), 0);
+      EXPECT_EQ(seen->num_stream_early.load(), 0);
+    }
+  }
+}
+
 TEST(Engine, SlotAccessIsCheckedAgainstDeclarations) {
   Schedule s;
   s.add_input("input");

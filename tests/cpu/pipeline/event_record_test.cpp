@@ -3,10 +3,13 @@
 // event they need recorded first.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "weft/pipeline/pipeline.hpp"
 
@@ -88,6 +91,41 @@ TEST(EventRecords, EveryHstuVariantWaitsOnlyOnRecordedEvents) {
     // 4 of the 14 tasks have a consumer on another stream: h2d, finish_shuffle, wait_input_dist,
     // prefetch_embeddings.
     EXPECT_EQ(counts->records.size(), 4u);
+  }
+}
+
+// A wait on a stale event (the producer's event of an earlier round of the ring, recorded for
+// another batch) lets the consumer's stream run before the producer's work of its batch: the
+// stream work here would read the previous batch's number. The producer's body is slow, so that
+// a consumer that did not wait for it on the host would wait on the stale event.
+TEST(EventRecords, WaitsAreOnTheEventOfTheProducersBatch) {
+  for (const char* map : {"per_task", "legacy"}) {
+    SCOPED_TRACE(map);
+    auto written = std::make_shared<std::atomic<std::int64_t>>(-1);
+    auto num_stale = std::make_shared<std::atomic<int>>(0);
+    auto num_checked = std::make_shared<std::atomic<int>>(0);
+    Schedule s;
+    s.add_stream("copy");
+    s.add(Task("load").stream("copy").writes("x").body([written](TaskContext& c) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      host_stream(c).enqueue([written, batch = c.batch_index()] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        written->store(batch);
+      });
+    }));
+    s.add(Task("use").reads("x").body([written, num_stale, num_checked](TaskContext& c) {
+      host_stream(c).enqueue([=, batch = c.batch_index()] {
+        if (written->load() != batch) ++*num_stale;
+        ++*num_checked;
+      });
+    }));
+    Engine engine(std::move(s), ThreadMap::preset(map));
+    engine.set_source([n = 0](Batch&) mutable { return n++ < 20; });
+    while (engine.progress()) {
+    }
+    engine.synchronize();
+    EXPECT_EQ(num_checked->load(), 20);
+    EXPECT_EQ(num_stale->load(), 0);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -27,6 +28,7 @@ constexpr int kNumRanks = 2;
 
 struct RunResult {
   std::vector<float> losses, tokens, parameters;
+  std::vector<float> initial_parameters;  // after reset(), before the run
   std::vector<pipeline::MeasuredCollective> inventory;
 };
 
@@ -35,10 +37,14 @@ HstuConfig small_config(int rank, bool communicator_per_role) {
           .communicator_per_role = communicator_per_role};
 }
 
+// Changes a variant's schedule before its engine is built (e.g. a ScheduleConfig's lookaheads).
+using ScheduleEdit = std::function<void(pipeline::Schedule&)>;
+
 // Runs `variants` on both ranks at once; results[variant][rank].
 std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>& variants,
                                                  std::int64_t num_steps,
-                                                 bool communicator_per_role = true) {
+                                                 bool communicator_per_role = true,
+                                                 const ScheduleEdit& edit = {}) {
   auto comms = cuda::Communicators::init_all(kNumRanks);
   std::vector<std::vector<RunResult>> results(variants.size(), std::vector<RunResult>(kNumRanks));
   std::vector<std::exception_ptr> errors(kNumRanks);
@@ -51,7 +57,11 @@ std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>&
         for (std::size_t v = 0; v < variants.size(); ++v) {
           const auto& variant = pipeline::hstu_variant(variants[v]);
           rank.reset();
-          pipeline::Engine engine(rank.schedule(variant.cascade),
+          RunResult& out = results[v][std::size_t(r)];
+          out.initial_parameters = rank.parameters();
+          pipeline::Schedule schedule = rank.schedule(variant.cascade);
+          if (edit) edit(schedule);
+          pipeline::Engine engine(std::move(schedule),
                                   pipeline::ThreadMap::preset(variant.thread_map),
                                   pipeline::CudaBackend(r));
           engine.set_source(rank.source());
@@ -59,7 +69,6 @@ std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>&
           while (engine.progress()) ++steps;
           engine.synchronize();
           if (steps != num_steps) throw Error("wrong number of steps");
-          RunResult& out = results[v][std::size_t(r)];
           out.losses = rank.losses();
           out.tokens = rank.global_tokens();
           out.parameters = rank.parameters();
@@ -104,8 +113,15 @@ TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
       EXPECT_TRUE(bit_equal(run.parameters, legacy.parameters)) << names[v] << " rank " << r;
       EXPECT_TRUE(bit_equal(run.tokens, legacy.tokens)) << names[v] << " rank " << r;
     }
-    // Parameters moved (the comparison above is not between untouched initial values).
-    EXPECT_GT(legacy.parameters.size(), 0u);
+    // Parameters moved (the comparison above is not between untouched initial values): the
+    // dense weights and the table rows the batches touched differ from the initial ones.
+    ASSERT_EQ(legacy.parameters.size(), legacy.initial_parameters.size());
+    ASSERT_GT(legacy.parameters.size(), 0u);
+    std::size_t num_moved = 0;
+    for (std::size_t i = 0; i < legacy.parameters.size(); ++i) {
+      num_moved += legacy.parameters[i] != legacy.initial_parameters[i] ? 1 : 0;
+    }
+    EXPECT_GT(num_moved, legacy.parameters.size() / 10) << "rank " << r;
   }
   // The global loss (sum of the ranks' shares) goes down.
   auto global = [&](std::size_t step) {
@@ -126,6 +142,25 @@ TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
   double calls = 0;
   for (const auto& e : results[0][0].inventory) calls += e.calls_per_run;
   EXPECT_DOUBLE_EQ(calls, 11.0);
+}
+
+// A lookahead deeper than the preset cascades (h2d at 7: 8 batches in flight) gets the buffer
+// sets it needs: the results stay bit-identical to the legacy run, which they are not when a
+// batch in flight shares its buffers with a newer one.
+TEST_F(HstuStep, DeepLookaheadFromAConfigGetsItsBufferSets) {
+  const std::int64_t num_steps = 30;
+  const auto legacy = run_variants({"legacy_none"}, num_steps);
+  const auto deep = run_variants({"default_d6", "full_split_d6"}, num_steps, true,
+                                 [](pipeline::Schedule& s) { s.task("h2d").lookahead(7); });
+  for (int r = 0; r < kNumRanks; ++r) {
+    for (std::size_t v = 0; v < deep.size(); ++v) {
+      EXPECT_TRUE(bit_equal(deep[v][std::size_t(r)].losses, legacy[0][std::size_t(r)].losses))
+          << "variant " << v << " rank " << r;
+      EXPECT_TRUE(
+          bit_equal(deep[v][std::size_t(r)].parameters, legacy[0][std::size_t(r)].parameters))
+          << "variant " << v << " rank " << r;
+    }
+  }
 }
 
 TEST_F(HstuStep, LongRunsUnderEveryThreadMapAgreeAcrossRanks) {

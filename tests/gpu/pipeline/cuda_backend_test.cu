@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "weft/cuda/check.hpp"
@@ -202,6 +203,76 @@ TEST(CudaBackendTest, TraceHasGpuSpans) {
     EXPECT_GE(g.end_us - g.begin_us, 90.0);  // the 100 us kernel is inside the span
   }
   EXPECT_NE(trace.to_chrome_json().find("\"gpu\""), std::string::npos);
+}
+
+__global__ void fill_kernel(int* data, int n, int value) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) data[i] = value;
+}
+
+// Waits, then counts the elements that are not `expected` (a reader that comes late).
+__global__ void late_check_kernel(const int* data, int n, int expected, std::uint64_t delay_ns,
+                                  int* num_wrong) {
+  std::uint64_t start = 0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  std::uint64_t now = start;
+  while (now - start < delay_ns) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    if (data[i] != expected) atomicAdd(num_wrong, 1);
+  }
+}
+
+// A slot value from a stream-ordered allocator (cudaMallocAsync / cudaFreeAsync on the producer's
+// stream, as PyTorch's caching allocator frees to the stream it allocated on): once freed, the
+// memory goes to the next allocation on that stream at once, whatever other streams still read.
+class StreamOrderedInts {
+ public:
+  StreamOrderedInts(int n, cudaStream_t stream) : n_(n), stream_(stream) {
+    WEFT_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&data_), std::size_t(n) * sizeof(int),
+                                    stream));
+  }
+  StreamOrderedInts(const StreamOrderedInts&) = delete;
+  ~StreamOrderedInts() { cudaFreeAsync(data_, stream_); }
+  int* get() const { return data_; }
+  int size() const { return n_; }
+
+ private:
+  int* data_ = nullptr;
+  int n_;
+  cudaStream_t stream_;
+};
+
+constexpr int kNumInts = 1 << 16;  // per slot value
+
+// The engine keeps a batch's slot values until the work that reads them has finished on every
+// stream: the freed memory is not handed to a newer batch under a reader that is still queued.
+TEST(CudaBackendTest, SlotValuesFromAStreamOrderedAllocatorOutliveTheirReaders) {
+  WEFT_NEED_GPUS(1);
+  constexpr int kNumBatches = 12;
+  DeviceInts num_wrong(1);
+  Schedule s;
+  s.add_stream("copy");
+  s.add(Task("make").stream("copy").lookahead(1).writes("x").body([](TaskContext& c) {
+    auto x = std::make_shared<StreamOrderedInts>(kNumInts, cuda_stream(c));
+    fill_kernel<<<1, 256, 0, cuda_stream(c)>>>(x->get(), kNumInts, int(c.batch_index()));
+    WEFT_CUDA_CHECK(cudaGetLastError());
+    c.set("x", std::move(x));
+  }));
+  s.add(Task("use").reads("x").body([&](TaskContext& c) {
+    const auto& x = c.get<std::shared_ptr<StreamOrderedInts>>("x");
+    late_check_kernel<<<1, 256, 0, cuda_stream(c)>>>(x->get(), x->size(), int(c.batch_index()),
+                                                     2'000'000, num_wrong.get());
+    WEFT_CUDA_CHECK(cudaGetLastError());
+  }));
+  for (const char* map : {"legacy", "per_task"}) {
+    SCOPED_TRACE(map);
+    Engine engine(s, ThreadMap::preset(map), CudaBackend(0));
+    engine.set_source([n = 0](Batch&) mutable { return n++ < kNumBatches; });
+    int num_steps = 0;
+    while (engine.progress()) ++num_steps;
+    engine.synchronize();
+    EXPECT_EQ(num_steps, kNumBatches);
+    EXPECT_EQ(num_wrong.read()[0], 0);
+  }
 }
 
 TEST(CudaBackendTest, CudaStreamNeedsTheCudaBackend) {
