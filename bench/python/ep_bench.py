@@ -94,6 +94,8 @@ def main():
     forms = {
         "bare extension dispatch (C++ host path)": raw_dispatch,
         "native dispatch, zero-copy, count on device": lambda: native.dispatch(x, idx, w),
+        "native dispatch, zero-copy, on the current stream":
+            lambda: native.dispatch(x, idx, w, on_current_stream=True),
         "native dispatch, zero-copy, count read (host sync)":
             lambda: native.dispatch(x, idx, w, sync_count=True),
         "DeepEP dispatch, owned tensors (host sync)":
@@ -115,6 +117,9 @@ def main():
     handle = native.dispatch(x, idx, w).handle
     results["bare extension combine (C++ host path)"] = [
         timed(raw_combine, a.iters, a.warmup) for _ in range(a.repeats)]
+    results["native combine, into out=, on the current stream"] = [
+        timed(lambda: native.combine(y, handle, out=out, on_current_stream=True), a.iters,
+              a.warmup) for _ in range(a.repeats)]
     results["native combine, into out="] = [
         timed(lambda: native.combine(y, handle, out=out), a.iters, a.warmup)
         for _ in range(a.repeats)]

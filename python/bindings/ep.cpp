@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
@@ -17,11 +18,13 @@
 
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
+#include "weft/cuda/device_guard.hpp"
 #include "weft/cuda/nccl.hpp"
 #include "weft/ep/buffer.hpp"
 
 namespace nb = nanobind;
 namespace ep = weft::ep;
+using weft::cuda::DeviceGuard;
 
 namespace weft::python {
 namespace {
@@ -39,19 +42,21 @@ ep::DType parse_dtype(const std::string& name) {
   WEFT_FAIL("unknown dtype '", name, "' (bfloat16, float32, int32, int64 or uint8)");
 }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
-    WEFT_CUDA_CHECK(cudaSetDevice(device));
+// One (dst, dst_pitch, src, src_pitch, width, rows) device-to-device copy per entry, enqueued on
+// stream in order: the copy-out of a dispatch's results (pitches and width in bytes).
+using Copy2d = std::tuple<std::uintptr_t, int64_t, std::uintptr_t, int64_t, int64_t, int64_t>;
+void copy_2d(const std::vector<Copy2d>& copies, std::uintptr_t stream) {
+  for (const auto& [dst, dst_pitch, src, src_pitch, width, rows] : copies) {
+    if (rows == 0 || width == 0) continue;
+    WEFT_CHECK(dst != 0 && src != 0 && width > 0 && rows > 0 && dst_pitch >= width &&
+                   src_pitch >= width,
+               "copy_2d: bad copy (width ", width, ", rows ", rows, ")");
+    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(dst), std::size_t(dst_pitch),
+                                      as_ptr(src), std::size_t(src_pitch), std::size_t(width),
+                                      std::size_t(rows), cudaMemcpyDeviceToDevice,
+                                      as_stream(stream)));
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
+}
 
 nb::bytes unique_id() {
   ncclUniqueId id;
@@ -257,6 +262,8 @@ class PyBuffer {
 }  // namespace
 
 void bind_ep(nb::module_& m) {
+  m.def("copy_2d", &copy_2d, nb::arg("copies"), nb::arg("stream"),
+        "Device-to-device 2D copies (dst, dst_pitch, src, src_pitch, width, rows), in bytes.");
   m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for PyBuffer's communicator.");
   m.def(
       "window_bytes",

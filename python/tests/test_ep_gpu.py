@@ -389,3 +389,40 @@ def test_a_tensor_on_another_gpu_is_refused():
     x, idx, w = inputs(64, 256, 16, 4, 0.1, seed=1)
     with pytest.raises(weft.Error, match="cuda:1"):
         buf.dispatch(x.to("cuda:1"), idx.cuda(), w.cuda())
+
+
+def test_native_calls_on_the_current_stream():
+    x, idx, w = inputs(300, 512, 16, 4, 0.2, seed=31)
+    buf = poisoned_native(512, 16, 4)
+    (want,) = ref.dispatch([x], [idx], [w], 16)
+    res = buf.dispatch(x.cuda(), idx.cuda(), w.cuda(), on_current_stream=True)
+    n = want.x.shape[0]
+    y = torch.randn((n, 512)).bfloat16()
+    out, event = buf.combine(y.cuda(), res.handle, on_current_stream=True)
+    assert event.event is None
+    assert torch.equal(res.recv_x[:n].cpu(), want.x)
+    (want_out,) = ref.combine([want], [y], [300])
+    assert torch.equal(out.cpu(), want_out)
+    with pytest.raises(weft.Error, match="on_current_stream"):
+        buf.dispatch(x.cuda(), idx.cuda(), w.cuda(), on_current_stream=True, async_finish=True)
+
+
+@pytest.mark.parametrize("idx_dtype,top_k", [(torch.int32, 8), (torch.int64, 3)])
+def test_deepep_dispatch_of_other_index_widths_and_top_k(idx_dtype, top_k):
+    """int32 indices are copied out as they are; a top-k below the window's is widened."""
+    x, idx, w = inputs(400, 1024, 32, top_k, 0.2, seed=41)
+    buf = weft.ep.Buffer(None, int(1e9))
+    layout = deepep_layout(buf, idx.cuda(), 32)
+    (want,) = ref.dispatch([x], [idx], [w], 32)
+    rx, ridx, rw, counts, handle, _ = buf.dispatch(
+        x.cuda(), topk_idx=idx.to(idx_dtype).cuda(), topk_weights=w.cuda(), **layout)
+    assert ridx.dtype == idx_dtype and ridx.shape[1] == top_k
+    assert torch.equal(rx.cpu(), want.x)
+    assert torch.equal(ridx.cpu().long(), want.expert_idx.long())
+    assert torch.equal(rw.cpu(), want.weights)
+    # The handle kept its own copy of the selections: changing the caller's does not matter.
+    idx.fill_(-1)
+    x2 = torch.randn_like(x)
+    buf.dispatch(x2.cuda(), topk_idx=idx.to(idx_dtype).cuda(), topk_weights=w.cuda(), **layout)
+    cx, *_ = buf.dispatch(x.cuda(), handle=handle)  # an old handle: its layout re-runs
+    assert torch.equal(cx.cpu(), want.x)

@@ -6,24 +6,10 @@
 #include <utility>
 
 #include "weft/cuda/check.hpp"
+#include "weft/cuda/device_guard.hpp"
 
 namespace weft::cuda {
 namespace {
-
-// Makes `device` current for the lifetime of the object and restores the previous one.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    WEFT_CUDA_CHECK(cudaGetDevice(&previous_));
-    WEFT_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // Ends an NCCL group on scope exit, also when a call inside it threw.
 class GroupGuard {

@@ -4,7 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include "async_state.hpp"
-#include "device_guard.hpp"
+#include "weft/cuda/device_guard.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/ep/buffer.hpp"
@@ -69,7 +69,7 @@ void Buffer::enter_comm_stream(const AsyncOptions& async, cudaStream_t stream) {
                  (!async.previous_event.empty() && async.async_finish),
              "allocate_on_comm_stream needs previous_event and async_finish (as in DeepEP: the "
              "outputs belong to the comm stream until the returned Event is waited on)");
-  detail::DeviceGuard guard(device_);
+  cuda::DeviceGuard guard(device_);
   if (!async.previous_event.empty()) {
     async.previous_event.wait(async_->comm_stream);
     return;
@@ -79,7 +79,7 @@ void Buffer::enter_comm_stream(const AsyncOptions& async, cudaStream_t stream) {
 }
 
 Event Buffer::leave_comm_stream(const AsyncOptions& async, cudaStream_t stream) {
-  detail::DeviceGuard guard(device_);
+  cuda::DeviceGuard guard(device_);
   if (async.async_finish) return Event::make(async_->comm_stream, stream);
   WEFT_CUDA_CHECK(cudaEventRecord(async_->comm_done, async_->comm_stream));
   WEFT_CUDA_CHECK(cudaStreamWaitEvent(stream, async_->comm_done, 0));

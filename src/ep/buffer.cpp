@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "async_state.hpp"
-#include "device_guard.hpp"
+#include "weft/cuda/device_guard.hpp"
 #include "kernels.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
@@ -66,7 +66,7 @@ struct BufferState {
 
 namespace {
 
-using detail::DeviceGuard;
+using cuda::DeviceGuard;
 
 std::atomic<uint64_t> g_next_buffer_id{1};
 

@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <exception>
 
-#include "device_guard.hpp"
+#include "weft/cuda/device_guard.hpp"
 #include "weft/cuda/check.hpp"
 
 namespace weft::ep {
@@ -30,7 +30,7 @@ Event Event::make(cudaStream_t recorded_on, cudaStream_t waiter) {
 Event Event::record(cudaStream_t stream) {
   int device = 0;
   WEFT_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
-  detail::DeviceGuard guard(device);
+  cuda::DeviceGuard guard(device);
   return make(stream, stream);
 }
 

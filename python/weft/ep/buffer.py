@@ -12,12 +12,13 @@ and why is in docs/python.md ("Migrating from DeepEP"). In short:
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .. import Error
+from .. import Error, _weft
 from . import _group
 from .config import Config
 from .event import EventHandle, EventOverlap
@@ -44,7 +45,7 @@ class Handle:
         self.num_tokens = num_tokens
         self.num_recv = num_recv  # None: only on the device (num_worst_tokens > 0)
         self.num_worst_tokens = num_worst_tokens
-        self.topk_idx = topk_idx          # padded to the window's top_k, kept to re-run the layout
+        self.topk_idx = topk_idx          # [T, window top_k], kept to re-run the layout
         self.topk_weights = topk_weights
         self.is_token_in_rank = is_token_in_rank
         self.recv_src = recv_src          # owned; padding rows of a worst-case layout: token T
@@ -271,13 +272,20 @@ class Buffer:
                          (num_tokens, top_k))
         current = native._enter(previous_event, async_finish, allocate_on_comm_stream)
         comm = native.comm_stream
-        with torch.cuda.stream(comm):
-            idx_p, w_p = self._padded_selections(native, topk_idx, topk_weights,
-                                                 is_token_in_rank)
+        k = native.top_k
+        # The caller's selections go to the kernel as they are when they fit the window's top_k;
+        # else (or without top-k) widened copies, made on the comm stream.
+        direct = topk_idx is not None and top_k == k
+        with torch.cuda.stream(comm) if is_fp8 or not direct else contextlib.nullcontext():
+            if direct:
+                idx_in, w_in = topk_idx, topk_weights
+            else:
+                idx_in, w_in = self._padded_selections(native, topk_idx, topk_weights,
+                                                       is_token_in_rank)
             packed, x_dtype, x_cols, _ = native._x_arg(x)
-            res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_p.data_ptr(),
-                                          "int64", w_p.data_ptr(), None, 0, config.num_sms,
-                                          None, num_worst_tokens == 0)
+            res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_in.data_ptr(),
+                                          _index_dtype(idx_in), w_in.data_ptr(), None, 0,
+                                          config.num_sms, None, num_worst_tokens == 0)
         rows = res.num_recv if num_worst_tokens == 0 else num_worst_tokens
         if rows > native.capacity:
             raise Error(f"num_worst_tokens {num_worst_tokens} is above the {native.capacity} "
@@ -291,13 +299,29 @@ class Buffer:
             if topk_idx is not None:
                 recv_idx = torch.empty((rows, top_k), dtype=topk_idx.dtype, device=device)
                 recv_w = torch.empty((rows, top_k), dtype=torch.float32, device=device)
-        with torch.cuda.stream(comm):
-            for dst, src in zip(_flat(recv_x), _flat(res.recv_x)):
-                dst.copy_(src[:rows])
-            recv_src.copy_(res.recv_src[:rows])
-            if topk_idx is not None:
-                recv_idx.copy_(res.recv_expert_idx[:rows, :top_k])
-                recv_w.copy_(res.recv_weights[:rows, :top_k])
+            if direct:  # the handle's own copies, to re-run the layout whatever the caller does
+                idx_keep, w_keep = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
+            else:
+                idx_keep, w_keep = idx_in, w_in
+        # One call enqueues every plain copy out of the window (and of the selections kept).
+        row_bytes = native._fp8_row_bytes if is_fp8 else native.hidden * 2
+        copies = [_rows_copy(dst, src, row_bytes, rows)
+                  for dst, src in zip(_flat(recv_x), _flat(res.recv_x))]
+        copies.append(_rows_copy(recv_src, res.recv_src, 8, rows))
+        if topk_idx is not None:
+            copies.append(_rows_copy(recv_w, res.recv_weights, 4 * k, rows))
+            if recv_idx.dtype == torch.int32:
+                copies.append(_rows_copy(recv_idx, res.recv_expert_idx, 4 * k, rows))
+        if direct:
+            copies += [_rows_copy(idx_keep, topk_idx, idx_keep.stride(0) * idx_keep.element_size(),
+                                  num_tokens),
+                       _rows_copy(w_keep, topk_weights, 4 * k, num_tokens)]
+        _weft.ep.copy_2d(copies, comm.cuda_stream)
+        needs_ops = (topk_idx is not None and recv_idx.dtype != torch.int32) or \
+            num_worst_tokens > 0
+        with torch.cuda.stream(comm) if needs_ops else contextlib.nullcontext():
+            if topk_idx is not None and recv_idx.dtype != torch.int32:
+                recv_idx.copy_(res.recv_expert_idx[:rows, :top_k])  # widened to int64
             if num_worst_tokens > 0:
                 invalid = torch.arange(rows, device=device, dtype=torch.int32) >= \
                     res.num_recv_device
@@ -314,9 +338,9 @@ class Buffer:
             counts = self._counts_without_topk(num_tokens_per_expert, expert_alignment)
         new_handle = Handle(self, res.handle, num_tokens,
                             res.num_recv if num_worst_tokens == 0 else None, num_worst_tokens,
-                            idx_p, w_p, is_token_in_rank, recv_src)
-        outs = [t for t in (packed, idx_p, w_p, *_flat(recv_x), recv_idx, recv_w, recv_src,
-                            *_flat(x)) if t is not None]
+                            idx_keep, w_keep, is_token_in_rank, recv_src)
+        outs = [t for t in (packed, idx_keep, w_keep, topk_idx, topk_weights, *_flat(recv_x),
+                            recv_idx, recv_w, recv_src, *_flat(x)) if t is not None]
         event = native._leave(current, async_finish, outs)
         return recv_x, recv_idx, recv_w, counts, new_handle, event
 
@@ -326,9 +350,6 @@ class Buffer:
         its first expert."""
         num_tokens = is_token_in_rank.shape[0]
         k = native.top_k
-        if topk_idx is not None and topk_idx.shape[1] == k:
-            # Copies: the handle keeps them to re-run the layout, whatever the caller does later.
-            return topk_idx.to(torch.int64, copy=True), topk_weights.clone()
         idx = torch.full((num_tokens, k), -1, dtype=torch.int64, device=native.device)
         w = torch.zeros((num_tokens, k), dtype=torch.float32, device=native.device)
         if topk_idx is not None:
@@ -354,7 +375,7 @@ class Buffer:
                             device=native.device)
         packed, x_dtype, x_cols, is_fp8 = native._x_arg(x)
         res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8,
-                                      handle.topk_idx.data_ptr(), "int64",
+                                      handle.topk_idx.data_ptr(), _index_dtype(handle.topk_idx),
                                       handle.topk_weights.data_ptr(), None, 0,
                                       (config or self.get_dispatch_config(self.group_size)).num_sms,
                                       None, False)
@@ -371,8 +392,10 @@ class Buffer:
             raise Error("handle comes from another Buffer")
         current = native._enter(previous_event, async_finish, allocate_on_comm_stream)
         rows = handle.num_rows
-        with torch.cuda.stream(native.comm_stream):
-            if native._holds_layout(handle.native):
+        current_layout = native._holds_layout(handle.native)
+        plain = current_layout and not isinstance(x, (tuple, list))  # no torch op on the way
+        with contextlib.nullcontext() if plain else torch.cuda.stream(native.comm_stream):
+            if current_layout:
                 packed, x_dtype, x_cols, is_fp8 = native._x_arg(x)
                 res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8, 0, "int64", 0,
                                               handle.native, 0, config.num_sms, None, False)
@@ -380,9 +403,10 @@ class Buffer:
                 res, packed = self._relayout(native, handle, x, config)
         with native._allocating(allocate_on_comm_stream):
             recv_x = _empty_like_rows(res.recv_x, rows)
-        with torch.cuda.stream(native.comm_stream):
-            for dst, src in zip(_flat(recv_x), _flat(res.recv_x)):
-                dst.copy_(src[:rows])
+        row_bytes = native._fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
+        _weft.ep.copy_2d([_rows_copy(dst, src, row_bytes, rows)
+                          for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
+                         native.comm_stream.cuda_stream)
         event = native._leave(current, async_finish, [packed, *_flat(recv_x), *_flat(x)])
         return recv_x, None, None, None, None, event
 
@@ -422,7 +446,8 @@ class Buffer:
         with native._allocating(allocate_on_comm_stream):
             out = torch.empty((handle.num_tokens, native.hidden), dtype=torch.bfloat16,
                               device=native.device)
-        with torch.cuda.stream(native.comm_stream):
+        plain = native._holds_layout(handle.native) and topk_weights is None
+        with contextlib.nullcontext() if plain else torch.cuda.stream(native.comm_stream):
             if not native._holds_layout(handle.native):
                 _, packed = self._relayout(native, handle, None, config)
                 keep.append(packed)
@@ -473,6 +498,17 @@ class Buffer:
                               device=src.device)
         dist.all_gather_into_tensor(columns, column, group=self.group)
         return columns.t().contiguous()
+
+
+def _index_dtype(t: torch.Tensor) -> str:
+    return "int64" if t.dtype == torch.int64 else "int32"
+
+
+def _rows_copy(dst: torch.Tensor, src: torch.Tensor, src_pitch: int, rows: int):
+    """A copy_2d entry: rows rows of dst's (contiguous) width from src, whose rows are
+    src_pitch bytes apart."""
+    width = dst.stride(0) * dst.element_size() if dst.dim() > 1 else dst.element_size()
+    return (dst.data_ptr(), width, src.data_ptr(), src_pitch, width, rows)
 
 
 def _empty_like_rows(x, rows: int):

@@ -321,14 +321,17 @@ class NativeBuffer:
                  expand: Optional[Expand] = None, num_sms: int = 0,
                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                  sync_count: bool = False, previous_event: Optional[EventOverlap] = None,
-                 async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                 on_current_stream: bool = False) -> DispatchResult:
         """Sends each token of x [T, hidden] (bf16; or fp8 as (x_e4m3, scales) or packed rows)
         to the ranks of its top-k experts (topk_idx [T, top_k] int32/int64, -1 = none;
         topk_weights [T, top_k] fp32). With handle (a previous result's), reuses that layout:
         only x moves. sync_count=True reads the count to the host (one host wait), so that
         num_recv and tokens_per_local_expert_list are known and the arrays are sliced to
-        num_recv rows; else they span the capacity and the count stays on the device."""
+        num_recv rows; else they span the capacity and the count stays on the device.
+        on_current_stream=True runs the kernel on the current stream itself instead of the comm
+        stream (no stream hand-off: the cheapest call; the caller orders it with the Buffer's
+        other calls, as a stream does)."""
         packed, x_dtype, x_cols, is_fp8 = self._x_arg(x)
         num_tokens = packed.shape[0]
         if num_tokens > self.max_tokens:
@@ -358,20 +361,34 @@ class NativeBuffer:
         if sync_count and _capturing():
             raise Error("sync_count=True waits on the host, which a CUDA graph capture cannot; "
                         "keep the count on the device")
+        if on_current_stream:
+            self._check_on_current(previous_event, async_finish, allocate_on_comm_stream)
+            return self._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_ptr, idx_dtype,
+                                         w_ptr, handle, stats_ptr, num_sms, expand, sync_count,
+                                         _current_raw_stream(self.device.index))
         current = self._enter(previous_event, async_finish, allocate_on_comm_stream)
         result = self._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_ptr, idx_dtype, w_ptr,
                                        handle, stats_ptr, num_sms, expand, sync_count)
         result.event = self._leave(current, async_finish, tensors)
         return result
 
+    @staticmethod
+    def _check_on_current(previous_event, async_finish, allocate_on_comm_stream) -> None:
+        if previous_event is not None or async_finish or allocate_on_comm_stream:
+            raise Error("on_current_stream=True runs the call on the current stream: it takes no "
+                        "previous_event, async_finish or allocate_on_comm_stream")
+
     def _launch_dispatch(self, packed, x_dtype, x_cols, is_fp8, idx_ptr, idx_dtype, w_ptr,
-                         handle, stats_ptr, num_sms, expand, sync_count) -> DispatchResult:
-        """The dispatch kernel on comm_stream, ordered by the caller (_enter / _leave)."""
+                         handle, stats_ptr, num_sms, expand, sync_count,
+                         stream: Optional[int] = None) -> DispatchResult:
+        """The dispatch kernel on stream (default: comm_stream, ordered by the caller's _enter
+        and _leave)."""
         expand_on = expand is not None
         out = self._native.dispatch(
             packed.data_ptr(), x_dtype, packed.shape[0], x_cols, idx_ptr, idx_dtype, w_ptr,
             handle, stats_ptr, num_sms, expand_on, expand.expert_alignment if expand_on else 1,
-            expand.zero_padding if expand_on else False, self.comm_stream.cuda_stream,
+            expand.zero_padding if expand_on else False,
+            self.comm_stream.cuda_stream if stream is None else stream,
             bool(sync_count and handle is None))
         if handle is None:
             self._layout_key = (out.handle.buffer_id, out.handle.sequence)
@@ -383,10 +400,12 @@ class NativeBuffer:
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 out: Optional[torch.Tensor] = None, num_sms: int = 0,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, EventOverlap]:
+                allocate_on_comm_stream: bool = False,
+                on_current_stream: bool = False) -> Tuple[torch.Tensor, EventOverlap]:
         """Sums, per source token, the rows of expert_out [>= num_recv, hidden] bf16 (in the
         received-row order of handle's dispatch) back at their source, plus bias (one [T, hidden]
-        bf16 tensor or a pair). Returns (out [T, hidden] bf16, event)."""
+        bf16 tensor or a pair). Returns (out [T, hidden] bf16, event). on_current_stream as for
+        dispatch."""
         check_tensor("x (expert output)", expert_out, (torch.bfloat16,), self.device,
                      (None, self.hidden))
         if not isinstance(handle, _weft.ep.Handle):
@@ -398,18 +417,27 @@ class NativeBuffer:
         for i, b in enumerate(biases):
             check_tensor(f"bias[{i}]", b, (torch.bfloat16,), self.device,
                          (num_tokens, self.hidden))
-        current = self._enter(previous_event, async_finish, allocate_on_comm_stream)
+        if on_current_stream:
+            self._check_on_current(previous_event, async_finish, allocate_on_comm_stream)
+        else:
+            current = self._enter(previous_event, async_finish, allocate_on_comm_stream)
         if out is None:
             with self._allocating(allocate_on_comm_stream):
                 out = torch.empty((num_tokens, self.hidden), dtype=torch.bfloat16,
                                   device=self.device)
         else:
             check_tensor("out", out, (torch.bfloat16,), self.device, (num_tokens, self.hidden))
+        if on_current_stream:
+            self._launch_combine(expert_out, handle, biases, out, num_sms,
+                                 _current_raw_stream(self.device.index))
+            return out, _NO_EVENT
         self._launch_combine(expert_out, handle, biases, out, num_sms)
         event = self._leave(current, async_finish, [expert_out, out, *biases])
         return out, event
 
-    def _launch_combine(self, expert_out, handle, biases, out, num_sms) -> None:
+    def _launch_combine(self, expert_out, handle, biases, out, num_sms,
+                        stream: Optional[int] = None) -> None:
         ptrs = [b.data_ptr() for b in biases] + [0] * (2 - len(biases))
         self._native.combine(expert_out.data_ptr(), expert_out.shape[0], ptrs[0], ptrs[1],
-                             handle, out.data_ptr(), num_sms, self.comm_stream.cuda_stream)
+                             handle, out.data_ptr(), num_sms,
+                             self.comm_stream.cuda_stream if stream is None else stream)

@@ -1,12 +1,14 @@
-// DeviceGuard (internal to weft::ep): makes a device current for a scope and restores the
-// previous one, so that a call on one Buffer leaves the caller's current device as it was.
+// weft::cuda::DeviceGuard: makes a device current for a scope and restores the previous one, so
+// that a call that works on one device leaves the caller's current device as it was.
+//
+//   { weft::cuda::DeviceGuard guard(buffer_device); launch(...); }   // previous device again
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "weft/cuda/check.hpp"
 
-namespace weft::ep::detail {
+namespace weft::cuda {
 
 class DeviceGuard {
  public:
@@ -15,6 +17,7 @@ class DeviceGuard {
     if (previous_ != device) WEFT_CUDA_CHECK(cudaSetDevice(device));
     switched_ = previous_ != device;
   }
+  // Restoring cannot throw from a destructor; it fails only if the previous device vanished.
   ~DeviceGuard() {
     if (switched_) cudaSetDevice(previous_);
   }
@@ -26,4 +29,4 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-}  // namespace weft::ep::detail
+}  // namespace weft::cuda
