@@ -1,0 +1,144 @@
+"""The dispatchers an MoELayer runs on. Each has the same semantics (weft.ep's contract,
+include/weft/ep/reference.hpp): a token goes once to every rank that hosts one of its experts;
+received rows are in (source rank, source token) order with local expert ids (-1 elsewhere) and
+their weights (0 elsewhere); combine sums a token's rows back in fp32 in ascending rank order and
+rounds once to bf16. So the three give the same bits.
+
+    recv_x, recv_idx, recv_w, handle = d.dispatch(x, topk_idx, topk_weights)
+    out, combined_w = d.combine(y, handle, weights=None)
+    recv_grad = d.dispatch_cached(grad_out, handle)
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class LocalDispatcher:
+    """One rank, every expert local, in plain torch: the reference of the others."""
+
+    num_ranks = 1
+    rank = 0
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_local_experts = num_experts
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        valid = topk_idx >= 0
+        tokens = valid.any(dim=1).nonzero().flatten()
+        recv_idx = torch.where(valid, topk_idx, -1)[tokens]
+        recv_w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))[tokens]
+        return x[tokens], recv_idx, recv_w, (tokens, x.shape[0])
+
+    def combine(self, y, handle, weights=None):
+        tokens, num_tokens = handle
+        out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
+        out[tokens] = y.float()
+        combined_w = None
+        if weights is not None:
+            combined_w = torch.zeros((num_tokens, weights.shape[1]), dtype=weights.dtype,
+                                     device=weights.device)
+            combined_w[tokens] = weights
+        return out.bfloat16(), combined_w
+
+    def dispatch_cached(self, x, handle):
+        return x[handle[0]]
+
+
+class EpDispatcher:
+    """weft.ep's DeepEP-compatible Buffer (owned tensors, as training keeps them for backward)."""
+
+    def __init__(self, buffer, num_experts: int) -> None:
+        self.buffer = buffer
+        self.num_ranks = buffer.group_size
+        self.rank = buffer.rank
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx,
+                                                                              self.num_experts)
+        recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        return recv_x, recv_idx, recv_w, handle
+
+    def combine(self, y, handle, weights=None):
+        out, combined_w, _ = self.buffer.combine(y.contiguous(), handle, topk_weights=weights)
+        return out, combined_w
+
+    def dispatch_cached(self, x, handle):
+        recv, *_ = self.buffer.dispatch(x.contiguous(), handle=handle)
+        return recv
+
+
+class AllToAllDispatcher:
+    """The dispatcher MoE users have today: sizes exchanged with an all_to_all (read to the host),
+    rows permuted by destination, then torch.distributed.all_to_all_single of rows, indices and
+    weights; combine sends the rows back the same way."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int) -> None:
+        self.group = group
+        self.num_ranks = group.size() if group is not None else 1
+        self.rank = group.rank() if group is not None else 0
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+
+    def _a2a(self, send: torch.Tensor, send_split: List[int], recv_split: List[int]):
+        out = torch.empty((sum(recv_split), *send.shape[1:]), dtype=send.dtype,
+                          device=send.device)
+        if self.group is None:
+            out.copy_(send)
+        else:
+            dist.all_to_all_single(out, send.contiguous(), recv_split, send_split,
+                                   group=self.group)
+        return out
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        R, epr = self.num_ranks, self.num_local_experts
+        valid = topk_idx >= 0
+        dest = torch.where(valid, topk_idx // epr, R)
+        in_rank = torch.zeros((x.shape[0], R + 1), dtype=torch.bool, device=x.device)
+        in_rank.scatter_(1, dest, True)
+        in_rank = in_rank[:, :R]
+        # Rows grouped by destination, tokens ascending within each.
+        send_tokens = [in_rank[:, d].nonzero().flatten() for d in range(R)]
+        send_split = [len(t) for t in send_tokens]
+        counts = torch.tensor(send_split, dtype=torch.int64, device=x.device)
+        recv_counts = self._a2a(counts, [1] * R, [1] * R)
+        recv_split = recv_counts.tolist()
+        order = torch.cat(send_tokens)
+        rows_dest = torch.cat([torch.full_like(t, d) for d, t in enumerate(send_tokens)])
+        local = (topk_idx[order] // epr == rows_dest[:, None]) & valid[order]
+        send_idx = torch.where(local, topk_idx[order] - rows_dest[:, None] * epr, -1)
+        send_w = torch.where(local, topk_weights[order], torch.zeros_like(topk_weights[order]))
+        recv_x = self._a2a(x[order], send_split, recv_split)
+        recv_idx = self._a2a(send_idx, send_split, recv_split)
+        recv_w = self._a2a(send_w, send_split, recv_split)
+        return recv_x, recv_idx, recv_w, (send_tokens, send_split, recv_split, x.shape[0])
+
+    def combine(self, y, handle, weights=None):
+        send_tokens, send_split, recv_split, num_tokens = handle
+        back = self._a2a(y.contiguous(), recv_split, send_split)  # rows grouped by rank
+        out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
+        start = 0
+        for d, tokens in enumerate(send_tokens):  # ascending rank: weft's reduction order
+            out[tokens] += back[start:start + len(tokens)].float()
+            start += len(tokens)
+        combined_w = None
+        if weights is not None:
+            wback = self._a2a(weights.contiguous(), recv_split, send_split)
+            combined_w = torch.zeros((num_tokens, weights.shape[1]), dtype=weights.dtype,
+                                     device=weights.device)
+            start = 0
+            for tokens in send_tokens:
+                combined_w[tokens] += wback[start:start + len(tokens)]
+                start += len(tokens)
+        return out.bfloat16(), combined_w
+
+    def dispatch_cached(self, x, handle):
+        send_tokens, send_split, recv_split, _ = handle
+        return self._a2a(x[torch.cat(send_tokens)], send_split, recv_split)
