@@ -55,7 +55,12 @@ PythonException PythonException::fetch(const std::string& where) {
 }
 
 void PythonException::restore() const {
-  PyObject* value = value_.ptr();
+  if (!value_) {
+    PyErr_SetString(PyExc_RuntimeError, what());
+    return;
+  }
+  const PyRef taken = std::move(value_);
+  PyObject* value = taken.ptr();
 #if PY_VERSION_HEX >= 0x030C0000
   PyErr_SetRaisedException(Py_NewRef(value));
 #else

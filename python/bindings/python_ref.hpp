@@ -64,14 +64,16 @@ class PythonException : public std::runtime_error {
   // "task 'forward'".
   static PythonException fetch(const std::string& where);
 
-  // Sets the exception again as Python's current error (the GIL is held).
+  // Sets the exception again as Python's current error (the GIL is held) and hands the
+  // reference to Python: the engine keeps its error (for later what()s) past that point, and the
+  // exception's traceback may reach the engine's own Python object, a cycle the garbage
+  // collector cannot see through C++. A second restore raises a RuntimeError with what().
   void restore() const;
-  nb::handle value() const noexcept { return value_.handle(); }
 
  private:
   PythonException(const std::string& message, PyRef value)
       : std::runtime_error(message), value_(std::move(value)) {}
-  PyRef value_;
+  mutable PyRef value_;
 };
 
 // Registers the translator that raises a PythonException reaching Python as its own exception.
