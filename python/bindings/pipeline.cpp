@@ -281,7 +281,7 @@ void bind_context(nb::module_& m) {
            [](BodyContext& b, const std::string& slot, nb::handle value) {
              b.get().set(slot, PyRef(value));
            },
-           nb::arg("slot"), nb::arg("value"), "Sets a slot the task declares in writes.")
+           nb::arg("slot"), nb::arg("value").none(), "Sets a slot the task declares in writes.")
       .def("has", [](BodyContext& b, const std::string& slot) { return b.get().batch().has(slot); },
            nb::arg("slot"), "Whether the slot of this batch holds a value.")
       .def_prop_ro("name", [](const BodyContext& b) { return std::string(b.get().name()); })
