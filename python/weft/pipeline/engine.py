@@ -131,6 +131,13 @@ class Engine:
         """The backend's native stream (a cudaStream_t as an integer on "torch")."""
         return self._engine.stream_handle(stream)
 
+    def torch_stream(self, stream: str):
+        """The torch stream of a schedule stream (backend "torch"), e.g. a comm stream that a
+        body uses beside its own (join it back before the body returns)."""
+        if self.backend != "cuda":
+            raise RuntimeError("torch_stream() needs backend='torch'")
+        return self._torch.stream(self.stream_handle(stream))
+
     def close(self) -> None:
         """Joins the engine's threads and frees its slot values now (also done when collected)."""
         self._engine = None  # first: the engine borrows the callables
