@@ -292,3 +292,11 @@ def test_engine_closes_and_a_cycle_through_bodies_is_collected():
     del h
     gc.collect()
     assert ref() is None
+
+
+def test_torch_backend_without_a_gpu_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: test_pipeline_gpu.py covers the torch backend")
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        Engine(two_stage(), "legacy", backend="torch")
