@@ -169,6 +169,18 @@ nb::object thread_map_groups(const pl::ThreadMap& map) {
   return groups;
 }
 
+// Each thread's name and its tasks' names, in run order.
+std::vector<std::pair<std::string, std::vector<std::string>>> thread_lists(
+    const pl::ThreadAssignment& threads, const pl::CompiledSchedule& schedule) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (std::size_t i = 0; i < threads.num_threads(); ++i) {
+    std::vector<std::string> tasks;
+    for (pl::TaskId id : threads.tasks_of_thread[i]) tasks.push_back(schedule.task(id).name());
+    out.emplace_back(threads.thread_names[i], std::move(tasks));
+  }
+  return out;
+}
+
 std::unique_ptr<pl::Backend> make_backend(const std::string& kind, int device) {
   if (kind == "host") return std::make_unique<pl::HostBackend>();
 #ifdef WEFT_PYTHON_WITH_CUDA
@@ -388,14 +400,7 @@ void bind_thread_map(nb::module_& m) {
       .def_prop_ro("rest", [](const pl::ThreadMap& t) { return t.rest(); })
       .def("assign", [](const pl::ThreadMap& t, const pl::Schedule& s) {
         pl::CompiledSchedule compiled(s);
-        const pl::ThreadAssignment a = t.assign(compiled);
-        std::vector<std::pair<std::string, std::vector<std::string>>> out;
-        for (std::size_t i = 0; i < a.num_threads(); ++i) {
-          std::vector<std::string> tasks;
-          for (pl::TaskId id : a.tasks_of_thread[i]) tasks.push_back(compiled.task(id).name());
-          out.emplace_back(a.thread_names[i], std::move(tasks));
-        }
-        return out;
+        return thread_lists(t.assign(compiled), compiled);
       })
       .def("__eq__", [](const pl::ThreadMap& a, const pl::ThreadMap& b) { return a == b; });
 
@@ -475,15 +480,7 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("num_in_flight", [](PyEngine& e) { return e.engine().num_in_flight(); })
       .def_prop_ro("backend", [](PyEngine& e) { return std::string(e.engine().backend().name()); })
       .def("threads", [](PyEngine& e) {
-        const pl::ThreadAssignment& a = e.engine().threads();
-        const pl::CompiledSchedule& s = e.engine().schedule();
-        std::vector<std::pair<std::string, std::vector<std::string>>> out;
-        for (std::size_t i = 0; i < a.num_threads(); ++i) {
-          std::vector<std::string> tasks;
-          for (pl::TaskId id : a.tasks_of_thread[i]) tasks.push_back(s.task(id).name());
-          out.emplace_back(a.thread_names[i], std::move(tasks));
-        }
-        return out;
+        return thread_lists(e.engine().threads(), e.engine().schedule());
       })
       .def("stream_handle", [](PyEngine& e, const std::string& stream) {
         const auto id = e.engine().schedule().find_stream(stream);

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from conftest import drain
+
 import weft
 from weft.pipeline import (CollectiveOp, Engine, HSTU_TASK_NAMES, Schedule, ScheduleConfig,
                            SyncSide, Task, ThreadMap, hstu_schedule, hstu_variant, hstu_variants)
@@ -13,16 +15,6 @@ from weft.pipeline import (CollectiveOp, Engine, HSTU_TASK_NAMES, Schedule, Sche
 pytestmark = pytest.mark.timeout(120)
 
 MAPS = ["legacy", "per_task", "by_stream", "default"]
-
-
-def drain(engine, data):
-    it = iter(data)
-    out = []
-    while True:
-        try:
-            out.append(engine.progress(it))
-        except StopIteration:
-            return out
 
 
 def two_stage(record=None):

@@ -4,20 +4,10 @@ against the caching allocator. Skipped without a GPU."""
 
 import pytest
 
-from conftest import needs_gpus
+from conftest import drain, needs_gpus
 from weft.pipeline import Engine, Schedule, Task
 
 pytestmark = [needs_gpus(1), pytest.mark.timeout(300)]
-
-
-def drain(engine, data):
-    it = iter(data)
-    out = []
-    while True:
-        try:
-            out.append(engine.progress(it))
-        except StopIteration:
-            return out
 
 
 def test_the_tasks_stream_is_current_in_its_body():

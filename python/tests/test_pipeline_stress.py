@@ -7,20 +7,12 @@ import threading
 
 import pytest
 
+from conftest import drain
+
 from weft.pipeline import (HSTU_TASK_NAMES, Engine, Schedule, Task, ThreadMap, hstu_schedule,
                            hstu_variants)
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def drain(engine, data):
-    it = iter(data)
-    out = []
-    while True:
-        try:
-            out.append(engine.progress(it))
-        except StopIteration:
-            return out
 
 
 def hstu_bodies(log):
