@@ -57,7 +57,8 @@ def main() -> None:
             executor.close()
         w, p = statistics.median(weft_us), statistics.median(python_us)
         print(f"{v.name:26s} {w:10.1f} {p:10.1f} {p / w:6.1f}x   "
-              f"weft {min(weft_us):.1f}-{max(weft_us):.1f}, python {min(python_us):.1f}-{max(python_us):.1f}",
+              f"weft {min(weft_us):.1f}-{max(weft_us):.1f}, "
+              f"python {min(python_us):.1f}-{max(python_us):.1f}",
               flush=True)
 
 

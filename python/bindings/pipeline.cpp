@@ -7,6 +7,8 @@
 // the engine may copy and destroy them on any thread. A Python exception raised in a
 // body travels through the engine as a PythonException and is raised again by progress(), the
 // same object with its traceback.
+#include "weft/pipeline/pipeline.hpp"
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
@@ -25,7 +27,6 @@
 
 #include "python_ref.hpp"
 #include "weft/core/error.hpp"
-#include "weft/pipeline/pipeline.hpp"
 
 #ifdef WEFT_PYTHON_WITH_CUDA
 #include "weft/pipeline/cuda_backend.hpp"
@@ -65,19 +66,13 @@ pl::TaskBody python_body(nb::handle borrowed_fn, nb::handle ctx) {
       // A StopIteration leaving progress() would end the caller's loop as if the data had ended
       // (PEP 479 makes generators turn it into a RuntimeError for the same reason).
       if (PyErr_ExceptionMatches(PyExc_StopIteration)) {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
+        const nb::python_error stop;
         const std::string message =
             "task '" + std::string(context.name()) + "' raised StopIteration";
-        PyErr_SetString(PyExc_RuntimeError, message.c_str());
-        PyObject *type2, *value2, *traceback2;
-        PyErr_Fetch(&type2, &value2, &traceback2);
-        PyErr_NormalizeException(&type2, &value2, &traceback2);
-        PyException_SetCause(value2, value);  // steals value
-        PyErr_Restore(type2, value2, traceback2);
-        Py_XDECREF(type);
-        Py_XDECREF(traceback);
+        const nb::object error =
+            nb::steal(PyObject_CallFunction(PyExc_RuntimeError, "s", message.c_str()));
+        PyException_SetCause(error.ptr(), stop.value().inc_ref().ptr());
+        PyErr_SetObject(PyExc_RuntimeError, error.ptr());
       }
       throw PythonException::fetch("task '" + std::string(context.name()) + "'");
     }
@@ -122,7 +117,8 @@ void add_task(pl::Schedule& schedule, const std::string& name, const std::string
 // The schedule as plain values (bodies left out): for the Python layer's Schedule.
 nb::dict describe(const pl::Schedule& schedule) {
   nb::list streams;
-  for (const pl::StreamSpec& s : schedule.streams()) streams.append(nb::make_tuple(s.name, s.priority));
+  for (const pl::StreamSpec& s : schedule.streams())
+    streams.append(nb::make_tuple(s.name, s.priority));
   nb::list tasks;
   for (const pl::Task& t : schedule.tasks()) {
     nb::dict d;
@@ -157,7 +153,8 @@ nb::dict describe(const pl::Schedule& schedule) {
   return out;
 }
 
-std::vector<pl::ThreadGroup> to_groups(const std::vector<std::pair<std::string, std::vector<std::string>>>& groups) {
+std::vector<pl::ThreadGroup> to_groups(
+    const std::vector<std::pair<std::string, std::vector<std::string>>>& groups) {
   std::vector<pl::ThreadGroup> out;
   for (const auto& [name, tasks] : groups) out.push_back({name, tasks});
   return out;
@@ -165,7 +162,8 @@ std::vector<pl::ThreadGroup> to_groups(const std::vector<std::pair<std::string, 
 
 nb::object thread_map_groups(const pl::ThreadMap& map) {
   nb::list groups;
-  for (const pl::ThreadGroup& g : map.thread_groups()) groups.append(nb::make_tuple(g.name, g.tasks));
+  for (const pl::ThreadGroup& g : map.thread_groups())
+    groups.append(nb::make_tuple(g.name, g.tasks));
   return groups;
 }
 
@@ -259,8 +257,10 @@ class PyEngine {
       }
       // Several inputs: each item maps input slot -> value.
       for (const std::string& slot : inputs) {
-        const nb::object value = nb::steal(PyObject_GetItem(item.ptr(), nb::str(slot.c_str()).ptr()));
-        if (!value.is_valid()) throw PythonException::fetch("the data iterator's item, input '" + slot + "'");
+        const nb::object value =
+            nb::steal(PyObject_GetItem(item.ptr(), nb::str(slot.c_str()).ptr()));
+        if (!value.is_valid())
+          throw PythonException::fetch("the data iterator's item, input '" + slot + "'");
         batch.set(slot, PyRef(value));
       }
       return true;
@@ -287,59 +287,71 @@ nb::object slot_value(const pl::TaskContext& c, const std::string& slot) {
 void bind_context(nb::module_& m) {
   nb::class_<BodyContext>(m, "TaskContext",
                           "What a task body sees while it runs: its batch's slots and its task.")
-      .def("get", [](const BodyContext& b, const std::string& slot) { return slot_value(b.get(), slot); },
-           nb::arg("slot"), "The slot's value; the task must declare it in reads or writes.")
-      .def("set",
-           [](BodyContext& b, const std::string& slot, nb::handle value) {
-             b.get().set(slot, PyRef(value));
-           },
-           nb::arg("slot"), nb::arg("value").none(), "Sets a slot the task declares in writes.")
-      .def("has", [](BodyContext& b, const std::string& slot) { return b.get().batch().has(slot); },
-           nb::arg("slot"), "Whether the slot of this batch holds a value.")
+      .def(
+          "get",
+          [](const BodyContext& b, const std::string& slot) { return slot_value(b.get(), slot); },
+          nb::arg("slot"), "The slot's value; the task must declare it in reads or writes.")
+      .def(
+          "set",
+          [](BodyContext& b, const std::string& slot, nb::handle value) {
+            b.get().set(slot, PyRef(value));
+          },
+          nb::arg("slot"), nb::arg("value").none(), "Sets a slot the task declares in writes.")
+      .def(
+          "has", [](BodyContext& b, const std::string& slot) { return b.get().batch().has(slot); },
+          nb::arg("slot"), "Whether the slot of this batch holds a value.")
       .def_prop_ro("name", [](const BodyContext& b) { return std::string(b.get().name()); })
       .def_prop_ro("lookahead", [](const BodyContext& b) { return b.get().lookahead(); })
       .def_prop_ro("batch_index", [](const BodyContext& b) { return b.get().batch_index(); })
       .def_prop_ro("iteration", [](const BodyContext& b) { return b.get().iteration(); })
       .def_prop_ro("ticket", [](const BodyContext& b) { return b.get().ticket(); })
       .def_prop_ro("thread_index", [](const BodyContext& b) { return b.get().thread_index(); })
-      .def_prop_ro("stream", [](const BodyContext& b) {
-        const pl::TaskContext& c = b.get();
-        return c.schedule().stream(c.stream_id()).name;
-      })
-      .def_prop_ro("backend", [](const BodyContext& b) { return std::string(b.get().backend().name()); })
-      .def("stream_handle",
-           [](const BodyContext& b, std::optional<std::string> stream) {
-             const pl::TaskContext& c = b.get();
-             return reinterpret_cast<std::uintptr_t>(stream ? c.stream_handle(*stream)
-                                                            : c.stream_handle());
-           },
-           nb::arg("stream") = nb::none(),
-           "The backend's native stream (a cudaStream_t as an integer on the cuda backend).")
-      .def("record_collective",
-           [](BodyContext& b, const std::string& kind, const std::string& stream,
-              std::size_t num_bytes) { b.get().record_collective(kind, stream, num_bytes); },
-           nb::arg("kind"), nb::arg("stream"), nb::arg("num_bytes"),
-           "Records one collective the body enqueued (for Engine.collective_inventory()).");
+      .def_prop_ro("stream",
+                   [](const BodyContext& b) {
+                     const pl::TaskContext& c = b.get();
+                     return c.schedule().stream(c.stream_id()).name;
+                   })
+      .def_prop_ro("backend",
+                   [](const BodyContext& b) { return std::string(b.get().backend().name()); })
+      .def(
+          "stream_handle",
+          [](const BodyContext& b, std::optional<std::string> stream) {
+            const pl::TaskContext& c = b.get();
+            return reinterpret_cast<std::uintptr_t>(stream ? c.stream_handle(*stream)
+                                                           : c.stream_handle());
+          },
+          nb::arg("stream") = nb::none(),
+          "The backend's native stream (a cudaStream_t as an integer on the cuda backend).")
+      .def(
+          "record_collective",
+          [](BodyContext& b, const std::string& kind, const std::string& stream,
+             std::size_t num_bytes) { b.get().record_collective(kind, stream, num_bytes); },
+          nb::arg("kind"), nb::arg("stream"), nb::arg("num_bytes"),
+          "Records one collective the body enqueued (for Engine.collective_inventory()).");
 }
 
 void bind_schedule(nb::module_& m) {
-  nb::class_<pl::Schedule>(m, "Schedule", "weft::pipeline::Schedule (built by weft.pipeline.Schedule)")
+  nb::class_<pl::Schedule>(m, "Schedule",
+                           "weft::pipeline::Schedule (built by weft.pipeline.Schedule)")
       .def(nb::init<>())
-      .def("add_stream", [](pl::Schedule& s, const std::string& name, int priority) { s.add_stream(name, priority); })
+      .def("add_stream", [](pl::Schedule& s, const std::string& name,
+                            int priority) { s.add_stream(name, priority); })
       .def("add_input", [](pl::Schedule& s, const std::string& slot) { s.add_input(slot); })
       .def("add_task", &add_task, nb::arg("name"), nb::arg("stream"), nb::arg("lookahead"),
            nb::arg("reads"), nb::arg("writes"), nb::arg("depends_on"), nb::arg("cross_iter"),
            nb::arg("same_progress_sync"), nb::arg("collective"), nb::arg("inventory"),
            nb::arg("body").none(), nb::arg("init").none())
       .def("describe", &describe)
-      .def("validate", [](const pl::Schedule& s) { pl::CompiledSchedule compiled(s); },
-           "Raises weft.Error naming the task and the rule broken.")
-      .def("run_order", [](const pl::Schedule& s) {
-        pl::CompiledSchedule compiled(s);
-        std::vector<std::string> names;
-        for (pl::TaskId t : compiled.run_order()) names.push_back(compiled.task(t).name());
-        return names;
-      })
+      .def(
+          "validate", [](const pl::Schedule& s) { pl::CompiledSchedule compiled(s); },
+          "Raises weft.Error naming the task and the rule broken.")
+      .def("run_order",
+           [](const pl::Schedule& s) {
+             pl::CompiledSchedule compiled(s);
+             std::vector<std::string> names;
+             for (pl::TaskId t : compiled.run_order()) names.push_back(compiled.task(t).name());
+             return names;
+           })
       .def("wait_edges", [](const pl::Schedule& s, const pl::ThreadMap& map) {
         pl::CompiledSchedule compiled(s);
         const pl::ThreadAssignment threads = map.assign(compiled);
@@ -350,17 +362,18 @@ void bind_schedule(nb::module_& m) {
         return lines;
       });
 
-  m.def("hstu_schedule",
-        [](const std::string& cascade, bool prefetch, const std::vector<std::string>& body_names) {
-          pl::HstuOptions options;
-          WEFT_CHECK(cascade == "d3" || cascade == "d6", "hstu_schedule: cascade '", cascade,
-                     "' is neither d3 nor d6");
-          options.cascade = cascade == "d3" ? pl::HstuCascade::kD3 : pl::HstuCascade::kD6;
-          options.prefetch = prefetch;
-          for (const std::string& name : body_names) options.bodies[name] = pl::TaskBody{};
-          return pl::hstu_schedule(options);
-        },
-        nb::arg("cascade"), nb::arg("prefetch"), nb::arg("body_names"));
+  m.def(
+      "hstu_schedule",
+      [](const std::string& cascade, bool prefetch, const std::vector<std::string>& body_names) {
+        pl::HstuOptions options;
+        WEFT_CHECK(cascade == "d3" || cascade == "d6", "hstu_schedule: cascade '", cascade,
+                   "' is neither d3 nor d6");
+        options.cascade = cascade == "d3" ? pl::HstuCascade::kD3 : pl::HstuCascade::kD6;
+        options.prefetch = prefetch;
+        for (const std::string& name : body_names) options.bodies[name] = pl::TaskBody{};
+        return pl::hstu_schedule(options);
+      },
+      nb::arg("cascade"), nb::arg("prefetch"), nb::arg("body_names"));
   m.def("hstu_task_names", [] {
     std::vector<std::string> names;
     for (std::string_view n : pl::hstu_task_names()) names.emplace_back(n);
@@ -385,23 +398,26 @@ void bind_thread_map(nb::module_& m) {
       .def_static("by_stream", &pl::ThreadMap::by_stream)
       .def_static("per_task", &pl::ThreadMap::per_task)
       .def_static("preset", [](const std::string& name) { return pl::ThreadMap::preset(name); })
-      .def_static("groups",
-                  [](const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
-                     const std::string& rest) { return pl::ThreadMap::groups(to_groups(groups), rest); },
-                  nb::arg("groups"), nb::arg("rest") = "")
-      .def_static("preset_names", [] {
-        std::vector<std::string> names;
-        for (std::string_view n : pl::ThreadMap::preset_names()) names.emplace_back(n);
-        return names;
-      })
+      .def_static(
+          "groups",
+          [](const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
+             const std::string& rest) { return pl::ThreadMap::groups(to_groups(groups), rest); },
+          nb::arg("groups"), nb::arg("rest") = "")
+      .def_static("preset_names",
+                  [] {
+                    std::vector<std::string> names;
+                    for (std::string_view n : pl::ThreadMap::preset_names()) names.emplace_back(n);
+                    return names;
+                  })
       .def_prop_ro("name", [](const pl::ThreadMap& t) { return t.name(); })
       .def_prop_ro("is_preset", &pl::ThreadMap::is_preset)
       .def_prop_ro("thread_groups", &thread_map_groups)
       .def_prop_ro("rest", [](const pl::ThreadMap& t) { return t.rest(); })
-      .def("assign", [](const pl::ThreadMap& t, const pl::Schedule& s) {
-        pl::CompiledSchedule compiled(s);
-        return thread_lists(t.assign(compiled), compiled);
-      })
+      .def("assign",
+           [](const pl::ThreadMap& t, const pl::Schedule& s) {
+             pl::CompiledSchedule compiled(s);
+             return thread_lists(t.assign(compiled), compiled);
+           })
       .def("__eq__", [](const pl::ThreadMap& a, const pl::ThreadMap& b) { return a == b; });
 
   nb::class_<pl::ScheduleConfig>(m, "ScheduleConfig", "weft::pipeline::ScheduleConfig")
@@ -410,15 +426,21 @@ void bind_thread_map(nb::module_& m) {
       .def("to_json", &pl::ScheduleConfig::to_json)
       .def("apply", &pl::ScheduleConfig::apply)
       .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
-      .def_prop_ro("lookahead", [](const pl::ScheduleConfig& c) { return std::vector<std::pair<std::string, int>>(c.lookahead.begin(), c.lookahead.end()); })
-      .def_prop_ro("same_progress_sync", [](const pl::ScheduleConfig& c) {
-        std::vector<std::tuple<std::string, std::string, std::string>> out;
-        for (const pl::SyncEdgeConfig& e : c.same_progress_sync) {
-          out.emplace_back(e.producer, e.consumer, std::string(pl::to_string(e.side)));
-        }
-        return out;
-      })
-      .def("__eq__", [](const pl::ScheduleConfig& a, const pl::ScheduleConfig& b) { return a == b; });
+      .def_prop_ro("lookahead",
+                   [](const pl::ScheduleConfig& c) {
+                     return std::vector<std::pair<std::string, int>>(c.lookahead.begin(),
+                                                                     c.lookahead.end());
+                   })
+      .def_prop_ro("same_progress_sync",
+                   [](const pl::ScheduleConfig& c) {
+                     std::vector<std::tuple<std::string, std::string, std::string>> out;
+                     for (const pl::SyncEdgeConfig& e : c.same_progress_sync) {
+                       out.emplace_back(e.producer, e.consumer, std::string(pl::to_string(e.side)));
+                     }
+                     return out;
+                   })
+      .def("__eq__",
+           [](const pl::ScheduleConfig& a, const pl::ScheduleConfig& b) { return a == b; });
 }
 
 void bind_trace(nb::module_& m) {
@@ -435,7 +457,8 @@ void bind_trace(nb::module_& m) {
   nb::class_<pl::WaitRecord>(m, "WaitRecord")
       .def_ro("producer", &pl::WaitRecord::producer)
       .def_ro("consumer", &pl::WaitRecord::consumer)
-      .def_prop_ro("rule", [](const pl::WaitRecord& w) { return std::string(pl::to_string(w.rule)); })
+      .def_prop_ro("rule",
+                   [](const pl::WaitRecord& w) { return std::string(pl::to_string(w.rule)); })
       .def_ro("iteration", &pl::WaitRecord::iteration)
       .def_ro("begin_us", &pl::WaitRecord::begin_us)
       .def_ro("end_us", &pl::WaitRecord::end_us);
@@ -460,18 +483,20 @@ void bind_trace(nb::module_& m) {
 
 void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine", "weft::pipeline::Engine driven from Python")
-      .def("__init__",
-           [](PyEngine* self, const pl::Schedule& schedule, const pl::ThreadMap& threads,
-              const std::string& backend, int device, bool trace, double stall_report_s,
-              double spin_us, const std::string& result_slot) {
-             pl::EngineOptions options;
-             options.trace = trace;
-             options.stall_report_s = stall_report_s;
-             options.spin_us = spin_us;
-             new (self) PyEngine(schedule, threads, backend, device, std::move(options), result_slot);
-           },
-           nb::arg("schedule"), nb::arg("threads"), nb::arg("backend"), nb::arg("device"),
-           nb::arg("trace"), nb::arg("stall_report_s"), nb::arg("spin_us"), nb::arg("result_slot"))
+      .def(
+          "__init__",
+          [](PyEngine* self, const pl::Schedule& schedule, const pl::ThreadMap& threads,
+             const std::string& backend, int device, bool trace, double stall_report_s,
+             double spin_us, const std::string& result_slot) {
+            pl::EngineOptions options;
+            options.trace = trace;
+            options.stall_report_s = stall_report_s;
+            options.spin_us = spin_us;
+            new (self)
+                PyEngine(schedule, threads, backend, device, std::move(options), result_slot);
+          },
+          nb::arg("schedule"), nb::arg("threads"), nb::arg("backend"), nb::arg("device"),
+          nb::arg("trace"), nb::arg("stall_report_s"), nb::arg("spin_us"), nb::arg("result_slot"))
       .def("progress", &PyEngine::progress, nb::arg("data_iter"))
       .def("reset", &PyEngine::reset)
       .def("synchronize", &PyEngine::synchronize)
@@ -479,14 +504,14 @@ void bind_engine(nb::module_& m) {
       .def_prop_ro("failed", [](PyEngine& e) { return e.engine().failed(); })
       .def_prop_ro("num_in_flight", [](PyEngine& e) { return e.engine().num_in_flight(); })
       .def_prop_ro("backend", [](PyEngine& e) { return std::string(e.engine().backend().name()); })
-      .def("threads", [](PyEngine& e) {
-        return thread_lists(e.engine().threads(), e.engine().schedule());
-      })
-      .def("stream_handle", [](PyEngine& e, const std::string& stream) {
-        const auto id = e.engine().schedule().find_stream(stream);
-        WEFT_CHECK(id.has_value(), "engine: no stream '", stream, "' in the schedule");
-        return reinterpret_cast<std::uintptr_t>(e.engine().backend().stream_handle(*id));
-      })
+      .def("threads",
+           [](PyEngine& e) { return thread_lists(e.engine().threads(), e.engine().schedule()); })
+      .def("stream_handle",
+           [](PyEngine& e, const std::string& stream) {
+             const auto id = e.engine().schedule().find_stream(stream);
+             WEFT_CHECK(id.has_value(), "engine: no stream '", stream, "' in the schedule");
+             return reinterpret_cast<std::uintptr_t>(e.engine().backend().stream_handle(*id));
+           })
       .def("take_trace", [](PyEngine& e) { return e.engine().take_trace(); })
       .def("collective_inventory", [](PyEngine& e) {
         nb::list out;

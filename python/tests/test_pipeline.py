@@ -263,7 +263,8 @@ def test_collective_inventory_from_record_collective():
         with pytest.raises(weft.Error, match="not marked collective"):
             ctx.record_collective("AllGather", "default", 8)
 
-    s = Schedule([Task.from_fn("grads", allreduce, collective=[CollectiveOp("AllReduce", "default", 2048, 2)]),
+    inventory = [CollectiveOp("AllReduce", "default", 2048, 2)]
+    s = Schedule([Task.from_fn("grads", allreduce, collective=inventory),
                   Task.from_fn("other", not_collective)])
     e = Engine(s, "per_task")
     drain(e, range(3))

@@ -106,7 +106,8 @@ class Engine:
 
     @property
     def threads(self) -> Dict[str, List[str]]:
-        """Engine thread -> its tasks in run order ({} under the legacy map: the caller's thread)."""
+        """Engine thread -> its tasks in run order (under the legacy map one entry, "main": the
+        caller's thread)."""
         return dict(self._engine.threads())
 
     @property

@@ -129,9 +129,10 @@ class Schedule:
                 t["name"], bodies.get(t["name"]), stream=t["stream"], lookahead=t["lookahead"],
                 reads=t["reads"], writes=t["writes"], depends_on=t["depends_on"],
                 cross_iter_depends_on=[tuple(e) for e in t["cross_iter_depends_on"]],
-                same_progress_sync=[(p, _SIDES_BY_NAME[side]) for p, side in t["same_progress_sync"]],
-                collective=[CollectiveOp(*op) for op in t["inventory"]] if t["collective"] and t["inventory"]
-                else t["collective"]))
+                same_progress_sync=[(p, _SIDES_BY_NAME[side])
+                                    for p, side in t["same_progress_sync"]],
+                collective=([CollectiveOp(*op) for op in t["inventory"]]
+                            if t["collective"] and t["inventory"] else t["collective"])))
         return s
 
     def _update_from_native(self, native) -> None:

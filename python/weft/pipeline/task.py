@@ -91,7 +91,8 @@ def _cross_iter(value) -> Tuple[Tuple[str, int], ...]:
     for v in value:
         if isinstance(v, str):
             out.append((v, -1))
-        elif isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int):
+        elif (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+              and isinstance(v[1], int)):
             if v[1] >= 0:
                 raise ValueError(f"cross_iter_depends_on={v!r}: the offset must be negative")
             out.append((v[0], v[1]))
@@ -123,7 +124,8 @@ def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
             out.append((name, _side(v.get("sides", v.get("side", SyncSide.BOTH)),
                                     f"same_progress_sync[{name}]")))
         else:
-            raise TypeError(f"same_progress_sync entries are names, (name, side) or mappings, got {v!r}")
+            raise TypeError("same_progress_sync entries are names, (name, side) or mappings, "
+                            f"got {v!r}")
     return tuple(out)
 
 

@@ -3,7 +3,7 @@
     ThreadMap.preset("full_split")                      # or just "full_split" where a map is taken
     ThreadMap.groups({"io": ["h2d"], "compute": ["forward", "backward"]})   # or that dict itself
     ThreadMap.groups({"io": ["h2d"]}, rest="compute")   # every other task on "compute"
-    ThreadMap.legacy()                                  # the sequential executor: the caller's thread
+    ThreadMap.legacy()                                  # the sequential executor (caller's thread)
 
 Presets: legacy, default (io / compute), by_stream, per_task, io_prefetch_compute,
 io_data_dist_compute, full_split (io / data_dist / prefetch / compute); they name the HSTU tasks
@@ -44,8 +44,8 @@ class ThreadMap:
 
     @classmethod
     def groups(cls, groups: Mapping[str, Iterable[str]], rest: Optional[str] = None) -> "ThreadMap":
-        return cls(_native.ThreadMap.groups([(thread, list(tasks)) for thread, tasks in groups.items()],
-                                            rest or ""))
+        pairs = [(thread, list(tasks)) for thread, tasks in groups.items()]
+        return cls(_native.ThreadMap.groups(pairs, rest or ""))
 
     @staticmethod
     def preset_names() -> List[str]:
@@ -60,7 +60,8 @@ class ThreadMap:
             return cls.preset(value)
         if isinstance(value, Mapping):
             return cls.groups(value)
-        raise TypeError(f"a thread map is a ThreadMap, a preset name or a dict, got {type(value).__name__}")
+        raise TypeError("a thread map is a ThreadMap, a preset name or a dict, got "
+                        f"{type(value).__name__}")
 
     @property
     def name(self) -> str:

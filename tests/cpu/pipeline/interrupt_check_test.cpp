@@ -21,9 +21,8 @@ struct Interrupted : std::runtime_error {
 Schedule slow_then_after(std::atomic<int>& num_after_runs) {
   Schedule s;
   s.add_stream("other").add_input("input");
-  s.add(Task("slow").reads("input").writes("x").body([](TaskContext&) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  }));
+  s.add(Task("slow").reads("input").writes("x").body(
+      [](TaskContext&) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }));
   s.add(Task("after").stream("other").reads("x").body([&](TaskContext&) { ++num_after_runs; }));
   return s;
 }
@@ -76,9 +75,8 @@ TEST(InterruptCheck, ABodyErrorBeforeTheCheckWins) {
   Schedule s;
   s.add_stream("other").add_input("input");
   s.add(Task("fails").writes("x").body([](TaskContext&) { throw std::logic_error("body"); }));
-  s.add(Task("slow").stream("other").body([](TaskContext&) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }));
+  s.add(Task("slow").stream("other").body(
+      [](TaskContext&) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }));
   EngineOptions options;
   options.interrupt_check = [] { throw Interrupted(); };
   Engine engine(std::move(s), ThreadMap::per_task(), options);
