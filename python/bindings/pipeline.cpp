@@ -179,29 +179,45 @@ std::vector<std::pair<std::string, std::vector<std::string>>> thread_lists(
   return out;
 }
 
-std::unique_ptr<pl::Backend> make_backend(const std::string& kind, int device) {
-  if (kind == "host") return std::make_unique<pl::HostBackend>();
+// Which backend an Engine runs on: "host", or "cuda" on `device` with the caller's streams
+// (handles as integers) for the schedule streams they name.
+struct BackendSpec {
+  std::string kind;
+  int device = 0;
+  std::vector<std::pair<std::string, std::uintptr_t>> adopted_streams;
+};
+
+std::unique_ptr<pl::Backend> make_backend(const BackendSpec& spec) {
+  if (spec.kind == "host") {
+    WEFT_CHECK(spec.adopted_streams.empty(), "pipeline: the host backend adopts no streams");
+    return std::make_unique<pl::HostBackend>();
+  }
 #ifdef WEFT_PYTHON_WITH_CUDA
-  if (kind == "cuda") return std::make_unique<pl::CudaBackend>(device);
+  if (spec.kind == "cuda") {
+    pl::AdoptedStreams adopted;
+    for (const auto& [name, handle] : spec.adopted_streams) {
+      adopted[name] = reinterpret_cast<cudaStream_t>(handle);
+    }
+    return std::make_unique<pl::CudaBackend>(spec.device, std::move(adopted));
+  }
 #else
-  (void)device;
-  WEFT_CHECK(kind != "cuda", "pipeline: the cuda backend needs a CUDA build of weft");
+  WEFT_CHECK(spec.kind != "cuda", "pipeline: the cuda backend needs a CUDA build of weft");
 #endif
-  WEFT_FAIL("pipeline: unknown backend '", kind, "' (host or cuda)");
+  WEFT_FAIL("pipeline: unknown backend '", spec.kind, "' (host or cuda)");
 }
 
 // The engine, its Python data source and the slot a step returns.
 class PyEngine {
  public:
-  PyEngine(const pl::Schedule& schedule, const pl::ThreadMap& threads, const std::string& backend,
-           int device, pl::EngineOptions options, std::string result_slot)
+  PyEngine(const pl::Schedule& schedule, const pl::ThreadMap& threads, const BackendSpec& backend,
+           pl::EngineOptions options, std::string result_slot)
       : result_slot_(std::move(result_slot)) {
     options.interrupt_check = [] {
       nb::gil_scoped_acquire gil;
       if (PyErr_CheckSignals() != 0) throw PythonException::fetch("progress() was interrupted");
     };
     nb::gil_scoped_release release;  // the inits run on the engine's threads
-    engine_ = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend, device),
+    engine_ = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend),
                                            std::move(options));
   }
   PyEngine(const PyEngine&) = delete;
@@ -486,17 +502,18 @@ void bind_engine(nb::module_& m) {
       .def(
           "__init__",
           [](PyEngine* self, const pl::Schedule& schedule, const pl::ThreadMap& threads,
-             const std::string& backend, int device, bool trace, double stall_report_s,
-             double spin_us, const std::string& result_slot) {
+             const std::string& backend, int device,
+             const std::vector<std::pair<std::string, std::uintptr_t>>& adopted_streams,
+             bool trace, double stall_report_s, double spin_us, const std::string& result_slot) {
             pl::EngineOptions options;
             options.trace = trace;
             options.stall_report_s = stall_report_s;
             options.spin_us = spin_us;
-            new (self)
-                PyEngine(schedule, threads, backend, device, std::move(options), result_slot);
+            new (self) PyEngine(schedule, threads, BackendSpec{backend, device, adopted_streams},
+                                std::move(options), result_slot);
           },
           nb::arg("schedule"), nb::arg("threads"), nb::arg("backend"), nb::arg("device"),
-          nb::arg("trace"), nb::arg("stall_report_s"), nb::arg("spin_us"), nb::arg("result_slot"))
+          nb::arg("adopted_streams"), nb::arg("trace"), nb::arg("stall_report_s"), nb::arg("spin_us"), nb::arg("result_slot"))
       .def("progress", &PyEngine::progress, nb::arg("data_iter"))
       .def("reset", &PyEngine::reset)
       .def("synchronize", &PyEngine::synchronize)

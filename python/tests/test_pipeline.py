@@ -293,3 +293,8 @@ def test_torch_backend_without_a_gpu_says_so():
         pytest.skip("a GPU is here: test_pipeline_gpu.py covers the torch backend")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         Engine(two_stage(), "legacy", backend="torch")
+
+
+def test_adopted_streams_need_the_torch_backend():
+    with pytest.raises(ValueError, match="streams= needs backend='torch'"):
+        Engine(two_stage(), "legacy", streams={"memcpy": object()})

@@ -83,3 +83,23 @@ def test_torch_events_order_with_the_engines():
     ])
     results = drain(Engine(s, "per_task", backend="torch"), range(3))
     assert all(r.item() == float(sum(range(1 << 16))) for r in results)
+
+
+def test_the_engine_adopts_the_callers_torch_streams():
+    import torch
+
+    mine = torch.cuda.Stream()
+    seen = []
+
+    def body(ctx):
+        seen.append(torch.cuda.current_stream() == mine)
+        ctx.set("step_result", torch.ones(4, device="cuda").sum())
+
+    s = Schedule([Task.from_fn("t", body, stream="mine", reads=["batch_cpu"],
+                               writes=["step_result"])])
+    engine = Engine(s, "per_task", backend="torch", streams={"mine": mine})
+    assert engine.stream_handle("mine") == mine.cuda_stream
+    assert [r.item() for r in drain(engine, range(3))] == [4.0] * 3
+    assert seen == [True] * 3
+    engine.close()
+    mine.synchronize()  # still a valid stream after the engine is gone

@@ -50,32 +50,37 @@ class Engine:
     stall_report_s: a progress() that runs this long prints, once, where each thread is (0: off).
     spin_us: how long a waiting engine thread spins before it sleeps (negative: the engine picks).
     result: the slot whose value progress() returns.
+    streams: ("torch") schedule stream name -> a torch.cuda.Stream of the caller's that the engine
+    uses for it instead of making one (kept alive by the Engine; its priority is its own).
     """
 
     def __init__(self, schedule: Schedule,
                  thread_map: Union[ThreadMap, str, Dict[str, List[str]]] = "default", *,
                  backend: str = "host", device: Optional[int] = None, trace: bool = False,
                  stall_report_s: float = 60.0, spin_us: float = -1.0,
-                 result: str = "step_result") -> None:
+                 result: str = "step_result", streams: Optional[Dict[str, Any]] = None) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"Engine takes a weft.pipeline.Schedule, got {type(schedule).__name__}")
         self._schedule = schedule
         self._thread_map = ThreadMap.of(thread_map)
         wrap = None
         native_backend = backend
+        adopted = []
         if backend == "torch":
             from .torch_streams import TorchStreams
             self._torch = TorchStreams(device)
+            adopted = self._torch.adopt(streams or {})
             wrap = self._torch.wrap
             native_backend, device = "cuda", self._torch.device_index
         elif backend != "host":
             raise ValueError(f"unknown backend {backend!r} (host or torch)")
+        elif streams:
+            raise ValueError("streams= needs backend='torch'")
         # The bodies, which the C++ engine borrows; an attribute the garbage collector sees.
         self._callables: list = []
         self._engine = _weft.pipeline.Engine(
             schedule._to_native(wrap=wrap, keep=self._callables), self._thread_map._native,
-            native_backend,
-            0 if device is None else int(device), bool(trace), float(stall_report_s),
+            native_backend, 0 if device is None else int(device), adopted, bool(trace), float(stall_report_s),
             float(spin_us), result)
 
     def progress(self, data_iter: Iterator) -> Any:

@@ -1,7 +1,8 @@
 """The "torch" backend's Python side: each engine stream as a torch stream, current in the body.
 
 weft's CUDA backend makes the streams (one non-blocking CUDA stream per schedule stream, with
-its priority) and the events that order them. Each body runs with
+its priority; or the caller's torch streams, Engine(streams=...)) and the events that order
+them. Each body runs with
 
  - its task's stream as torch's current stream: a ``torch.cuda.ExternalStream`` over the
    engine's ``cudaStream_t``, so the kernels torch launches in the body land on it, and a
@@ -33,6 +34,18 @@ class TorchStreams:
         self._grad_enabled = torch.is_grad_enabled()
         self._autocast_enabled = torch.is_autocast_enabled("cuda")
         self._autocast_dtype = torch.get_autocast_dtype("cuda")
+
+    def adopt(self, streams) -> list:
+        """(name, handle) pairs for the engine; the given torch streams stay current as themselves."""
+        self._adopted = dict(streams)  # the Engine's CUDA backend borrows their handles
+        out = []
+        for name, stream in self._adopted.items():
+            if stream.device.index != self.device_index:
+                raise ValueError(f"stream {name!r} is on {stream.device}, the engine on "
+                                 f"cuda:{self.device_index}")
+            self._streams[stream.cuda_stream] = stream
+            out.append((name, stream.cuda_stream))
+        return out
 
     def stream(self, handle: int):
         """The torch stream over an engine stream's cudaStream_t."""
