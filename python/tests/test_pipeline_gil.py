@@ -19,9 +19,7 @@ def test_bodies_that_sleep_run_in_parallel():
                   for i in range(4)])
     engine = Engine(s, "per_task")
     start = time.monotonic()
-    with pytest.raises(StopIteration):
-        engine.progress(iter([0]))
-        engine.progress(iter([]))
+    engine.progress(iter([0]))
     # Four 0.3 s sleeps on four threads: about 0.3 s, not 1.2 s.
     assert time.monotonic() - start < 0.9
 
