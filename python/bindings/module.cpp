@@ -22,6 +22,7 @@ namespace nb = nanobind;
 
 namespace weft::python {
 void bind_ep(nb::module_& ep);
+void bind_pipeline(nb::module_& pipeline);
 }
 
 namespace {
@@ -74,6 +75,8 @@ NB_MODULE(_weft, m) {
   m.def("device_bytes", &weft::python::device_bytes_capsule, nb::arg("data"),
         nb::arg("num_bytes"), nb::arg("device"), nb::arg("owner"),
         "A DLPack capsule of num_bytes bytes of device memory at data, kept alive by owner.");
+  nb::module_ pipeline = m.def_submodule("pipeline", "weft::pipeline's engine with Python bodies");
+  weft::python::bind_pipeline(pipeline);
   nb::module_ ep = m.def_submodule("ep", "weft::ep (needs a CUDA build)");
 #ifdef WEFT_PYTHON_WITH_CUDA
   weft::python::bind_ep(ep);

@@ -16,3 +16,14 @@ def num_gpus() -> int:
 
 def needs_gpus(n: int):
     return pytest.mark.skipif(num_gpus() < n, reason=f"needs {n} GPU(s), found {num_gpus()}")
+
+
+def drain(engine, data):
+    """Every result of a weft.pipeline Engine over data, until StopIteration."""
+    it = iter(data)
+    out = []
+    while True:
+        try:
+            out.append(engine.progress(it))
+        except StopIteration:
+            return out

@@ -18,3 +18,12 @@ def test_ep_moe_layer_example_runs():
                          capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "combine max |error|" in run.stdout
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_basic_example_runs_on_cpu():
+    pytest.importorskip("torch")
+    run = subprocess.run([sys.executable, str(EXAMPLES / "pipeline_basic.py")],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "200 steps, loss" in run.stdout

@@ -10,11 +10,14 @@
 
 namespace weft::pipeline {
 
-CudaBackend::CudaBackend(int device) : device_(device) {}
+CudaBackend::CudaBackend(int device, AdoptedStreams adopted)
+    : device_(device), adopted_(std::move(adopted)) {}
 
 CudaBackend::CudaBackend(CudaBackend&& other) noexcept
     : device_(other.device_),
+      adopted_(std::move(other.adopted_)),
       streams_(std::move(other.streams_)),
+      owned_(std::move(other.owned_)),
       priorities_(std::move(other.priorities_)),
       events_(std::move(other.events_)),
       in_flight_(other.in_flight_),
@@ -55,8 +58,11 @@ void CudaBackend::release() noexcept {
   }
   for (cudaEvent_t e : free_fence_events_) cudaEventDestroy(e);
   if (reference_ != nullptr) cudaEventDestroy(reference_);
-  for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+  for (std::size_t s = 0; s < streams_.size(); ++s) {
+    if (owned_[s]) cudaStreamDestroy(streams_[s]);
+  }
   streams_.clear();
+  owned_.clear();
   events_.clear();
   spans_.clear();
   free_timing_events_.clear();
@@ -72,13 +78,27 @@ void CudaBackend::bind(const CompiledSchedule& schedule) {
   int least = 0;
   int greatest = 0;
   WEFT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  for (const auto& [name, stream] : adopted_) {
+    WEFT_CHECK(schedule.find_stream(name).has_value(), "CudaBackend: adopts stream '", name,
+               "', which the schedule does not declare");
+  }
   try {
     for (StreamId s = 0; s < schedule.num_streams(); ++s) {
+      const auto adopted = adopted_.find(schedule.stream(s).name);
+      if (adopted != adopted_.end()) {
+        int priority = 0;
+        WEFT_CUDA_CHECK(cudaStreamGetPriority(adopted->second, &priority));
+        streams_.push_back(adopted->second);
+        owned_.push_back(false);
+        priorities_.push_back(priority);
+        continue;
+      }
       // CUDA: smaller numbers are more urgent, greatest <= least.
       const int priority = std::clamp(least - schedule.stream(s).priority, greatest, least);
       cudaStream_t stream = nullptr;
       WEFT_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority));
       streams_.push_back(stream);
+      owned_.push_back(true);
       priorities_.push_back(priority);
     }
     in_flight_ = static_cast<std::uint32_t>(schedule.in_flight());

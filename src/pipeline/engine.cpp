@@ -210,12 +210,25 @@ void EngineCore::start_workers() {
 void EngineCore::wait_for_workers() {
   const auto start = std::chrono::steady_clock::now();
   bool reported = options_.stall_report_s <= 0;
+  // Once the hook has thrown, the step is aborted: no second check.
+  bool checking = options_.interrupt_check != nullptr;
+  auto next_check = start + kInterruptCheckInterval;
   std::uint32_t r;
   while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
     wait_for_change(remaining_, r, spin_ns_);
+    if (reported && !checking) continue;
+    const auto now = std::chrono::steady_clock::now();
+    if (checking && now >= next_check) {
+      next_check = now + kInterruptCheckInterval;
+      try {
+        options_.interrupt_check();
+      } catch (...) {
+        checking = false;
+        fail(std::current_exception());
+      }
+    }
     if (reported) continue;
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds = std::chrono::duration<double>(now - start).count();
     if (seconds >= options_.stall_report_s) {
       report_stall(seconds);
       reported = true;

@@ -1,6 +1,7 @@
 // weft::pipeline::CudaBackend: the engine's streams and events on one CUDA device (weft::cuda).
 //
-// bind() creates one non-blocking stream per schedule stream, with priority mapped onto the
+// bind() creates one non-blocking stream per schedule stream (or adopts the caller's, see
+// AdoptedStreams), with priority mapped onto the
 // device's range (schedule priority 0 = the device's default, each +1 one step more urgent,
 // clamped at the device's greatest), and one event per task per ring slot (timing disabled),
 // created once and reused for as long as the backend lives. record() is cudaEventRecord on the
@@ -17,8 +18,10 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "weft/pipeline/backend.hpp"
@@ -27,9 +30,15 @@ namespace weft::pipeline {
 
 class TaskContext;
 
+// Adopted streams: schedule stream name -> a stream of the caller's on `device` (e.g. a torch
+// stream's handle). bind() uses an adopted stream instead of creating one (its priority is the
+// stream's own) and the backend never destroys it; the caller keeps it alive for as long as the
+// engine lives. Naming a stream the schedule lacks is a weft::Error at bind().
+using AdoptedStreams = std::map<std::string, cudaStream_t, std::less<>>;
+
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device = 0);
+  explicit CudaBackend(int device = 0, AdoptedStreams adopted = {});
   CudaBackend(CudaBackend&&) noexcept;
   CudaBackend& operator=(CudaBackend&&) = delete;
   // Synchronizes the streams, then destroys events and streams (errors are not thrown here).
@@ -75,7 +84,9 @@ class CudaBackend final : public Backend {
   void release() noexcept;
 
   int device_;
+  AdoptedStreams adopted_;
   std::vector<cudaStream_t> streams_;
+  std::vector<bool> owned_;  // by StreamId: created here (destroyed by release())
   std::vector<int> priorities_;
   std::vector<cudaEvent_t> events_;  // [task * in_flight + ring_slot]
   std::uint32_t in_flight_ = 0;

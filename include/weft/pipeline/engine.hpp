@@ -27,6 +27,7 @@
 // the communicator unusable; abort it (ncclCommAbort) before resetting.
 #pragma once
 
+#include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <functional>
@@ -66,7 +67,17 @@ struct EngineOptions {
   // It counts this engine's threads only: several ranks (or engines) sharing the CPUs, e.g.
   // under `mpirun --bind-to none`, may still oversubscribe them; set it explicitly there.
   double spin_us = -1;
+  // Called on the caller's thread while a threaded progress() (or the constructor, running the
+  // inits) waits for its threads, once the wait has lasted kInterruptCheckInterval and then at
+  // most once per interval; never while the sequential executor runs a body. A hook that throws
+  // aborts the step with its error, as a failing body does: waiting threads wake, tasks not
+  // yet started are skipped, bodies already running finish, and progress() rethrows it (or the
+  // error of a body that failed first). A binding checks for its runtime's interrupts here (the
+  // Python package: Ctrl-C).
+  std::function<void()> interrupt_check;
 };
+
+inline constexpr std::chrono::milliseconds kInterruptCheckInterval{20};
 
 // CPUs this process may run on: its affinity mask (the machine's count where that is unknown).
 std::size_t usable_cpus() noexcept;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "weft/cuda/check.hpp"
@@ -272,6 +273,60 @@ TEST(CudaBackendTest, SlotValuesFromAStreamOrderedAllocatorOutliveTheirReaders) 
     engine.synchronize();
     EXPECT_EQ(num_steps, kNumBatches);
     EXPECT_EQ(num_wrong.read()[0], 0);
+  }
+}
+
+// The caller's streams serve the schedule streams they are given for: bodies get them, work on
+// them is ordered by the engine's events, and they outlive the engine. Other streams are created.
+TEST(CudaBackendTest, AdoptsTheCallersStreamsAndLeavesThemAlive) {
+  WEFT_NEED_GPUS(1);
+  WEFT_CUDA_CHECK(cudaSetDevice(0));
+  cudaStream_t mine_default = nullptr;
+  cudaStream_t mine_side = nullptr;
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&mine_default, cudaStreamNonBlocking));
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&mine_side, cudaStreamNonBlocking));
+  DeviceInts cell(2);
+  {
+    Schedule s;
+    s.add_stream("side").add_stream("made");
+    // p writes on the side stream behind a 50 ms kernel; q copies it on the default stream.
+    s.add(Task("p").stream("side").writes("x").body([&](TaskContext& c) {
+      EXPECT_EQ(cuda_stream(c), mine_side);
+      spin_kernel<<<1, 1, 0, cuda_stream(c)>>>(50'000'000);
+      write_kernel<<<1, 1, 0, cuda_stream(c)>>>(cell.get(), 7);
+    }));
+    s.add(Task("q").reads("x").body([&](TaskContext& c) {
+      EXPECT_EQ(cuda_stream(c), mine_default);
+      copy_kernel<<<1, 1, 0, cuda_stream(c)>>>(cell.get(), cell.get() + 1);
+    }));
+    s.add(Task("r").stream("made").body([&](TaskContext& c) {
+      EXPECT_NE(cuda_stream(c), mine_default);
+      EXPECT_NE(cuda_stream(c), mine_side);
+    }));
+    Engine engine(std::move(s), ThreadMap::per_task(),
+                  CudaBackend(0, {{"default", mine_default}, {"side", mine_side}}));
+    engine.set_source([n = 0](Batch&) mutable { return n++ < 1; });
+    while (engine.progress()) {
+    }
+    engine.synchronize();
+    EXPECT_EQ(cell.read(), (std::vector<int>{7, 7}));
+  }
+  // Still valid streams after the engine (and its backend) are gone.
+  EXPECT_EQ(cudaStreamQuery(mine_default), cudaSuccess);
+  EXPECT_EQ(cudaStreamQuery(mine_side), cudaSuccess);
+  WEFT_CUDA_CHECK(cudaStreamDestroy(mine_default));
+  WEFT_CUDA_CHECK(cudaStreamDestroy(mine_side));
+}
+
+TEST(CudaBackendTest, AdoptingAStreamTheScheduleLacksIsAnError) {
+  WEFT_NEED_GPUS(1);
+  Schedule s;
+  s.add(Task("a"));
+  try {
+    Engine engine(std::move(s), ThreadMap::legacy(), CudaBackend(0, {{"ghost", nullptr}}));
+    ADD_FAILURE() << "no error";
+  } catch (const weft::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'ghost'"), std::string::npos) << e.what();
   }
 }
 

@@ -1,0 +1,560 @@
+// weft._weft.pipeline: weft::pipeline's engine with Python task bodies (the layer over it is
+// weft/pipeline/).
+//
+// The GIL: progress() releases it for the whole step; an engine thread takes it only to run a
+// body (and the caller's thread only to pull from the data iterator, to destroy slot values and,
+// every kInterruptCheckInterval of waiting, to check for Ctrl-C). Slot values are PyRefs, so
+// the engine may copy and destroy them on any thread. A Python exception raised in a
+// body travels through the engine as a PythonException and is raised again by progress(), the
+// same object with its traceback.
+#include "weft/pipeline/pipeline.hpp"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "python_ref.hpp"
+#include "weft/core/error.hpp"
+
+#ifdef WEFT_PYTHON_WITH_CUDA
+#include "weft/pipeline/cuda_backend.hpp"
+#endif
+
+namespace weft::python {
+
+namespace {
+
+namespace pl = weft::pipeline;
+
+// What a Python body receives: the engine's TaskContext while the body runs, nothing after (a
+// context kept past its body raises instead of touching freed memory). One per task, reused:
+// a task runs on one thread at a time.
+struct BodyContext {
+  pl::TaskContext* context = nullptr;
+
+  pl::TaskContext& get() const {
+    WEFT_CHECK(context != nullptr, "pipeline: a TaskContext used outside its task's body");
+    return *context;
+  }
+};
+
+// Runs `fn(ctx)` on an engine thread (or the caller's, for the sequential executor). `fn` is
+// borrowed: the Python Engine keeps every body alive for as long as the C++ engine lives, in an
+// attribute the garbage collector sees, so that a cycle through a body (a module-level engine
+// whose bodies are the module's functions) is collectable.
+pl::TaskBody python_body(nb::handle borrowed_fn, nb::handle ctx) {
+  return [fn = borrowed_fn, ctx = PyRef(ctx)](pl::TaskContext& context) {
+    ensure_python_thread_state();
+    nb::gil_scoped_acquire gil;
+    BodyContext* box = nb::inst_ptr<BodyContext>(ctx.handle());
+    box->context = &context;
+    PyObject* result = PyObject_CallOneArg(fn.ptr(), ctx.ptr());
+    box->context = nullptr;
+    if (result == nullptr) {
+      // A StopIteration leaving progress() would end the caller's loop as if the data had ended
+      // (PEP 479 makes generators turn it into a RuntimeError for the same reason).
+      if (PyErr_ExceptionMatches(PyExc_StopIteration)) {
+        const nb::python_error stop;
+        const std::string message =
+            "task '" + std::string(context.name()) + "' raised StopIteration";
+        const nb::object error =
+            nb::steal(PyObject_CallFunction(PyExc_RuntimeError, "s", message.c_str()));
+        PyException_SetCause(error.ptr(), stop.value().inc_ref().ptr());
+        PyErr_SetObject(PyExc_RuntimeError, error.ptr());
+      }
+      throw PythonException::fetch("task '" + std::string(context.name()) + "'");
+    }
+    Py_DECREF(result);
+  };
+}
+
+using CrossIter = std::pair<std::string, int>;
+using Sync = std::pair<std::string, std::string>;
+using Inventory = std::tuple<std::string, std::string, std::size_t, int>;
+
+void add_task(pl::Schedule& schedule, const std::string& name, const std::string& stream,
+              int lookahead, const std::vector<std::string>& reads,
+              const std::vector<std::string>& writes, const std::vector<std::string>& depends_on,
+              const std::vector<CrossIter>& cross_iter, const std::vector<Sync>& syncs,
+              bool collective, const std::vector<Inventory>& inventory, nb::handle body,
+              nb::handle init) {
+  pl::Task task(name);
+  task.stream(stream).lookahead(lookahead);
+  for (const auto& s : reads) task.reads(s);
+  for (const auto& s : writes) task.writes(s);
+  for (const auto& p : depends_on) task.depends_on(p);
+  for (const auto& [producer, offset] : cross_iter) task.cross_iter_depends_on(producer, offset);
+  for (const auto& [producer, side] : syncs) {
+    task.same_progress_sync(producer, pl::parse_sync_side(side));
+  }
+  if (collective) {
+    std::vector<pl::CollectiveOp> ops;
+    for (const auto& [kind, on_stream, num_bytes, count] : inventory) {
+      ops.push_back({kind, on_stream, num_bytes, count});
+    }
+    task.collective(std::move(ops));
+  }
+  if (!body.is_none() || !init.is_none()) {
+    const nb::object ctx = nb::cast(BodyContext{});
+    if (!body.is_none()) task.body(python_body(body, ctx));
+    if (!init.is_none()) task.init(python_body(init, ctx));
+  }
+  schedule.add(std::move(task));
+}
+
+// The schedule as plain values (bodies left out): for the Python layer's Schedule.
+nb::dict describe(const pl::Schedule& schedule) {
+  nb::list streams;
+  for (const pl::StreamSpec& s : schedule.streams())
+    streams.append(nb::make_tuple(s.name, s.priority));
+  nb::list tasks;
+  for (const pl::Task& t : schedule.tasks()) {
+    nb::dict d;
+    d["name"] = t.name();
+    d["stream"] = t.stream();
+    d["lookahead"] = t.lookahead();
+    d["reads"] = t.reads();
+    d["writes"] = t.writes();
+    d["depends_on"] = t.depends_on();
+    nb::list cross;
+    for (const pl::CrossIterEdge& e : t.cross_iter_depends_on()) {
+      cross.append(nb::make_tuple(e.producer, e.offset));
+    }
+    d["cross_iter_depends_on"] = cross;
+    nb::list syncs;
+    for (const pl::SyncEdge& e : t.same_progress_sync()) {
+      syncs.append(nb::make_tuple(e.producer, std::string(pl::to_string(e.side))));
+    }
+    d["same_progress_sync"] = syncs;
+    d["collective"] = t.is_collective();
+    nb::list inventory;
+    for (const pl::CollectiveOp& op : t.collectives()) {
+      inventory.append(nb::make_tuple(op.kind, op.stream, op.num_bytes, op.count));
+    }
+    d["inventory"] = inventory;
+    tasks.append(d);
+  }
+  nb::dict out;
+  out["streams"] = streams;
+  out["inputs"] = schedule.inputs();
+  out["tasks"] = tasks;
+  return out;
+}
+
+std::vector<pl::ThreadGroup> to_groups(
+    const std::vector<std::pair<std::string, std::vector<std::string>>>& groups) {
+  std::vector<pl::ThreadGroup> out;
+  for (const auto& [name, tasks] : groups) out.push_back({name, tasks});
+  return out;
+}
+
+nb::object thread_map_groups(const pl::ThreadMap& map) {
+  nb::list groups;
+  for (const pl::ThreadGroup& g : map.thread_groups())
+    groups.append(nb::make_tuple(g.name, g.tasks));
+  return groups;
+}
+
+// Each thread's name and its tasks' names, in run order.
+std::vector<std::pair<std::string, std::vector<std::string>>> thread_lists(
+    const pl::ThreadAssignment& threads, const pl::CompiledSchedule& schedule) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (std::size_t i = 0; i < threads.num_threads(); ++i) {
+    std::vector<std::string> tasks;
+    for (pl::TaskId id : threads.tasks_of_thread[i]) tasks.push_back(schedule.task(id).name());
+    out.emplace_back(threads.thread_names[i], std::move(tasks));
+  }
+  return out;
+}
+
+// Which backend an Engine runs on: "host", or "cuda" on `device` with the caller's streams
+// (handles as integers) for the schedule streams they name.
+struct BackendSpec {
+  std::string kind;
+  int device = 0;
+  std::vector<std::pair<std::string, std::uintptr_t>> adopted_streams;
+};
+
+std::unique_ptr<pl::Backend> make_backend(const BackendSpec& spec) {
+  if (spec.kind == "host") {
+    WEFT_CHECK(spec.adopted_streams.empty(), "pipeline: the host backend adopts no streams");
+    return std::make_unique<pl::HostBackend>();
+  }
+#ifdef WEFT_PYTHON_WITH_CUDA
+  if (spec.kind == "cuda") {
+    pl::AdoptedStreams adopted;
+    for (const auto& [name, handle] : spec.adopted_streams) {
+      adopted[name] = reinterpret_cast<cudaStream_t>(handle);
+    }
+    return std::make_unique<pl::CudaBackend>(spec.device, std::move(adopted));
+  }
+#else
+  WEFT_CHECK(spec.kind != "cuda", "pipeline: the cuda backend needs a CUDA build of weft");
+#endif
+  WEFT_FAIL("pipeline: unknown backend '", spec.kind, "' (host or cuda)");
+}
+
+// The engine, its Python data source and the slot a step returns.
+class PyEngine {
+ public:
+  PyEngine(const pl::Schedule& schedule, const pl::ThreadMap& threads, const BackendSpec& backend,
+           pl::EngineOptions options, std::string result_slot)
+      : result_slot_(std::move(result_slot)) {
+    options.interrupt_check = [] {
+      nb::gil_scoped_acquire gil;
+      if (PyErr_CheckSignals() != 0) throw PythonException::fetch("progress() was interrupted");
+    };
+    nb::gil_scoped_release release;  // the inits run on the engine's threads
+    engine_ = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend),
+                                           std::move(options));
+  }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
+  // Joining the threads lets each delete its Python thread state, which takes the GIL.
+  ~PyEngine() {
+    nb::gil_scoped_release release;
+    engine_.reset();
+  }
+
+  // TorchRec's progress(dataloader_iter): a new iterator object starts a new source.
+  nb::object progress(nb::handle iterator) {
+    if (!iterator.is(source_.handle())) set_source(iterator);
+    std::optional<pl::Step> step;
+    {
+      nb::gil_scoped_release release;
+      step = engine_->progress();
+    }
+    if (!step) throw nb::stop_iteration();
+    last_batch_index_ = step->batch_index();
+    if (!has_result_ || !step->batch().has(result_slot_)) return nb::none();
+    return nb::borrow(step->get<PyRef>(result_slot_).handle());
+  }
+
+  void reset() {
+    nb::gil_scoped_release release;
+    engine_->reset();
+  }
+  void synchronize() {
+    nb::gil_scoped_release release;
+    engine_->synchronize();
+  }
+  pl::Engine& engine() { return *engine_; }
+  std::int64_t last_batch_index() const noexcept { return last_batch_index_; }
+
+ private:
+  void set_source(nb::handle iterable) {
+    const nb::object iterator = nb::steal(PyObject_GetIter(iterable.ptr()));
+    if (!iterator.is_valid()) throw nb::python_error();
+    const pl::CompiledSchedule& schedule = engine_->schedule();
+    has_result_ = schedule.find_slot(result_slot_).has_value();
+    std::vector<std::string> inputs = schedule.source().inputs();
+    pl::Source source = [iterator = PyRef(iterator), inputs = std::move(inputs)](pl::Batch& batch) {
+      nb::gil_scoped_acquire gil;
+      const nb::object item = nb::steal(PyIter_Next(iterator.ptr()));
+      if (!item.is_valid()) {
+        if (PyErr_Occurred() != nullptr) throw PythonException::fetch("the data iterator");
+        return false;
+      }
+      if (inputs.size() == 1) {
+        batch.set(inputs[0], PyRef(item));
+        return true;
+      }
+      // Several inputs: each item maps input slot -> value.
+      for (const std::string& slot : inputs) {
+        const nb::object value =
+            nb::steal(PyObject_GetItem(item.ptr(), nb::str(slot.c_str()).ptr()));
+        if (!value.is_valid())
+          throw PythonException::fetch("the data iterator's item, input '" + slot + "'");
+        batch.set(slot, PyRef(value));
+      }
+      return true;
+    };
+    {
+      nb::gil_scoped_release release;
+      engine_->set_source(std::move(source));
+    }
+    // Kept as given, so that the next call with the same object continues this source.
+    source_ = PyRef(iterable);
+  }
+
+  std::unique_ptr<pl::Engine> engine_;
+  PyRef source_;
+  std::string result_slot_;
+  bool has_result_ = false;
+  std::int64_t last_batch_index_ = -1;
+};
+
+nb::object slot_value(const pl::TaskContext& c, const std::string& slot) {
+  return nb::borrow(c.get<PyRef>(slot).handle());
+}
+
+void bind_context(nb::module_& m) {
+  nb::class_<BodyContext>(m, "TaskContext",
+                          "What a task body sees while it runs: its batch's slots and its task.")
+      .def(
+          "get",
+          [](const BodyContext& b, const std::string& slot) { return slot_value(b.get(), slot); },
+          nb::arg("slot"), "The slot's value; the task must declare it in reads or writes.")
+      .def(
+          "set",
+          [](BodyContext& b, const std::string& slot, nb::handle value) {
+            b.get().set(slot, PyRef(value));
+          },
+          nb::arg("slot"), nb::arg("value").none(), "Sets a slot the task declares in writes.")
+      .def(
+          "has", [](BodyContext& b, const std::string& slot) { return b.get().batch().has(slot); },
+          nb::arg("slot"), "Whether the slot of this batch holds a value.")
+      .def_prop_ro("name", [](const BodyContext& b) { return std::string(b.get().name()); })
+      .def_prop_ro("lookahead", [](const BodyContext& b) { return b.get().lookahead(); })
+      .def_prop_ro("batch_index", [](const BodyContext& b) { return b.get().batch_index(); })
+      .def_prop_ro("iteration", [](const BodyContext& b) { return b.get().iteration(); })
+      .def_prop_ro("ticket", [](const BodyContext& b) { return b.get().ticket(); })
+      .def_prop_ro("thread_index", [](const BodyContext& b) { return b.get().thread_index(); })
+      .def_prop_ro("stream",
+                   [](const BodyContext& b) {
+                     const pl::TaskContext& c = b.get();
+                     return c.schedule().stream(c.stream_id()).name;
+                   })
+      .def_prop_ro("backend",
+                   [](const BodyContext& b) { return std::string(b.get().backend().name()); })
+      .def(
+          "stream_handle",
+          [](const BodyContext& b, std::optional<std::string> stream) {
+            const pl::TaskContext& c = b.get();
+            return reinterpret_cast<std::uintptr_t>(stream ? c.stream_handle(*stream)
+                                                           : c.stream_handle());
+          },
+          nb::arg("stream") = nb::none(),
+          "The backend's native stream (a cudaStream_t as an integer on the cuda backend).")
+      .def(
+          "record_collective",
+          [](BodyContext& b, const std::string& kind, const std::string& stream,
+             std::size_t num_bytes) { b.get().record_collective(kind, stream, num_bytes); },
+          nb::arg("kind"), nb::arg("stream"), nb::arg("num_bytes"),
+          "Records one collective the body enqueued (for Engine.collective_inventory()).");
+}
+
+void bind_schedule(nb::module_& m) {
+  nb::class_<pl::Schedule>(m, "Schedule",
+                           "weft::pipeline::Schedule (built by weft.pipeline.Schedule)")
+      .def(nb::init<>())
+      .def("add_stream", [](pl::Schedule& s, const std::string& name,
+                            int priority) { s.add_stream(name, priority); })
+      .def("add_input", [](pl::Schedule& s, const std::string& slot) { s.add_input(slot); })
+      .def("add_task", &add_task, nb::arg("name"), nb::arg("stream"), nb::arg("lookahead"),
+           nb::arg("reads"), nb::arg("writes"), nb::arg("depends_on"), nb::arg("cross_iter"),
+           nb::arg("same_progress_sync"), nb::arg("collective"), nb::arg("inventory"),
+           nb::arg("body").none(), nb::arg("init").none())
+      .def("describe", &describe)
+      .def(
+          "validate", [](const pl::Schedule& s) { pl::CompiledSchedule compiled(s); },
+          "Raises weft.Error naming the task and the rule broken.")
+      .def("run_order",
+           [](const pl::Schedule& s) {
+             pl::CompiledSchedule compiled(s);
+             std::vector<std::string> names;
+             for (pl::TaskId t : compiled.run_order()) names.push_back(compiled.task(t).name());
+             return names;
+           })
+      .def("wait_edges", [](const pl::Schedule& s, const pl::ThreadMap& map) {
+        pl::CompiledSchedule compiled(s);
+        const pl::ThreadAssignment threads = map.assign(compiled);
+        std::vector<std::string> lines;
+        for (const pl::WaitEdge& e : pl::cross_thread_waits(compiled, threads)) {
+          lines.push_back(pl::describe(e, compiled, threads));
+        }
+        return lines;
+      });
+
+  m.def(
+      "hstu_schedule",
+      [](const std::string& cascade, bool prefetch, const std::vector<std::string>& body_names) {
+        pl::HstuOptions options;
+        WEFT_CHECK(cascade == "d3" || cascade == "d6", "hstu_schedule: cascade '", cascade,
+                   "' is neither d3 nor d6");
+        options.cascade = cascade == "d3" ? pl::HstuCascade::kD3 : pl::HstuCascade::kD6;
+        options.prefetch = prefetch;
+        for (const std::string& name : body_names) options.bodies[name] = pl::TaskBody{};
+        return pl::hstu_schedule(options);
+      },
+      nb::arg("cascade"), nb::arg("prefetch"), nb::arg("body_names"));
+  m.def("hstu_task_names", [] {
+    std::vector<std::string> names;
+    for (std::string_view n : pl::hstu_task_names()) names.emplace_back(n);
+    return names;
+  });
+  m.def("hstu_variants", [] {
+    std::vector<std::tuple<std::string, std::string, std::string>> out;
+    for (const pl::HstuVariant& v : pl::hstu_variants()) {
+      out.emplace_back(v.name, std::string(pl::to_string(v.cascade)), v.thread_map);
+    }
+    return out;
+  });
+  m.def("hstu_variant", [](const std::string& name) {
+    const pl::HstuVariant& v = pl::hstu_variant(name);
+    return std::make_tuple(std::string(pl::to_string(v.cascade)), std::string(v.thread_map));
+  });
+}
+
+void bind_thread_map(nb::module_& m) {
+  nb::class_<pl::ThreadMap>(m, "ThreadMap", "weft::pipeline::ThreadMap")
+      .def_static("legacy", &pl::ThreadMap::legacy)
+      .def_static("by_stream", &pl::ThreadMap::by_stream)
+      .def_static("per_task", &pl::ThreadMap::per_task)
+      .def_static("preset", [](const std::string& name) { return pl::ThreadMap::preset(name); })
+      .def_static(
+          "groups",
+          [](const std::vector<std::pair<std::string, std::vector<std::string>>>& groups,
+             const std::string& rest) { return pl::ThreadMap::groups(to_groups(groups), rest); },
+          nb::arg("groups"), nb::arg("rest") = "")
+      .def_static("preset_names",
+                  [] {
+                    std::vector<std::string> names;
+                    for (std::string_view n : pl::ThreadMap::preset_names()) names.emplace_back(n);
+                    return names;
+                  })
+      .def_prop_ro("name", [](const pl::ThreadMap& t) { return t.name(); })
+      .def_prop_ro("is_preset", &pl::ThreadMap::is_preset)
+      .def_prop_ro("thread_groups", &thread_map_groups)
+      .def_prop_ro("rest", [](const pl::ThreadMap& t) { return t.rest(); })
+      .def("assign",
+           [](const pl::ThreadMap& t, const pl::Schedule& s) {
+             pl::CompiledSchedule compiled(s);
+             return thread_lists(t.assign(compiled), compiled);
+           })
+      .def("__eq__", [](const pl::ThreadMap& a, const pl::ThreadMap& b) { return a == b; });
+
+  nb::class_<pl::ScheduleConfig>(m, "ScheduleConfig", "weft::pipeline::ScheduleConfig")
+      .def_static("parse", [](const std::string& text) { return pl::ScheduleConfig::parse(text); })
+      .def_static("load", &pl::ScheduleConfig::load)
+      .def("to_json", &pl::ScheduleConfig::to_json)
+      .def("apply", &pl::ScheduleConfig::apply)
+      .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
+      .def_prop_ro("lookahead",
+                   [](const pl::ScheduleConfig& c) {
+                     return std::vector<std::pair<std::string, int>>(c.lookahead.begin(),
+                                                                     c.lookahead.end());
+                   })
+      .def_prop_ro("same_progress_sync",
+                   [](const pl::ScheduleConfig& c) {
+                     std::vector<std::tuple<std::string, std::string, std::string>> out;
+                     for (const pl::SyncEdgeConfig& e : c.same_progress_sync) {
+                       out.emplace_back(e.producer, e.consumer, std::string(pl::to_string(e.side)));
+                     }
+                     return out;
+                   })
+      .def("__eq__",
+           [](const pl::ScheduleConfig& a, const pl::ScheduleConfig& b) { return a == b; });
+}
+
+void bind_trace(nb::module_& m) {
+  nb::class_<pl::HostSpan>(m, "HostSpan")
+      .def_ro("task", &pl::HostSpan::task)
+      .def_ro("thread", &pl::HostSpan::thread)
+      .def_ro("batch", &pl::HostSpan::batch)
+      .def_ro("lookahead", &pl::HostSpan::lookahead)
+      .def_ro("iteration", &pl::HostSpan::iteration)
+      .def_ro("ticket", &pl::HostSpan::ticket)
+      .def_ro("begin_us", &pl::HostSpan::begin_us)
+      .def_ro("end_us", &pl::HostSpan::end_us)
+      .def_ro("failed", &pl::HostSpan::failed);
+  nb::class_<pl::WaitRecord>(m, "WaitRecord")
+      .def_ro("producer", &pl::WaitRecord::producer)
+      .def_ro("consumer", &pl::WaitRecord::consumer)
+      .def_prop_ro("rule",
+                   [](const pl::WaitRecord& w) { return std::string(pl::to_string(w.rule)); })
+      .def_ro("iteration", &pl::WaitRecord::iteration)
+      .def_ro("begin_us", &pl::WaitRecord::begin_us)
+      .def_ro("end_us", &pl::WaitRecord::end_us);
+  nb::class_<pl::GpuSpan>(m, "GpuSpan")
+      .def_ro("task", &pl::GpuSpan::task)
+      .def_ro("stream", &pl::GpuSpan::stream)
+      .def_ro("batch", &pl::GpuSpan::batch)
+      .def_ro("begin_us", &pl::GpuSpan::begin_us)
+      .def_ro("end_us", &pl::GpuSpan::end_us)
+      .def_ro("failed", &pl::GpuSpan::failed);
+  nb::class_<pl::Trace>(m, "Trace", "What an engine recorded while tracing (times in us).")
+      .def_ro("task_names", &pl::Trace::task_names)
+      .def_ro("thread_names", &pl::Trace::thread_names)
+      .def_ro("stream_names", &pl::Trace::stream_names)
+      .def_ro("host_spans", &pl::Trace::host_spans)
+      .def_ro("waits", &pl::Trace::waits)
+      .def_ro("gpu_spans", &pl::Trace::gpu_spans)
+      .def("to_chrome_json", &pl::Trace::to_chrome_json,
+           "Chrome trace-event JSON (open in ui.perfetto.dev).")
+      .def("write_chrome_json", &pl::Trace::write_chrome_json, nb::arg("path"));
+}
+
+void bind_engine(nb::module_& m) {
+  nb::class_<PyEngine>(m, "Engine", "weft::pipeline::Engine driven from Python")
+      .def(
+          "__init__",
+          [](PyEngine* self, const pl::Schedule& schedule, const pl::ThreadMap& threads,
+             const std::string& backend, int device,
+             const std::vector<std::pair<std::string, std::uintptr_t>>& adopted_streams,
+             bool trace, double stall_report_s, double spin_us, const std::string& result_slot) {
+            pl::EngineOptions options;
+            options.trace = trace;
+            options.stall_report_s = stall_report_s;
+            options.spin_us = spin_us;
+            new (self) PyEngine(schedule, threads, BackendSpec{backend, device, adopted_streams},
+                                std::move(options), result_slot);
+          },
+          nb::arg("schedule"), nb::arg("threads"), nb::arg("backend"), nb::arg("device"),
+          nb::arg("adopted_streams"), nb::arg("trace"), nb::arg("stall_report_s"), nb::arg("spin_us"), nb::arg("result_slot"))
+      .def("progress", &PyEngine::progress, nb::arg("data_iter"))
+      .def("reset", &PyEngine::reset)
+      .def("synchronize", &PyEngine::synchronize)
+      .def_prop_ro("last_batch_index", &PyEngine::last_batch_index)
+      .def_prop_ro("failed", [](PyEngine& e) { return e.engine().failed(); })
+      .def_prop_ro("num_in_flight", [](PyEngine& e) { return e.engine().num_in_flight(); })
+      .def_prop_ro("backend", [](PyEngine& e) { return std::string(e.engine().backend().name()); })
+      .def("threads",
+           [](PyEngine& e) { return thread_lists(e.engine().threads(), e.engine().schedule()); })
+      .def("stream_handle",
+           [](PyEngine& e, const std::string& stream) {
+             const auto id = e.engine().schedule().find_stream(stream);
+             WEFT_CHECK(id.has_value(), "engine: no stream '", stream, "' in the schedule");
+             return reinterpret_cast<std::uintptr_t>(e.engine().backend().stream_handle(*id));
+           })
+      .def("take_trace", [](PyEngine& e) { return e.engine().take_trace(); })
+      .def("collective_inventory", [](PyEngine& e) {
+        nb::list out;
+        for (const pl::MeasuredCollective& c : e.engine().collective_inventory()) {
+          nb::dict d;
+          d["task"] = c.task;
+          d["kind"] = c.kind;
+          d["stream"] = c.stream;
+          d["bytes_per_call"] = c.bytes_per_call;
+          d["calls_per_run"] = c.calls_per_run;
+          out.append(d);
+        }
+        return out;
+      });
+  m.def("usable_cpus", &pl::usable_cpus);
+}
+
+}  // namespace
+
+void bind_pipeline(nb::module_& m) {
+  register_python_exception_translator();
+  bind_context(m);
+  bind_schedule(m);
+  bind_thread_map(m);
+  bind_trace(m);
+  bind_engine(m);
+}
+
+}  // namespace weft::python

@@ -1,0 +1,33 @@
+"""weft.pipeline: weft's lookahead pipeline engine with Python task bodies.
+
+    from weft.pipeline import Engine, Schedule, Task
+
+    schedule = Schedule([
+        Task.from_fn("h2d", to_device, stream="memcpy", lookahead=1,
+                     reads=["batch_cpu"], writes=["batch"]),
+        Task.from_fn("train", train_step, reads=["batch"], writes=["step_result"]),
+    ])
+    engine = Engine(schedule, "per_task")
+    it = iter(loader)
+    while True:
+        try:
+            loss = engine.progress(it)
+        except StopIteration:
+            break
+
+docs/python.md ("weft.pipeline") describes the API; docs/pipeline.md the engine's semantics.
+"""
+
+from .._weft.pipeline import TaskContext, Trace
+from .config import ScheduleConfig
+from .engine import Engine
+from .hstu import HSTU_TASK_NAMES, HstuVariant, hstu_schedule, hstu_variant, hstu_variants
+from .schedule import Schedule
+from .task import CollectiveOp, SameProgressSyncSide, SyncSide, Task
+from .thread_map import ThreadMap
+
+__all__ = [
+    "CollectiveOp", "Engine", "HSTU_TASK_NAMES", "HstuVariant", "SameProgressSyncSide",
+    "Schedule", "ScheduleConfig", "SyncSide", "Task", "TaskContext", "ThreadMap", "Trace",
+    "hstu_schedule", "hstu_variant", "hstu_variants",
+]

@@ -1,0 +1,230 @@
+"""Tasks: one unit of a training step, declared as in the HSTU seed's engine.
+
+Two forms, the same fields::
+
+    h2d = Task.from_fn("h2d", copy_to_gpu, stream="memcpy", lookahead=1,
+                       reads=["batch_cpu"], writes=["batch_gpu"])
+
+    class Forward(Task):
+        name = "forward"
+        reads = ("batch_gpu",)
+        writes = ("loss",)
+        def init(self, ctx):          # once, on the task's engine thread, when the Engine is built
+            ...
+        def run(self, ctx):           # once per step in which the task is active
+            ctx.set("loss", model(ctx.get("batch_gpu")))
+
+Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``), ``lookahead``
+(``la >= 0``), ``reads`` / ``writes`` (slot names), ``depends_on`` (task names, same batch),
+``cross_iter_depends_on`` (``"X"`` = ``("X", -1)``, or ``("X", -N)``), ``same_progress_sync``
+(``"X"``, ``("X", SyncSide.GPU)``, ``{"task": "X", "sides": "cpu"}``; default side BOTH),
+``collective`` (True, or the inventory: ``CollectiveOp``\\ s or ``(kind, stream, num_bytes,
+count)`` tuples; ``nccl=True`` is the seed's spelling of ``collective=True``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
+
+__all__ = ["CollectiveOp", "SameProgressSyncSide", "SyncSide", "Task"]
+
+
+class SyncSide(enum.IntFlag):
+    """Where a same_progress_sync edge holds: CPU (the bodies are ordered), GPU (the streams'
+    work is ordered), BOTH."""
+
+    CPU = 1
+    GPU = 2
+    BOTH = 3
+
+
+SameProgressSyncSide = SyncSide  # the seed's name
+
+_SIDE_NAMES = {SyncSide.CPU: "cpu", SyncSide.GPU: "gpu", SyncSide.BOTH: "both"}
+_SIDES_BY_NAME = {v: k for k, v in _SIDE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective a task enqueues per run: the estimate the planner reads."""
+
+    kind: str
+    stream: str
+    num_bytes: int = 0
+    count: int = 1
+
+
+def _names(value: Union[None, str, Iterable[str]], field: str) -> Tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    out = tuple(value)
+    for v in out:
+        if not isinstance(v, str):
+            raise TypeError(f"{field} entries must be names (str), got {type(v).__name__}: {v!r}")
+    return out
+
+
+def _side(value: Any, field: str) -> SyncSide:
+    if isinstance(value, str):
+        if value.lower() not in _SIDES_BY_NAME:
+            raise ValueError(f"{field}: side {value!r} is none of cpu, gpu, both")
+        return _SIDES_BY_NAME[value.lower()]
+    try:
+        side = SyncSide(int(value))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{field}: side {value!r} is none of CPU, GPU, BOTH") from e
+    if side not in _SIDE_NAMES:
+        raise ValueError(f"{field}: side {value!r} is none of CPU, GPU, BOTH")
+    return side
+
+
+def _cross_iter(value) -> Tuple[Tuple[str, int], ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    out = []
+    for v in value:
+        if isinstance(v, str):
+            out.append((v, -1))
+        elif (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+              and isinstance(v[1], int)):
+            if v[1] >= 0:
+                raise ValueError(f"cross_iter_depends_on={v!r}: the offset must be negative")
+            out.append((v[0], v[1]))
+        else:
+            raise TypeError(f"cross_iter_depends_on entries are names or (name, -N), got {v!r}")
+    return tuple(out)
+
+
+def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, Mapping)) or (isinstance(value, tuple) and len(value) == 2
+                                             and isinstance(value[0], str)
+                                             and not isinstance(value[1], str)):
+        value = (value,)
+    out = []
+    for v in value:
+        if isinstance(v, str):
+            out.append((v, SyncSide.BOTH))
+        elif isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
+            out.append((v[0], _side(v[1], f"same_progress_sync[{v[0]}]")))
+        elif isinstance(v, Mapping):
+            unknown = set(v) - {"task", "name", "sides", "side"}
+            if unknown:
+                raise ValueError(f"same_progress_sync: unknown keys {sorted(unknown)}")
+            name = v.get("task", v.get("name"))
+            if not isinstance(name, str):
+                raise TypeError(f"same_progress_sync: {v!r} names no task")
+            out.append((name, _side(v.get("sides", v.get("side", SyncSide.BOTH)),
+                                    f"same_progress_sync[{name}]")))
+        else:
+            raise TypeError("same_progress_sync entries are names, (name, side) or mappings, "
+                            f"got {v!r}")
+    return tuple(out)
+
+
+def _collective(collective, nccl) -> Tuple[bool, Tuple[CollectiveOp, ...]]:
+    if nccl is not None and collective is not None and bool(nccl) != bool(collective):
+        raise ValueError("collective= and nccl= disagree (nccl is the seed's name for collective)")
+    value = collective if collective is not None else nccl
+    if value is None or value is False:
+        return False, ()
+    if value is True:
+        return True, ()
+    ops = []
+    for op in value:
+        ops.append(op if isinstance(op, CollectiveOp) else CollectiveOp(*op))
+    return True, tuple(ops)
+
+
+class Task:
+    """A unit of a training step: subclass it (``init`` / ``run``) or use ``Task.from_fn``."""
+
+    name: str = ""
+    stream: str = "default"
+    lookahead: int = 0
+    reads: Tuple[str, ...] = ()
+    writes: Tuple[str, ...] = ()
+    depends_on: Tuple[str, ...] = ()
+    cross_iter_depends_on: Tuple[Tuple[str, int], ...] = ()
+    same_progress_sync: Tuple[Tuple[str, SyncSide], ...] = ()
+    collective: Any = False
+    nccl: Optional[bool] = None
+
+    def __init__(self, name: Optional[str] = None, *, stream: Optional[str] = None,
+                 lookahead: Optional[int] = None, reads=None, writes=None, depends_on=None,
+                 cross_iter_depends_on=None, same_progress_sync=None, collective=None,
+                 nccl: Optional[bool] = None) -> None:
+        cls = type(self)
+        self.name = name if name is not None else cls.name
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("a Task needs a name (the name= argument or a class attribute)")
+        self.stream = stream if stream is not None else cls.stream
+        self.lookahead = int(lookahead if lookahead is not None else cls.lookahead)
+        self.reads = _names(reads if reads is not None else cls.reads, "reads")
+        self.writes = _names(writes if writes is not None else cls.writes, "writes")
+        self.depends_on = _names(depends_on if depends_on is not None else cls.depends_on,
+                                 "depends_on")
+        self.cross_iter_depends_on = _cross_iter(
+            cross_iter_depends_on if cross_iter_depends_on is not None
+            else cls.cross_iter_depends_on)
+        self.same_progress_sync = _syncs(
+            same_progress_sync if same_progress_sync is not None else cls.same_progress_sync)
+        if collective is None and nccl is None:
+            collective, nccl = cls.collective, cls.nccl
+        is_collective, inventory = _collective(collective, nccl)
+        self.collective = is_collective
+        self.inventory = inventory
+
+    def init(self, ctx) -> None:
+        """Runs once, on the task's engine thread, when the Engine is built."""
+
+    def run(self, ctx) -> None:
+        """Runs once per step in which the task is active; ``ctx`` is a TaskContext."""
+
+    @classmethod
+    def from_fn(cls, name: str, fn: Callable, *, init: Optional[Callable] = None,
+                **fields) -> "Task":
+        """A task whose body is ``fn(ctx)`` (and, if given, whose init is ``init(ctx)``)."""
+        return _FnTask(name, fn, init, **fields)
+
+    # What the engine calls: the callable itself where there is one, so that no Python frame
+    # sits between the engine and the body; None where the task does nothing.
+    def _body(self) -> Optional[Callable]:
+        return None if type(self).run is Task.run else self.run
+
+    def _init(self) -> Optional[Callable]:
+        return None if type(self).init is Task.init else self.init
+
+    def __repr__(self) -> str:
+        return (f"Task({self.name!r}, stream={self.stream!r}, lookahead={self.lookahead}, "
+                f"reads={list(self.reads)}, writes={list(self.writes)})")
+
+
+class _FnTask(Task):
+    def __init__(self, name, fn, init, **fields):
+        super().__init__(name, **fields)
+        if fn is not None and not callable(fn):
+            raise TypeError(f"task {name!r}: the body must be callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.init_fn = init
+
+    def run(self, ctx) -> None:
+        if self.fn is not None:
+            self.fn(ctx)
+
+    def init(self, ctx) -> None:
+        if self.init_fn is not None:
+            self.init_fn(ctx)
+
+    def _body(self):
+        return self.fn
+
+    def _init(self):
+        return self.init_fn

@@ -1,0 +1,71 @@
+"""The "torch" backend's Python side: each engine stream as a torch stream, current in the body.
+
+weft's CUDA backend makes the streams (one non-blocking CUDA stream per schedule stream, with
+its priority; or the caller's torch streams, Engine(streams=...)) and the events that order
+them. Each body runs with
+
+ - its task's stream as torch's current stream: a ``torch.cuda.ExternalStream`` over the
+   engine's ``cudaStream_t``, so the kernels torch launches in the body land on it, and a
+   ``torch.cuda.Event`` recorded there orders against the engine's events like any other work;
+ - the caller's device, grad mode and CUDA autocast state as they were when the Engine was
+   built (torch keeps them per thread; an engine thread would otherwise see torch's defaults).
+
+A tensor made on one stream and read on another is safe: the engine keeps a slot's value until
+a fence taken after its last reader has completed on every stream, so the caching allocator
+cannot hand its memory out early (docs/pipeline.md "slot value lifetime").
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+__all__ = ["TorchStreams"]
+
+
+class TorchStreams:
+    def __init__(self, device: Optional[int]) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='torch' needs a CUDA device (torch.cuda.is_available())")
+        self._torch = torch
+        self.device_index = torch.cuda.current_device() if device is None else int(device)
+        self._streams: Dict[int, object] = {}
+        self._grad_enabled = torch.is_grad_enabled()
+        self._autocast_enabled = torch.is_autocast_enabled("cuda")
+        self._autocast_dtype = torch.get_autocast_dtype("cuda")
+
+    def adopt(self, streams) -> list:
+        """(name, handle) pairs for the engine; the given torch streams stay current as themselves."""
+        self._adopted = dict(streams)  # the Engine's CUDA backend borrows their handles
+        out = []
+        for name, stream in self._adopted.items():
+            if stream.device.index != self.device_index:
+                raise ValueError(f"stream {name!r} is on {stream.device}, the engine on "
+                                 f"cuda:{self.device_index}")
+            self._streams[stream.cuda_stream] = stream
+            out.append((name, stream.cuda_stream))
+        return out
+
+    def stream(self, handle: int):
+        """The torch stream over an engine stream's cudaStream_t."""
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._torch.cuda.ExternalStream(handle, device=self.device_index)
+            self._streams[handle] = s
+        return s
+
+    def wrap(self, task, fn: Callable) -> Callable:
+        torch = self._torch
+        device, grad = self.device_index, self._grad_enabled
+        autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
+        stream_of = self.stream
+
+        def body(ctx):
+            with torch.cuda.device(device), torch.cuda.stream(stream_of(ctx.stream_handle())), \
+                    torch.set_grad_enabled(grad), \
+                    torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_enabled):
+                fn(ctx)
+
+        body.__name__ = getattr(fn, "__name__", task.name)
+        return body
