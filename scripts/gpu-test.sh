@@ -2,14 +2,19 @@
 # On the GPU machine: configure against the NCCL that the machine's PyTorch ships (the device API
 # needs the library and the headers to be the same version), build with all cores, run the
 # `gpu`-labelled tests, the engine's concurrency tests (a many-core machine exposes races that the
-# 2-core CI machine cannot), and the GPU benchmarks; keep full logs in OUT_DIR, print a summary last.
+# 2-core CI machine cannot), the GPU tests that fit one GPU under compute-sanitizer, and the GPU
+# benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
-#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-python] [--only REGEX]
-#                       [--bench-list FILE]
+#   scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python]
+#                       [--only REGEX] [--bench-list FILE]
 #
-# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, python-build.log, pytest.log,
-# bench.log, machine.txt, summary.txt, and bench-files.tar.gz (what the benchmarks wrote under the
-# build folder's bench-out/). The Python package is built by pip from this checkout against the
+# OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, sanitizer-memcheck.log,
+# sanitizer-racecheck.log, sanitizer-synccheck.log, python-build.log, pytest.log, bench.log,
+# machine.txt, summary.txt, and bench-files.tar.gz (what the benchmarks wrote under the build
+# folder's bench-out/). The sanitizer stage (not run with --only or --no-cpp-tests) runs the tests
+# of sanitize_tests below on GPU 0 alone under memcheck, racecheck and synccheck; any report, a
+# failed test, or a run past SANITIZER_TIMEOUT seconds (default 600, per tool and test program)
+# fails it. The Python package is built by pip from this checkout against the
 # machine's python3 (its torch) and the same NCCL, and its pytest suite runs on the GPUs present.
 # The benchmarks run are the lines of bench/gpu-benchmarks.txt, or of the --bench-list FILEs (one
 # or more; e.g. bench/gpu-sweeps.txt, the parameter sweeps behind the defaults): commands relative
@@ -18,10 +23,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-python] [--only REGEX] [--bench-list FILE]}
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--only REGEX] [--bench-list FILE]}
 shift
 run_bench=1
 run_cpp_tests=1
+run_sanitize=1
 run_python=1
 only=""
 bench_lists=()
@@ -29,6 +35,7 @@ while (($#)); do
   case "$1" in
     --no-bench) run_bench=0 ;;
     --no-cpp-tests) run_cpp_tests=0 ;;
+    --no-sanitize) run_sanitize=0 ;;
     --no-python) run_python=0 ;;
     --only) only=$2; shift ;;
     --bench-list) bench_lists+=("$2"); shift ;;
@@ -102,6 +109,69 @@ if ((run_cpp_tests)) && [[ -z "$only" ]]; then
   ctest --test-dir "$build_dir" -L cpu -R 'Pipeline|Engine|Stress|MultiRank|Failure|Wait|Step' \
     --output-on-failure --timeout 300 -j 4 >"$out/cpu-stress.log" 2>&1 || status=1
   note "engine tests on $(nproc) cores: $(grep -E 'tests passed' "$out/cpu-stress.log" | tail -1)"
+fi
+
+# The GPU tests under compute-sanitizer, each program on GPU 0 alone (the EP tests then run at one
+# rank; those that need a peer skip), one gtest filter per program. Left out: the long loops and
+# the largest shapes (thousands of back-to-back calls, 8192 tokens, the 2500-token random sweep;
+# smaller tests cover the same kernels in local and grid mode), tests that start processes of
+# their own (EpOneProcessPerGpu), and
+# CudaBackendTest.CrossStreamWaitIsOnTheProducersEventNotTheStream, which needs two kernels to run
+# at once while the sanitizer runs them one after the other.
+# A failed CUDA API call is not a report (--report-api-errors no): NCCL's initialisation fails some
+# on purpose and handles them, and weft checks every call it makes, so an unexpected one fails the
+# test instead.
+sanitize_tests=(
+  "weft_cuda_tests *"
+  "weft_pipeline_gpu_tests -CudaBackendTest.CrossStreamWaitIsOnTheProducersEventNotTheStream"
+  "weft_hstu_kernel_tests *"
+  "weft_ep_gpu_tests -*ThousandsOf*:*EightThousand*:*BackToBackPairs*:*RandomRouting*:EpOneProcess*"
+  "weft_ep_errors_gpu_tests *"
+  "weft_ep_feature_gpu_tests *"
+  "weft_ep_async_gpu_tests -*ThousandsOf*"
+  "weft_ep_expanded_gpu_tests -*ThousandsOf*"
+)
+sanitizer_report_status=86  # compute-sanitizer's exit status when it reported anything
+if ((run_cpp_tests && run_sanitize)) && [[ -z "$only" ]]; then
+  sanitizer=$(command -v compute-sanitizer ||
+              echo "$(dirname "$(command -v nvcc)")/compute-sanitizer")
+  if [[ ! -x "$sanitizer" ]]; then
+    note "FAIL: sanitizer: no compute-sanitizer next to nvcc"
+    status=1
+  else
+    for tool in memcheck racecheck synccheck; do
+      log="$out/sanitizer-$tool.log"
+      : >"$log"
+      failed=()
+      tool_start=$(date +%s)
+      for entry in "${sanitize_tests[@]}"; do
+        read -r program filter <<<"$entry"
+        binary=$(find "$build_dir/tests" -type f -name "$program" -perm -u+x | head -1)
+        if [[ -z "$binary" ]]; then
+          failed+=("$program (not built)")
+          continue
+        fi
+        echo "==== $tool: $program --gtest_filter=$filter" >>"$log"
+        CUDA_VISIBLE_DEVICES=0 timeout --kill-after=30 "${SANITIZER_TIMEOUT:-600}" \
+          "$sanitizer" --tool "$tool" --error-exitcode "$sanitizer_report_status" --print-limit 20 \
+          --report-api-errors no "$binary" --gtest_filter="$filter" </dev/null >>"$log" 2>&1
+        rc=$?
+        case $rc in
+          0) ;;
+          "$sanitizer_report_status") failed+=("$program (reports)") ;;
+          124 | 137) failed+=("$program (timed out)") ;;
+          *) failed+=("$program (exit $rc)") ;;
+        esac
+      done
+      seconds=$(( $(date +%s) - tool_start ))
+      if ((${#failed[@]})); then
+        note "sanitizer $tool: FAIL in $seconds s: ${failed[*]} (see sanitizer-$tool.log)"
+        status=1
+      else
+        note "sanitizer $tool: ok in $seconds s, ${#sanitize_tests[@]} programs, no report"
+      fi
+    done
+  fi
 fi
 
 if ((run_bench)); then

@@ -1,79 +1,85 @@
 #include "weft/pipeline/schedule_config.hpp"
 
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <sstream>
-
+#include "core/json_input.hpp"
 #include "weft/core/error.hpp"
 
 namespace weft::pipeline {
 
 namespace {
 
-using json = nlohmann::ordered_json;
+using json = json_input::Json;
+using json_input::excerpt;
+using json_input::member_path;
+using json_input::only_keys;
+using json_input::short_text;
 
-std::string type_name(const json& v) { return v.type_name(); }
+// Schedule configs are a few lines; anything this large is not one.
+constexpr std::size_t kMaxConfigFileBytes = std::size_t(1) << 20;
+// A ring of more batches than this is a mistake, not a tuning.
+constexpr int kMaxLookahead = 1'000'000;
 
-void check_keys(const json& object, const std::string& path,
-                std::initializer_list<std::string_view> allowed) {
-  for (const auto& [key, value] : object.items()) {
-    bool ok = false;
-    for (auto a : allowed) ok = ok || a == key;
-    if (ok) continue;
-    std::string list;
-    for (auto a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
-    WEFT_FAIL(path, ".", key, ": unknown key (expected one of: ", list, ")");
-  }
-}
-
-const std::string& expect_string(const json& v, const std::string& path, const char* what) {
-  WEFT_CHECK(v.is_string(), path, ": expected ", what, " (a string), got ", type_name(v));
+const std::string& name_at(const json& v, const std::string& path, const char* what) {
+  WEFT_CHECK(v.is_string(), path, ": expected ", what, " (a string), got ", excerpt(v));
   return v.get_ref<const std::string&>();
 }
 
 ThreadMap parse_thread_map(const json& v, const std::string& path) {
   if (v.is_string()) {
+    // A long name, cut, is still no preset, and the error then quotes it short.
     try {
-      return ThreadMap::preset(v.get<std::string>());
+      return ThreadMap::preset(short_text(v.get<std::string>()));
     } catch (const Error& e) {
       WEFT_FAIL(path, ": ", e.message());
     }
   }
-  WEFT_CHECK(v.is_object(), path, ": expected a preset name or an object, got ", type_name(v));
-  check_keys(v, path, {"groups", "rest"});
+  WEFT_CHECK(v.is_object(), path, ": expected a preset name or an object, got ", excerpt(v));
+  only_keys(v, path, {"groups", "rest"});
   WEFT_CHECK(v.contains("groups"), path, ": an explicit thread map needs \"groups\"");
   const json& groups = v.at("groups");
   const std::string groups_path = path + ".groups";
-  WEFT_CHECK(groups.is_object(), groups_path,
-             ": expected an object {thread: [task, ...]}, got ", type_name(groups));
+  WEFT_CHECK(groups.is_object(), groups_path, ": expected an object {thread: [task, ...]}, got ",
+             excerpt(groups));
   std::vector<ThreadGroup> out;
   for (const auto& [thread, tasks] : groups.items()) {
-    const std::string thread_path = groups_path + "." + thread;
+    const std::string thread_path = member_path(groups_path, thread);
     WEFT_CHECK(tasks.is_array(), thread_path, ": expected an array of task names, got ",
-               type_name(tasks));
+               excerpt(tasks));
     ThreadGroup group{thread, {}};
     for (std::size_t i = 0; i < tasks.size(); ++i) {
       group.tasks.push_back(
-          expect_string(tasks[i], thread_path + "[" + std::to_string(i) + "]", "a task name"));
+          name_at(tasks[i], thread_path + "[" + std::to_string(i) + "]", "a task name"));
     }
     out.push_back(std::move(group));
   }
   std::string rest;
-  if (v.contains("rest")) rest = expect_string(v.at("rest"), path + ".rest", "a thread name");
+  if (v.contains("rest")) rest = name_at(v.at("rest"), path + ".rest", "a thread name");
   return ThreadMap::groups(std::move(out), std::move(rest));
+}
+
+SyncEdgeConfig parse_sync_edge(const json& e, const std::string& path) {
+  only_keys(e, path, {"producer", "consumer", "side"});
+  WEFT_CHECK(e.contains("producer") && e.contains("consumer"), path,
+             ": needs \"producer\" and \"consumer\"");
+  SyncEdgeConfig edge;
+  edge.producer = name_at(e.at("producer"), path + ".producer", "a task name");
+  edge.consumer = name_at(e.at("consumer"), path + ".consumer", "a task name");
+  if (e.contains("side")) {
+    // As for presets: a long name, cut, is still no side.
+    const std::string side = short_text(name_at(e.at("side"), path + ".side", "cpu|gpu|both"));
+    try {
+      edge.side = parse_sync_side(side);
+    } catch (const Error& error) {
+      WEFT_FAIL(path, ".side: ", error.message());
+    }
+  }
+  return edge;
 }
 
 }  // namespace
 
 ScheduleConfig ScheduleConfig::parse(std::string_view json_text) {
-  json root;
-  try {
-    root = json::parse(json_text.begin(), json_text.end());
-  } catch (const json::parse_error& e) {
-    WEFT_FAIL("$: not valid JSON: ", e.what());
-  }
-  WEFT_CHECK(root.is_object(), "$: expected an object, got ", type_name(root));
-  check_keys(root, "$", {"thread_map", "lookahead", "same_progress_sync"});
+  const json root = json_input::parse_json(json_text);
+  only_keys(root, "$", {"thread_map", "lookahead", "same_progress_sync"});
   ScheduleConfig config;
   if (root.contains("thread_map")) {
     config.thread_map = parse_thread_map(root.at("thread_map"), "$.thread_map");
@@ -81,52 +87,28 @@ ScheduleConfig ScheduleConfig::parse(std::string_view json_text) {
   if (root.contains("lookahead")) {
     const json& la = root.at("lookahead");
     WEFT_CHECK(la.is_object(), "$.lookahead: expected an object {task: lookahead}, got ",
-               type_name(la));
+               excerpt(la));
     for (const auto& [task, value] : la.items()) {
-      const bool ok = value.is_number_integer() && value.get<long long>() >= 0 &&
-                      value.get<long long>() <= 1'000'000;
-      WEFT_CHECK(ok, "$.lookahead.", task, ": expected an integer >= 0, got ", value.dump());
-      config.lookahead[task] = value.get<int>();
+      config.lookahead[task] =
+          json_input::integer_in(value, member_path("$.lookahead", task), 0, kMaxLookahead);
     }
   }
   if (root.contains("same_progress_sync")) {
     const json& edges = root.at("same_progress_sync");
-    WEFT_CHECK(edges.is_array(), "$.same_progress_sync: expected an array, got ",
-               type_name(edges));
+    WEFT_CHECK(edges.is_array(), "$.same_progress_sync: expected an array, got ", excerpt(edges));
     for (std::size_t i = 0; i < edges.size(); ++i) {
-      const std::string path = "$.same_progress_sync[" + std::to_string(i) + "]";
-      const json& e = edges[i];
-      WEFT_CHECK(e.is_object(), path, ": expected an object, got ", type_name(e));
-      check_keys(e, path, {"producer", "consumer", "side"});
-      WEFT_CHECK(e.contains("producer") && e.contains("consumer"), path,
-                 ": needs \"producer\" and \"consumer\"");
-      SyncEdgeConfig edge;
-      edge.producer = expect_string(e.at("producer"), path + ".producer", "a task name");
-      edge.consumer = expect_string(e.at("consumer"), path + ".consumer", "a task name");
-      if (e.contains("side")) {
-        const std::string side = expect_string(e.at("side"), path + ".side", "cpu|gpu|both");
-        try {
-          edge.side = parse_sync_side(side);
-        } catch (const Error& error) {
-          WEFT_FAIL(path, ".side: ", error.message());
-        }
-      }
-      config.same_progress_sync.push_back(std::move(edge));
+      config.same_progress_sync.push_back(
+          parse_sync_edge(edges[i], "$.same_progress_sync[" + std::to_string(i) + "]"));
     }
   }
   return config;
 }
 
 ScheduleConfig ScheduleConfig::load(const std::string& path) {
-  std::ifstream in(path);
-  WEFT_CHECK(in.good(), "schedule config: cannot open '", path, "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  try {
-    return parse(text.str());
-  } catch (const Error& e) {
-    WEFT_FAIL(path, ": ", e.message());
-  }
+  ScheduleConfig config =
+      json_input::load_json_file(path, "schedule config", kMaxConfigFileBytes, parse);
+  config.source = path;
+  return config;
 }
 
 std::string ScheduleConfig::to_json() const {
@@ -146,7 +128,8 @@ std::string ScheduleConfig::to_json() const {
   if (!same_progress_sync.empty()) {
     json edges = json::array();
     for (const SyncEdgeConfig& e : same_progress_sync) {
-      edges.push_back({{"producer", e.producer}, {"consumer", e.consumer},
+      edges.push_back({{"producer", e.producer},
+                       {"consumer", e.consumer},
                        {"side", std::string(to_string(e.side))}});
     }
     root["same_progress_sync"] = std::move(edges);
@@ -155,20 +138,27 @@ std::string ScheduleConfig::to_json() const {
 }
 
 void ScheduleConfig::apply(Schedule& schedule) const {
+  const std::string file = source.empty() ? "" : source + ": ";
+  auto check_task = [&](const std::string& task, const std::string& path) {
+    WEFT_CHECK(schedule.has_task(task), file, path, ": the schedule has no task '",
+               short_text(task), "'");
+  };
   for (const auto& [task, la] : lookahead) {
-    WEFT_CHECK(schedule.has_task(task), "$.lookahead.", task, ": the schedule has no task '",
-               task, "'");
+    check_task(task, member_path("$.lookahead", task));
     schedule.task(task).lookahead(la);
   }
   for (std::size_t i = 0; i < same_progress_sync.size(); ++i) {
     const SyncEdgeConfig& e = same_progress_sync[i];
     const std::string path = "$.same_progress_sync[" + std::to_string(i) + "]";
-    WEFT_CHECK(schedule.has_task(e.consumer), path, ".consumer: the schedule has no task '",
-               e.consumer, "'");
-    WEFT_CHECK(schedule.has_task(e.producer), path, ".producer: the schedule has no task '",
-               e.producer, "'");
+    check_task(e.consumer, path + ".consumer");
+    check_task(e.producer, path + ".producer");
     schedule.task(e.consumer).set_same_progress_sync(e.producer, e.side);
   }
+}
+
+bool ScheduleConfig::operator==(const ScheduleConfig& other) const {
+  return thread_map == other.thread_map && lookahead == other.lookahead &&
+         same_progress_sync == other.same_progress_sync;
 }
 
 }  // namespace weft::pipeline

@@ -2,20 +2,20 @@
 
 #include <nlohmann/json.hpp>
 
-#include "json_input.hpp"
+#include "core/json_input.hpp"
 #include "weft/core/error.hpp"
 
 namespace weft::plan {
 namespace {
 
-using json = detail::Json;
-using detail::only_keys;
+using json = json_input::Json;
+using json_input::only_keys;
 
 // Cost files are small; anything this large is not one.
 constexpr std::size_t kMaxCostFileBytes = std::size_t(16) << 20;
 
 double cost_at(const json& value, const std::string& path) {
-  const double x = detail::number_at(value, path);
+  const double x = json_input::number_at(value, path);
   WEFT_CHECK(x >= 0, path, ": expected a cost >= 0, got ", x);
   WEFT_CHECK(x <= CostModel::kMaxCostUs, path, ": expected a cost <= ", CostModel::kMaxCostUs,
              " us, got ", x);
@@ -25,7 +25,7 @@ double cost_at(const json& value, const std::string& path) {
 }  // namespace
 
 CostModel CostModel::parse(std::string_view json_text) {
-  const json root = detail::parse_json(json_text);
+  const json root = json_input::parse_json(json_text);
   only_keys(root, "$", {"default_host_us", "tasks"});
   CostModel model;
   if (root.contains("default_host_us")) {
@@ -46,7 +46,7 @@ CostModel CostModel::parse(std::string_view json_text) {
           const std::string seg_path = path + ".gpu[" + std::to_string(i) + "]";
           only_keys(gpu[i], seg_path, {"stream", "us"});
           WEFT_CHECK(gpu[i].contains("stream"), seg_path, ".stream: missing");
-          std::string stream = detail::string_at(gpu[i]["stream"], seg_path + ".stream");
+          std::string stream = json_input::string_at(gpu[i]["stream"], seg_path + ".stream");
           WEFT_CHECK(!stream.empty(), seg_path, ".stream: expected a stream name");
           WEFT_CHECK(gpu[i].contains("us"), seg_path, ".us: missing");
           cost.gpu.push_back({std::move(stream), cost_at(gpu[i]["us"], seg_path + ".us")});
@@ -59,7 +59,7 @@ CostModel CostModel::parse(std::string_view json_text) {
 }
 
 CostModel CostModel::load(const std::string& path) {
-  return detail::load_json_file(path, "cost file", kMaxCostFileBytes, parse);
+  return json_input::load_json_file(path, "cost file", kMaxCostFileBytes, parse);
 }
 
 std::string CostModel::to_json() const {

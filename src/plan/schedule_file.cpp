@@ -2,7 +2,7 @@
 
 #include <cstdint>
 
-#include "json_input.hpp"
+#include "core/json_input.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/schedule_config.hpp"
@@ -10,21 +10,21 @@
 namespace weft::plan {
 namespace {
 
-using json = detail::Json;
-using detail::int_at;
-using detail::only_keys;
+using json = json_input::Json;
+using json_input::int_at;
+using json_input::only_keys;
 
 // Schedule files are small; anything this large is not one.
 constexpr std::size_t kMaxScheduleFileBytes = std::size_t(16) << 20;
 
 std::string name_at(const json& value, const std::string& path) {
   WEFT_CHECK(value.is_string() && !value.get<std::string>().empty(), path,
-             ": expected a non-empty string, got ", detail::excerpt(value));
+             ": expected a non-empty string, got ", json_input::excerpt(value));
   return value.get<std::string>();
 }
 
 std::vector<std::string> names_at(const json& value, const std::string& path) {
-  WEFT_CHECK(value.is_array(), path, ": expected an array of names, got ", detail::excerpt(value));
+  WEFT_CHECK(value.is_array(), path, ": expected an array of names, got ", json_input::excerpt(value));
   std::vector<std::string> out;
   for (std::size_t i = 0; i < value.size(); ++i) {
     out.push_back(name_at(value[i], path + "[" + std::to_string(i) + "]"));
@@ -111,7 +111,7 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
         op.stream = c[i].contains("stream") ? name_at(c[i]["stream"], p + ".stream")
                                             : task.stream();
         if (c[i].contains("bytes")) {
-          op.num_bytes = detail::integer_at<std::size_t>(c[i]["bytes"], p + ".bytes");
+          op.num_bytes = json_input::integer_at<std::size_t>(c[i]["bytes"], p + ".bytes");
         }
         if (c[i].contains("count")) {
           op.count = int_at(c[i]["count"], p + ".count");
@@ -128,7 +128,7 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
 }  // namespace
 
 ScheduleFile ScheduleFile::parse(std::string_view json_text) {
-  const json root = detail::parse_json(json_text);
+  const json root = json_input::parse_json(json_text);
   only_keys(root, "$", {"streams", "inputs", "tasks", "thread_maps", "costs"});
   ScheduleFile file;
   if (root.contains("streams")) {
@@ -207,7 +207,7 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
 }
 
 ScheduleFile ScheduleFile::load(const std::string& path) {
-  return detail::load_json_file(path, "schedule file", kMaxScheduleFileBytes, parse);
+  return json_input::load_json_file(path, "schedule file", kMaxScheduleFileBytes, parse);
 }
 
 }  // namespace weft::plan

@@ -7,13 +7,13 @@
 #include <set>
 #include <utility>
 
-#include "json_input.hpp"
+#include "core/json_input.hpp"
 #include "weft/core/error.hpp"
 
 namespace weft::plan {
 namespace {
 
-using json = detail::Json;
+using json = json_input::Json;
 
 // A long run's trace is tens of MiB; the limit keeps a wrong file from exhausting memory.
 constexpr std::size_t kMaxTraceFileBytes = std::size_t(256) << 20;
@@ -52,26 +52,26 @@ auto field_or(const json& object, const char* key, const std::string& path,
 Event read_event(const json& e, std::size_t index) {
   Event out;
   out.path = "traceEvents[" + std::to_string(index) + "]";
-  WEFT_CHECK(e.is_object(), out.path, ": expected an object, got ", detail::excerpt(e));
+  WEFT_CHECK(e.is_object(), out.path, ": expected an object, got ", json_input::excerpt(e));
   const auto& p = out.path;
-  out.ph = field_or(e, "ph", p, std::string(), detail::string_at);
-  out.name = field_or(e, "name", p, std::string(), detail::string_at);
-  out.pid = field_or(e, "pid", p, -1, detail::int_at);
-  out.tid = field_or(e, "tid", p, 0, detail::int_at);
-  out.ts = field_or(e, "ts", p, 0.0, detail::number_at);
-  out.dur = field_or(e, "dur", p, 0.0, detail::number_at);
-  out.id = field_or(e, "id", p, -1LL, detail::integer_at<long long>);
+  out.ph = field_or(e, "ph", p, std::string(), json_input::string_at);
+  out.name = field_or(e, "name", p, std::string(), json_input::string_at);
+  out.pid = field_or(e, "pid", p, -1, json_input::int_at);
+  out.tid = field_or(e, "tid", p, 0, json_input::int_at);
+  out.ts = field_or(e, "ts", p, 0.0, json_input::number_at);
+  out.dur = field_or(e, "dur", p, 0.0, json_input::number_at);
+  out.id = field_or(e, "id", p, -1LL, json_input::integer_at<long long>);
   const auto args = e.find("args");
   if (args != e.end()) {
     const std::string a = p + ".args";
-    WEFT_CHECK(args->is_object(), a, ": expected an object, got ", detail::excerpt(*args));
-    out.args_name = field_or(*args, "name", a, std::string(), detail::string_at);
-    out.batch = field_or(*args, "batch", a, -1LL, detail::integer_at<long long>);
+    WEFT_CHECK(args->is_object(), a, ": expected an object, got ", json_input::excerpt(*args));
+    out.args_name = field_or(*args, "name", a, std::string(), json_input::string_at);
+    out.batch = field_or(*args, "batch", a, -1LL, json_input::integer_at<long long>);
     if (args->contains("iteration")) {
-      out.iteration = detail::integer_at<long long>((*args)["iteration"], a + ".iteration");
+      out.iteration = json_input::integer_at<long long>((*args)["iteration"], a + ".iteration");
     }
-    out.lookahead = field_or(*args, "lookahead", a, 0, detail::int_at);
-    out.ticket = field_or(*args, "ticket", a, -1, detail::int_at);
+    out.lookahead = field_or(*args, "lookahead", a, 0, json_input::int_at);
+    out.ticket = field_or(*args, "ticket", a, -1, json_input::int_at);
   }
   return out;
 }
@@ -92,7 +92,7 @@ struct Span {
 VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   json root;
   try {
-    root = detail::parse_json(json_text);
+    root = json_input::parse_json(json_text);
   } catch (const Error& e) {
     WEFT_FAIL("trace: ", e.message());
   }
@@ -127,7 +127,7 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
     } else if (e.ph == "X" && (e.pid == host_pid || e.pid == gpu_pid)) {
       // Spans are grouped by iteration: without it every iteration would be drawn as one.
       WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", e.path, ": host span '",
-                 e.name.substr(0, detail::kMaxExcerptChars),
+                 e.name.substr(0, json_input::kMaxExcerptChars),
                  "' has no args.iteration (not a trace written by weft's engine)");
       (e.pid == host_pid ? host : gpu)
           .push_back({e.name, e.tid, e.ts, e.ts + e.dur, e.batch, e.iteration.value_or(-1),
@@ -233,7 +233,7 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
 }
 
 VariantReport read_chrome_trace(const std::string& path) {
-  auto report = detail::load_json_file(path, "trace", kMaxTraceFileBytes, [&](const std::string& text) {
+  auto report = json_input::load_json_file(path, "trace", kMaxTraceFileBytes, [&](const std::string& text) {
     return parse_chrome_trace(text, std::filesystem::path(path).stem().string());
   });
   report.source = "trace " + std::filesystem::path(path).filename().string();

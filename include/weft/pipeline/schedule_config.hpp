@@ -9,8 +9,11 @@
 //     ]
 //   }
 //
-// Every key is optional; unknown keys are errors. Errors are weft::Error whose message starts with
-// the JSON path of the offending value, e.g. "$.lookahead.h2d: expected an integer >= 0".
+// Every key is optional; unknown keys are errors; a lookahead is an integer in [0, 1000000].
+// Errors are weft::Error whose message starts with the file (for a config from load()) and the
+// JSON path of the offending value, e.g. "hstu.json: $.lookahead.h2d: expected an integer in
+// [0, 1000000], got -1", and quotes at most a short excerpt of it. load() reads at most 1 MiB and
+// refuses documents nested deeper than 64 levels, as parse() does.
 //
 //   auto config = ScheduleConfig::parse(read_file("hstu.json"));
 //   Schedule s = hstu_schedule();
@@ -40,16 +43,19 @@ struct ScheduleConfig {
   std::optional<ThreadMap> thread_map;
   std::map<std::string, int> lookahead;
   std::vector<SyncEdgeConfig> same_progress_sync;
+  // The file load() read, named in apply()'s errors; empty for a config from parse().
+  std::string source;
 
   static ScheduleConfig parse(std::string_view json_text);
   static ScheduleConfig load(const std::string& path);
   // Pretty-printed JSON that parse() reads back to an equal config.
   std::string to_json() const;
   // Overrides lookaheads and adds (or replaces) same_progress_sync edges. Throws weft::Error
-  // naming the config entry for a task the schedule lacks.
+  // naming the source and the config entry for a task the schedule lacks.
   void apply(Schedule& schedule) const;
 
-  bool operator==(const ScheduleConfig&) const = default;
+  // Equal when they tune a schedule alike; the source is not compared.
+  bool operator==(const ScheduleConfig& other) const;
 };
 
 }  // namespace weft::pipeline

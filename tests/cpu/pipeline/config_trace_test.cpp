@@ -67,7 +67,8 @@ TEST(ScheduleConfigTest, SchemaErrorsSayWhere) {
     ScheduleConfig::parse(R"({"same_progress_sync": [{"producer": "x", "consumer": "forward"}]})")
         .apply(s);
   }, {"$.same_progress_sync[0].producer", "'x'"});
-  expect_error([] { ScheduleConfig::load("/nonexistent/config.json"); }, {"cannot open"});
+  expect_error([] { ScheduleConfig::load("/nonexistent/config.json"); },
+               {"cannot read schedule config '/nonexistent/config.json'"});
 }
 
 TEST(TraceTest, SpansWaitsAndChromeJson) {

@@ -6,9 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
-#include "weft/core/error.hpp"
+#include "../support/file_input.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/plan/cost_model.hpp"
 #include "weft/plan/schedule_file.hpp"
@@ -20,33 +19,9 @@ using weft::pipeline::CompiledSchedule;
 using weft::plan::CostModel;
 using weft::plan::ScheduleFile;
 
-// The message of the weft::Error `run` throws, or "no error".
-template <typename Run>
-std::string error_of(Run&& run) {
-  try {
-    run();
-  } catch (const weft::Error& e) {
-    return e.message();
-  }
-  return "no error";
-}
-
-// A file in the temporary folder, removed at the end of the test.
-class TempFile {
- public:
-  TempFile(const std::string& name, const std::string& content)
-      : path_(std::filesystem::temp_directory_path() /
-              ("weft-file-input-" + std::to_string(::getpid()) + "-" + name)) {
-    std::ofstream(path_) << content;
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  std::string path() const { return path_.string(); }
-
- private:
-  std::filesystem::path path_;
-};
-
-std::string nested_arrays(int depth) { return std::string(std::size_t(depth), '[') + std::string(std::size_t(depth), ']'); }
+using weft::testing::error_of;
+using weft::testing::nested_arrays;
+using weft::testing::TempFile;
 
 TEST(FileInput, DeeplyNestedJsonIsRefusedWithAShortMessage) {
   const std::string deep = nested_arrays(70000);

@@ -1,6 +1,6 @@
-// Helpers shared by the planner's JSON readers (private to src/plan). Every error they raise is a
-// weft::Error whose message starts with the JSON path of the offending value ("$.tasks[0].name")
-// and quotes at most a short excerpt of it.
+// Helpers shared by weft's JSON readers (schedule configs, schedule, cost and trace files; private
+// to weft_core's sources). Every error they raise is a weft::Error whose message starts with the
+// JSON path of the offending value ("$.tasks[0].name") and quotes at most a short excerpt of it.
 //
 // Limits: a file is read up to its kind's byte limit (an endless file such as /dev/zero is an
 // error, not an ever-growing buffer); a document nested deeper than kMaxNestingDepth is refused
@@ -15,25 +15,35 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "weft/core/error.hpp"
 
-namespace weft::plan::detail {
+namespace weft::json_input {
 
 using Json = nlohmann::ordered_json;
 
-// Deeper than anything the planner's formats need (they nest five levels at most).
+// Deeper than anything weft's formats need (they nest five levels at most).
 constexpr int kMaxNestingDepth = 64;
 constexpr std::size_t kMaxExcerptChars = 40;
+
+// `text` for an error message: at most kMaxExcerptChars of it, "..." marking a cut.
+inline std::string short_text(std::string_view text) {
+  if (text.size() <= kMaxExcerptChars) return std::string(text);
+  return std::string(text.substr(0, kMaxExcerptChars)) + "...";
+}
 
 // A short description of `value` for an error message: scalars as written (long strings cut),
 // arrays and objects by their size.
 inline std::string excerpt(const Json& value) {
   if (value.is_array()) return "an array of " + std::to_string(value.size()) + " values";
   if (value.is_object()) return "an object of " + std::to_string(value.size()) + " keys";
-  std::string text = value.dump();
-  if (text.size() > kMaxExcerptChars) text = text.substr(0, kMaxExcerptChars) + "...";
-  return text;
+  return short_text(value.dump());
+}
+
+// The path of the member `key` of the object at `path`, a long key cut.
+inline std::string member_path(const std::string& path, std::string_view key) {
+  return path + "." + short_text(key);
 }
 
 inline Json parse_json(std::string_view text) {
@@ -59,7 +69,7 @@ inline void only_keys(const Json& object, const std::string& path,
   for (const auto& [key, _] : object.items()) {
     bool known = false;
     for (auto a : allowed) known = known || key == a;
-    WEFT_CHECK(known, path, ".", key.substr(0, kMaxExcerptChars), ": unknown key");
+    WEFT_CHECK(known, member_path(path, key), ": unknown key");
   }
 }
 
@@ -73,24 +83,29 @@ inline double number_at(const Json& value, const std::string& path) {
   return value.get<double>();
 }
 
-// An integer in [min, max]; values outside it are errors, never wrapped.
+// An integer in [min, max] (within Int's range); values outside it are errors, never wrapped.
 template <typename Int>
-Int integer_at(const Json& value, const std::string& path) {
-  constexpr auto min = std::numeric_limits<Int>::min();
-  constexpr auto max = std::numeric_limits<Int>::max();
+Int integer_in(const Json& value, const std::string& path, Int min, Int max) {
   WEFT_CHECK(value.is_number_integer(), path, ": expected an integer, got ", excerpt(value));
-  const bool in_range =
-      value.is_number_unsigned()
-          ? value.get<std::uint64_t>() <= std::uint64_t(max)
-          : value.get<std::int64_t>() >= std::int64_t(min) &&
-                (max >= std::numeric_limits<std::int64_t>::max() ||
-                 value.get<std::int64_t>() <= std::int64_t(max));
+  const auto within = [&](auto v) {
+    return std::cmp_greater_equal(v, min) && std::cmp_less_equal(v, max);
+  };
+  const bool in_range = value.is_number_unsigned() ? within(value.get<std::uint64_t>())
+                                                   : within(value.get<std::int64_t>());
   WEFT_CHECK(in_range, path, ": expected an integer in [", std::int64_t(min), ", ", max, "], got ",
              excerpt(value));
   return value.get<Int>();
 }
 
-inline int int_at(const Json& value, const std::string& path) { return integer_at<int>(value, path); }
+// Any value of Int.
+template <typename Int>
+Int integer_at(const Json& value, const std::string& path) {
+  return integer_in(value, path, std::numeric_limits<Int>::min(), std::numeric_limits<Int>::max());
+}
+
+inline int int_at(const Json& value, const std::string& path) {
+  return integer_at<int>(value, path);
+}
 
 // Reads `path` whole, refusing files longer than max_bytes; errors name the file.
 inline std::string read_text_file(const std::string& path, const char* what,
@@ -101,8 +116,8 @@ inline std::string read_text_file(const std::string& path, const char* what,
   char chunk[1 << 16];
   while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
     text.append(chunk, std::size_t(in.gcount()));
-    WEFT_CHECK(text.size() <= max_bytes, path, ": larger than ", max_bytes >> 20, " MiB, too large for a ",
-               what);
+    WEFT_CHECK(text.size() <= max_bytes, path, ": larger than ", max_bytes >> 20,
+               " MiB, too large for a ", what);
   }
   WEFT_CHECK(!in.bad(), "reading ", what, " '", path, "' failed");
   return text;
@@ -120,4 +135,4 @@ auto load_json_file(const std::string& path, const char* what, std::size_t max_b
   }
 }
 
-}  // namespace weft::plan::detail
+}  // namespace weft::json_input
