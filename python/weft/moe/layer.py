@@ -65,18 +65,22 @@ class MoELayer(torch.nn.Module):
         self.hidden, self.num_experts, self.top_k, self.ffn = hidden, num_experts, top_k, ffn
         self.dispatcher = dispatcher
         num_local = num_experts // dispatcher.num_ranks
-        g = torch.Generator().manual_seed(seed)
-        router = torch.randn((hidden, num_experts), generator=g) / math.sqrt(hidden)
-        # Every rank draws all experts with the same generator and keeps its own, so that a
-        # model at any number of ranks holds the same parameters.
-        w13 = torch.randn((num_experts, 2 * ffn, hidden), generator=g) / math.sqrt(hidden)
-        w2 = torch.randn((num_experts, hidden, ffn), generator=g) / math.sqrt(ffn)
         first = dispatcher.rank * num_local
-        self.router = torch.nn.Parameter(router.to(device=device, dtype=dtype))
-        self.w13 = torch.nn.Parameter(w13[first:first + num_local].to(device=device, dtype=dtype)
-                                      .contiguous())
-        self.w2 = torch.nn.Parameter(w2[first:first + num_local].to(device=device, dtype=dtype)
-                                     .contiguous())
+        device = torch.device("cpu" if device is None else device)
+
+        def draw(shape, fan_in, stream_seed):
+            # On the parameters' device (a DeepSeek-V3 layer holds 11G expert weights); each
+            # expert from its own seed, so that a model at any number of ranks holds the same.
+            g = torch.Generator(device=device).manual_seed(stream_seed)
+            return (torch.randn(shape, generator=g, device=device) / math.sqrt(fan_in)).to(dtype)
+
+        self.router = torch.nn.Parameter(draw((hidden, num_experts), hidden, seed * 100003))
+        self.w13 = torch.nn.Parameter(torch.stack(
+            [draw((2 * ffn, hidden), hidden, seed * 100003 + 1 + 2 * e)
+             for e in range(first, first + num_local)]))
+        self.w2 = torch.nn.Parameter(torch.stack(
+            [draw((hidden, ffn), ffn, seed * 100003 + 2 + 2 * e)
+             for e in range(first, first + num_local)]))
 
     def route(self, x) -> Tuple[torch.Tensor, torch.Tensor]:
         scores = (x @ self.router).float().softmax(dim=1)

@@ -20,11 +20,12 @@ class DenseBlock(torch.nn.Module):
 
     def __init__(self, hidden: int, device=None, dtype=torch.bfloat16, seed: int = 0) -> None:
         super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.w1 = torch.nn.Parameter((torch.randn((hidden, 2 * hidden), generator=g) /
-                                      math.sqrt(hidden)).to(device=device, dtype=dtype))
-        self.w2 = torch.nn.Parameter((torch.randn((2 * hidden, hidden), generator=g) /
-                                      math.sqrt(2 * hidden)).to(device=device, dtype=dtype))
+        device = torch.device("cpu" if device is None else device)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.w1 = torch.nn.Parameter((torch.randn((hidden, 2 * hidden), generator=g,
+                                                  device=device) / math.sqrt(hidden)).to(dtype))
+        self.w2 = torch.nn.Parameter((torch.randn((2 * hidden, hidden), generator=g,
+                                                  device=device) / math.sqrt(2 * hidden)).to(dtype))
 
     def forward(self, x):
         return x + torch.nn.functional.gelu(x @ self.w1) @ self.w2
