@@ -107,3 +107,12 @@ def test_buffer_refuses_what_weft_does_not_do():
         weft.ep.Buffer(None, 0, low_latency_mode=True)
     with pytest.raises(weft.Error, match="num_nvl_bytes"):
         weft.ep.Buffer(None, 0)
+
+
+def test_buffer_refuses_a_handle_that_is_not_its_own():
+    buf = weft.ep.Buffer(None, int(1e9))
+    x = torch.zeros((4, 128), dtype=torch.bfloat16)
+    with pytest.raises(weft.Error, match="handle must come from this Buffer's dispatch"):
+        buf.combine(x, object())
+    with pytest.raises(weft.Error, match="handle must come from this Buffer's dispatch"):
+        buf.dispatch(x, handle=(1, 2, 3))

@@ -382,14 +382,19 @@ class Buffer:
         handle.native = res.handle
         return res, packed
 
-    def _cached_dispatch(self, x, handle, config, previous_event, async_finish,
-                         allocate_on_comm_stream):
+    def _native_of(self, handle, what: str) -> NativeBuffer:
+        """The window a call with handle runs on; raises unless handle is this Buffer's."""
         if not isinstance(handle, Handle):
             raise Error(f"handle must come from this Buffer's dispatch, got "
                         f"{type(handle).__name__}")
-        native = self._live("dispatch")
+        native = self._live(what)
         if handle._buffer is not self:
             raise Error("handle comes from another Buffer")
+        return native
+
+    def _cached_dispatch(self, x, handle, config, previous_event, async_finish,
+                         allocate_on_comm_stream):
+        native = self._native_of(handle, "dispatch")
         current = native._enter(previous_event, async_finish, allocate_on_comm_stream)
         rows = handle.num_rows
         current_layout = native._holds_layout(handle.native)
@@ -419,12 +424,7 @@ class Buffer:
         """DeepEP's intranode combine (a sum, without weights): (combined_x [T, hidden] bf16,
         combined_topk_weights [T, K] fp32 or None, event)."""
         config = self.get_combine_config(self.group_size) if config is None else config
-        if not isinstance(handle, Handle):
-            raise Error(f"handle must come from this Buffer's dispatch, got "
-                        f"{type(handle).__name__}")
-        native = self._live("combine")
-        if handle._buffer is not self:
-            raise Error("handle comes from another Buffer")
+        native = self._native_of(handle, "combine")
         rows = handle.num_rows
         check_tensor("x", x, (torch.bfloat16,), native.device, (None, native.hidden))
         if x.shape[0] < rows:
