@@ -52,7 +52,8 @@ OutputFile::OutputFile(std::string path) : path_(std::move(path)) {
     target_ = fs::canonical(path_, ec).string();
     WEFT_CHECK(!ec, "cannot resolve '", path_, "': ", ec.message());
   } else {
-    target_ = fs::weakly_canonical(path_, ec).string();
+    // Absolute first: a bare name's weakly_canonical form has no folder to check.
+    target_ = fs::weakly_canonical(fs::absolute(path_, ec), ec).string();
     WEFT_CHECK(!ec, "cannot resolve '", path_, "': ", ec.message());
     const fs::path folder = fs::path(target_).parent_path();
     WEFT_CHECK(fs::is_directory(folder, ec), "cannot write '", path_, "': no folder '",

@@ -45,6 +45,16 @@ else
   fail "good schedule:"; cat "$work/ok.log"
 fi
 
+# A bare file name in the current folder (what scripts/demo.sh, the README's main job, passes),
+# and the default output name.
+if (cd "$work" && "$weft" plan -o bare.html --json bare.json >bare.log 2>&1 && "$weft" plan \
+      >default.log 2>&1) && [[ -s "$work/bare.html" && -s "$work/bare.json" && \
+      -s "$work/weft-plan.html" ]]; then
+  pass "a bare output name in the current folder"
+else
+  fail "a bare output name in the current folder:"; cat "$work/bare.log" "$work/default.log"
+fi
+
 # --json to a path that cannot be written: an error, and no HTML report either.
 if "$weft" plan --schedule "$data/schedule_ok.json" -o "$work/bad_json.html" \
      --json "$work/no/such/folder/x.json" >"$work/bad_json.log" 2>&1; then
