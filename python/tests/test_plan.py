@@ -57,6 +57,13 @@ def test_every_task_runs_once_and_threads_never_overlap(name):
     assert [p.task for p in v.placement] == hstu_schedule(cascade=v.cascade).run_order()
 
 
+def test_thread_maps_are_described_as_the_report_draws_them():
+    assert plan.simulate("full_split_d6").thread_map == "io / data_dist / prefetch / compute (4)"
+    assert plan.simulate("legacy_none").thread_map == "- (legacy, one thread)"
+    assert plan.simulate("per_task_d3").thread_map == f"per_task ({len(HSTU_TASK_NAMES)})"
+    assert plan.simulate(two_threads(), "by_stream").thread_map == "by_stream (2)"
+
+
 def test_legacy_never_waits_and_per_task_backward_waits_for_forward():
     legacy = plan.simulate("legacy_none").timeline
     assert legacy.waits == [] and len(legacy.threads) == 1
