@@ -23,6 +23,7 @@ namespace nb = nanobind;
 namespace weft::python {
 void bind_ep(nb::module_& ep);
 void bind_pipeline(nb::module_& pipeline);
+void bind_plan(nb::module_& plan);
 }
 
 namespace {
@@ -77,6 +78,8 @@ NB_MODULE(_weft, m) {
         "A DLPack capsule of num_bytes bytes of device memory at data, kept alive by owner.");
   nb::module_ pipeline = m.def_submodule("pipeline", "weft::pipeline's engine with Python bodies");
   weft::python::bind_pipeline(pipeline);
+  nb::module_ plan = m.def_submodule("plan", "weft::plan's simulator, report and trace reader");
+  weft::python::bind_plan(plan);
   nb::module_ ep = m.def_submodule("ep", "weft::ep (needs a CUDA build)");
 #ifdef WEFT_PYTHON_WITH_CUDA
   weft::python::bind_ep(ep);

@@ -3,6 +3,8 @@
     import weft
     weft.info()          # what was built, the NCCL it was compiled against and the one loaded
     import weft.ep       # expert-parallel dispatch/combine (DeepEP V1's intranode API and a native one)
+    import weft.pipeline # the lookahead pipeline engine with Python task bodies
+    import weft.plan     # its planner: simulate a schedule, write the HTML report, draw a trace
 
 `import weft` needs no torch; `weft.ep` does.
 """

@@ -21,6 +21,7 @@
 #include "weft/plan/report.hpp"
 #include "weft/plan/schedule_file.hpp"
 #include "weft/plan/simulate.hpp"
+#include "weft/plan/simulated_variant.hpp"
 #include "weft/plan/trace_reader.hpp"
 
 namespace weft::tools {
@@ -35,42 +36,6 @@ struct PlanOptions {
   std::string json_path;
   int num_progress = 12;
 };
-
-std::string describe_thread_map(const pipeline::ThreadMap& map,
-                                const pipeline::ThreadAssignment& threads) {
-  using Kind = pipeline::ThreadMap::Kind;
-  if (threads.sequential) return "- (legacy, one thread)";
-  const std::string count = " (" + std::to_string(threads.num_threads()) + ")";
-  if (map.kind() == Kind::kByStream) return "by_stream" + count;
-  if (map.kind() == Kind::kPerTask) return "per_task" + count;
-  std::string text;
-  for (const auto& name : threads.thread_names) text += (text.empty() ? "" : " / ") + name;
-  return text + count;
-}
-
-plan::VariantReport simulate_variant(std::string name, std::string cascade,
-                                     const pipeline::CompiledSchedule& compiled,
-                                     const pipeline::ThreadMap& map, const plan::CostModel& costs,
-                                     int num_progress) {
-  const auto threads = map.assign(compiled);
-  plan::VariantReport report;
-  report.name = std::move(name);
-  report.cascade = std::move(cascade);
-  report.thread_map = describe_thread_map(map, threads);
-  report.source = "simulated";
-  report.placement = plan::placement(compiled, threads);
-  report.timeline = plan::simulate(compiled, threads, costs, {.num_progress = num_progress});
-  return report;
-}
-
-void add_inventory(const pipeline::CompiledSchedule& compiled, plan::ReportOptions& options) {
-  for (const auto& task : compiled.tasks()) {
-    for (const auto& op : task.collectives()) {
-      options.collectives[task.name()].push_back(
-          {op.kind, op.stream, double(op.num_bytes), op.count, ""});
-    }
-  }
-}
 
 nlohmann::json timeline_json(const plan::VariantReport& v) {
   using nlohmann::json;
@@ -152,13 +117,14 @@ void run_plan(const PlanOptions& options) {
     }
     const pipeline::CompiledSchedule compiled(std::move(file.schedule));
     check_costs(compiled);
-    add_inventory(compiled, report_options);
+    plan::add_collective_inventory(compiled, report_options);
     report_options.title = "weft plan: " + options.schedule_path;
     for (std::size_t i = 0; i < file.thread_maps.size(); ++i) {
       std::fprintf(stderr, "[%zu/%zu] %s\n", i + 1, file.thread_maps.size(),
                    file.thread_map_names[i].c_str());
-      reports.push_back(simulate_variant(file.thread_map_names[i], "custom", compiled,
-                                         file.thread_maps[i], *costs, options.num_progress));
+      reports.push_back(plan::simulate_variant(file.thread_map_names[i], "custom", compiled,
+                                               file.thread_maps[i], *costs,
+                                               {.num_progress = options.num_progress}));
     }
   } else if (draw_hstu) {
     if (!costs) costs = plan::CostModel::hstu_defaults();
@@ -173,13 +139,13 @@ void run_plan(const PlanOptions& options) {
       const auto& v = *chosen[i];
       const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = v.cascade}));
       check_costs(compiled);
-      if (i == 0) add_inventory(compiled, report_options);
+      if (i == 0) plan::add_collective_inventory(compiled, report_options);
       std::fprintf(stderr, "[%zu/%zu] simulating %.*s\n", i + 1, chosen.size(),
                    int(v.name.size()), v.name.data());
-      reports.push_back(simulate_variant(std::string(v.name),
-                                         std::string(pipeline::to_string(v.cascade)), compiled,
-                                         pipeline::ThreadMap::preset(v.thread_map), *costs,
-                                         options.num_progress));
+      reports.push_back(plan::simulate_variant(std::string(v.name),
+                                               std::string(pipeline::to_string(v.cascade)),
+                                               compiled, pipeline::ThreadMap::preset(v.thread_map),
+                                               *costs, {.num_progress = options.num_progress}));
     }
   }
   for (const auto& path : options.traces) {

@@ -1,0 +1,118 @@
+// weft._weft.plan: weft::plan's simulator, report and trace reader (the layer over it is
+// weft/plan.py). Schedules and thread maps are weft._weft.pipeline's objects; results are
+// read-only copies of weft::plan's structs.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/schedule.hpp"
+#include "weft/pipeline/thread_map.hpp"
+#include "weft/plan/cost_model.hpp"
+#include "weft/plan/report.hpp"
+#include "weft/plan/simulated_variant.hpp"
+#include "weft/plan/trace_reader.hpp"
+
+namespace weft::python {
+
+namespace nb = nanobind;
+
+namespace {
+
+namespace pl = weft::pipeline;
+
+void bind_results(nb::module_& m) {
+  nb::class_<plan::HostSpan>(m, "HostSpan")
+      .def_ro("task", &plan::HostSpan::task)
+      .def_ro("thread", &plan::HostSpan::thread)
+      .def_ro("start_us", &plan::HostSpan::start_us)
+      .def_ro("end_us", &plan::HostSpan::end_us)
+      .def_ro("batch", &plan::HostSpan::batch)
+      .def_ro("ticket", &plan::HostSpan::ticket);
+  nb::class_<plan::GpuSpan>(m, "GpuSpan")
+      .def_ro("task", &plan::GpuSpan::task)
+      .def_ro("stream", &plan::GpuSpan::stream)
+      .def_ro("start_us", &plan::GpuSpan::start_us)
+      .def_ro("end_us", &plan::GpuSpan::end_us);
+  nb::class_<plan::WaitEdge>(m, "WaitEdge")
+      .def_ro("producer", &plan::WaitEdge::producer)
+      .def_ro("consumer", &plan::WaitEdge::consumer)
+      .def_ro("producer_thread", &plan::WaitEdge::producer_thread)
+      .def_ro("consumer_thread", &plan::WaitEdge::consumer_thread)
+      .def_prop_ro("rule", [](const plan::WaitEdge& w) { return std::string(to_string(w.rule)); })
+      .def_ro("released_at_us", &plan::WaitEdge::released_at_us)
+      .def_ro("waited_us", &plan::WaitEdge::waited_us)
+      .def_ro("cause", &plan::WaitEdge::cause);
+  nb::class_<plan::TaskPlacement>(m, "TaskPlacement")
+      .def_ro("task", &plan::TaskPlacement::task)
+      .def_ro("stream", &plan::TaskPlacement::stream)
+      .def_ro("thread", &plan::TaskPlacement::thread)
+      .def_ro("lookahead", &plan::TaskPlacement::lookahead)
+      .def_ro("collective", &plan::TaskPlacement::collective);
+  nb::class_<plan::Timeline>(m, "Timeline", "One steady-state progress() (times in us).")
+      .def_ro("threads", &plan::Timeline::threads)
+      .def_ro("streams", &plan::Timeline::streams)
+      .def_ro("host", &plan::Timeline::host)
+      .def_ro("gpu", &plan::Timeline::gpu)
+      .def_ro("waits", &plan::Timeline::waits)
+      .def_ro("host_step_us", &plan::Timeline::host_step_us)
+      .def_ro("step_us", &plan::Timeline::step_us);
+  nb::class_<plan::VariantReport>(m, "VariantReport", "One variant of the report.")
+      .def_ro("name", &plan::VariantReport::name)
+      .def_ro("cascade", &plan::VariantReport::cascade)
+      .def_ro("thread_map", &plan::VariantReport::thread_map)
+      .def_ro("source", &plan::VariantReport::source)
+      .def_ro("placement", &plan::VariantReport::placement)
+      .def_ro("timeline", &plan::VariantReport::timeline);
+}
+
+void bind_cost_model(nb::module_& m) {
+  nb::class_<plan::CostModel>(m, "CostModel", "weft::plan::CostModel (docs/planner.md)")
+      .def(nb::init<>())
+      .def_static("parse", [](const std::string& text) { return plan::CostModel::parse(text); })
+      .def_static("load", &plan::CostModel::load, nb::arg("path"))
+      .def_static("hstu_defaults", &plan::CostModel::hstu_defaults)
+      .def("to_json", &plan::CostModel::to_json)
+      .def_ro("default_host_us", &plan::CostModel::default_host_us)
+      .def("__eq__", [](const plan::CostModel& a, const plan::CostModel& b) { return a == b; });
+}
+
+}  // namespace
+
+void bind_plan(nb::module_& m) {
+  bind_results(m);
+  bind_cost_model(m);
+  m.def(
+      "simulate",
+      [](const std::string& name, const std::string& cascade, const pl::Schedule& schedule,
+         const pl::ThreadMap& map, const plan::CostModel& costs, int num_progress,
+         int max_host_runahead) {
+        const pl::CompiledSchedule compiled(schedule);
+        costs.check_against(compiled);
+        return plan::simulate_variant(
+            name, cascade, compiled, map, costs,
+            {.num_progress = num_progress, .max_host_runahead = max_host_runahead});
+      },
+      nb::arg("name"), nb::arg("cascade"), nb::arg("schedule"), nb::arg("thread_map"),
+      nb::arg("costs"), nb::arg("num_progress"), nb::arg("max_host_runahead"),
+      "Checks the costs against the schedule and simulates it under the thread map.");
+  m.def(
+      "render_html",
+      [](const std::vector<plan::VariantReport>& variants, const std::string& title,
+         const pl::Schedule* inventory_of) {
+        plan::ReportOptions options{.title = title};
+        if (inventory_of != nullptr) {
+          plan::add_collective_inventory(pl::CompiledSchedule(*inventory_of), options);
+        }
+        return plan::render_html(variants, options);
+      },
+      nb::arg("variants"), nb::arg("title"), nb::arg("inventory_of").none(),
+      "The report's HTML; the collective inventory is that of inventory_of (None: none).");
+  m.def("read_chrome_trace", &plan::read_chrome_trace, nb::arg("path"));
+  m.def("parse_chrome_trace", &plan::parse_chrome_trace, nb::arg("json_text"), nb::arg("name"));
+}
+
+}  // namespace weft::python
