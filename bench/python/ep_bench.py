@@ -10,7 +10,6 @@ Bandwidth as weft-ep-bench defines it: logical GB/s = received rows x row bytes 
 """
 
 import argparse
-import os
 import statistics
 import time
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 import weft
 import weft.ep
+from launch import process_group_from_env
 
 
 def parse():
@@ -54,11 +54,7 @@ def timed(fn, iters, warmup):
 
 def main():
     a = parse()
-    group = None
-    if "RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-        group = dist.group.WORLD
+    group = process_group_from_env()
     rank = dist.get_rank() if group else 0
     world = dist.get_world_size() if group else 1
     torch.manual_seed(rank)

@@ -12,13 +12,13 @@ after --warmup, ranges over --repeats runs. All dispatchers give the same loss (
 """
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 
 import weft.ep
 import weft.moe as moe
+from launch import process_group_from_env
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768)}
 
@@ -32,11 +32,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    group = None
-    if "RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-        group = dist.group.WORLD
+    group = process_group_from_env()
     world = group.size() if group else 1
     rank = group.rank() if group else 0
     print_ = print if rank == 0 else (lambda *_: None)

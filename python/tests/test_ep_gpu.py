@@ -272,13 +272,31 @@ def test_a_thousand_back_to_back_rounds():
     assert wrong.item() == 0
 
 
+def graph_inputs(num_tokens, hidden, top_k):
+    """The x, topk_idx and topk_weights a captured graph reads (refilled before each replay)."""
+    return (torch.zeros((num_tokens, hidden), dtype=torch.bfloat16, device="cuda"),
+            torch.full((num_tokens, top_k), -1, dtype=torch.int64, device="cuda"),
+            torch.zeros((num_tokens, top_k), dtype=torch.float32, device="cuda"))
+
+
+def replay_with_new_inputs(graph, static, num_experts, masked, seed):
+    """Fresh inputs copied into the captured ones, one replay; returns the reference dispatch."""
+    num_tokens, hidden = static[0].shape
+    fresh = inputs(num_tokens, hidden, num_experts, static[1].shape[1], masked, seed=seed)
+    for captured, value in zip(static, fresh):
+        captured.copy_(value)
+    graph.replay()
+    torch.cuda.synchronize()
+    x, idx, w = fresh
+    (want,) = ref.dispatch([x], [idx], [w], num_experts)
+    return want
+
+
 def test_cuda_graph_capture_and_replay_with_new_inputs():
     num_tokens, hidden, num_experts, top_k = 320, 1024, 32, 4
     buf = weft.ep.NativeBuffer(None, max_tokens=num_tokens, hidden=hidden,
                                num_experts=num_experts, top_k=top_k)
-    sx = torch.zeros((num_tokens, hidden), dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((num_tokens, top_k), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros((num_tokens, top_k), dtype=torch.float32, device="cuda")
+    sx, sidx, sw = static = graph_inputs(num_tokens, hidden, top_k)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up outside the capture
@@ -291,13 +309,7 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
         out, _ = buf.combine(y, res.handle)
         count = res.num_recv_device.clone()
     for seed in range(5):
-        x, idx, w = inputs(num_tokens, hidden, num_experts, top_k, 0.25, seed=100 + seed)
-        sx.copy_(x)
-        sidx.copy_(idx)
-        sw.copy_(w)
-        graph.replay()
-        torch.cuda.synchronize()
-        (want,) = ref.dispatch([x], [idx], [w], num_experts)
+        want = replay_with_new_inputs(graph, static, num_experts, 0.25, seed=100 + seed)
         n = want.x.shape[0]
         assert int(count.item()) == n
         assert torch.equal(res.recv_x[:n].cpu(), want.x)
@@ -309,9 +321,7 @@ def test_cuda_graph_capture_and_replay_with_new_inputs():
 def test_cuda_graph_of_deepep_calls_with_num_worst_tokens():
     num_tokens, hidden, num_experts, top_k = 200, 512, 16, 4
     buf = weft.ep.Buffer(None, int(1e9))
-    sx = torch.zeros((num_tokens, hidden), dtype=torch.bfloat16, device="cuda")
-    sidx = torch.full((num_tokens, top_k), -1, dtype=torch.int64, device="cuda")
-    sw = torch.zeros((num_tokens, top_k), dtype=torch.float32, device="cuda")
+    sx, sidx, sw = static = graph_inputs(num_tokens, hidden, top_k)
 
     def step():
         layout = deepep_layout(buf, sidx, num_experts)
@@ -326,13 +336,7 @@ def test_cuda_graph_of_deepep_calls_with_num_worst_tokens():
     with torch.cuda.graph(graph):
         rx, ridx, combined = step()
     for seed in range(3):
-        x, idx, w = inputs(num_tokens, hidden, num_experts, top_k, 0.3, seed=200 + seed)
-        sx.copy_(x)
-        sidx.copy_(idx)
-        sw.copy_(w)
-        graph.replay()
-        torch.cuda.synchronize()
-        (want,) = ref.dispatch([x], [idx], [w], num_experts)
+        want = replay_with_new_inputs(graph, static, num_experts, 0.3, seed=200 + seed)
         n = want.x.shape[0]
         assert torch.equal(rx[:n].cpu(), want.x)
         assert torch.equal(ridx[:n].cpu(), want.expert_idx.long()) and (ridx[n:] == -1).all()

@@ -108,6 +108,7 @@ class Buffer:
             raise Error("weft.ep.Buffer needs num_nvl_bytes > 0 (or max_tokens=...) to size its "
                         "window")
         self._native: Optional[NativeBuffer] = None
+        self._layout_stream: Optional[torch.cuda.Stream] = None
         self._destroyed = False
 
     # -- DeepEP's static helpers ------------------------------------------------------------------
@@ -199,8 +200,12 @@ class Buffer:
                                                             self.group_size)
             return per_rank, None, per_expert, in_rank, EventOverlap(None)
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream(device=device) if self._native is None \
-            else self._native.comm_stream
+        if self._native is not None:
+            side = self._native.comm_stream
+        else:  # no window yet: a stream of its own, made once
+            if self._layout_stream is None:
+                self._layout_stream = torch.cuda.Stream(device=device, priority=-1000)
+            side = self._layout_stream
         if previous_event is not None:
             side.wait_event(previous_event.event.event)
         else:

@@ -6,6 +6,9 @@ final index), so of a Config only `num_sms` is used: the most SMs the call may o
 
 from __future__ import annotations
 
+from .. import Error
+from .sizing import window_bytes_for
+
 
 class Config:
     """DeepEP's performance config: Config(num_sms, nvl_send_chunk, nvl_recv_chunk,
@@ -16,8 +19,6 @@ class Config:
                  num_max_nvl_chunked_recv_tokens: int = 256,
                  num_max_rdma_chunked_send_tokens: int = 6,
                  num_max_rdma_chunked_recv_tokens: int = 256) -> None:
-        from .. import Error
-
         if num_sms <= 0:
             raise Error(f"Config: num_sms must be positive, got {num_sms}")
         self.num_sms = int(num_sms)
@@ -31,8 +32,6 @@ class Config:
         """Bytes of weft's window for num_tokens tokens per rank of hidden_bytes each at
         num_ranks ranks and top-8 routing (weft's window grows with the tokens per call, unlike
         DeepEP's ring buffers; pass your largest T)."""
-        from .sizing import window_bytes_for
-
         return window_bytes_for(num_tokens, hidden_bytes // 2, num_ranks)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:

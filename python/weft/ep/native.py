@@ -265,7 +265,7 @@ class NativeBuffer:
         return EventOverlap(EventHandle(self.comm_stream), extra_tensors=tensors)
 
     # -- dispatch -------------------------------------------------------------------------------
-    def _x_arg(self, x, num_tokens_hint: Optional[int] = None):
+    def _x_arg(self, x):
         """(packed tensor, dtype name, columns, is_fp8) of a bf16 x or an fp8 (x_e4m3, scales)."""
         if isinstance(x, (tuple, list)):
             if len(x) != 2:
