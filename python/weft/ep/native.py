@@ -207,8 +207,9 @@ class NativeBuffer:
 
     # -- lifetime ---------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Frees the window and the communicator now (after the queued work). Tensors viewing the
-        window keep it alive until they are released."""
+        """Frees the window and the communicator now (after the work queued on the device):
+        results that view the window are invalid from then on. Without destroy(), the window
+        lives until the Buffer and every view of it are released."""
         self._window = None
         self._views = {}
         self._native.destroy()
