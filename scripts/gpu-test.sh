@@ -6,7 +6,7 @@
 # benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
 #   scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python]
-#                       [--only REGEX] [--bench-list FILE]
+#                       [--only REGEX] [--bench-list FILE] [--sanitize-only]
 #
 # OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, sanitizer-memcheck.log,
 # sanitizer-racecheck.log, sanitizer-synccheck.log, python-build.log, pytest.log, bench.log,
@@ -14,7 +14,8 @@
 # folder's bench-out/). The sanitizer stage (not run with --only or --no-cpp-tests) runs the tests
 # of sanitize_tests below on GPU 0 alone under memcheck, racecheck and synccheck; any report, a
 # failed test, or a run past SANITIZER_TIMEOUT seconds (default 600, per tool and test program)
-# fails it. The Python package is built by pip from this checkout against the
+# fails it; SANITIZER_TOOLS picks the tools (default "memcheck racecheck synccheck"), and
+# --sanitize-only runs the build and this stage alone. The Python package is built by pip from this checkout against the
 # machine's python3 (its torch) and the same NCCL, and its pytest suite runs on the GPUs present.
 # The benchmarks run are the lines of bench/gpu-benchmarks.txt, or of the --bench-list FILEs (one
 # or more; e.g. bench/gpu-sweeps.txt, the parameter sweeps behind the defaults): commands relative
@@ -23,12 +24,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--only REGEX] [--bench-list FILE]}
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--only REGEX] [--bench-list FILE] [--sanitize-only]}
 shift
 run_bench=1
 run_cpp_tests=1
 run_sanitize=1
 run_python=1
+sanitize_only=0
 only=""
 bench_lists=()
 while (($#)); do
@@ -39,6 +41,7 @@ while (($#)); do
     --no-python) run_python=0 ;;
     --only) only=$2; shift ;;
     --bench-list) bench_lists+=("$2"); shift ;;
+    --sanitize-only) sanitize_only=1; run_bench=0; run_python=0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -84,7 +87,7 @@ fi
 note "build: ok in $(( $(date +%s) - start )) s"
 
 status=0
-if ((run_cpp_tests)); then
+if ((run_cpp_tests && !sanitize_only)); then
   ctest_args=(--test-dir "$build_dir" -L gpu --output-on-failure --timeout 900)
   [[ -n "$only" ]] && ctest_args+=(-R "$only")
   ctest "${ctest_args[@]}" >"$out/gpu-tests.log" 2>&1 || status=1
@@ -104,7 +107,7 @@ if ((run_python)); then
   fi
 fi
 
-if ((run_cpp_tests)) && [[ -z "$only" ]]; then
+if ((run_cpp_tests && !sanitize_only)) && [[ -z "$only" ]]; then
   # The engine's CPU tests (stress, multi-rank, failure injection) on all of this machine's cores.
   ctest --test-dir "$build_dir" -L cpu -R 'Pipeline|Engine|Stress|MultiRank|Failure|Wait|Step' \
     --output-on-failure --timeout 300 -j 4 >"$out/cpu-stress.log" 2>&1 || status=1
@@ -139,7 +142,7 @@ if ((run_cpp_tests && run_sanitize)) && [[ -z "$only" ]]; then
     note "FAIL: sanitizer: no compute-sanitizer next to nvcc"
     status=1
   else
-    for tool in memcheck racecheck synccheck; do
+    for tool in ${SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
       log="$out/sanitizer-$tool.log"
       : >"$log"
       failed=()
@@ -152,6 +155,7 @@ if ((run_cpp_tests && run_sanitize)) && [[ -z "$only" ]]; then
           continue
         fi
         echo "==== $tool: $program --gtest_filter=$filter" >>"$log"
+        program_start=$(date +%s)
         CUDA_VISIBLE_DEVICES=0 timeout --kill-after=30 "${SANITIZER_TIMEOUT:-600}" \
           "$sanitizer" --tool "$tool" --error-exitcode "$sanitizer_report_status" --print-limit 20 \
           --report-api-errors no "$binary" --gtest_filter="$filter" </dev/null >>"$log" 2>&1
@@ -162,6 +166,7 @@ if ((run_cpp_tests && run_sanitize)) && [[ -z "$only" ]]; then
           124 | 137) failed+=("$program (timed out)") ;;
           *) failed+=("$program (exit $rc)") ;;
         esac
+        echo "==== $tool: $program: exit $rc in $(( $(date +%s) - program_start )) s" >>"$log"
       done
       seconds=$(( $(date +%s) - tool_start ))
       if ((${#failed[@]})); then
