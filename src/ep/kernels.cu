@@ -80,12 +80,12 @@ __device__ __forceinline__ bool is_broken(const CommParams& c) {
 __device__ __forceinline__ bool is_dead(const CommParams& c, int peer) {
   return (*reinterpret_cast<volatile const uint32_t*>(&c.state->dead_peers) >> peer & 1u) != 0;
 }
-// A flag value of call seq (kFlagFailed aside): has it arrived, and did its writer fail the call?
+// A flag value of call seq (kFlagBits aside): has it arrived, and did its writer fail the call?
 __device__ __forceinline__ bool flag_arrived(uint64_t v, uint64_t seq) {
-  return (v & ~kFlagFailed) >= seq;
+  return (v & ~kFlagBits) >= seq;
 }
 __device__ __forceinline__ bool flag_failed(uint64_t v, uint64_t seq) {
-  return (v & kFlagFailed) != 0 && (v & ~kFlagFailed) == seq;
+  return (v & kFlagFailed) != 0 && (v & ~kFlagBits) == seq;
 }
 
 // Thread 0 only: waits until this rank's flag[kind][s] >= seq for every s; on timeout reports
@@ -925,9 +925,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   __syncthreads();
   char* local = s_peer[c.rank];
   const int64_t n16 = p.hidden * 2 / 16;
-  // expert_out has fewer rows than were received: this rank reads none of them, reduces nothing
-  // (out unwritten) and marks the rows it would have sent as failed, so that its peers skip the
-  // tokens they wait for instead of timing out.
+  // expert_out has fewer rows than were received, or the wait for the peers' entry timed out:
+  // this rank reads none of its rows, sends nothing (out unwritten) and marks the rows it would
+  // have sent as failed (kFlagFatal for the timeout), so that its peers report it at once instead
+  // of timing out on rows that never come.
   const int32_t num_recv = c.state->num_recv;
   const bool rows_missing = num_recv > p.expert_out_rows;
   const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
@@ -955,12 +956,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     const int num_send_threads = p.num_send_warps * 32;
     if (threadIdx.x == 0) s_ok = wait_all_peers(c, local, kFlagEntry, seq, kWaitCombineEntry);
     asm volatile("bar.sync 1, %0;" ::"r"(num_send_threads) : "memory");
-    if (s_ok && rows_missing) {
-      if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (!s_ok || rows_missing) {
+      if (s_ok && blockIdx.x == 0 && threadIdx.x == 0) {
         raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
       }
+      const uint64_t mark = seq | kFlagFailed | (s_ok ? 0 : kFlagFatal);
       // Every row that would have gone out (expanded: every chain head, the own rank's too):
-      // its flag carries kFlagFailed, and no payload.
+      // its flag carries the mark, and no payload.
       const int2* chain = reinterpret_cast<const int2*>(local + c.layout.expand_chain);
       const int64_t own_begin = c.state->own_begin;
       const int64_t own_count = kExpanded ? 0 : c.state->own_count;
@@ -968,7 +970,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
            r < int64_t(num_recv) - own_count; r += int64_t(gridDim.x) * num_send_threads) {
         const int64_t j = r < own_begin || kExpanded ? r : r + own_count;
         if (kExpanded && chain[j].y == 0) continue;
-        if (uint64_t* flag = source_flag(j, recv_src[j])) st_relaxed_sys(flag, seq | kFlagFailed);
+        if (uint64_t* flag = source_flag(j, recv_src[j])) st_relaxed_sys(flag, mark);
       }
     } else if (s_ok && kExpanded) {
       // Every row that heads its (source, token)'s chain here: the chain's sum goes to the
@@ -1093,9 +1095,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
             continue;
           }
         }
-        if (flag_failed(v, seq)) {  // d had no expert_out rows to send
+        if (flag_failed(v, seq)) {  // d had no expert_out rows to send, or timed out
           arrived = false;
-          if (lane == 0) raise_device_error(c.error, kErrPeerRowsMissing, c.rank, d, int64_t(seq));
+          if (lane == 0 && (v & kFlagFatal) != 0) {
+            raise_fatal(c, kErrPeerFailed, kWaitCombineRow, d, seq);
+          } else if (lane == 0) {
+            raise_device_error(c.error, kErrPeerRowsMissing, c.rank, d, int64_t(seq));
+          }
         }
       }
       if (!arrived) continue;

@@ -41,12 +41,14 @@ enum ErrorCode : uint32_t {
   kErrPeerRowsMissing = 7,  // combine: a peer's expert_out lacked rows, so it sent none; args:
                             // that peer, call sequence number
   kErrPeerFailed = 8,       // fatal; a peer's call failed (it timed out) and said so in its done
-                            // flag; args: WaitKind, that peer, call sequence number
+                            // or row flags; args: WaitKind, that peer, call sequence number
 };
-// A flag's value is a call number; this bit is set where its writer failed that call (dispatch
-// done flags: the call timed out there; combine row flags: no row was sent). Call numbers never
-// reach it.
+// A flag's value is a call number; kFlagFailed is set where its writer failed that call (dispatch
+// done flags: the call timed out there; combine row flags: no row was sent), kFlagFatal beside it
+// where the writer is broken (a timeout) rather than short of rows. Call numbers never reach them.
 constexpr uint64_t kFlagFailed = uint64_t(1) << 63;
+constexpr uint64_t kFlagFatal = uint64_t(1) << 62;
+constexpr uint64_t kFlagBits = kFlagFailed | kFlagFatal;
 enum WaitKind : int64_t {
   kWaitHandshake = 1,
   kWaitCounts = 2,       // dispatch: a peer's count words

@@ -511,6 +511,43 @@ TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
   }
 }
 
+// Rank 0 combines alone and times out waiting for its peers' entry; they combine late (after
+// its timeout), find rank 0's rows marked as failed by a broken rank and report rank 0 at once,
+// instead of timing out on rows that never come or returning tokens they lack.
+TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
+  REQUIRE_PEERS();
+  const double timeout_s = 0.5;
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+       {.timeout_s = timeout_s});
+  std::mt19937 rng(41);
+  const auto inputs = make_inputs(config, R, spec_of(64), rng);
+  put_inputs(inputs);
+  const auto res = dispatch_all(inputs, weft::ep::CountMode::kExact);
+  std::vector<DeviceArray> out;
+  for (int r = 0; r < R; ++r) out.emplace_back(r, std::size_t(64 * config.hidden * 2));
+  auto combine = [&](int r) {
+    const auto& d = res[std::size_t(r)];
+    eps[std::size_t(r)]->combine(
+        {.expert_out = {d.recv_x, DType::kBFloat16, d.capacity, config.hidden}}, d.handle,
+        out[std::size_t(r)].ptr, ranks[std::size_t(r)].stream);
+  };
+  combine(0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const auto start = Clock::now();
+  for (int r = 1; r < R; ++r) combine(r);
+  for (int r = 1; r < R; ++r) {
+    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
+  }
+  EXPECT_LT(seconds_since(start), 0.5 * timeout_s) << "a late peer waited out a timeout";
+  std::string what = error_of([&] { eps[0]->check(); });
+  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
+  for (int r = 1; r < R; ++r) {
+    what = error_of([&] { eps[std::size_t(r)]->check(); });
+    EXPECT_TRUE(contains(what, "rank 0 failed call")) << "rank " << r << ": " << what;
+  }
+}
+
 // Only rank 0 combines: its peers never store back. With 4 blocks, 2048 tokens of 2 pieces each
 // are about 37 rounds of reduce units per warp; the first wait for a peer that times out marks
 // it dead for the rest of the call, so the call costs one timeout, not one per round.
