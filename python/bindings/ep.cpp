@@ -18,6 +18,7 @@
 
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
+#include "weft/cuda/copy_rows.hpp"
 #include "weft/cuda/device_guard.hpp"
 #include "weft/cuda/nccl.hpp"
 #include "weft/ep/buffer.hpp"
@@ -43,19 +44,23 @@ ep::DType parse_dtype(const std::string& name) {
 }
 
 // One (dst, dst_pitch, src, src_pitch, width, rows) device-to-device copy per entry, enqueued on
-// stream in order: the copy-out of a dispatch's results (pitches and width in bytes).
+// stream (on the stream's device) in as few kernel launches as weft::cuda::copy_rows allows: the
+// copy-out of a dispatch's results (pitches and width in bytes).
 using Copy2d = std::tuple<std::uintptr_t, int64_t, std::uintptr_t, int64_t, int64_t, int64_t>;
-void copy_2d(const std::vector<Copy2d>& copies, std::uintptr_t stream) {
+
+void copy_rows(const std::vector<Copy2d>& copies, std::uintptr_t stream) {
+  int device = 0;
+  WEFT_CUDA_CHECK(cudaStreamGetDevice(as_stream(stream), &device));
+  DeviceGuard guard(device);
+  weft::cuda::CopyRowsParams params;
   for (const auto& [dst, dst_pitch, src, src_pitch, width, rows] : copies) {
-    if (rows == 0 || width == 0) continue;
-    WEFT_CHECK(dst != 0 && src != 0 && width > 0 && rows > 0 && dst_pitch >= width &&
-                   src_pitch >= width,
-               "copy_2d: bad copy (width ", width, ", rows ", rows, ")");
-    WEFT_CUDA_CHECK(cudaMemcpy2DAsync(reinterpret_cast<void*>(dst), std::size_t(dst_pitch),
-                                      as_ptr(src), std::size_t(src_pitch), std::size_t(width),
-                                      std::size_t(rows), cudaMemcpyDeviceToDevice,
-                                      as_stream(stream)));
+    if (params.num_copies == weft::cuda::CopyRowsParams::kMaxCopies) {
+      weft::cuda::copy_rows(params, as_stream(stream));
+      params = {};
+    }
+    params.add({reinterpret_cast<void*>(dst), dst_pitch, as_ptr(src), src_pitch, width, rows});
   }
+  weft::cuda::copy_rows(params, as_stream(stream));
 }
 
 nb::bytes unique_id() {
@@ -262,8 +267,9 @@ class PyBuffer {
 }  // namespace
 
 void bind_ep(nb::module_& m) {
-  m.def("copy_2d", &copy_2d, nb::arg("copies"), nb::arg("stream"),
-        "Device-to-device 2D copies (dst, dst_pitch, src, src_pitch, width, rows), in bytes.");
+  m.def("copy_rows", &copy_rows, nb::arg("copies"), nb::arg("stream"),
+        "Device-to-device pitched copies (dst, dst_pitch, src, src_pitch, width, rows), in bytes, "
+        "in one kernel per 8 copies on the stream's device.");
   m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for PyBuffer's communicator.");
   m.def(
       "window_bytes",

@@ -321,7 +321,7 @@ class Buffer:
             copies += [_rows_copy(idx_keep, topk_idx, idx_keep.stride(0) * idx_keep.element_size(),
                                   num_tokens),
                        _rows_copy(w_keep, topk_weights, 4 * k, num_tokens)]
-        _weft.ep.copy_2d(copies, comm.cuda_stream)
+        _weft.ep.copy_rows(copies, comm.cuda_stream)
         needs_ops = (topk_idx is not None and recv_idx.dtype != torch.int32) or \
             num_worst_tokens > 0
         with torch.cuda.stream(comm) if needs_ops else contextlib.nullcontext():
@@ -414,7 +414,7 @@ class Buffer:
         with native._allocating(allocate_on_comm_stream):
             recv_x = _empty_like_rows(res.recv_x, rows)
         row_bytes = native._fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
-        _weft.ep.copy_2d([_rows_copy(dst, src, row_bytes, rows)
+        _weft.ep.copy_rows([_rows_copy(dst, src, row_bytes, rows)
                           for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
                          native.comm_stream.cuda_stream)
         event = native._leave(current, async_finish, [packed, *_flat(recv_x), *_flat(x)])
@@ -510,7 +510,7 @@ def _index_dtype(t: torch.Tensor) -> str:
 
 
 def _rows_copy(dst: torch.Tensor, src: torch.Tensor, src_pitch: int, rows: int):
-    """A copy_2d entry: rows rows of dst's (contiguous) width from src, whose rows are
+    """A copy_rows entry: rows rows of dst's (contiguous) width from src, whose rows are
     src_pitch bytes apart."""
     width = dst.stride(0) * dst.element_size() if dst.dim() > 1 else dst.element_size()
     return (dst.data_ptr(), width, src.data_ptr(), src_pitch, width, rows)
