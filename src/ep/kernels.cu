@@ -1018,7 +1018,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     } else if (s_ok) {
       // Only rows from peers go out (the own rank's rows, [own_begin, own_begin + own_count) of
       // the received order, are reduced locally straight from expert_out): remote row r is
-      // received row j = r < own_begin ? r : r + own_count. They go out in batches of up to
+      // received row j = r < own_begin ? r : r + own_count. The claims start at the rows of
+      // source rank + 1 and wrap around (remote row (r + own_begin) mod num_remote), so that at
+      // the start of a call the ranks store back to different peers instead of all to rank 0
+      // (docs/ep.md "Store-back order"; at 2 ranks the order is the received one). They go out
+      // in batches of up to
       // kMaxSendBatch consecutive remote rows, which the send warps claim one at a time
       // (work_claim: a fixed share per warp left the slowest blocks' rows, and the reduce of
       // their tokens, to the end: 356 -> 345 us at T=8192); one system fence per batch (lane 0,
@@ -1032,7 +1036,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       const int64_t batch =
           min(int64_t(kMaxSendBatch), max(int64_t(1), (num_remote + total_warps - 1) / total_warps));
       const int64_t num_batches = (num_remote + batch - 1) / batch;
-      auto received_row = [&](int64_t r) { return r < own_begin ? r : r + own_count; };
+      auto received_row = [&](int64_t r) {
+        r = (r + own_begin) % num_remote;
+        return r < own_begin ? r : r + own_count;
+      };
       for (int64_t b = work_claim(c, lane); b < num_batches; b = work_claim(c, lane)) {
         const int64_t r0 = b * batch;
         const int64_t r1 = min(num_remote, r0 + batch);
