@@ -44,13 +44,12 @@ ep::DType parse_dtype(const std::string& name) {
 }
 
 // One (dst, dst_pitch, src, src_pitch, width, rows) device-to-device copy per entry, enqueued on
-// stream (on the stream's device) in as few kernel launches as weft::cuda::copy_rows allows: the
-// copy-out of a dispatch's results (pitches and width in bytes).
+// stream (a stream of device) in as few kernel launches as weft::cuda::copy_rows allows: the
+// copy-out of a dispatch's results (pitches and width in bytes). The device comes from the caller
+// because the stream may be capturing a CUDA graph, where it cannot be asked.
 using Copy2d = std::tuple<std::uintptr_t, int64_t, std::uintptr_t, int64_t, int64_t, int64_t>;
 
-void copy_rows(const std::vector<Copy2d>& copies, std::uintptr_t stream) {
-  int device = 0;
-  WEFT_CUDA_CHECK(cudaStreamGetDevice(as_stream(stream), &device));
+void copy_rows(const std::vector<Copy2d>& copies, std::uintptr_t stream, int device) {
   DeviceGuard guard(device);
   weft::cuda::CopyRowsParams params;
   for (const auto& [dst, dst_pitch, src, src_pitch, width, rows] : copies) {
@@ -267,9 +266,9 @@ class PyBuffer {
 }  // namespace
 
 void bind_ep(nb::module_& m) {
-  m.def("copy_rows", &copy_rows, nb::arg("copies"), nb::arg("stream"),
+  m.def("copy_rows", &copy_rows, nb::arg("copies"), nb::arg("stream"), nb::arg("device"),
         "Device-to-device pitched copies (dst, dst_pitch, src, src_pitch, width, rows), in bytes, "
-        "in one kernel per 8 copies on the stream's device.");
+        "in one kernel per 8 copies on stream, a stream of device.");
   m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for PyBuffer's communicator.");
   m.def(
       "window_bytes",

@@ -321,7 +321,7 @@ class Buffer:
             copies += [_rows_copy(idx_keep, topk_idx, idx_keep.stride(0) * idx_keep.element_size(),
                                   num_tokens),
                        _rows_copy(w_keep, topk_weights, 4 * k, num_tokens)]
-        _weft.ep.copy_rows(copies, comm.cuda_stream)
+        _weft.ep.copy_rows(copies, comm.cuda_stream, native.device.index)
         needs_ops = (topk_idx is not None and recv_idx.dtype != torch.int32) or \
             num_worst_tokens > 0
         with torch.cuda.stream(comm) if needs_ops else contextlib.nullcontext():
@@ -415,8 +415,8 @@ class Buffer:
             recv_x = _empty_like_rows(res.recv_x, rows)
         row_bytes = native._fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
         _weft.ep.copy_rows([_rows_copy(dst, src, row_bytes, rows)
-                          for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
-                         native.comm_stream.cuda_stream)
+                            for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
+                           native.comm_stream.cuda_stream, native.device.index)
         event = native._leave(current, async_finish, [packed, *_flat(recv_x), *_flat(x)])
         return recv_x, None, None, None, None, event
 
