@@ -27,3 +27,12 @@ def test_pipeline_basic_example_runs_on_cpu():
                          capture_output=True, text=True, timeout=280)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "200 steps, loss" in run.stdout
+
+
+@pytest.mark.timeout(300)
+def test_moe_pipeline_example_runs():
+    pytest.importorskip("torch")
+    run = subprocess.run([sys.executable, str(EXAMPLES / "moe_pipeline.py")],
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "20 steps, pipelined == serial bit for bit" in run.stdout
