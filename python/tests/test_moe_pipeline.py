@@ -49,6 +49,21 @@ def _same_bits(a, b):
     return all(torch.equal(p, q) for p, q in zip(a, b))
 
 
+def _check_steps(serial, piped, ref, step, inputs, lr, serial_slots=None):
+    """Steps of serial_step and of the PipelinedStep `step` on the same inputs, with SGD between
+    them (each step sees the parameters of the last): the same bits every step; the first
+    against the full-batch reference."""
+    for i, (x, target) in enumerate(inputs):
+        a = moe.serial_step(serial, x, target, lr, step.num_micro_batches, serial_slots)
+        b = step(x, target, lr=lr)
+        assert torch.equal(a, b), i
+        assert _same_bits(_grads(serial), _grads(piped)), i
+        assert _same_bits(serial.parameters(), piped.parameters()), i
+        if i == 0:
+            ref_loss = moe.train_step(ref, x, target, lr=lr)
+            _assert_close_to_reference(b, ref_loss, _grads(piped), _grads(ref))
+
+
 class OneLayoutBuffer:
     """weft.ep.Buffer's layout rule without a GPU, for EpDispatcher: it keeps the layout of its
     latest uncached dispatch; a combine or cached dispatch of an older handle re-runs that
@@ -110,16 +125,7 @@ def test_pipelined_step_agrees_with_the_serial_one_bit_for_bit(depth):
     ref = copy.deepcopy(serial)
     slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
     step = moe.PipelinedStep(piped, slots, num_micro_batches=4, depth=depth)
-    for i in range(4):  # SGD between the steps: each step sees the parameters of the last
-        x, target = _inputs(i)
-        a = moe.serial_step(serial, x, target, lr=0.05, num_micro_batches=4)
-        b = step(x, target, lr=0.05)
-        assert torch.equal(a, b), i
-        assert _same_bits(_grads(serial), _grads(piped)), i
-        assert _same_bits(serial.parameters(), piped.parameters()), i
-        if i == 0:
-            ref_loss = moe.train_step(ref, x, target, lr=0.05)
-            _assert_close_to_reference(b, ref_loss, _grads(piped), _grads(ref))
+    _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(4)], lr=0.05)
     step.close()
 
 
@@ -292,17 +298,9 @@ def test_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
     ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
     step = moe.PipelinedStep(piped, piped_slots, num_micro_batches=M, depth=depth,
                              backend="torch")
-    for i in range(5):
-        x, target = _inputs(i, tokens=T, hidden=256, device="cuda")
-        a = moe.serial_step(serial, x, target, 0.02, M, serial_slots)
-        b = step(x, target, lr=0.02)
-        torch.cuda.synchronize()
-        assert torch.equal(a, b), i
-        assert _same_bits(_grads(serial), _grads(piped)), i
-        assert _same_bits(serial.parameters(), piped.parameters()), i
-        if i == 0:
-            ref_loss = moe.train_step(ref, x, target, lr=0.02)
-            _assert_close_to_reference(b, ref_loss, _grads(piped), _grads(ref))
+    _check_steps(serial, piped, ref, step,
+                 [_inputs(i, tokens=T, hidden=256, device="cuda") for i in range(5)], lr=0.02,
+                 serial_slots=serial_slots)
     assert _relayouts(serial_slots) == 0 and _relayouts(piped_slots) == 0
     step.close()
 
