@@ -7,7 +7,8 @@ and why is in docs/python.md ("Migrating from DeepEP"). In short:
   dispatch with other shapes rebuilds it (collectively, as every rank makes the same calls).
 - Results are tensors the caller owns (copied out of the window on the comm stream).
 - A handle stays usable after later dispatches (as in DeepEP), but only the latest layout is
-  cheap: using an older one re-runs its layout (one extra dispatch) first.
+  cheap: using an older one re-runs its layout (one extra dispatch) first; Buffer.num_relayouts
+  counts those re-runs.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class Buffer:
 
     Extra keyword arguments, weft's own: max_tokens (size the window for this many tokens per
     rank instead of from num_nvl_bytes), timeout_s (bound of every device-side wait).
+    num_relayouts: how many times a combine or cached dispatch of an older handle re-ran that
+    handle's layout (an extra dispatch each) on this Buffer.
     """
 
     num_sms: int = 20
@@ -110,6 +113,7 @@ class Buffer:
         self._native: Optional[NativeBuffer] = None
         self._layout_stream: Optional[torch.cuda.Stream] = None
         self._destroyed = False
+        self.num_relayouts = 0
 
     # -- DeepEP's static helpers ------------------------------------------------------------------
     @staticmethod
@@ -385,6 +389,7 @@ class Buffer:
                                       (config or self.get_dispatch_config(self.group_size)).num_sms,
                                       None, False)
         handle.native = res.handle
+        self.num_relayouts += 1
         return res, packed
 
     def _native_of(self, handle, what: str) -> NativeBuffer:

@@ -5,11 +5,19 @@ backward: the dispatch's backward is a combine of the gradients, the combine's a
     layer = weft.moe.MoELayer(hidden=2048, num_experts=128, top_k=8, ffn=768,
                               dispatcher=weft.moe.EpDispatcher(weft.ep.Buffer(group, 2**31)))
     y = layer(x)            # [T, hidden] bf16; autograd through dispatch, experts, combine
+
+The micro-batched step (step.py): serial_step (one stream) and PipelinedStep (weft.pipeline),
+with one dispatcher per live layout (slots.py).
 """
 
 from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher
 from .layer import MoELayer, combine, dispatch
 from .model import DenseBlock, MoEModel, train_step
+from .slots import LayoutSlots
+from .step import (PipelinedStep, moe_costs, moe_schedule, moe_thread_map, num_layout_slots,
+                   serial_step, stage_lookaheads)
 
-__all__ = ["AllToAllDispatcher", "DenseBlock", "EpDispatcher", "LocalDispatcher", "MoELayer",
-           "MoEModel", "combine", "dispatch", "train_step"]
+__all__ = ["AllToAllDispatcher", "DenseBlock", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
+           "MoELayer", "MoEModel", "PipelinedStep", "combine", "dispatch", "moe_costs",
+           "moe_schedule", "moe_thread_map", "num_layout_slots", "serial_step",
+           "stage_lookaheads", "train_step"]

@@ -1,0 +1,323 @@
+"""The micro-batched MoE step: serial (a), on weft.pipeline with weft.ep (b) and with the
+all_to_all dispatcher (c). (a) and (b)/(c) agree bit for bit; both agree with the full-batch
+step of the same layers on one device (no micro-batches, LocalDispatcher) within the bf16
+tolerance below; and with one Buffer per live layout no layout is ever re-run."""
+
+import copy
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weft.moe as moe  # noqa: E402
+from weft import plan  # noqa: E402
+from conftest import needs_gpus  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+SMALL = dict(num_layers=2, hidden=64, num_experts=8, top_k=2, ffn=32)
+
+# bf16 tolerance against the full-batch reference: per parameter tensor, max |g - g_ref| within
+# 2% of max |g_ref| (bf16 keeps 8 significant bits; the micro-batched step accumulates 4 bf16
+# gradients where the reference rounds once), the loss within 1e-3 relative.
+GRAD_TOL = 2e-2
+LOSS_RTOL = 1e-3
+
+
+def _inputs(step, rank=0, tokens=96, hidden=64, device="cpu"):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn((tokens, hidden), generator=g).bfloat16().to(device)
+    target = torch.randn((tokens, hidden), generator=g).bfloat16().to(device)
+    return x, target
+
+
+def _assert_close_to_reference(loss, ref_loss, grads, ref_grads):
+    assert abs(loss.item() - ref_loss.item()) <= LOSS_RTOL * abs(ref_loss.item())
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        err = (g.float() - r.float()).abs().max().item()
+        assert err <= GRAD_TOL * r.float().abs().max().item(), (i, err)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _same_bits(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def _check_steps(serial, piped, ref, step, inputs, lr, serial_slots=None):
+    """Steps of serial_step and of the PipelinedStep `step` on the same inputs, with SGD between
+    them (each step sees the parameters of the last): the same bits every step; the first
+    against the full-batch reference."""
+    for i, (x, target) in enumerate(inputs):
+        a = moe.serial_step(serial, x, target, lr, step.num_micro_batches, serial_slots)
+        b = step(x, target, lr=lr)
+        assert torch.equal(a, b), i
+        assert _same_bits(_grads(serial), _grads(piped)), i
+        assert _same_bits(serial.parameters(), piped.parameters()), i
+        if i == 0:
+            ref_loss = moe.train_step(ref, x, target, lr=lr)
+            _assert_close_to_reference(b, ref_loss, _grads(piped), _grads(ref))
+
+
+class OneLayoutBuffer:
+    """weft.ep.Buffer's layout rule without a GPU, for EpDispatcher: it keeps the layout of its
+    latest uncached dispatch; a combine or cached dispatch of an older handle re-runs that
+    handle's layout first (counted in num_relayouts, as the real Buffer does). The data path is
+    LocalDispatcher's."""
+
+    group_size, rank = 1, 0
+
+    def __init__(self, num_experts):
+        self._local = moe.LocalDispatcher(num_experts)
+        self._latest = None
+        self.num_relayouts = 0
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        return None, None, None, None, None
+
+    def _use(self, handle):
+        if handle is not self._latest:
+            self.num_relayouts += 1
+            self._latest = handle
+
+    def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None, **_layout):
+        if handle is not None:
+            self._use(handle)
+            return self._local.dispatch_cached(x, handle[0]), None, None, None, None, None
+        recv_x, recv_idx, recv_w, local = self._local.dispatch(x, topk_idx, topk_weights)
+        handle = (local,)
+        self._latest = handle
+        return recv_x, recv_idx, recv_w, [], handle, None
+
+    def combine(self, y, handle, topk_weights=None):
+        self._use(handle)
+        out, w = self._local.combine(y, handle[0], weights=topk_weights)
+        return out, w, None
+
+
+def _one_layout_slots(num_slots):
+    return moe.LayoutSlots(lambda layer, s: moe.EpDispatcher(OneLayoutBuffer(8), 8), num_slots)
+
+
+def _relayouts(slots):
+    return sum(d.buffer.num_relayouts for d in slots.dispatchers())
+
+
+def test_serial_micro_batched_step_matches_the_full_batch_reference():
+    for step in range(3):
+        model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=step, **SMALL)
+        ref = copy.deepcopy(model)
+        x, target = _inputs(step)
+        loss = moe.serial_step(model, x, target, lr=0.0, num_micro_batches=4)
+        ref_loss = moe.train_step(ref, x, target, lr=0.0)
+        _assert_close_to_reference(loss, ref_loss, _grads(model), _grads(ref))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_pipelined_step_agrees_with_the_serial_one_bit_for_bit(depth):
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=7, **SMALL)
+    piped = copy.deepcopy(serial)
+    ref = copy.deepcopy(serial)
+    slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
+    step = moe.PipelinedStep(piped, slots, num_micro_batches=4, depth=depth)
+    _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(4)], lr=0.05)
+    step.close()
+
+
+def test_one_buffer_per_live_layout_means_no_layout_is_re_run():
+    x, target = _inputs(0)
+    want = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+    want_loss = moe.serial_step(want, x, target, lr=0.05, num_micro_batches=4)
+    # One Buffer for both layers: every backward call of layer 0 meets layer 1's layout.
+    shared = moe.EpDispatcher(OneLayoutBuffer(8), 8)
+    m = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+    moe.serial_step(m, x, target, 0.05, 4, moe.LayoutSlots(lambda layer, s: shared, [1, 1]))
+    assert shared.buffer.num_relayouts > 0
+    # Serial: one Buffer per layer.
+    m = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+    slots = _one_layout_slots([1, 1])
+    assert torch.equal(moe.serial_step(m, x, target, 0.05, 4, slots), want_loss)
+    assert _same_bits(m.parameters(), want.parameters())
+    assert _relayouts(slots) == 0
+    for depth in (1, 2, 4):
+        need = moe.num_layout_slots(2, depth)
+        m = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+        slots = _one_layout_slots(need)
+        step = moe.PipelinedStep(m, slots, num_micro_batches=4, depth=depth)
+        assert torch.equal(step(x, target, lr=0.05), want_loss)
+        assert _same_bits(m.parameters(), want.parameters())
+        for _ in range(2):
+            step(x, target, lr=0.05)
+        assert _relayouts(slots) == 0, depth
+        step.close()
+        # Fewer Buffers than live layouts: refused, and (the check bypassed) re-runs happen.
+        few = _one_layout_slots([1, 1])
+        with pytest.raises(ValueError, match="layouts per layer live at once"):
+            moe.PipelinedStep(m, few, num_micro_batches=4, depth=depth)
+        few.keeps_layouts = False
+        step = moe.PipelinedStep(m, few, num_micro_batches=4, depth=depth)
+        step(x, target, lr=0.0)
+        assert _relayouts(few) > 0, depth
+        step.close()
+
+
+def test_lookaheads_layout_slots_and_bad_arguments():
+    assert moe.stage_lookaheads(2, 1) == {
+        "dense_router_0": 1, "dispatch_0": 1, "experts_0": 0, "combine_0": 0,
+        "dense_router_1": 0, "dispatch_1": 0, "experts_1": 0, "combine_1": 0, "loss_backward": 0}
+    assert moe.stage_lookaheads(2, 4)["dispatch_1"] == 2
+    assert moe.stage_lookaheads(2, 4)["combine_1"] == 1
+    assert moe.num_layout_slots(2, 0) == [1, 1]
+    assert moe.num_layout_slots(2, 1) == [2, 1]
+    assert moe.num_layout_slots(2, 4) == [5, 3]
+    assert moe.num_layout_slots(1, 2) == [3]
+    assert moe.moe_schedule(2, 4).run_order()[:4] == ["dense_router_0", "dispatch_0", "experts_0",
+                                                      "combine_0"]
+    with pytest.raises(ValueError, match="depth"):
+        moe.stage_lookaheads(2, 5)
+    m = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+    slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        moe.PipelinedStep(m, slots, num_micro_batches=0)
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        moe.serial_step(m, *_inputs(0, tokens=3), lr=0.0, num_micro_batches=4)
+    with pytest.raises(ValueError, match="num_slots"):
+        moe.LayoutSlots(lambda layer, s: None, [1, 0])
+
+
+def test_the_planner_draws_what_overlaps_what():
+    costs = moe.moe_costs(2, {"dense_router": 300, "dispatch": 400, "experts": 900,
+                              "combine": 400, "loss_backward": 4000})
+    step_us = {}
+    for depth in range(5):
+        v = plan.simulate(moe.moe_schedule(2, depth), moe.moe_thread_map(2), costs)
+        step_us[depth] = v.timeline.step_us
+        gpu = {s.task: (s.start_us, s.end_us) for s in v.timeline.gpu}
+        if depth == 1:  # the next micro-batch's first dispatch under this one's experts
+            (a0, a1), (b0, b1) = gpu["dispatch_0"], gpu["experts_0"]
+            assert a0 < b1 and b0 < a1
+    # Compute alone is 6400 us a micro-batch; each comm stage that runs ahead hides 400 us.
+    assert step_us == {0: 8000, 1: 7600, 2: 7300, 3: 6800, 4: 6400}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_expert(name):
+    return name.startswith("moe.") and not name.endswith("router")
+
+
+def _gloo_rank(rank, port):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    group = dist.group.WORLD
+    d = moe.AllToAllDispatcher(group, 8)
+    serial = moe.MoEModel(dispatcher=d, seed=3, **SMALL)    # this rank's 4 experts
+    piped = moe.MoEModel(dispatcher=d, seed=3, **SMALL)
+    ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=3, **SMALL)  # all 8
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=3, depth=4)
+    for i in range(2):
+        x, target = _inputs(i, rank, tokens=48)
+        a = moe.serial_step(serial, x, target, lr=0.0, num_micro_batches=3)
+        c = step(x, target, lr=0.0)
+        assert torch.equal(a, c) and _same_bits(_grads(serial), _grads(piped)), (rank, i)
+        # The reference: both ranks' tokens on one device. Each rank's loss is its tokens'
+        # mean, so the reference's gradients are the ranks' mean (dense, router) and half of
+        # the expert gradients (which sum both ranks' tokens).
+        both = [_inputs(i, r, tokens=48) for r in range(2)]
+        ref_loss = moe.train_step(ref, torch.cat([b[0] for b in both]),
+                                  torch.cat([b[1] for b in both]), lr=0.0)
+        loss = a.clone()
+        dist.all_reduce(loss, group=group)
+        grads = []
+        for name, p in serial.named_parameters():
+            g = p.grad.float()
+            if _is_expert(name):
+                grads.append(g / 2)
+            else:
+                dist.all_reduce(g, group=group)
+                grads.append(g / 2)
+        ref_grads = []
+        for name, p in ref.named_parameters():
+            g = p.grad
+            if _is_expert(name):
+                g = g[rank * 4:(rank + 1) * 4]
+            ref_grads.append(g)
+        _assert_close_to_reference(loss / 2, ref_loss, grads, ref_grads)
+    step.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(100)
+def test_all_to_all_over_gloo_two_ranks():
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(_gloo_rank, args=(_free_port(),), nprocs=2, join=False)
+    deadline = time.monotonic() + 90
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail("a rank did not finish within 90 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+# -- on a GPU (world size 1: every expert local) --------------------------------------------------
+
+def _ep_slots(num_slots, tokens):
+    return moe.LayoutSlots.ep(None, 16, num_slots, max_tokens=tokens)
+
+
+GPU_SHAPE = dict(num_layers=2, hidden=256, num_experts=16, top_k=4, ffn=128, device="cuda")
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("depth", [1, 4])
+def test_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
+    torch.manual_seed(4)
+    T, M = 512, 4
+    serial_slots = _ep_slots([1, 1], T // M)
+    piped_slots = _ep_slots(moe.num_layout_slots(2, depth), T // M)
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    piped = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    step = moe.PipelinedStep(piped, piped_slots, num_micro_batches=M, depth=depth,
+                             backend="torch")
+    _check_steps(serial, piped, ref, step,
+                 [_inputs(i, tokens=T, hidden=256, device="cuda") for i in range(5)], lr=0.02,
+                 serial_slots=serial_slots)
+    assert _relayouts(serial_slots) == 0 and _relayouts(piped_slots) == 0
+    step.close()
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
+    T, M = 512, 4
+    d = moe.AllToAllDispatcher(None, 16)
+    serial = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)
+    piped = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=M, depth=4,
+                             backend="torch")
+    for i in range(3):
+        x, target = _inputs(i, tokens=T, hidden=256, device="cuda")
+        a = moe.serial_step(serial, x, target, 0.02, M)
+        c = step(x, target, lr=0.02)
+        torch.cuda.synchronize()
+        assert torch.equal(a, c) and _same_bits(serial.parameters(), piped.parameters()), i
+    step.close()
