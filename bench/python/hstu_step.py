@@ -1,5 +1,5 @@
 """The HSTU training step (hstu_tasks.py) under the nine HSTU variants of weft.pipeline's engine
-and as a plain Python loop, in one run: step time, its ratio to the loop's, default-stream busy %,
+and loader_split_d6 (hstu_variants.py), and as a plain Python loop, in one run: step time, its ratio to the loop's, default-stream busy %,
 engine overhead and the planner's prediction; losses and final parameters checked bit for bit
 against the loop's (the exit status is 1 if any differ).
 
@@ -7,9 +7,10 @@ against the loop's (the exit status is 1 if any differ).
     python bench/python/hstu_step.py --config gpu-bound --device cpu
     torchrun --nproc-per-node 2 bench/python/hstu_step.py --config gpu-bound
 
-Per run: --warmup steps, then --iters timed steps (the wall time of their progress() calls,
-drain included, over --iters; the device synchronised at both ends); ranges over --repeats runs,
-the loop and the variants interleaved. Then one traced run each (not timed):
+Per run: --warmup steps, then --iters timed steps (the wall time of their progress() calls over
+--iters, the device synchronised at both ends; each one a steady-state step that runs every task
+once), then the rest drained untimed; ranges over --repeats runs, the loop and the variants
+interleaved. Then one traced run each (not timed):
  - busy %: the union of the engine trace's GPU spans on the default stream (CUDA events at each
    body's start and end on its stream, so an upper bound: a span includes the stream's idle time
    while its body enqueues) over the traced run's wall time; the loop's from events around each
@@ -41,7 +42,8 @@ from hstu_data import ZipfLoader  # noqa: E402
 from hstu_tasks import HstuConfig, HstuStep  # noqa: E402
 from launch import world_group  # noqa: E402
 from weft import plan  # noqa: E402
-from weft.pipeline import Engine, HstuVariant, hstu_schedule, hstu_variants  # noqa: E402
+from hstu_variants import StepVariant, step_variants  # noqa: E402
+from weft.pipeline import Engine  # noqa: E402
 
 # (config, device type) -> sizes. GPU-bound: a big dense model, light preprocessing. Host-bound:
 # many raw events per token to sort and a small model, so collate() and the host syncs dominate.
@@ -53,17 +55,18 @@ CONFIGS = {
     ("host-bound", "cuda"): HstuConfig(
         batch_size=64, max_seq_len=128, num_items=1_000_000, num_actions=32, dim=128,
         num_layers=2, num_heads=4, head_dim=32, mlp_dim=512, num_negatives=512,
-        events_per_token=32, bf16=True),
+        events_per_token=16, bf16=True),
     ("gpu-bound", "cpu"): HstuConfig(
         batch_size=8, max_seq_len=64, num_items=100_000, dim=64, num_layers=2, num_heads=2,
         head_dim=32, mlp_dim=256, num_negatives=256, events_per_token=1),
     ("host-bound", "cpu"): HstuConfig(
         batch_size=16, max_seq_len=32, num_items=100_000, dim=32, num_layers=1, num_heads=2,
-        head_dim=16, mlp_dim=64, num_negatives=64, events_per_token=64),
+        head_dim=16, mlp_dim=64, num_negatives=64, events_per_token=256),
 }
 OVERRIDES = ["batch_size", "max_seq_len", "num_items", "dim", "num_layers", "num_heads",
              "head_dim", "mlp_dim", "num_negatives", "events_per_token"]
 LOOP = "plain loop"
+DRAIN_BATCHES = 5  # the largest lookahead of the two cascades
 
 
 @dataclasses.dataclass
@@ -98,10 +101,14 @@ def timed_bodies(bodies: dict, events: list) -> dict:
     return {name: timed(fn) for name, fn in bodies.items()}
 
 
-def run_once(config: HstuConfig, group, device: torch.device, variant: Optional[HstuVariant],
+def run_once(config: HstuConfig, group, device: torch.device, variant: Optional[StepVariant],
              warmup: int, iters: int, traced: bool) -> Run:
+    """One run: warmup steps, then iters timed ones, then the rest drained untimed. Every run
+    takes DRAIN_BATCHES more batches than it times, so that each timed progress() of either
+    cascade is a steady-state one (it runs every task once, for its own batch)."""
     step = HstuStep(config, group, device)
-    batches = iter(ZipfLoader(warmup + iters))
+    num_batches = warmup + iters + DRAIN_BATCHES
+    batches = iter(ZipfLoader(num_batches))
     events: list = []
     if variant is None:
         bodies = timed_bodies(step.bodies(), events) if traced and device.type == "cuda" \
@@ -109,8 +116,7 @@ def run_once(config: HstuConfig, group, device: torch.device, variant: Optional[
         results = step.sequential(batches, bodies)
         progress, engine = (lambda: next(results)), None
     else:
-        engine = Engine(hstu_schedule(step.bodies(), cascade=variant.cascade),
-                        variant.thread_map, backend="torch" if device.type == "cuda" else "host",
+        engine = Engine(variant.schedule(step.bodies()), variant.thread_map, backend="torch" if device.type == "cuda" else "host",
                         trace=traced)
         progress = lambda: engine.progress(batches)  # noqa: E731
     losses = [progress() for _ in range(warmup)]
@@ -122,20 +128,19 @@ def run_once(config: HstuConfig, group, device: torch.device, variant: Optional[
     progress_us = []
     clock = time.perf_counter
     t0 = clock()
-    while True:
+    for _ in range(iters):
         t = clock()
-        try:
-            losses.append(progress())
-        except StopIteration:
-            break
+        losses.append(progress())
         progress_us.append((clock() - t) * 1e6)
     synchronize(device)
     step_ms = (clock() - t0) * 1e3 / iters
     trace = engine.take_trace() if engine is not None and traced else None
+    gpu = list(events) if events else None
+    losses += [progress() for _ in range(num_batches - warmup - iters)]
     if engine is not None:
         engine.close()
     return Run(step_ms, [x.detach().cpu() for x in losses], step.parameters(), progress_us,
-               trace, events if events else None)
+               trace, gpu)
 
 
 def union_us(spans) -> float:
@@ -207,10 +212,19 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="all", help="comma-separated HSTU variant names")
     p.add_argument("--trace-dir", help="write each traced engine run's Chrome trace here")
+    p.add_argument("--switch-interval-ms", type=float,
+                   help="sys.setswitchinterval: how soon a thread that waits for the GIL gets it")
+    p.add_argument("--torch-threads", type=int,
+                   help="torch.set_num_threads (CPU: 1 leaves the other cores to the host work, "
+                        "as a GPU would)")
     for name in OVERRIDES:
         p.add_argument("--" + name.replace("_", "-"), type=int)
     a = p.parse_args()
     torch.use_deterministic_algorithms(True)
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
+    if a.switch_interval_ms:
+        sys.setswitchinterval(a.switch_interval_ms / 1e3)
     device = torch.device(a.device)
     group = world_group(device)
     if device.type == "cuda":
@@ -219,7 +233,8 @@ def main() -> int:
     config = dataclasses.replace(CONFIGS[(a.config, device.type)],
                                  **{k: getattr(a, k) for k in OVERRIDES
                                     if getattr(a, k) is not None})
-    variants = [v for v in hstu_variants() if a.variants == "all" or v.name in a.variants.split(",")]
+    variants = [v for v in step_variants()
+                if a.variants == "all" or v.name in a.variants.split(",")]
     out = print if rank == 0 else (lambda *_: None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     out(f"# hstu_step --config {a.config}: {name} x {world}, torch {torch.__version__}, "
@@ -255,7 +270,7 @@ def main() -> int:
         predicted = None
         if key != LOOP and costs is not None:
             v = next(v for v in variants if v.name == key)
-            predicted = plan.simulate(hstu_schedule(cascade=v.cascade), v.thread_map, costs,
+            predicted = plan.simulate(v.schedule(), v.thread_map, costs,
                                       name=key).timeline.step_us / 1e3
         ratio = f"{min(ms) / max(loop_ms):.2f}-{max(ms) / min(loop_ms):.2f}"
         out(f"{key:24s} {min(ms):7.2f}-{max(ms):<7.2f} {ratio:>11s} {_fmt(busy, '7.1f'):>7s} "

@@ -282,14 +282,16 @@ class HstuStep:
         c, sb = self.config, s.batch
         zero = item_rows.new_zeros(1, c.dim)
         items, actions = torch.cat([item_rows, zero]), torch.cat([action_rows, zero])
-        x = (items[s.item_of_token[sb.pad_index]] + actions[s.action_of_token[sb.pad_index]])
-        target = items[s.item_of_token[sb.target_index]]
+        # index_select, whose CUDA backward is deterministic under use_deterministic_algorithms.
+        x = (items.index_select(0, s.item_of_token[sb.pad_index])
+             + actions.index_select(0, s.action_of_token[sb.pad_index]))
+        target = items.index_select(0, s.item_of_token[sb.target_index])
         valid = (sb.pad_index != sb.num_tokens).view(c.batch_size, c.max_seq_len)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.bf16):
             out = self.model(x.view(c.batch_size, c.max_seq_len, c.dim), valid)
         loss_sum = HstuModel.loss_sum(out.reshape(-1, c.dim), target,
                                       sb.target_index != sb.num_tokens,
-                                      item_rows[s.negative_rows])
+                                      item_rows.index_select(0, s.negative_rows))
         ctx.set("losses", loss_sum)
 
     def backward(self, ctx) -> None:

@@ -1,5 +1,5 @@
 """The HSTU training step of bench/python (hstu_tasks.py) under every HSTU variant of the engine
-gives the plain loop's bits: every loss and every parameter (dense model and embedding shard)
+(and loader_split_d6, hstu_variants.py) gives the plain loop's bits: every loss and every parameter (dense model and embedding shard)
 after a few steps, at world size 1 and 2 (gloo, CPU) and on one GPU (NCCL, torch backend)."""
 
 import os
@@ -24,7 +24,8 @@ def check_variants(rank, world_size, device_type):
     from conftest import drain
     from hstu_data import ZipfLoader
     from hstu_tasks import HstuConfig, HstuStep
-    from weft.pipeline import Engine, hstu_schedule, hstu_variants
+    from hstu_variants import step_variants
+    from weft.pipeline import Engine
 
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
@@ -52,10 +53,9 @@ def check_variants(rank, world_size, device_type):
 
     backend = "torch" if device_type == "cuda" else "host"
     wrong = []
-    for v in hstu_variants():
+    for v in step_variants():
         step = HstuStep(config, group, device)
-        with Engine(hstu_schedule(step.bodies(), cascade=v.cascade), v.thread_map,
-                    backend=backend) as engine:
+        with Engine(v.schedule(step.bodies()), v.thread_map, backend=backend) as engine:
             got = [x.cpu() for x in drain(engine, ZipfLoader(NUM_BATCHES))]
         got_params = step.parameters()
         if not (len(got) == NUM_BATCHES and all(torch.equal(a, b) for a, b in zip(got, losses))
