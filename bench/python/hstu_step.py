@@ -73,7 +73,7 @@ DRAIN_BATCHES = 5  # the largest lookahead of the two cascades
 class Run:
     step_ms: float
     losses: List[torch.Tensor]
-    params: Dict[str, torch.Tensor]
+    params: Optional[Dict[str, torch.Tensor]]  # dropped once compared with the loop's
     progress_us: List[float]
     trace: object = None            # the engine's Trace (traced engine runs)
     body_gpu: Optional[list] = None  # (start, end) CUDA event pairs (traced loop runs)
@@ -242,30 +242,42 @@ def main() -> int:
     out(f"# {config}")
     runs: Dict[str, List[Run]] = {LOOP: []}
     runs.update({v.name: [] for v in variants})
+    same = {key: True for key in runs}
+    reference: Optional[Run] = None
+
+    def measure(v: Optional[StepVariant], traced: bool) -> Run:
+        nonlocal reference
+        key = LOOP if v is None else v.name
+        run = run_once(config, group, device, v, a.warmup, a.iters, traced)
+        if reference is None:
+            reference = run
+        same[key] = same[key] and same_bits(run, reference)
+        if run is not reference:
+            run.params = None
+        return run
+
     for r in range(a.repeats):
         for v in [None] + variants:
             key = LOOP if v is None else v.name
-            runs[key].append(run_once(config, group, device, v, a.warmup, a.iters, False))
+            runs[key].append(measure(v, False))
             log(f"[rank {rank}] run {r + 1}/{a.repeats} {key}: {runs[key][-1].step_ms:.2f} ms/step")
     traced = {}
     for v in [None] + variants:
         key = LOOP if v is None else v.name
-        traced[key] = run_once(config, group, device, v, a.warmup, a.iters, True)
+        traced[key] = measure(v, True)
         log(f"[rank {rank}] traced {key}: {traced[key].step_ms:.2f} ms/step")
         if a.trace_dir and traced[key].trace is not None:
             os.makedirs(a.trace_dir, exist_ok=True)
             traced[key].trace.write_chrome_json(os.path.join(
                 a.trace_dir, f"hstu_{a.config}_{key}_rank{rank}.trace.json"))
     costs = measured_costs(traced["legacy_none"].trace) if "legacy_none" in traced else None
-    reference = runs[LOOP][0]
     loop_ms = [x.step_ms for x in runs[LOOP]]
     mismatches = 0
     out(f"{'variant':24s} {'step ms':>15s} {'x loop':>11s} {'busy %':>7s} "
         f"{'overhead us':>11s} {'planner ms':>10s}  bits")
     for key, rs in runs.items():
         ms = [x.step_ms for x in rs]
-        same = all(same_bits(x, reference) for x in rs + [traced[key]])
-        mismatches += 0 if same else 1
+        mismatches += 0 if same[key] else 1
         busy, overhead = trace_figures(traced[key], statistics.median(ms), a.iters)
         predicted = None
         if key != LOOP and costs is not None:
@@ -275,7 +287,7 @@ def main() -> int:
         ratio = f"{min(ms) / max(loop_ms):.2f}-{max(ms) / min(loop_ms):.2f}"
         out(f"{key:24s} {min(ms):7.2f}-{max(ms):<7.2f} {ratio:>11s} {_fmt(busy, '7.1f'):>7s} "
             f"{_fmt(overhead, '11.1f'):>11s} {_fmt(predicted, '10.2f'):>10s}  "
-            f"{'identical' if same else 'DIFFERENT'}")
+            f"{'identical' if same[key] else 'DIFFERENT'}")
     flag = torch.tensor([mismatches], device=device)
     dist.all_reduce(flag, group=group)  # any rank's mismatch fails every rank
     mismatches = int(flag.item())

@@ -110,8 +110,8 @@ class HstuStep:
                               c.mlp_dim)
         self.model = model.to(device)
         num_rows = -(-(c.num_items + c.num_actions) // self.world)
-        g = torch.Generator().manual_seed(c.seed * 1000 + self.rank + 1)
-        self.shard = (torch.randn(num_rows, c.dim, generator=g) * 0.1).to(device)
+        g = torch.Generator(device=device).manual_seed(c.seed * 1000 + self.rank + 1)
+        self.shard = torch.randn(num_rows, c.dim, generator=g, device=device) * 0.1
         self.params = list(self.model.parameters())
         layers = list(self.model.layers.parameters())
         ids = {id(p) for p in layers}
@@ -344,7 +344,7 @@ class HstuStep:
             yield ctx.get("step_result")
 
     def parameters(self) -> Dict[str, torch.Tensor]:
-        """Every parameter and the shard, copied to the host."""
-        out = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        out["shard"] = self.shard.cpu().clone()
+        """A copy of every parameter and of the shard, on the step's device."""
+        out = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        out["shard"] = self.shard.clone()
         return out

@@ -28,8 +28,11 @@ def world_group(device: torch.device):
             return process_group_from_env()
         dist.init_process_group("gloo")
         return dist.group.WORLD
+    device_id = None
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        device_id = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device_id)
     store = os.path.join(tempfile.mkdtemp(prefix="weft-pg-"), "store")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
+                            device_id=device_id)
     return dist.group.WORLD
