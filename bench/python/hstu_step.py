@@ -1,7 +1,8 @@
 """The HSTU training step (hstu_tasks.py) under the nine HSTU variants of weft.pipeline's engine
-and loader_split_d6 (hstu_variants.py), and as a plain Python loop, in one run: step time, its ratio to the loop's, default-stream busy %,
-engine overhead and the planner's prediction; losses and final parameters checked bit for bit
-against the loop's (the exit status is 1 if any differ).
+and loader_split_d6 (hstu_variants.py), and as a plain Python loop, in one run: step time, its
+ratio to the loop's, default-stream busy %, engine overhead and the planner's prediction; losses
+and final parameters checked bit for bit against the loop's (the exit status is 1 if any
+differ).
 
     python bench/python/hstu_step.py --config host-bound          # one GPU, a group of one
     python bench/python/hstu_step.py --config gpu-bound --device cpu
@@ -116,8 +117,8 @@ def run_once(config: HstuConfig, group, device: torch.device, variant: Optional[
         results = step.sequential(batches, bodies)
         progress, engine = (lambda: next(results)), None
     else:
-        engine = Engine(variant.schedule(step.bodies()), variant.thread_map, backend="torch" if device.type == "cuda" else "host",
-                        trace=traced)
+        engine = Engine(variant.schedule(step.bodies()), variant.thread_map,
+                        backend="torch" if device.type == "cuda" else "host", trace=traced)
         progress = lambda: engine.progress(batches)  # noqa: E731
     losses = [progress() for _ in range(warmup)]
     synchronize(device)

@@ -1,6 +1,7 @@
 """The HSTU training step of bench/python (hstu_tasks.py) under every HSTU variant of the engine
-(and loader_split_d6, hstu_variants.py) gives the plain loop's bits: every loss and every parameter (dense model and embedding shard)
-after a few steps, at world size 1 and 2 (gloo, CPU) and on one GPU (NCCL, torch backend)."""
+(and loader_split_d6, hstu_variants.py) gives the plain loop's bits: every loss and every
+parameter (dense model and embedding shard) after a few steps, at world size 1 and 2 (gloo, CPU)
+and on one GPU (NCCL, torch backend)."""
 
 import os
 import sys
