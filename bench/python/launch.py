@@ -1,7 +1,9 @@
 """How the Python benchmarks find their ranks: one process per GPU under torchrun (RANK,
-LOCAL_RANK, ... set), or a single process on one GPU without torch.distributed."""
+LOCAL_RANK, ... set), or a single process on one GPU without torch.distributed
+(process_group_from_env) or with a group of one (world_group)."""
 
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -13,4 +15,24 @@ def process_group_from_env():
         return None
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    return dist.group.WORLD
+
+
+def world_group(device: torch.device):
+    """The world group for a step that always talks through torch.distributed: under torchrun
+    one process per rank (NCCL on CUDA, the GPU set to LOCAL_RANK; gloo on the CPU), else a group
+    of one over a file store in a fresh temporary folder."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        if device.type == "cuda":
+            return process_group_from_env()
+        dist.init_process_group("gloo")
+        return dist.group.WORLD
+    device_id = None
+    if device.type == "cuda":
+        device_id = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device_id)
+    store = os.path.join(tempfile.mkdtemp(prefix="weft-pg-"), "store")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
+                            device_id=device_id)
     return dist.group.WORLD

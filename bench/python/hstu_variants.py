@@ -1,0 +1,52 @@
+"""What the HSTU step runs under: weft.pipeline's nine HSTU variants, and loader_split_d6, which
+is none of them.
+
+In the preset, h2d shares the memcpy stream with start_shuffle, so start_shuffle waits for h2d in
+every progress (stream order), and every other collective waits for start_shuffle's ticket: the
+host work of h2d (here the whole collate()) delays every collective of the progress, under every
+thread map. loader_split_d6 is the d6 cascade (h2d at lookahead 5, start_shuffle at 4, so no
+same-batch edge between them) with h2d on a stream and a thread of its own ("loader") and the
+rest as full_split: h2d then runs beside the other threads' bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, NamedTuple, Union
+
+from weft.pipeline import Schedule, Task, ThreadMap, hstu_schedule, hstu_variants
+
+__all__ = ["StepVariant", "step_variants"]
+
+LOADER_SPLIT = ThreadMap.groups(
+    {"loader": ["h2d"], "io": ["start_shuffle", "finish_shuffle"],
+     "data_dist": ["start_input_dist", "wait_input_dist"], "prefetch": ["prefetch_embeddings"]},
+    rest="compute")
+
+
+class StepVariant(NamedTuple):
+    name: str
+    cascade: str
+    thread_map: Union[str, ThreadMap]
+    h2d_stream: str = "memcpy"
+
+    def schedule(self, bodies: Dict[str, Callable] = None) -> Schedule:
+        """The HSTU schedule of this cascade with ``bodies``, h2d on ``h2d_stream``."""
+        preset = hstu_schedule(bodies, cascade=self.cascade)
+        if self.h2d_stream == "memcpy":
+            return preset
+        bodies = bodies or {}
+        tasks = [Task.from_fn(t.name, bodies.get(t.name),
+                              stream=self.h2d_stream if t.name == "h2d" else t.stream,
+                              lookahead=t.lookahead, reads=t.reads, writes=t.writes,
+                              depends_on=t.depends_on,
+                              cross_iter_depends_on=t.cross_iter_depends_on,
+                              same_progress_sync=t.same_progress_sync,
+                              collective=list(t.inventory) or t.collective)
+                 for t in preset.tasks]
+        return Schedule(tasks, streams=dict(preset.streams), inputs=preset.inputs)
+
+
+def step_variants() -> List[StepVariant]:
+    """The nine HSTU variants in their order, then loader_split_d6."""
+    return ([StepVariant(v.name, v.cascade, v.thread_map) for v in hstu_variants()]
+            + [StepVariant("loader_split_d6", "d6", LOADER_SPLIT, "loader")])
