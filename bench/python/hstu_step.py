@@ -279,7 +279,7 @@ def main() -> int:
     for key, rs in runs.items():
         ms = [x.step_ms for x in rs]
         mismatches += 0 if same[key] else 1
-        busy, overhead = trace_figures(traced[key], statistics.median(ms), a.iters)
+        busy, overhead = trace_figures(traced[key], traced[key].step_ms, a.iters)
         predicted = None
         if key != LOOP and costs is not None:
             v = next(v for v in variants if v.name == key)
