@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, NamedTuple, Union
 
-from weft.pipeline import Schedule, Task, ThreadMap, hstu_schedule, hstu_variants
+from weft.pipeline import Schedule, ThreadMap, hstu_schedule, hstu_variants
 
 __all__ = ["StepVariant", "step_variants"]
 
@@ -31,19 +31,9 @@ class StepVariant(NamedTuple):
 
     def schedule(self, bodies: Dict[str, Callable] = None) -> Schedule:
         """The HSTU schedule of this cascade with ``bodies``, h2d on ``h2d_stream``."""
-        preset = hstu_schedule(bodies, cascade=self.cascade)
-        if self.h2d_stream == "memcpy":
-            return preset
-        bodies = bodies or {}
-        tasks = [Task.from_fn(t.name, bodies.get(t.name),
-                              stream=self.h2d_stream if t.name == "h2d" else t.stream,
-                              lookahead=t.lookahead, reads=t.reads, writes=t.writes,
-                              depends_on=t.depends_on,
-                              cross_iter_depends_on=t.cross_iter_depends_on,
-                              same_progress_sync=t.same_progress_sync,
-                              collective=list(t.inventory) or t.collective)
-                 for t in preset.tasks]
-        return Schedule(tasks, streams=dict(preset.streams), inputs=preset.inputs)
+        schedule = hstu_schedule(bodies, cascade=self.cascade)
+        schedule.task("h2d").stream = self.h2d_stream
+        return schedule
 
 
 def step_variants() -> List[StepVariant]:

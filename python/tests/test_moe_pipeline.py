@@ -4,9 +4,6 @@ step of the same layers on one device (no micro-batches, LocalDispatcher) within
 tolerance below; and with one Buffer per live layout no layout is ever re-run."""
 
 import copy
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 
@@ -14,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import weft.moe as moe  # noqa: E402
 from weft import plan  # noqa: E402
-from conftest import needs_gpus  # noqa: E402
+from conftest import needs_gpus, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -205,22 +202,14 @@ def test_the_planner_draws_what_overlaps_what():
     assert step_us == {0: 8000, 1: 7600, 2: 7300, 3: 6800, 4: 6400}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _is_expert(name):
     return name.startswith("moe.") and not name.endswith("router")
 
 
-def _gloo_rank(rank, port):
+def _gloo_rank(rank, world_size):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))
     group = dist.group.WORLD
     d = moe.AllToAllDispatcher(group, 8)
     serial = moe.MoEModel(dispatcher=d, seed=3, **SMALL)    # this rank's 4 experts
@@ -256,24 +245,11 @@ def _gloo_rank(rank, port):
             ref_grads.append(g)
         _assert_close_to_reference(loss / 2, ref_loss, grads, ref_grads)
     step.close()
-    dist.destroy_process_group()
 
 
 @pytest.mark.timeout(100)
-def test_all_to_all_over_gloo_two_ranks():
-    import torch.multiprocessing as mp
-
-    ctx = mp.spawn(_gloo_rank, args=(_free_port(),), nprocs=2, join=False)
-    deadline = time.monotonic() + 90
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail("a rank did not finish within 90 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+def test_all_to_all_over_gloo_two_ranks(tmp_path):
+    run_ranks(_gloo_rank, 2, tmp_path / "store", timeout_s=90)
 
 
 # -- on a GPU (world size 1: every expert local) --------------------------------------------------

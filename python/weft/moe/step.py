@@ -158,6 +158,12 @@ def num_layout_slots(num_layers: int, depth: int) -> List[int]:
     return [la[f"dispatch_{layer}"] + 1 for layer in range(num_layers)]
 
 
+def stage_task_names(num_layers: int) -> List[str]:
+    """The stage tasks in chain order: dense_router_0, dispatch_0, experts_0, combine_0,
+    dense_router_1, ... (loss_backward follows them)."""
+    return [f"{s}_{layer}" for layer in range(num_layers) for s in STAGES]
+
+
 def moe_schedule(num_layers: int, depth: int,
                  bodies: Optional[Mapping[str, Callable]] = None):
     """The weft.pipeline Schedule of the step: the stage tasks in chain order (the run order),
@@ -169,7 +175,7 @@ def moe_schedule(num_layers: int, depth: int,
     la = stage_lookaheads(num_layers, depth)
     bodies = bodies or {}
     tasks, previous = [], "micro_batch"
-    names = [f"{s}_{layer}" for layer in range(num_layers) for s in STAGES] + ["loss_backward"]
+    names = stage_task_names(num_layers) + ["loss_backward"]
     for name in names:
         comm = name.rsplit("_", 1)[0] in COMM_STAGES
         writes = "step_result" if name == "loss_backward" else name
@@ -241,7 +247,7 @@ class PipelinedStep:
                              backend=backend, trace=trace, streams=streams, device=device)
 
     def _bodies(self, stages: _Stages) -> Dict[str, Callable]:
-        names = [f"{s}_{layer}" for layer in range(self.num_layers) for s in STAGES]
+        names = stage_task_names(self.num_layers)
         bodies = {}
         for previous, name in zip(["micro_batch"] + names[:-1], names):
             stage, layer = name.rsplit("_", 1)
