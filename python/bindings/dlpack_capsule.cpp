@@ -2,6 +2,8 @@
 
 #include <Python.h>
 
+#include <utility>
+
 namespace nb = nanobind;
 
 namespace weft::python {
@@ -38,16 +40,13 @@ constexpr uint8_t kDLUInt = 1;
 struct Managed {
   DLManagedTensor tensor{};
   int64_t shape[1]{};
-  PyObject* owner = nullptr;  // a strong reference
+  std::shared_ptr<const void> owner;
 };
 
 void delete_managed(DLManagedTensor* self) {
-  auto* managed = static_cast<Managed*>(self->manager_ctx);
-  // The consumer may release its tensor on a thread that does not hold the GIL.
-  const PyGILState_STATE gil = PyGILState_Ensure();
-  Py_XDECREF(managed->owner);
-  PyGILState_Release(gil);
-  delete managed;
+  // The consumer may release its tensor on any thread, with or without the GIL: nothing here
+  // touches Python.
+  delete static_cast<Managed*>(self->manager_ctx);
 }
 
 void capsule_destructor(PyObject* capsule) {
@@ -62,11 +61,10 @@ void capsule_destructor(PyObject* capsule) {
 }  // namespace
 
 nb::object device_bytes_capsule(std::uintptr_t data, std::int64_t num_bytes, int device,
-                                nb::handle owner) {
+                                std::shared_ptr<const void> owner) {
   auto* managed = new Managed;
   managed->shape[0] = num_bytes;
-  managed->owner = owner.ptr();
-  Py_XINCREF(managed->owner);
+  managed->owner = std::move(owner);
   DLTensor& t = managed->tensor.dl_tensor;
   t.data = reinterpret_cast<void*>(data);
   t.device = {kDLCUDA, device};

@@ -1,10 +1,18 @@
 // weft._weft.ep: weft::ep::Buffer for the Python layer (weft/ep/). Tensors arrive as device
-// pointers with their shape and dtype (the Python layer checks strides and devices first), streams
-// as integers (cudaStream_t); results leave as pointers into the Buffer's window, which the Python
-// layer wraps through device_bytes capsules.
+// pointers (the Python layer checks torch facts: device, dtype, contiguity; C++ owns shapes and
+// limits), a call's arguments as one keyword struct (DispatchArgs / CombineArgs), streams and
+// events as integers (cudaStream_t, cudaEvent_t); results leave as pointers into the Buffer's
+// window, which the Python layer wraps through DLPack capsules (Buffer.window_bytes).
+//
+// Lifetimes: a Communicator owns its ncclComm_t; every Buffer made on it keeps it alive, so the
+// communicator is destroyed after the last of its windows. A Buffer's window lives until the
+// Buffer object and every capsule of it are released (the capsules hold the window itself, not
+// the Python object), or until destroy(), which frees it at once. Every call that may wait on the
+// host (a communicator's creation, pacing, a count read, destruction) releases the GIL.
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -16,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "dlpack_capsule.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/copy_rows.hpp"
@@ -33,15 +42,6 @@ namespace {
 cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 const void* as_ptr(std::uintptr_t p) { return reinterpret_cast<const void*>(p); }
 std::uintptr_t as_int(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
-
-ep::DType parse_dtype(const std::string& name) {
-  if (name == "bfloat16") return ep::DType::kBFloat16;
-  if (name == "float32") return ep::DType::kFloat32;
-  if (name == "int32") return ep::DType::kInt32;
-  if (name == "int64") return ep::DType::kInt64;
-  if (name == "uint8") return ep::DType::kUInt8;
-  WEFT_FAIL("unknown dtype '", name, "' (bfloat16, float32, int32, int64 or uint8)");
-}
 
 // One (dst, dst_pitch, src, src_pitch, width, rows) device-to-device copy per entry, enqueued on
 // stream (a stream of device) in as few kernel launches as weft::cuda::copy_rows allows: the
@@ -68,6 +68,105 @@ nb::bytes unique_id() {
   return nb::bytes(id.internal, sizeof(id.internal));
 }
 
+// An NCCL communicator of one rank, destroyed with the last Buffer made on it (or by release()).
+struct CommCore {
+  ncclComm_t comm = nullptr;
+  int device = 0;
+
+  ~CommCore() { release(); }
+  void release() noexcept {
+    if (comm == nullptr) return;
+    DeviceGuard guard(device);
+    ncclCommDestroy(comm);
+    comm = nullptr;
+  }
+};
+
+class PyCommunicator {
+ public:
+  PyCommunicator(nb::bytes id, int num_ranks, int rank, int device)
+      : core_(std::make_shared<CommCore>()) {
+    ncclUniqueId uid;
+    WEFT_CHECK(id.size() == sizeof(uid.internal), "a unique id has ", sizeof(uid.internal),
+               " bytes, got ", id.size());
+    std::memcpy(uid.internal, id.c_str(), sizeof(uid.internal));
+    WEFT_CHECK(num_ranks >= 1 && rank >= 0 && rank < num_ranks, "rank ", rank,
+               " is not in [0, ", num_ranks, ")");
+    weft::cuda::check_nccl_runtime();
+    core_->device = device;
+    nb::gil_scoped_release release;  // waits for the other ranks
+    DeviceGuard guard(device);
+    WEFT_NCCL_CHECK(ncclCommInitRank(&core_->comm, num_ranks, uid, rank));
+    num_ranks_ = num_ranks;
+    rank_ = rank;
+  }
+  ~PyCommunicator() {
+    nb::gil_scoped_release release;
+    core_.reset();
+  }
+  PyCommunicator(const PyCommunicator&) = delete;
+  PyCommunicator& operator=(const PyCommunicator&) = delete;
+
+  // Destroys the communicator now; the Buffers made on it must have been destroyed first.
+  void destroy() {
+    WEFT_CHECK(core_.use_count() == 1, "destroy the ", core_.use_count() - 1,
+               " weft.ep Buffer(s) made on this communicator first");
+    nb::gil_scoped_release release;
+    core_->release();
+  }
+
+  const std::shared_ptr<CommCore>& core() const {
+    WEFT_CHECK(core_->comm != nullptr, "this weft.ep communicator was destroyed");
+    return core_;
+  }
+  int num_ranks() const { return num_ranks_; }
+  int rank() const { return rank_; }
+  int device() const { return core_->device; }
+  bool alive() const { return core_->comm != nullptr; }
+
+ private:
+  std::shared_ptr<CommCore> core_;
+  int num_ranks_ = 0;
+  int rank_ = 0;
+};
+
+// A call's arguments (the Python layer fills one per call, by keyword).
+struct DispatchArgs {
+  std::uintptr_t x = 0;         // [num_tokens, x_cols] of x_dtype: bf16 rows or packed fp8 rows
+  ep::DType x_dtype = ep::DType::kBFloat16;
+  int64_t num_tokens = 0;
+  int64_t x_cols = 0;
+  std::uintptr_t topk_idx = 0;  // [num_tokens, top_k] int32 / int64 (null for a cached dispatch)
+  bool topk_idx_int64 = true;
+  std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
+  std::uintptr_t stats = 0;     // optional [num_local_experts] int32, accumulated into
+  int num_sms = 0;              // most blocks; 0: the Buffer's
+  bool expand = false;
+  int expert_alignment = 1;
+  bool zero_padding = false;
+  bool read_counts = false;     // copy the counts to the host and wait for them
+  // Streams: the call runs on `stream`. With comm_stream != 0 it runs there instead, after
+  // previous_event (a cudaEvent_t) or else after the work queued so far on `stream`, and unless
+  // async_finish, `stream` then waits for it.
+  std::uintptr_t stream = 0;
+  std::uintptr_t comm_stream = 0;
+  std::uintptr_t previous_event = 0;
+  bool async_finish = false;
+};
+
+struct CombineArgs {
+  std::uintptr_t expert_out = 0;  // [expert_out_rows, hidden] bf16
+  int64_t expert_out_rows = 0;
+  std::uintptr_t bias0 = 0;       // optional [T, hidden] bf16
+  std::uintptr_t bias1 = 0;
+  std::uintptr_t out = 0;         // [T, hidden] bf16
+  int num_sms = 0;
+  std::uintptr_t stream = 0;      // as in DispatchArgs
+  std::uintptr_t comm_stream = 0;
+  std::uintptr_t previous_event = 0;
+  bool async_finish = false;
+};
+
 // What dispatch returns to the Python layer: the handle, the counts when they were read, and the
 // window addresses of the result arrays (fixed for the life of the Buffer).
 struct DispatchOut {
@@ -86,83 +185,108 @@ struct DispatchOut {
   int64_t capacity = 0;
 };
 
-// A weft::ep::Buffer with the NCCL communicator it was built on (made here from a unique id that
-// the Python layer shared over its process group).
+// A Buffer's window, its communicator and the host-side objects of its calls; shared by the
+// Python Buffer and the capsules of its window.
+struct BufferCore {
+  std::shared_ptr<CommCore> comm;
+  std::unique_ptr<ep::Buffer> buffer;
+  int device = 0;
+  int32_t* host_counts = nullptr;  // pinned [num_local_experts]
+  cudaEvent_t counts_event = nullptr;
+  cudaEvent_t entry_event = nullptr;  // reused by every call: a wait captures its state at once
+  cudaEvent_t exit_event = nullptr;
+
+  ~BufferCore() { release(); }
+  void release() noexcept {
+    if (buffer == nullptr && comm == nullptr) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    // The calls ran on streams of the Python layer's (torch's), and tensors may still be read
+    // on others: the window goes only after everything queued on the device.
+    cudaDeviceSynchronize();
+    buffer.reset();
+    if (counts_event != nullptr) cudaEventDestroy(counts_event);
+    if (entry_event != nullptr) cudaEventDestroy(entry_event);
+    if (exit_event != nullptr) cudaEventDestroy(exit_event);
+    if (host_counts != nullptr) cudaFreeHost(host_counts);
+    counts_event = entry_event = exit_event = nullptr;
+    host_counts = nullptr;
+    comm.reset();
+    cudaSetDevice(previous);
+  }
+};
+
 class PyBuffer {
  public:
-  PyBuffer(nb::bytes id, int num_ranks, int rank, int device, const ep::BufferConfig& config,
+  PyBuffer(const PyCommunicator& communicator, const ep::BufferConfig& config,
            const ep::BufferOptions& options)
-      : device_(device) {
-    ncclUniqueId uid;
-    WEFT_CHECK(id.size() == sizeof(uid.internal), "a unique id has ", sizeof(uid.internal),
-               " bytes, got ", id.size());
-    std::memcpy(uid.internal, id.c_str(), sizeof(uid.internal));
-    WEFT_CHECK(num_ranks >= 1 && rank >= 0 && rank < num_ranks, "rank ", rank,
-               " is not in [0, ", num_ranks, ")");
-    weft::cuda::check_nccl_runtime();
-    nb::gil_scoped_release release;  // both wait for the other ranks
-    DeviceGuard guard(device);
-    WEFT_NCCL_CHECK(ncclCommInitRank(&comm_, num_ranks, uid, rank));
-    try {
-      buffer_ = std::make_unique<ep::Buffer>(comm_, config, options);
-      const int num_local = config.num_local_experts(num_ranks);
-      WEFT_CUDA_CHECK(cudaMallocHost(&host_counts_, sizeof(int32_t) * std::size_t(num_local)));
-      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&counts_event_, cudaEventDisableTiming));
-      // Reused by every call: a wait enqueued on an event captures its state at that moment.
-      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&entry_event_, cudaEventDisableTiming));
-      WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&exit_event_, cudaEventDisableTiming));
-    } catch (...) {
-      release_resources();
-      throw;
-    }
+      : core_(std::make_shared<BufferCore>()) {
+    core_->comm = communicator.core();
+    core_->device = communicator.device();
+    nb::gil_scoped_release release;  // the window's creation waits for the other ranks
+    DeviceGuard guard(core_->device);
+    core_->buffer = std::make_unique<ep::Buffer>(core_->comm->comm, config, options);
+    const int num_local = config.num_local_experts(communicator.num_ranks());
+    WEFT_CUDA_CHECK(cudaMallocHost(&core_->host_counts, sizeof(int32_t) * std::size_t(num_local)));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->counts_event, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->entry_event, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->exit_event, cudaEventDisableTiming));
   }
-  ~PyBuffer() { release_resources(); }
+  ~PyBuffer() {
+    nb::gil_scoped_release release;
+    core_.reset();
+  }
   PyBuffer(const PyBuffer&) = delete;
   PyBuffer& operator=(const PyBuffer&) = delete;
 
-  // Frees the window and the communicator now (waits for the work queued on the comm stream).
+  // Frees the window now (after the work queued on the device): views of it are invalid after.
   void destroy() {
     nb::gil_scoped_release release;
-    release_resources();
+    core_->release();
   }
 
-  DispatchOut dispatch(std::uintptr_t x, const std::string& x_dtype, int64_t num_tokens,
-                       int64_t x_cols, std::uintptr_t topk_idx, const std::string& topk_idx_dtype,
-                       std::uintptr_t topk_weights, const ep::Handle* handle,
-                       std::uintptr_t stats, int num_sms, bool expand, int expert_alignment,
-                       bool zero_padding, std::uintptr_t stream, bool read_counts) {
+  // A DLPack capsule of num_bytes of the window at data; it keeps the window alive.
+  nb::object window_bytes(std::uintptr_t data, int64_t num_bytes) {
+    live();
+    return device_bytes_capsule(data, num_bytes, core_->device, core_);
+  }
+
+  DispatchOut dispatch(const DispatchArgs& a, const ep::Handle* handle) {
     ep::Buffer& b = live();
     const int top_k = b.config().top_k;
     ep::DispatchInputs in;
-    in.x = {as_ptr(x), parse_dtype(x_dtype), num_tokens, x_cols};
+    in.x = {as_ptr(a.x), a.x_dtype, a.num_tokens, a.x_cols};
     if (handle == nullptr) {
-      in.topk_idx = {as_ptr(topk_idx), parse_dtype(topk_idx_dtype), num_tokens, top_k};
-      in.topk_weights = {as_ptr(topk_weights), ep::DType::kFloat32, num_tokens, top_k};
+      in.topk_idx = {as_ptr(a.topk_idx), a.topk_idx_int64 ? ep::DType::kInt64 : ep::DType::kInt32,
+                     a.num_tokens, top_k};
+      in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.num_tokens, top_k};
     }
     in.handle = handle;
-    in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(stats);
-    in.num_sms = num_sms;
-    in.expand = {.enabled = expand, .expert_alignment = expert_alignment,
-                 .zero_padding = zero_padding};
-    DeviceGuard guard(device_);
-    const cudaStream_t s = as_stream(stream);
-    ep::DispatchResult r =
-        b.dispatch(in, s, read_counts ? ep::CountMode::kExact : ep::CountMode::kOnDevice);
+    in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(a.stats);
+    in.num_sms = a.num_sms;
+    in.expand = {.enabled = a.expand, .expert_alignment = a.expert_alignment,
+                 .zero_padding = a.zero_padding};
     DispatchOut out;
-    if (read_counts) {
+    nb::gil_scoped_release release;  // pacing (pipeline_depth) and the count read wait
+    DeviceGuard guard(core_->device);
+    const cudaStream_t s = enter(a.stream, a.comm_stream, a.previous_event);
+    ep::DispatchResult r =
+        b.dispatch(in, s, a.read_counts ? ep::CountMode::kExact : ep::CountMode::kOnDevice);
+    if (a.read_counts) {
       const int num_local = b.config().num_local_experts(b.num_ranks());
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(host_counts_, r.tokens_per_local_expert,
+      WEFT_CUDA_CHECK(cudaMemcpyAsync(core_->host_counts, r.tokens_per_local_expert,
                                       sizeof(int32_t) * std::size_t(num_local),
                                       cudaMemcpyDeviceToHost, s));
-      WEFT_CUDA_CHECK(cudaEventRecord(counts_event_, s));
-      {
-        nb::gil_scoped_release release;
-        b.wait_num_recv(r);
-        WEFT_CUDA_CHECK(cudaEventSynchronize(counts_event_));
-      }
+      WEFT_CUDA_CHECK(cudaEventRecord(core_->counts_event, s));
+      leave(a.stream, a.comm_stream, a.async_finish);
+      b.wait_num_recv(r);
+      WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
       out.num_recv = r.num_recv;
       out.rows_required = r.rows_required;
-      out.tokens_per_local_expert.assign(host_counts_, host_counts_ + num_local);
+      out.tokens_per_local_expert.assign(core_->host_counts, core_->host_counts + num_local);
+    } else {
+      leave(a.stream, a.comm_stream, a.async_finish);
     }
     out.handle = r.handle;
     out.recv_x = as_int(r.recv_x != nullptr ? static_cast<const void*>(r.recv_x)
@@ -178,89 +302,80 @@ class PyBuffer {
     return out;
   }
 
-  void combine(std::uintptr_t expert_out, int64_t expert_out_rows, std::uintptr_t bias0,
-               std::uintptr_t bias1, const ep::Handle& handle, std::uintptr_t out, int num_sms,
-               std::uintptr_t stream) {
+  void combine(const CombineArgs& a, const ep::Handle& handle) {
     ep::Buffer& b = live();
     const int64_t hidden = b.config().hidden;
     const int64_t T = handle.num_tokens;
     ep::CombineInputs in;
-    in.expert_out = {as_ptr(expert_out), ep::DType::kBFloat16, expert_out_rows, hidden};
-    if (bias0 != 0) in.bias0 = {as_ptr(bias0), ep::DType::kBFloat16, T, hidden};
-    if (bias1 != 0) in.bias1 = {as_ptr(bias1), ep::DType::kBFloat16, T, hidden};
-    in.num_sms = num_sms;
-    DeviceGuard guard(device_);
-    b.combine(in, handle, reinterpret_cast<void*>(out), as_stream(stream));
+    in.expert_out = {as_ptr(a.expert_out), ep::DType::kBFloat16, a.expert_out_rows, hidden};
+    if (a.bias0 != 0) in.bias0 = {as_ptr(a.bias0), ep::DType::kBFloat16, T, hidden};
+    if (a.bias1 != 0) in.bias1 = {as_ptr(a.bias1), ep::DType::kBFloat16, T, hidden};
+    in.num_sms = a.num_sms;
+    nb::gil_scoped_release release;  // pacing (pipeline_depth)
+    DeviceGuard guard(core_->device);
+    const cudaStream_t s = enter(a.stream, a.comm_stream, a.previous_event);
+    b.combine(in, handle, reinterpret_cast<void*>(a.out), s);
+    leave(a.stream, a.comm_stream, a.async_finish);
   }
 
-  // Orders comm_stream after previous_event (a cudaEvent_t) or else after the work queued so far
-  // on caller_stream: the start of every call (DeepEP's previous_event).
-  void enter(std::uintptr_t caller_stream, std::uintptr_t previous_event,
-             std::uintptr_t comm_stream) {
-    const cudaStream_t comm = as_stream(comm_stream);
-    cudaEvent_t event = reinterpret_cast<cudaEvent_t>(previous_event);
-    if (event == nullptr) {
-      event = entry_event_;
-      WEFT_CUDA_CHECK(cudaEventRecord(event, as_stream(caller_stream)));
-    }
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(comm, event, 0));
+  // The stream hand-off of a call that the Python layer composes of several launches (DeepEP's
+  // owned results): comm_stream waits for previous_event or `stream`'s queued work; later
+  // `stream` waits for comm_stream's queued work.
+  void enter_comm(std::uintptr_t stream, std::uintptr_t comm_stream,
+                  std::uintptr_t previous_event) {
+    live();
+    DeviceGuard guard(core_->device);
+    enter(stream, comm_stream, previous_event);
   }
-
-  // Orders caller_stream after the work queued so far on comm_stream (async_finish=False).
-  void leave(std::uintptr_t caller_stream, std::uintptr_t comm_stream) {
-    WEFT_CUDA_CHECK(cudaEventRecord(exit_event_, as_stream(comm_stream)));
-    WEFT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(caller_stream), exit_event_, 0));
+  void leave_comm(std::uintptr_t stream, std::uintptr_t comm_stream) {
+    live();
+    DeviceGuard guard(core_->device);
+    leave(stream, comm_stream, false);
   }
 
   // Throws the device error recorded by a completed call, if any.
   void check() {
-    DeviceGuard guard(device_);
-    live().check();
+    ep::Buffer& b = live();
+    DeviceGuard guard(core_->device);
+    b.check();
   }
 
-  int rank() { return live().rank(); }
-  int num_ranks() { return live().num_ranks(); }
-  int device() const { return device_; }
-  int64_t capacity() { return live().capacity(); }
-  int64_t expand_capacity() { return live().expand_capacity(); }
-  const ep::BufferConfig& config() { return live().config(); }
-  bool alive() const { return buffer_ != nullptr; }
+  int device() const { return core_->device; }
+  const ep::Buffer& buffer() const {
+    WEFT_CHECK(core_->buffer != nullptr, "this weft.ep Buffer was destroyed");
+    return *core_->buffer;
+  }
+  bool alive() const { return core_->buffer != nullptr; }
 
  private:
   ep::Buffer& live() {
-    WEFT_CHECK(buffer_ != nullptr, "this weft.ep Buffer was destroyed");
-    return *buffer_;
+    WEFT_CHECK(core_->buffer != nullptr, "this weft.ep Buffer was destroyed");
+    return *core_->buffer;
   }
 
-  void release_resources() noexcept {
-    if (buffer_ == nullptr && comm_ == nullptr) return;
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(device_);
-    // The calls ran on streams of the Python layer's (torch's), and tensors may still be read
-    // on others: the window goes only after everything queued on the device.
-    cudaDeviceSynchronize();
-    buffer_.reset();
-    if (counts_event_ != nullptr) cudaEventDestroy(counts_event_);
-    if (entry_event_ != nullptr) cudaEventDestroy(entry_event_);
-    if (exit_event_ != nullptr) cudaEventDestroy(exit_event_);
-    if (host_counts_ != nullptr) cudaFreeHost(host_counts_);
-    if (comm_ != nullptr) ncclCommDestroy(comm_);
-    counts_event_ = nullptr;
-    entry_event_ = nullptr;
-    exit_event_ = nullptr;
-    host_counts_ = nullptr;
-    comm_ = nullptr;
-    cudaSetDevice(previous);
+  // The stream a call runs on: `stream`, or comm_stream ordered after previous_event or else
+  // after the work queued so far on `stream` (DeepEP's previous_event).
+  cudaStream_t enter(std::uintptr_t stream, std::uintptr_t comm_stream,
+                     std::uintptr_t previous_event) {
+    if (comm_stream == 0) return as_stream(stream);
+    cudaEvent_t event = reinterpret_cast<cudaEvent_t>(previous_event);
+    if (event == nullptr) {
+      event = core_->entry_event;
+      WEFT_CUDA_CHECK(cudaEventRecord(event, as_stream(stream)));
+    }
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(comm_stream), event, 0));
+    return as_stream(comm_stream);
   }
 
-  int device_ = 0;
-  ncclComm_t comm_ = nullptr;
-  std::unique_ptr<ep::Buffer> buffer_;
-  int32_t* host_counts_ = nullptr;  // pinned [num_local_experts]
-  cudaEvent_t counts_event_ = nullptr;
-  cudaEvent_t entry_event_ = nullptr;
-  cudaEvent_t exit_event_ = nullptr;
+  // Orders `stream` after the call on comm_stream, unless async_finish (the caller then orders
+  // its streams with an event recorded on comm_stream).
+  void leave(std::uintptr_t stream, std::uintptr_t comm_stream, bool async_finish) {
+    if (comm_stream == 0 || async_finish) return;
+    WEFT_CUDA_CHECK(cudaEventRecord(core_->exit_event, as_stream(comm_stream)));
+    WEFT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), core_->exit_event, 0));
+  }
+
+  std::shared_ptr<BufferCore> core_;
 };
 
 }  // namespace
@@ -269,7 +384,7 @@ void bind_ep(nb::module_& m) {
   m.def("copy_rows", &copy_rows, nb::arg("copies"), nb::arg("stream"), nb::arg("device"),
         "Device-to-device pitched copies (dst, dst_pitch, src, src_pitch, width, rows), in bytes, "
         "in one kernel per 8 copies on stream, a stream of device.");
-  m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for PyBuffer's communicator.");
+  m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for a Communicator.");
   m.def(
       "window_bytes",
       [](int64_t max_tokens, int64_t hidden, int num_experts, int top_k, int expand_factor,
@@ -283,12 +398,52 @@ void bind_ep(nb::module_& m) {
       "fp8_row_bytes", [](int64_t hidden) { return ep::fp8_row_layout(hidden).row_bytes; },
       nb::arg("hidden"));
 
+  nb::enum_<ep::DType>(m, "DType")
+      .value("bfloat16", ep::DType::kBFloat16)
+      .value("float32", ep::DType::kFloat32)
+      .value("int32", ep::DType::kInt32)
+      .value("int64", ep::DType::kInt64)
+      .value("uint8", ep::DType::kUInt8);
+
   nb::class_<ep::Handle>(m, "Handle")
       .def_ro("buffer_id", &ep::Handle::buffer_id)
       .def_ro("sequence", &ep::Handle::sequence)
       .def_ro("num_tokens", &ep::Handle::num_tokens)
       .def_ro("num_recv", &ep::Handle::num_recv)
       .def_prop_ro("expanded", [](const ep::Handle& h) { return h.expand.enabled; });
+
+  nb::class_<DispatchArgs>(m, "DispatchArgs")
+      .def(nb::init<>())
+      .def_rw("x", &DispatchArgs::x)
+      .def_rw("x_dtype", &DispatchArgs::x_dtype)
+      .def_rw("num_tokens", &DispatchArgs::num_tokens)
+      .def_rw("x_cols", &DispatchArgs::x_cols)
+      .def_rw("topk_idx", &DispatchArgs::topk_idx)
+      .def_rw("topk_idx_int64", &DispatchArgs::topk_idx_int64)
+      .def_rw("topk_weights", &DispatchArgs::topk_weights)
+      .def_rw("stats", &DispatchArgs::stats)
+      .def_rw("num_sms", &DispatchArgs::num_sms)
+      .def_rw("expand", &DispatchArgs::expand)
+      .def_rw("expert_alignment", &DispatchArgs::expert_alignment)
+      .def_rw("zero_padding", &DispatchArgs::zero_padding)
+      .def_rw("read_counts", &DispatchArgs::read_counts)
+      .def_rw("stream", &DispatchArgs::stream)
+      .def_rw("comm_stream", &DispatchArgs::comm_stream)
+      .def_rw("previous_event", &DispatchArgs::previous_event)
+      .def_rw("async_finish", &DispatchArgs::async_finish);
+
+  nb::class_<CombineArgs>(m, "CombineArgs")
+      .def(nb::init<>())
+      .def_rw("expert_out", &CombineArgs::expert_out)
+      .def_rw("expert_out_rows", &CombineArgs::expert_out_rows)
+      .def_rw("bias0", &CombineArgs::bias0)
+      .def_rw("bias1", &CombineArgs::bias1)
+      .def_rw("out", &CombineArgs::out)
+      .def_rw("num_sms", &CombineArgs::num_sms)
+      .def_rw("stream", &CombineArgs::stream)
+      .def_rw("comm_stream", &CombineArgs::comm_stream)
+      .def_rw("previous_event", &CombineArgs::previous_event)
+      .def_rw("async_finish", &CombineArgs::async_finish);
 
   nb::class_<DispatchOut>(m, "DispatchOut")
       .def_ro("handle", &DispatchOut::handle)
@@ -305,48 +460,54 @@ void bind_ep(nb::module_& m) {
       .def_ro("row_bytes", &DispatchOut::row_bytes)
       .def_ro("capacity", &DispatchOut::capacity);
 
+  nb::class_<PyCommunicator>(m, "Communicator")
+      .def(nb::init<nb::bytes, int, int, int>(), nb::arg("unique_id"), nb::arg("num_ranks"),
+           nb::arg("rank"), nb::arg("device"))
+      .def("destroy", &PyCommunicator::destroy)
+      .def_prop_ro("num_ranks", &PyCommunicator::num_ranks)
+      .def_prop_ro("rank", &PyCommunicator::rank)
+      .def_prop_ro("device", &PyCommunicator::device)
+      .def_prop_ro("alive", &PyCommunicator::alive);
+
   nb::class_<PyBuffer>(m, "Buffer")
       .def(
           "__init__",
-          [](PyBuffer* self, nb::bytes id, int num_ranks, int rank, int device,
-             int64_t max_tokens, int64_t hidden, int num_experts, int top_k, int expand_factor,
-             int num_sms, int tokens_per_block, double timeout_s, int pipeline_depth) {
+          [](PyBuffer* self, const PyCommunicator& communicator, int64_t max_tokens,
+             int64_t hidden, int num_experts, int top_k, int expand_factor, int num_sms,
+             int tokens_per_block, double timeout_s, int pipeline_depth) {
             ep::BufferOptions options;
             options.num_sms = num_sms;
             options.tokens_per_block = tokens_per_block;
             options.timeout_s = timeout_s;
             options.pipeline_depth = pipeline_depth;
-            new (self) PyBuffer(id, num_ranks, rank, device,
+            new (self) PyBuffer(communicator,
                                 {max_tokens, hidden, num_experts, top_k, expand_factor}, options);
           },
-          nb::arg("unique_id"), nb::arg("num_ranks"), nb::arg("rank"), nb::arg("device"),
-          nb::arg("max_tokens"), nb::arg("hidden"), nb::arg("num_experts"), nb::arg("top_k"),
-          nb::arg("expand_factor"), nb::arg("num_sms"), nb::arg("tokens_per_block"),
-          nb::arg("timeout_s"), nb::arg("pipeline_depth"))
+          nb::arg("communicator"), nb::kw_only(), nb::arg("max_tokens"), nb::arg("hidden"),
+          nb::arg("num_experts"), nb::arg("top_k"), nb::arg("expand_factor"), nb::arg("num_sms"),
+          nb::arg("tokens_per_block"), nb::arg("timeout_s"), nb::arg("pipeline_depth"))
       .def("destroy", &PyBuffer::destroy)
-      .def("dispatch", &PyBuffer::dispatch, nb::arg("x"), nb::arg("x_dtype"),
-           nb::arg("num_tokens"), nb::arg("x_cols"), nb::arg("topk_idx"),
-           nb::arg("topk_idx_dtype"), nb::arg("topk_weights"), nb::arg("handle").none(),
-           nb::arg("stats"), nb::arg("num_sms"), nb::arg("expand"), nb::arg("expert_alignment"),
-           nb::arg("zero_padding"), nb::arg("stream"), nb::arg("read_counts"))
-      .def("combine", &PyBuffer::combine, nb::arg("expert_out"), nb::arg("expert_out_rows"),
-           nb::arg("bias0"), nb::arg("bias1"), nb::arg("handle"), nb::arg("out"),
-           nb::arg("num_sms"), nb::arg("stream"))
-      .def("enter", &PyBuffer::enter, nb::arg("caller_stream"), nb::arg("previous_event"),
-           nb::arg("comm_stream"))
-      .def("leave", &PyBuffer::leave, nb::arg("caller_stream"), nb::arg("comm_stream"))
+      .def("window_bytes", &PyBuffer::window_bytes, nb::arg("data"), nb::arg("num_bytes"))
+      .def("dispatch", &PyBuffer::dispatch, nb::arg("args"), nb::arg("handle").none())
+      .def("combine", &PyBuffer::combine, nb::arg("args"), nb::arg("handle"))
+      .def("enter_comm", &PyBuffer::enter_comm, nb::arg("stream"), nb::arg("comm_stream"),
+           nb::arg("previous_event"))
+      .def("leave_comm", &PyBuffer::leave_comm, nb::arg("stream"), nb::arg("comm_stream"))
       .def("check", &PyBuffer::check)
-      .def_prop_ro("rank", &PyBuffer::rank)
-      .def_prop_ro("num_ranks", &PyBuffer::num_ranks)
       .def_prop_ro("device", &PyBuffer::device)
-      .def_prop_ro("capacity", &PyBuffer::capacity)
-      .def_prop_ro("expand_capacity", &PyBuffer::expand_capacity)
       .def_prop_ro("alive", &PyBuffer::alive)
-      .def_prop_ro("max_tokens", [](PyBuffer& b) { return b.config().max_tokens; })
-      .def_prop_ro("hidden", [](PyBuffer& b) { return b.config().hidden; })
-      .def_prop_ro("num_experts", [](PyBuffer& b) { return b.config().num_experts; })
-      .def_prop_ro("top_k", [](PyBuffer& b) { return b.config().top_k; })
-      .def_prop_ro("expand_factor", [](PyBuffer& b) { return b.config().expand_factor; });
+      .def_prop_ro("rank", [](const PyBuffer& b) { return b.buffer().rank(); })
+      .def_prop_ro("num_ranks", [](const PyBuffer& b) { return b.buffer().num_ranks(); })
+      .def_prop_ro("capacity", [](const PyBuffer& b) { return b.buffer().capacity(); })
+      .def_prop_ro("expand_capacity",
+                   [](const PyBuffer& b) { return b.buffer().expand_capacity(); })
+      .def_prop_ro("max_tokens", [](const PyBuffer& b) { return b.buffer().config().max_tokens; })
+      .def_prop_ro("hidden", [](const PyBuffer& b) { return b.buffer().config().hidden; })
+      .def_prop_ro("num_experts",
+                   [](const PyBuffer& b) { return b.buffer().config().num_experts; })
+      .def_prop_ro("top_k", [](const PyBuffer& b) { return b.buffer().config().top_k; })
+      .def_prop_ro("expand_factor",
+                   [](const PyBuffer& b) { return b.buffer().config().expand_factor; });
 }
 
 }  // namespace weft::python

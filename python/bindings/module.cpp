@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <string>
 
-#include "dlpack_capsule.hpp"
 #include "weft/core/error.hpp"
 #include "weft/core/version.hpp"
 
@@ -73,9 +72,6 @@ NB_MODULE(_weft, m) {
   nb::exception<weft::Error>(m, "Error", PyExc_RuntimeError);
   m.def("version", [] { return std::string(weft::version()); });
   m.def("info", &info, "What this build of weft contains and which NCCL / CUDA it runs with.");
-  m.def("device_bytes", &weft::python::device_bytes_capsule, nb::arg("data"),
-        nb::arg("num_bytes"), nb::arg("device"), nb::arg("owner"),
-        "A DLPack capsule of num_bytes bytes of device memory at data, kept alive by owner.");
   nb::module_ pipeline = m.def_submodule("pipeline", "weft::pipeline's engine with Python bodies");
   weft::python::bind_pipeline(pipeline);
   nb::module_ plan = m.def_submodule("plan", "weft::plan's simulator, report and trace reader");

@@ -1,19 +1,23 @@
 """weft.ep.Buffer: DeepEP V1's intranode `deep_ep.Buffer`, on weft's kernels.
 
-Code written for DeepEP runs by changing its import (`import weft.ep as deep_ep`); what differs
-and why is in docs/python.md ("Migrating from DeepEP"). In short:
-- weft sizes its window by tokens per call: the Buffer is built at the first dispatch from its
-  shapes (hidden, top-k, experts) and the largest T whose window fits num_nvl_bytes; a later
-  dispatch with other shapes rebuilds it (collectively, as every rank makes the same calls).
-- Results are tensors the caller owns (copied out of the window on the comm stream).
-- A handle stays usable after later dispatches (as in DeepEP), but only the latest layout is
-  cheap: using an older one re-runs its layout (one extra dispatch) first; Buffer.num_relayouts
-  counts those re-runs.
+Code written for DeepEP runs unchanged once `weft.ep.register_as_deep_ep()` has run (or with
+`import weft.ep as deep_ep`); what differs and why is in docs/python.md ("Migrating from
+DeepEP"). The Buffer is a thin layer on NativeBuffer's public API:
+- The communicator and the comm stream are made in __init__. The window is laid out at the first
+  dispatch from its shapes (hidden, top-k, experts) and the largest T per rank whose window fits
+  num_nvl_bytes; a dispatch with other shapes lays out a new window, and one that sends more
+  tokens than the window holds grows it (Buffer.num_regrowths): every rank learns that from the
+  count exchange of the same call, so every rank grows at the same call and no rank waits for
+  one that does not.
+- Results are tensors the caller owns (copied out of the window on the comm stream, allocated on
+  the caller's stream unless allocate_on_comm_stream).
+- A handle is DeepEP's tuple and stays usable after later dispatches, but only the latest layout
+  is cheap: using an older one re-runs its layout (one extra dispatch) first
+  (Buffer.num_relayouts). A handle of a window laid out for other shapes is refused.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -21,109 +25,140 @@ import torch.distributed as dist
 
 from .. import Error, _weft
 from . import _group
-from .config import Config
+from .communicator import Communicator
+from .config import Config, dispatch_config, combine_config
 from .event import EventHandle, EventOverlap
 from .layout import dispatch_layout
-from .native import NativeBuffer, check_tensor
+from .native import (CommCall, NativeBuffer, check_stream_options, check_tensor, check_x,
+                     event_of)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
-# are padded with -1 to the Buffer's.
+# are padded with -1 to the window's.
 _MIN_TOP_K = 8
 _MAX_TOP_K = 32
+# A grown window holds this many times the tokens that did not fit (so that slowly growing T
+# does not regrow at every call).
+_GROWTH = 1.25
 
 
-class Handle:
-    """A dispatch's layout (DeepEP's handle tuple). handle[0] is DeepEP's rank_prefix_matrix
-    [R, R] int32 (computed on first use: a collective over the group, so every rank reads it, as
-    DeepEP's tests do); the other elements are weft's own and opaque."""
+class _Layout:
+    """What a handle needs of its dispatch beyond DeepEP's tuple (mutable: a re-run layout gets
+    a new native handle)."""
 
-    def __init__(self, buffer: "Buffer", native, num_tokens: int, num_recv: Optional[int],
-                 num_worst_tokens: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                 is_token_in_rank: torch.Tensor, recv_src: torch.Tensor) -> None:
-        self._buffer = buffer
+    __slots__ = ("buffer_serial", "window_shapes", "native", "num_tokens", "num_recv",
+                 "num_worst_tokens", "topk_idx", "topk_weights", "recv_src")
+
+    def __init__(self, buffer_serial: int, window_shapes: Tuple[int, int, int], native,
+                 num_tokens: int, num_recv: Optional[int], num_worst_tokens: int, topk_idx,
+                 topk_weights, recv_src) -> None:
+        self.buffer_serial = buffer_serial
+        self.window_shapes = window_shapes  # (hidden, num_experts, top_k) of its window
         self.native = native
         self.num_tokens = num_tokens
         self.num_recv = num_recv  # None: only on the device (num_worst_tokens > 0)
         self.num_worst_tokens = num_worst_tokens
-        self.topk_idx = topk_idx          # [T, window top_k], kept to re-run the layout
+        self.topk_idx = topk_idx  # [T, window top_k], kept to re-run the layout
         self.topk_weights = topk_weights
-        self.is_token_in_rank = is_token_in_rank
-        self.recv_src = recv_src          # owned; padding rows of a worst-case layout: token T
-        self._rank_prefix_matrix: Optional[torch.Tensor] = None
+        self.recv_src = recv_src  # owned [rows, 2]; padding rows of a worst-case layout: token T
 
     @property
     def num_rows(self) -> int:
         """Rows of the received tensors: num_recv, or num_worst_tokens."""
         return self.num_recv if self.num_recv is not None else self.num_worst_tokens
 
+
+class Handle(tuple):
+    """A dispatch's layout, DeepEP's handle tuple: (rank_prefix_matrix [R, R] int32,
+    channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx [rows] int32,
+    is_token_in_rank [T, R] bool, send_head). weft has no channels and no send head: those are
+    None. rank_prefix_matrix[i][j] is the number of rows rank j received from ranks 0..i,
+    computed on every rank by its own kernel (no collective)."""
+
+    def __new__(cls, rank_prefix_matrix: torch.Tensor, is_token_in_rank: torch.Tensor,
+                layout: _Layout) -> "Handle":
+        h = super().__new__(cls, (rank_prefix_matrix, None, None, layout.recv_src[:, 1],
+                                  is_token_in_rank, None))
+        h.layout = layout
+        return h
+
     @property
-    def rank_prefix_matrix(self) -> torch.Tensor:
-        if self._rank_prefix_matrix is None:
-            self._rank_prefix_matrix = self._buffer._rank_prefix_matrix(self)
-        return self._rank_prefix_matrix
-
-    def __len__(self) -> int:
-        return 6
-
-    def __getitem__(self, i: int):
-        if i == 0 or i == -6:
-            return self.rank_prefix_matrix
-        if not -6 <= i < 6:
-            raise IndexError("a dispatch handle has 6 elements")
-        return (None, None, self.recv_src, self.is_token_in_rank, None)[i - 1 if i > 0 else i]
-
-    def __iter__(self):
-        return (self[i] for i in range(6))
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
 
 
 class Buffer:
     """DeepEP's intranode Buffer over a torch.distributed NCCL group (or None: one GPU).
 
-    Extra keyword arguments, weft's own: max_tokens (size the window for this many tokens per
-    rank instead of from num_nvl_bytes), timeout_s (bound of every device-side wait).
-    num_relayouts: how many times a combine or cached dispatch of an older handle re-ran that
-    handle's layout (an extra dispatch each) on this Buffer.
+    DeepEP's parameters come in DeepEP's order; what weft cannot honour raises weft.Error naming
+    the parameter. weft's own, keyword-only: max_tokens (size the first window for this many
+    tokens per rank instead of from num_nvl_bytes), timeout_s (bound of every device-side wait).
     """
 
     num_sms: int = 20
+    _next_serial = 0
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0,
                  num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
-                 allow_mnnvl: bool = False, explicitly_destroy: bool = False,
-                 enable_shrink: bool = False, comm=None, *, max_tokens: Optional[int] = None,
-                 timeout_s: float = 20.0) -> None:
+                 allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
+                 max_tokens: Optional[int] = None, timeout_s: float = 20.0) -> None:
         if comm is not None:
-            raise Error("weft.ep.Buffer takes a torch.distributed group, not an mpi4py comm")
-        if low_latency_mode or num_rdma_bytes:
-            raise Error("weft.ep supports DeepEP's intranode (normal) mode only: "
-                        "low_latency_mode and num_rdma_bytes are not supported")
+            raise Error("Buffer(comm=...): weft.ep takes a torch.distributed group (or None for "
+                        "one GPU), not an mpi4py communicator")
+        if low_latency_mode:
+            raise Error("Buffer(low_latency_mode=True): weft.ep supports DeepEP's intranode "
+                        "(normal) mode only")
+        if num_rdma_bytes:
+            raise Error(f"Buffer(num_rdma_bytes={num_rdma_bytes}): weft.ep is intranode only "
+                        f"(no RDMA buffer); pass 0")
+        if allow_mnnvl:
+            raise Error("Buffer(allow_mnnvl=True): weft.ep runs the ranks of one node over "
+                        "NVLink; multi-node NVLink is not supported")
+        if use_fabric:
+            raise Error("Buffer(use_fabric=True): weft.ep allocates its window with NCCL "
+                        "(ncclMemAlloc); fabric handles are not supported")
+        if enable_shrink:
+            raise Error("Buffer(enable_shrink=True): weft.ep has no rank masking (shrink mode)")
+        if max_tokens is None and int(num_nvl_bytes) <= 0:
+            raise Error("Buffer needs num_nvl_bytes > 0 (or max_tokens=...) to size its window")
+        if max_tokens is not None and int(max_tokens) < 1:
+            raise Error(f"Buffer(max_tokens={max_tokens}): must be >= 1")
         self.rank, self.group_size = _group.group_rank_size(group)
         self.group = group
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = 0
         self.low_latency_mode = False
         self.explicitly_destroy = explicitly_destroy
-        self._max_tokens = max_tokens
-        self._timeout_s = timeout_s
-        if max_tokens is None and self.num_nvl_bytes <= 0:
-            raise Error("weft.ep.Buffer needs num_nvl_bytes > 0 (or max_tokens=...) to size its "
-                        "window")
+        self.enable_shrink = False
+        self._max_tokens = None if max_tokens is None else int(max_tokens)
+        self._timeout_s = float(timeout_s)
+        self._communicator = Communicator(group, ("weft.ep.Buffer", self.num_nvl_bytes,
+                                                  self._max_tokens))
+        self._device = self._communicator.device
+        self._comm_stream = torch.cuda.Stream(self._device, priority=-1000)
         self._native: Optional[NativeBuffer] = None
-        self._layout_stream: Optional[torch.cuda.Stream] = None
         self._destroyed = False
+        self._serial = Buffer._next_serial
+        Buffer._next_serial += 1
         self.num_relayouts = 0
+        self.num_regrowths = 0
 
     # -- DeepEP's static helpers ------------------------------------------------------------------
     @staticmethod
     def is_sm90_compiled() -> bool:
-        return True
+        """Whether the extension carries kernels for SM 90 (Hopper)."""
+        info = _weft.info()
+        archs = str(info.get("cuda_architectures", ""))
+        return bool(info.get("built_with_cuda")) and any(a.startswith("90")
+                                                         for a in archs.replace(",", ";").split(";"))
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        if new_num_sms <= 0 or new_num_sms % 2 != 0:
-            raise Error(f"set_num_sms: the SM count must be positive and even, got {new_num_sms}")
+        """The SM count of the default configs (DeepEP's rule: even)."""
+        if not isinstance(new_num_sms, int) or new_num_sms % 2 != 0 or new_num_sms < 0:
+            raise Error(f"set_num_sms: the SM count must be an even int >= 0, got {new_num_sms!r}")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -133,98 +168,145 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms, 24, 256, 6, 128)
+        return dispatch_config(Buffer.num_sms, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms, 10, 256, 6, 128)
+        return combine_config(Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(*args, **kwargs) -> int:
+        raise Error("get_low_latency_rdma_size_hint: weft.ep has no low-latency mode yet; use "
+                    "dispatch/combine (normal mode)")
 
     def get_comm_stream(self) -> torch.cuda.Stream:
-        return self._live("get_comm_stream").comm_stream
+        self._check_alive("get_comm_stream")
+        return self._comm_stream
 
     def get_local_device_id(self) -> int:
-        return torch.cuda.current_device()
+        return self._device.index
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise Error("get_local_buffer_tensor: weft's window is laid out by its kernels and has no "
+                    "free scratch region; allocate a torch tensor instead")
+
+    @property
+    def runtime(self):
+        raise Error("Buffer.runtime: weft.ep has no DeepEP C++ runtime object; use the Buffer's "
+                    "methods (the native API is weft.ep.NativeBuffer)")
+
+    def internode_dispatch(self, *args, **kwargs):
+        raise Error("internode_dispatch: weft.ep is intranode only (NVLink within one node)")
+
+    def internode_combine(self, *args, **kwargs):
+        raise Error("internode_combine: weft.ep is intranode only (NVLink within one node)")
+
+    def clean_low_latency_buffer(self, *args, **kwargs):
+        raise Error("clean_low_latency_buffer: weft.ep has no low-latency mode yet")
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        raise Error("low_latency_dispatch: weft.ep has no low-latency mode yet")
+
+    def low_latency_combine(self, *args, **kwargs):
+        raise Error("low_latency_combine: weft.ep has no low-latency mode yet")
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:
             raise Error("destroy() needs Buffer(..., explicitly_destroy=True) (as in DeepEP)")
+        self._release()
+
+    def _release(self) -> None:
         if self._native is not None:
             self._native.destroy()
         self._native = None
+        if self._communicator.alive:
+            self._communicator.destroy()
         self._destroyed = True
 
     # -- the window ---------------------------------------------------------------------------
-    def _live(self, what: str) -> NativeBuffer:
+    def _check_alive(self, what: str) -> None:
         if self._destroyed:
             raise Error(f"{what}: this Buffer was destroyed")
-        if self._native is None:
-            raise Error(f"{what}: the window is built by the first dispatch (it is sized from "
-                        f"its shapes)")
-        return self._native
 
-    def _native_for(self, hidden: int, top_k: int, num_experts: int) -> NativeBuffer:
-        if self._destroyed:
-            raise Error("dispatch: this Buffer was destroyed")
+    def _window_for(self, hidden: int, top_k: int, num_experts: int) -> NativeBuffer:
+        """The window for a dispatch of these shapes (checked): the current one when it fits,
+        else a new one (collective: every rank makes the same calls)."""
         n = self._native
         if n is not None and n.hidden == hidden and n.num_experts == num_experts and \
                 n.top_k >= top_k:
             return n
-        if num_experts % self.group_size != 0:
-            raise Error(f"num_experts {num_experts} must be a multiple of the group size "
-                        f"{self.group_size}")
         want_k = min(max(top_k, self.group_size, _MIN_TOP_K), _MAX_TOP_K)
-        if top_k > _MAX_TOP_K:
-            raise Error(f"top-k {top_k} is above weft's limit of {_MAX_TOP_K}")
         max_tokens = self._max_tokens or max_tokens_for(self.num_nvl_bytes, hidden,
                                                         self.group_size, want_k, num_experts)
         if max_tokens < 1:
             raise Error(f"num_nvl_bytes={self.num_nvl_bytes} holds no token of hidden {hidden} at "
                         f"{self.group_size} ranks")
-        if n is not None:
-            n.destroy()
+        return self._lay_out(max_tokens, hidden, num_experts, want_k)
+
+    def _lay_out(self, max_tokens: int, hidden: int, num_experts: int, top_k: int) -> NativeBuffer:
+        if self._native is not None:
+            self._native.destroy()
             self._native = None
         self._native = NativeBuffer(self.group, max_tokens=max_tokens, hidden=hidden,
-                                    num_experts=num_experts, top_k=want_k,
-                                    timeout_s=self._timeout_s)
+                                    num_experts=num_experts, top_k=top_k,
+                                    timeout_s=self._timeout_s, communicator=self._communicator,
+                                    comm_stream=self._comm_stream)
         return self._native
+
+    def _grow(self, tokens_required: int) -> NativeBuffer:
+        """A window for tokens_required tokens per rank (and some room), with the same shapes:
+        every rank calls this at the same call, having learnt tokens_required from the same
+        count exchange."""
+        n = self._native
+        self.num_regrowths += 1
+        return self._lay_out(max(int(tokens_required * _GROWTH), tokens_required), n.hidden,
+                             n.num_experts, n.top_k)
 
     # -- layout ---------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool, event), as DeepEP's."""
-        device = _group.current_device()
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (None, None))
-        if num_experts <= 0 or num_experts % self.group_size != 0:
-            raise Error(f"num_experts {num_experts} must be a positive multiple of the group "
+        is_token_in_rank [T, R] bool, event), as DeepEP's. No host sync and no collective: the
+        counts are computed on the device (on the comm stream with previous_event or
+        async_finish, into tensors allocated on the caller's stream unless
+        allocate_on_comm_stream)."""
+        self._check_alive("get_dispatch_layout")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), self._device, (None, None))
+        if not isinstance(num_experts, int) or num_experts <= 0 or \
+                num_experts % self.group_size != 0:
+            raise Error(f"num_experts {num_experts!r} must be a positive multiple of the group "
                         f"size {self.group_size}")
-        if previous_event is None and not async_finish:
-            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts,
-                                                            self.group_size)
+        check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
+        num_tokens = topk_idx.shape[0]
+
+        def outputs():
+            return (torch.empty(self.group_size, dtype=torch.int32, device=self._device),
+                    torch.empty(num_experts, dtype=torch.int32, device=self._device),
+                    torch.empty((num_tokens, self.group_size), dtype=torch.bool,
+                                device=self._device))
+
+        if event_of(previous_event) == 0 and not async_finish:
+            per_rank, per_expert, in_rank = outputs()
+            dispatch_layout(topk_idx, num_experts, self.group_size, (per_rank, per_expert, in_rank))
             return per_rank, None, per_expert, in_rank, EventOverlap(None)
-        current = torch.cuda.current_stream()
+        with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
+            with call.allocating():
+                outs = outputs()
+            dispatch_layout(topk_idx, num_experts, self.group_size, outs)
+            call.keep(topk_idx, *outs)
+        per_rank, per_expert, in_rank = outs
+        return per_rank, None, per_expert, in_rank, call.event
+
+    def _comm_call(self, previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+        """A CommCall on this Buffer's comm stream (the window need not exist yet)."""
+        return CommCall(self._stream_owner(), previous_event, async_finish,
+                        allocate_on_comm_stream)
+
+    def _stream_owner(self):
         if self._native is not None:
-            side = self._native.comm_stream
-        else:  # no window yet: a stream of its own, made once
-            if self._layout_stream is None:
-                self._layout_stream = torch.cuda.Stream(device=device, priority=-1000)
-            side = self._layout_stream
-        if previous_event is not None:
-            side.wait_event(previous_event.event.event)
-        else:
-            side.wait_stream(current)
-        with torch.cuda.stream(side):
-            per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts,
-                                                            self.group_size)
-        outs = (per_rank, per_expert, in_rank)
-        if not async_finish:
-            current.wait_stream(side)
-            return per_rank, None, per_expert, in_rank, EventOverlap(None)
-        if not torch.cuda.is_current_stream_capturing():
-            for t in (topk_idx, *outs):
-                t.record_stream(side)
-        return per_rank, None, per_expert, in_rank, EventOverlap(EventHandle(side), (topk_idx, *outs))
+            return self._native
+        return _StreamOnly(self._comm_stream, self._device)
 
     # -- dispatch -------------------------------------------------------------------------------
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -241,13 +323,15 @@ class Buffer:
         """DeepEP's intranode dispatch: (recv_x, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event); a cached call (handle=) returns
         (recv_x, None, None, None, None, event)."""
-        config = self.get_dispatch_config(self.group_size) if config is None else config
+        self._check_alive("dispatch")
+        num_sms = self._num_sms(config, self.get_dispatch_config)
         if num_tokens_per_rdma_rank is not None:
             raise Error("num_tokens_per_rdma_rank: weft.ep is intranode only")
-        if expert_alignment < 1:
-            raise Error(f"expert_alignment must be >= 1, got {expert_alignment}")
-        if num_worst_tokens < 0:
-            raise Error(f"num_worst_tokens must be >= 0, got {num_worst_tokens}")
+        if not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise Error(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise Error(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
+        check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
         is_fp8 = isinstance(x, (tuple, list))
         x_main = x[0] if is_fp8 else x
         if not isinstance(x_main, torch.Tensor) or x_main.dim() != 2:
@@ -255,7 +339,7 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise Error("a cached dispatch (handle=...) takes no topk_idx / topk_weights")
-            return self._cached_dispatch(x, handle, config, previous_event, async_finish,
+            return self._cached_dispatch(x, handle, num_sms, previous_event, async_finish,
                                          allocate_on_comm_stream)
         if num_tokens_per_rank is None or is_token_in_rank is None or \
                 num_tokens_per_expert is None:
@@ -263,102 +347,96 @@ class Buffer:
                         "num_tokens_per_expert (from get_dispatch_layout), or a handle")
         if (topk_idx is None) != (topk_weights is None):
             raise Error("topk_idx and topk_weights go together")
+        # Every input is checked before the window may be laid out anew (a collective).
         num_tokens, hidden = x_main.shape
-        device = x_main.device
+        device = self._device
+        if not isinstance(num_tokens_per_expert, torch.Tensor):
+            raise Error("num_tokens_per_expert must be a torch.Tensor")
         num_experts = num_tokens_per_expert.numel()
         check_tensor("num_tokens_per_expert", num_tokens_per_expert, (torch.int32,), device,
                      (num_experts,))
+        if num_experts == 0 or num_experts % self.group_size != 0:
+            raise Error(f"num_tokens_per_expert has {num_experts} experts, not a positive "
+                        f"multiple of the group size {self.group_size}")
         check_tensor("num_tokens_per_rank", num_tokens_per_rank, (torch.int32,), device,
                      (self.group_size,))
         check_tensor("is_token_in_rank", is_token_in_rank, (torch.bool,), device,
                      (num_tokens, self.group_size))
-        top_k = topk_idx.shape[1] if topk_idx is not None and topk_idx.dim() == 2 else 0
-        native = self._native_for(hidden, top_k, num_experts)
+        top_k = 0
         if topk_idx is not None:
-            check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), native.device,
+            check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device,
+                         (num_tokens, None))
+            top_k = topk_idx.shape[1]
+            check_tensor("topk_weights", topk_weights, (torch.float32,), device,
                          (num_tokens, top_k))
-            check_tensor("topk_weights", topk_weights, (torch.float32,), native.device,
-                         (num_tokens, top_k))
-        current = native._enter(previous_event, async_finish, allocate_on_comm_stream)
-        comm = native.comm_stream
-        k = native.top_k
-        # The caller's selections go to the kernel as they are when they fit the window's top_k;
-        # else (or without top-k) widened copies, made on the comm stream.
-        direct = topk_idx is not None and top_k == k
-        with torch.cuda.stream(comm) if is_fp8 or not direct else contextlib.nullcontext():
-            if direct:
-                idx_in, w_in = topk_idx, topk_weights
-            else:
-                idx_in, w_in = self._padded_selections(native, topk_idx, topk_weights,
-                                                       is_token_in_rank)
-            packed, x_dtype, x_cols, _ = native._x_arg(x)
-            res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_in.data_ptr(),
-                                          _index_dtype(idx_in), w_in.data_ptr(), None, 0,
-                                          config.num_sms, None, num_worst_tokens == 0)
-        rows = res.num_recv if num_worst_tokens == 0 else num_worst_tokens
-        if rows > native.capacity:
-            raise Error(f"num_worst_tokens {num_worst_tokens} is above the {native.capacity} "
-                        f"rows this Buffer can receive")
-        # The results belong to the caller's stream (DeepEP: allocate_on_comm_stream=False),
-        # written on the comm stream, which the caller waits on (or on the event).
-        with native._allocating(allocate_on_comm_stream):
-            recv_x = _empty_like_rows(res.recv_x, rows)
-            recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
-            recv_idx = recv_w = None
-            if topk_idx is not None:
-                recv_idx = torch.empty((rows, top_k), dtype=topk_idx.dtype, device=device)
-                recv_w = torch.empty((rows, top_k), dtype=torch.float32, device=device)
-            if direct:  # the handle's own copies, to re-run the layout whatever the caller does
-                idx_keep, w_keep = torch.empty_like(topk_idx), torch.empty_like(topk_weights)
-            else:
-                idx_keep, w_keep = idx_in, w_in
-        # One call enqueues every plain copy out of the window (and of the selections kept).
-        row_bytes = native._fp8_row_bytes if is_fp8 else native.hidden * 2
-        copies = [_rows_copy(dst, src, row_bytes, rows)
-                  for dst, src in zip(_flat(recv_x), _flat(res.recv_x))]
-        copies.append(_rows_copy(recv_src, res.recv_src, 8, rows))
-        if topk_idx is not None:
-            copies.append(_rows_copy(recv_w, res.recv_weights, 4 * k, rows))
-            if recv_idx.dtype == torch.int32:
-                copies.append(_rows_copy(recv_idx, res.recv_expert_idx, 4 * k, rows))
-        if direct:
-            copies += [_rows_copy(idx_keep, topk_idx, idx_keep.stride(0) * idx_keep.element_size(),
-                                  num_tokens),
-                       _rows_copy(w_keep, topk_weights, 4 * k, num_tokens)]
-        _weft.ep.copy_rows(copies, comm.cuda_stream, native.device.index)
-        needs_ops = (topk_idx is not None and recv_idx.dtype != torch.int32) or \
-            num_worst_tokens > 0
-        with torch.cuda.stream(comm) if needs_ops else contextlib.nullcontext():
-            if topk_idx is not None and recv_idx.dtype != torch.int32:
-                recv_idx.copy_(res.recv_expert_idx[:rows, :top_k])  # widened to int64
-            if num_worst_tokens > 0:
-                invalid = torch.arange(rows, device=device, dtype=torch.int32) >= \
-                    res.num_recv_device
-                recv_src[:, 1].masked_fill_(invalid, num_tokens)
+            if not 1 <= top_k <= _MAX_TOP_K:
+                raise Error(f"top-k {top_k} is outside weft's range [1, {_MAX_TOP_K}]")
+        if hidden * 2 % 16 != 0:
+            raise Error(f"hidden {hidden} must be a multiple of 8 (rows move in 16-byte "
+                        f"vectors)")
+        check_x(x, hidden, device)
+        native = self._window_for(hidden, top_k, num_experts)
+        sync = num_worst_tokens == 0
+        with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
+            idx_in, w_in = self._selections(native, topk_idx, topk_weights, is_token_in_rank)
+            packed = native.packed_x(x)
+            res = native.launch_dispatch(packed, is_fp8, idx_in, w_in, None, None, num_sms,
+                                         None, sync)
+            while sync and res.tokens_required:
+                # Every rank saw the same count exchange: every rank grows here.
+                native = self._grow(res.tokens_required)
+                call.buffer = native
+                res = native.launch_dispatch(packed, is_fp8, idx_in, w_in, None, None, num_sms,
+                                             None, sync)
+            rows = res.num_recv if sync else num_worst_tokens
+            with call.allocating():
+                recv_x = _empty_rows(res.recv_x, rows)
+                recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
+                prefix = torch.empty((self.group_size, self.group_size), dtype=torch.int32,
+                                     device=device)
+                recv_idx = recv_w = None
                 if topk_idx is not None:
-                    recv_idx.masked_fill_(invalid[:, None], -1)
-                    recv_w.masked_fill_(invalid[:, None], 0)
-        if num_worst_tokens > 0:
+                    recv_idx = torch.empty((rows, top_k), dtype=topk_idx.dtype, device=device)
+                    recv_w = torch.empty((rows, top_k), dtype=torch.float32, device=device)
+            # The handle's own selections, to re-run the layout whatever the caller does later.
+            idx_keep, w_keep = (idx_in.clone(), w_in.clone()) if idx_in is topk_idx else \
+                (idx_in, w_in)
+            self._copy_out(native, res, rows, recv_x, recv_src, prefix, recv_idx, recv_w,
+                           num_tokens, num_worst_tokens)
+            call.keep(packed, *_flat(x), idx_in, w_in, idx_keep, w_keep, topk_idx, topk_weights,
+                      *_flat(recv_x), recv_src, prefix, recv_idx, recv_w)
+        if not sync:
             counts: List[int] = []
         elif topk_idx is not None:
             counts = [-(-c // expert_alignment) * expert_alignment
                       for c in res.tokens_per_local_expert_list]
         else:
             counts = self._counts_without_topk(num_tokens_per_expert, expert_alignment)
-        new_handle = Handle(self, res.handle, num_tokens,
-                            res.num_recv if num_worst_tokens == 0 else None, num_worst_tokens,
-                            idx_keep, w_keep, is_token_in_rank, recv_src)
-        outs = [t for t in (packed, idx_keep, w_keep, topk_idx, topk_weights, *_flat(recv_x),
-                            recv_idx, recv_w, recv_src, *_flat(x)) if t is not None]
-        event = native._leave(current, async_finish, outs)
-        return recv_x, recv_idx, recv_w, counts, new_handle, event
+        layout = _Layout(self._serial, (native.hidden, native.num_experts, native.top_k),
+                         res.handle, num_tokens, res.num_recv if sync else None,
+                         num_worst_tokens, idx_keep, w_keep, recv_src)
+        return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, layout), \
+            call.event
 
-    def _padded_selections(self, native: NativeBuffer, topk_idx, topk_weights, is_token_in_rank):
-        """topk_idx / topk_weights widened with -1 / 0 to the window's top_k, as int64. Without
-        top-k (routing by is_token_in_rank alone) each destination rank gets one selection of
-        its first expert."""
-        num_tokens = is_token_in_rank.shape[0]
+    def _num_sms(self, config: Optional[Config], default) -> int:
+        """The most SMs (blocks) of the call: config.num_sms, even as in DeepEP; 0 = every SM."""
+        if config is None:
+            config = default(self.group_size)
+        elif not isinstance(config, Config):
+            raise Error(f"config must be a weft.ep.Config, got {type(config).__name__}")
+        if config.num_sms % 2 != 0:
+            raise Error(f"config.num_sms must be even (as in DeepEP), got {config.num_sms}")
+        return config.num_sms
+
+    def _selections(self, native: NativeBuffer, topk_idx, topk_weights, is_token_in_rank):
+        """The selections the kernel reads: the caller's when they fit the window's top_k, else
+        copies widened with -1 / 0 (made on the current stream, the comm stream). Without top-k
+        (routing by is_token_in_rank alone) each destination rank gets one selection of its
+        first expert."""
         k = native.top_k
+        if topk_idx is not None and topk_idx.shape[1] == k:
+            return topk_idx, topk_weights
+        num_tokens = is_token_in_rank.shape[0]
         idx = torch.full((num_tokens, k), -1, dtype=torch.int64, device=native.device)
         w = torch.zeros((num_tokens, k), dtype=torch.float32, device=native.device)
         if topk_idx is not None:
@@ -369,6 +447,35 @@ class Buffer:
             idx[:, :self.group_size].copy_(torch.where(is_token_in_rank, first, -1))
         return idx, w
 
+    def _copy_out(self, native: NativeBuffer, res, rows: int, recv_x, recv_src, prefix,
+                  recv_idx, recv_w, num_tokens: int, num_worst_tokens: int) -> None:
+        """Copies a dispatch's results out of the window into the owned tensors (on the current
+        stream, the comm stream): one copy kernel for every plain copy, torch ops for the
+        widening of indices and the padding of a worst-case layout."""
+        valid = min(rows, native.capacity)  # rows past the capacity are padding only
+        k = native.top_k
+        row_bytes = native.fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
+        copies = [_rows_copy(dst, src, row_bytes, valid)
+                  for dst, src in zip(_flat(recv_x), _flat(res.recv_x))]
+        copies.append(_rows_copy(recv_src, res.recv_src, 8, valid))
+        copies.append(_rows_copy(prefix, res.rank_prefix_matrix, 4 * self.group_size,
+                                 self.group_size))
+        if recv_w is not None:
+            copies.append(_rows_copy(recv_w, res.recv_weights, 4 * k, valid))
+            if recv_idx.dtype == torch.int32:
+                copies.append(_rows_copy(recv_idx, res.recv_expert_idx, 4 * k, valid))
+        _weft.ep.copy_rows(copies, native.comm_stream.cuda_stream, native.device.index)
+        if recv_idx is not None and recv_idx.dtype != torch.int32:
+            recv_idx[:valid].copy_(res.recv_expert_idx[:valid, :recv_idx.shape[1]])
+        if num_worst_tokens > 0:
+            invalid = torch.arange(rows, device=native.device, dtype=torch.int32) >= \
+                res.num_recv_device
+            recv_src[valid:].fill_(0)
+            recv_src[:, 1].masked_fill_(invalid, num_tokens)
+            if recv_idx is not None:
+                recv_idx.masked_fill_(invalid[:, None], -1)
+                recv_w.masked_fill_(invalid[:, None], 0)
+
     def _counts_without_topk(self, num_tokens_per_expert: torch.Tensor, alignment: int) -> list:
         total = num_tokens_per_expert.clone()
         if self.group is not None:
@@ -376,54 +483,62 @@ class Buffer:
         mine = total.view(self.group_size, -1)[self.rank].tolist()
         return [-(-c // alignment) * alignment for c in mine]
 
-    def _relayout(self, native: NativeBuffer, handle: Handle, x=None, config=None):
-        """Re-runs the layout of an older handle (one uncached dispatch of its selections) so
-        that the window holds it again; returns that dispatch's result."""
-        if x is None:
-            x = torch.zeros((handle.num_tokens, native.hidden), dtype=torch.bfloat16,
-                            device=native.device)
-        packed, x_dtype, x_cols, is_fp8 = native._x_arg(x)
-        res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8,
-                                      handle.topk_idx.data_ptr(), _index_dtype(handle.topk_idx),
-                                      handle.topk_weights.data_ptr(), None, 0,
-                                      (config or self.get_dispatch_config(self.group_size)).num_sms,
-                                      None, False)
-        handle.native = res.handle
-        self.num_relayouts += 1
-        return res, packed
-
     def _native_of(self, handle, what: str) -> NativeBuffer:
-        """The window a call with handle runs on; raises unless handle is this Buffer's."""
+        """The window a call with handle runs on; raises unless handle is this Buffer's and its
+        window's shapes are the current window's."""
         if not isinstance(handle, Handle):
-            raise Error(f"handle must come from this Buffer's dispatch, got "
+            raise Error(f"{what}: handle must come from this Buffer's dispatch, got "
                         f"{type(handle).__name__}")
-        native = self._live(what)
-        if handle._buffer is not self:
-            raise Error("handle comes from another Buffer")
+        self._check_alive(what)
+        layout = handle.layout
+        if layout.buffer_serial != self._serial:
+            raise Error(f"{what}: the handle comes from another Buffer")
+        native = self._native
+        shapes = (native.hidden, native.num_experts, native.top_k)
+        if layout.window_shapes != shapes:
+            h, e, k = layout.window_shapes
+            raise Error(f"{what}: the handle's dispatch ran on a window for hidden {h}, {e} "
+                        f"experts, top-k {k}; this Buffer has since been laid out for hidden "
+                        f"{shapes[0]}, {shapes[1]} experts, top-k {shapes[2]}, which that "
+                        f"layout cannot run on: dispatch again")
         return native
 
-    def _cached_dispatch(self, x, handle, config, previous_event, async_finish,
+    def _relayout(self, native: NativeBuffer, layout: _Layout, num_sms: int):
+        """Re-runs the layout of an older handle (one uncached dispatch of its selections, on the
+        current stream: the comm stream) so that the window holds it again."""
+        x = torch.zeros((layout.num_tokens, native.hidden), dtype=torch.bfloat16,
+                        device=native.device)
+        res = native.launch_dispatch(x, False, layout.topk_idx, layout.topk_weights, None, None,
+                                     num_sms, None, False)
+        layout.native = res.handle
+        self.num_relayouts += 1
+        return x
+
+    def _cached_dispatch(self, x, handle: Handle, num_sms: int, previous_event, async_finish,
                          allocate_on_comm_stream):
         native = self._native_of(handle, "dispatch")
-        current = native._enter(previous_event, async_finish, allocate_on_comm_stream)
-        rows = handle.num_rows
-        current_layout = native._holds_layout(handle.native)
-        plain = current_layout and not isinstance(x, (tuple, list))  # no torch op on the way
-        with contextlib.nullcontext() if plain else torch.cuda.stream(native.comm_stream):
-            if current_layout:
-                packed, x_dtype, x_cols, is_fp8 = native._x_arg(x)
-                res = native._launch_dispatch(packed, x_dtype, x_cols, is_fp8, 0, "int64", 0,
-                                              handle.native, 0, config.num_sms, None, False)
-            else:
-                res, packed = self._relayout(native, handle, x, config)
-        with native._allocating(allocate_on_comm_stream):
-            recv_x = _empty_like_rows(res.recv_x, rows)
-        row_bytes = native._fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
-        _weft.ep.copy_rows([_rows_copy(dst, src, row_bytes, rows)
-                            for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
-                           native.comm_stream.cuda_stream, native.device.index)
-        event = native._leave(current, async_finish, [packed, *_flat(recv_x), *_flat(x)])
-        return recv_x, None, None, None, None, event
+        num_tokens, is_fp8 = native.check_x(x)
+        layout = handle.layout
+        if num_tokens != layout.num_tokens:
+            raise Error(f"cached dispatch: x has {num_tokens} tokens, the handle's layout "
+                        f"{layout.num_tokens}")
+        rows = layout.num_rows
+        with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
+            if not native.holds_layout(layout.native):
+                call.keep(self._relayout(native, layout, num_sms), layout.topk_idx,
+                          layout.topk_weights)
+            packed = native.packed_x(x)
+            res = native.launch_dispatch(packed, is_fp8, None, None, layout.native, None,
+                                         num_sms, None, False)
+            with call.allocating():
+                recv_x = _empty_rows(res.recv_x, rows)
+            valid = min(rows, native.capacity)
+            row_bytes = native.fp8_row_bytes if is_fp8 else native.hidden * 2
+            _weft.ep.copy_rows([_rows_copy(dst, src, row_bytes, valid)
+                                for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
+                               native.comm_stream.cuda_stream, native.device.index)
+            call.keep(packed, *_flat(recv_x), *_flat(x))
+        return recv_x, None, None, None, None, call.event
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: Handle,
@@ -432,10 +547,15 @@ class Buffer:
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """DeepEP's intranode combine (a sum, without weights): (combined_x [T, hidden] bf16,
-        combined_topk_weights [T, K] fp32 or None, event)."""
-        config = self.get_combine_config(self.group_size) if config is None else config
+        combined_topk_weights [T, K] fp32 or None, event). combined_topk_weights sums, per
+        token, the topk_weights rows of the ranks it was sent to, exactly in fp32, on the
+        device."""
+        self._check_alive("combine")
+        num_sms = self._num_sms(config, self.get_combine_config)
         native = self._native_of(handle, "combine")
-        rows = handle.num_rows
+        layout = handle.layout
+        rows = layout.num_rows
+        check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
         check_tensor("x", x, (torch.bfloat16,), native.device, (None, native.hidden))
         if x.shape[0] < rows:
             raise Error(f"x has {x.shape[0]} rows, but the dispatch of this handle received "
@@ -443,85 +563,54 @@ class Buffer:
         if topk_weights is not None:
             check_tensor("topk_weights", topk_weights, (torch.float32,), native.device,
                          (x.shape[0], None))
-        biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
-        if len(biases) > 2:
-            raise Error(f"bias takes one tensor or a pair, got {len(biases)}")
-        for i, b in enumerate(biases):
-            if b is not None:
-                check_tensor(f"bias[{i}]", b, (torch.bfloat16,), native.device,
-                             (handle.num_tokens, native.hidden))
-        biases = [b for b in biases if b is not None]
-        current = native._enter(previous_event, async_finish, allocate_on_comm_stream)
-        keep = [x, *biases]
-        with native._allocating(allocate_on_comm_stream):
-            out = torch.empty((handle.num_tokens, native.hidden), dtype=torch.bfloat16,
-                              device=native.device)
-        plain = native._holds_layout(handle.native) and topk_weights is None
-        with contextlib.nullcontext() if plain else torch.cuda.stream(native.comm_stream):
-            if not native._holds_layout(handle.native):
-                _, packed = self._relayout(native, handle, None, config)
-                keep.append(packed)
-            native._launch_combine(x, handle.native, biases, out, config.num_sms)
-            combined_w = None
-            if topk_weights is not None:
-                combined_w = self._combine_weights(topk_weights[:rows], handle, native,
-                                                   allocate_on_comm_stream)
-        keep += [out] + ([combined_w] if combined_w is not None else [])
-        event = native._leave(current, async_finish, keep)
-        return out, combined_w, event
-
-    def _combine_weights(self, weights: torch.Tensor, handle: Handle, native: NativeBuffer,
-                         allocate_on_comm_stream: bool) -> torch.Tensor:
-        """Per source token, the sum of the weights rows of the ranks it was sent to (DeepEP's
-        combined_topk_weights), exact in fp32. Across ranks this is one all_to_all over the
-        group, with the split sizes read to the host."""
-        num_tokens, k = handle.num_tokens, weights.shape[1]
-        with native._allocating(allocate_on_comm_stream):
-            out = torch.zeros((num_tokens + 1, k), dtype=torch.float32, device=weights.device)
-        src = handle.recv_src
-        if self.group_size == 1:
-            out.index_add_(0, src[:, 1].long(), weights)
-            return out[:num_tokens]
-        valid = src[:, 1] < num_tokens
-        send_rows = weights[valid]
-        send_split = torch.bincount(src[valid, 0].long(), minlength=self.group_size).tolist()
-        recv_split = handle.is_token_in_rank.sum(dim=0).tolist()
-        received = torch.empty((sum(recv_split), k), dtype=torch.float32, device=weights.device)
-        dist.all_to_all_single(received, send_rows.contiguous(), recv_split, send_split,
-                               group=self.group)
-        tokens = torch.cat([handle.is_token_in_rank[:, r].nonzero().flatten()
-                            for r in range(self.group_size)])
-        out.index_add_(0, tokens, received)
-        return out[:num_tokens]
-
-    def _rank_prefix_matrix(self, handle: Handle) -> torch.Tensor:
-        """rank_prefix_matrix[i][j]: rows rank j received from ranks 0..i."""
-        src = handle.recv_src
-        valid = src[:, 1] < handle.num_tokens
-        mine = torch.zeros(self.group_size + 1, dtype=torch.int32, device=src.device)
-        slot = torch.where(valid, src[:, 0].long(), self.group_size)
-        mine.scatter_add_(0, slot, torch.ones_like(slot, dtype=torch.int32))
-        column = mine[:self.group_size].cumsum(0, dtype=torch.int32)
-        if self.group_size == 1:
-            return column.view(1, 1)
-        columns = torch.empty((self.group_size, self.group_size), dtype=torch.int32,
-                              device=src.device)
-        dist.all_gather_into_tensor(columns, column, group=self.group)
-        return columns.t().contiguous()
+            if not 1 <= topk_weights.shape[1] <= native.top_k:
+                raise Error(f"topk_weights has {topk_weights.shape[1]} columns; this handle's "
+                            f"window takes 1 to {native.top_k}")
+        _, biases = native.check_combine(x, layout.native, bias)
+        with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
+            if not native.holds_layout(layout.native):
+                call.keep(self._relayout(native, layout, num_sms), layout.topk_idx,
+                          layout.topk_weights)
+            with call.allocating():
+                out = torch.empty((layout.num_tokens, native.hidden), dtype=torch.bfloat16,
+                                  device=native.device)
+                combined_w = None if topk_weights is None else torch.empty(
+                    (layout.num_tokens, topk_weights.shape[1]), dtype=torch.float32,
+                    device=native.device)
+            native.launch_combine(x, layout.native, biases, out, num_sms,
+                                  topk_weights=topk_weights, combined_weights=combined_w)
+            call.keep(x, *biases, out, topk_weights, combined_w, layout.recv_src)
+        return out, combined_w, call.event
 
 
-def _index_dtype(t: torch.Tensor) -> str:
-    return "int64" if t.dtype == torch.int64 else "int32"
+class _StreamOnly:
+    """What CommCall needs of a Buffer before it has a window (get_dispatch_layout): the comm
+    stream and its hand-off, with torch's events."""
+
+    def __init__(self, comm_stream: torch.cuda.Stream, device: torch.device) -> None:
+        self.comm_stream = comm_stream
+        self.device = device
+
+    def enter_comm(self, caller: torch.cuda.Stream, previous_event) -> None:
+        if previous_event is not None and previous_event.event is not None:
+            self.comm_stream.wait_event(previous_event.event.event)
+        else:
+            self.comm_stream.wait_stream(caller)
+
+    def leave_comm(self, caller: torch.cuda.Stream) -> None:
+        caller.wait_stream(self.comm_stream)
 
 
-def _rows_copy(dst: torch.Tensor, src: torch.Tensor, src_pitch: int, rows: int):
-    """A copy_rows entry: rows rows of dst's (contiguous) width from src, whose rows are
-    src_pitch bytes apart."""
+def _rows_copy(dst: torch.Tensor, src_ptr_or_tensor, src_pitch: int, rows: int):
+    """A copy_rows entry: rows rows of dst's (contiguous) width from src (a tensor or a device
+    address), whose rows are src_pitch bytes apart."""
     width = dst.stride(0) * dst.element_size() if dst.dim() > 1 else dst.element_size()
-    return (dst.data_ptr(), width, src.data_ptr(), src_pitch, width, rows)
+    src = src_ptr_or_tensor if isinstance(src_ptr_or_tensor, int) else \
+        src_ptr_or_tensor.data_ptr()
+    return (dst.data_ptr(), width, src, src_pitch, width, rows)
 
 
-def _empty_like_rows(x, rows: int):
+def _empty_rows(x, rows: int):
     """Empty tensors of x's (or the fp8 pair's) row width and dtype, with rows rows."""
     if isinstance(x, tuple):
         return tuple(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in x)

@@ -27,10 +27,13 @@ import torch
 import torch.distributed as dist
 
 from .. import Error, _weft
-from . import _group
+from . import lifetime
+from .communicator import Communicator
 from .event import EventHandle, EventOverlap
 
 _FP8_GROUP = 128
+_BF16 = _weft.ep.DType.bfloat16 if hasattr(_weft.ep, "DType") else None
+_UINT8 = _weft.ep.DType.uint8 if hasattr(_weft.ep, "DType") else None
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -57,6 +60,33 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.devi
                     f"call .contiguous() first")
     want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     raise Error(f"{name} must have shape {want}, got {_describe(t)}")
+
+
+def check_x(x, hidden: int, device: torch.device) -> Tuple[int, bool]:
+    """(num_tokens, is_fp8) of a dispatch's x; raises weft.Error unless x is bf16 [T, hidden],
+    the fp8 pair (x_e4m3 [T, hidden], scales fp32 [T, hidden / 128], any strides) or packed fp8
+    rows [T, fp8_row_bytes(hidden)] uint8, on device."""
+    if isinstance(x, (tuple, list)) or (isinstance(x, torch.Tensor) and x.dtype == torch.uint8):
+        if hidden % _FP8_GROUP != 0:
+            raise Error(f"fp8 dispatch needs hidden a multiple of {_FP8_GROUP}, got {hidden}")
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise Error(f"fp8 x must be the tuple (x_e4m3, scales), got {len(x)} elements")
+        x_e4m3, scales = x
+        check_tensor("x[0] (x_e4m3)", x_e4m3, (torch.float8_e4m3fn,), device, (None, hidden))
+        n = x_e4m3.shape[0]
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
+                tuple(scales.shape) != (n, hidden // _FP8_GROUP) or scales.device != device:
+            got = _describe(scales) if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise Error(f"x[1] (scales) must be float32 [{n}, {hidden // _FP8_GROUP}] on "
+                        f"{device}, got {got}")
+        return n, True
+    if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
+        check_tensor("x (packed fp8 rows)", x, (torch.uint8,), device,
+                     (None, _weft.ep.fp8_row_bytes(hidden)))
+        return x.shape[0], True
+    check_tensor("x", x, (torch.bfloat16,), device, (None, hidden))
+    return x.shape[0], False
 
 
 def pack_fp8(x_e4m3: torch.Tensor, scales: torch.Tensor, row_bytes: int) -> torch.Tensor:
@@ -100,7 +130,10 @@ class DispatchResult:
     int32 (source rank, source token); tokens_per_local_expert [num_local_experts] int32 and
     num_recv_device [1] int32 on the device; num_recv (int) only when the count was read
     (sync_count=True, or a cached dispatch of such a layout). Expanded: segment_begin
-    [num_local_experts + 1] int64, and rows_required with sync_count.
+    [num_local_experts + 1] int64, and rows_required with sync_count. rank_prefix_matrix
+    [R, R] int32 on the device: rows rank j received from ranks 0..i (DeepEP's handle[0]).
+    tokens_required (sync_count only): 0, or the most tokens any rank sent when that was more
+    than max_tokens, in which case no row moved on any rank (grow the window and retry).
     """
 
     recv_x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -113,6 +146,8 @@ class DispatchResult:
     tokens_per_local_expert_list: Optional[list]
     segment_begin: Optional[torch.Tensor]
     rows_required: Optional[int]
+    rank_prefix_matrix: torch.Tensor
+    tokens_required: Optional[int]
     handle: object
     event: EventOverlap
 
@@ -132,31 +167,42 @@ class DispatchResult:
             self.recv_src[:n].clone(), self.tokens_per_local_expert.clone(),
             self.num_recv_device.clone(), self.num_recv, self.tokens_per_local_expert_list,
             None if self.segment_begin is None else self.segment_begin.clone(),
-            self.rows_required, self.handle, self.event)
+            self.rows_required, self.rank_prefix_matrix.clone(), self.tokens_required,
+            self.handle, self.event)
 
 
 class _Window:
-    """Typed views of a Buffer's result regions (their addresses never change)."""
+    """Typed views of a Buffer's result regions (their addresses never change). Each view's
+    capsule holds the window itself, so a view outlives the Buffer object safely."""
 
     def __init__(self, native, out, device: torch.device) -> None:
+        self._native = native
         cap = max(native.capacity, native.expand_capacity)
         k = native.top_k
-        num_local = native.num_experts // native.num_ranks
+        self.num_local = native.num_experts // native.num_ranks
+        self.recv_x = self._region(out.recv_x, cap * native.hidden * 2)
+        self.recv_expert_idx = self._region(out.recv_expert_idx, cap * k * 4).view(
+            torch.int32).view(cap, k)
+        self.recv_weights = self._region(out.recv_weights, cap * k * 4).view(
+            torch.float32).view(cap, k)
+        self.recv_src = self._region(out.recv_src, cap * 8).view(torch.int32).view(cap, 2)
+        self.tokens_per_local_expert = self._region(out.tokens_per_local_expert_device,
+                                                    self.num_local * 4).view(torch.int32)
+        self.num_recv = self._region(out.num_recv_device, 4).view(torch.int32)
+        r = native.num_ranks
+        self.rank_prefix_matrix = self._region(out.rank_prefix_matrix, r * r * 4).view(
+            torch.int32).view(r, r)
+        self.segment_begin: Optional[torch.Tensor] = None
+        self.add(out)
 
-        def region(ptr: int, num_bytes: int) -> torch.Tensor:
-            capsule = _weft.device_bytes(ptr, num_bytes, device.index, native)
-            return torch.utils.dlpack.from_dlpack(capsule)
+    def _region(self, ptr: int, num_bytes: int) -> torch.Tensor:
+        return torch.utils.dlpack.from_dlpack(self._native.window_bytes(ptr, num_bytes))
 
-        self.recv_x = region(out.recv_x, cap * native.hidden * 2)
-        self.recv_expert_idx = region(out.recv_expert_idx, cap * k * 4).view(torch.int32).view(cap, k)
-        self.recv_weights = region(out.recv_weights, cap * k * 4).view(torch.float32).view(cap, k)
-        self.recv_src = region(out.recv_src, cap * 8).view(torch.int32).view(cap, 2)
-        self.tokens_per_local_expert = region(out.tokens_per_local_expert_device,
-                                              num_local * 4).view(torch.int32)
-        self.num_recv = region(out.num_recv_device, 4).view(torch.int32)
-        self.segment_begin = None
-        if native.expand_factor > 0 and out.segment_begin:
-            self.segment_begin = region(out.segment_begin, (num_local + 2) * 8).view(torch.int64)
+    def add(self, out) -> None:
+        """Views what only some results have (an expanded dispatch's segments)."""
+        if self.segment_begin is None and out.segment_begin:
+            self.segment_begin = self._region(out.segment_begin,
+                                              (self.num_local + 2) * 8).view(torch.int64)
 
 
 def _current_raw_stream(device_index: int) -> int:
@@ -176,43 +222,146 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+def event_of(previous_event: Optional[EventOverlap]) -> int:
+    """The cudaEvent_t a call waits on: 0 for None or an EventOverlap that holds no event (what a
+    call with async_finish=False returns; DeepEP takes it as "no previous event")."""
+    if previous_event is None:
+        return 0
+    if not isinstance(previous_event, EventOverlap):
+        raise Error(f"previous_event must be an EventOverlap (Buffer.capture()), got "
+                    f"{type(previous_event).__name__}")
+    if previous_event.event is None:
+        return 0
+    return previous_event.event.event.cuda_event
+
+
+def check_stream_options(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+    if allocate_on_comm_stream and not (previous_event is not None and async_finish):
+        raise Error("allocate_on_comm_stream needs previous_event and async_finish "
+                    "(as in DeepEP)")
+
+
+class CommCall:
+    """A call composed of several launches on a Buffer's comm stream (DeepEP's stream protocol):
+
+        with CommCall(buf, previous_event, async_finish, allocate_on_comm_stream) as call:
+            ... launches on torch's current stream (now the comm stream) ...
+            with call.allocating(): out = torch.empty(...)   # the caller's tensors
+            call.keep(out, inputs...)
+        event = call.event
+
+    buffer: a NativeBuffer, or anything with its comm_stream, device, enter_comm and leave_comm.
+    On entry the comm stream waits for previous_event, or else for the work queued so far on the
+    caller's stream, and becomes torch's current stream. On exit (also on an error) the caller's
+    stream is current again; with async_finish=False it waits for the comm stream, else `event`
+    completes with the call and keeps the kept tensors (and the comm stream is recorded on them
+    outside graph capture) so that the caching allocator cannot reuse them under the call.
+    """
+
+    def __init__(self, buffer, previous_event, async_finish: bool,
+                 allocate_on_comm_stream: bool = False) -> None:
+        check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
+        event_of(previous_event)  # checks it
+        self.buffer = buffer
+        self.previous_event = previous_event
+        self.async_finish = async_finish
+        self.allocate_on_comm_stream = allocate_on_comm_stream
+        self.event = _NO_EVENT
+        self._keep: list = []
+
+    def __enter__(self) -> "CommCall":
+        b = self.buffer
+        self.caller = torch.cuda.current_stream(b.device)
+        b.enter_comm(self.caller, self.previous_event)
+        self._context = torch.cuda.stream(b.comm_stream)
+        self._context.__enter__()
+        return self
+
+    def allocating(self):
+        """Where the call's results are allocated: the caller's stream (DeepEP's default), or the
+        comm stream (allocate_on_comm_stream)."""
+        if self.allocate_on_comm_stream:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.caller)
+
+    def keep(self, *tensors) -> None:
+        self._keep.extend(t for t in tensors if t is not None)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._context.__exit__(exc_type, exc, tb)
+        b = self.buffer
+        if not self.async_finish:
+            b.leave_comm(self.caller)
+            return
+        if not _capturing():
+            for t in self._keep:
+                t.record_stream(b.comm_stream)
+        self.event = EventOverlap(EventHandle(b.comm_stream), extra_tensors=self._keep)
+
+
 class NativeBuffer:
     """weft::ep::Buffer over a torch.distributed NCCL process group (None: one GPU, no
-    torch.distributed). Sized at construction: at most max_tokens tokens per rank and call."""
+    torch.distributed). Sized at construction: at most max_tokens tokens per rank and call.
+
+    communicator: a Communicator to lay the window out on (e.g. one kept across windows); by
+    default the Buffer makes its own, checking that every rank passed the same sizes.
+    comm_stream: the stream of its calls; by default a torch stream of the device's highest
+    priority (so that its blocks are admitted ahead of a concurrent compute kernel's as SMs free
+    up; torch's pool streams outlive every tensor that records them)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], *, max_tokens: int, hidden: int,
                  num_experts: int, top_k: int, expand_factor: int = 0, num_sms: int = 0,
                  tokens_per_block: int = 4, timeout_s: float = 20.0,
-                 pipeline_depth: int = 0) -> None:
-        self.group = group
-        self.rank, self.num_ranks = _group.group_rank_size(group)
-        self.device = _group.current_device()
+                 pipeline_depth: int = 0, communicator: Optional[Communicator] = None,
+                 comm_stream: Optional[torch.cuda.Stream] = None) -> None:
         sizes = (int(max_tokens), int(hidden), int(num_experts), int(top_k), int(expand_factor))
-        unique_id = _weft.ep.unique_id() if self.rank == 0 else None
-        unique_id = _group.share(group, unique_id, sizes)
-        self._native = _weft.ep.Buffer(unique_id, self.num_ranks, self.rank, self.device.index,
-                                       *sizes, num_sms, tokens_per_block, timeout_s,
-                                       pipeline_depth)
+        self._owns_communicator = communicator is None
+        if communicator is None:
+            communicator = Communicator(group, sizes)
+        elif communicator.group is not group:
+            raise Error("NativeBuffer: the communicator was made over another group")
+        if not communicator.alive:
+            raise Error("NativeBuffer: the communicator was destroyed")
+        self.group = group
+        self.communicator = communicator
+        self.rank, self.num_ranks = communicator.rank, communicator.num_ranks
+        self.device = communicator.device
+        self._native = _weft.ep.Buffer(
+            communicator.native, max_tokens=sizes[0], hidden=sizes[1], num_experts=sizes[2],
+            top_k=sizes[3], expand_factor=sizes[4], num_sms=num_sms,
+            tokens_per_block=tokens_per_block, timeout_s=timeout_s,
+            pipeline_depth=pipeline_depth)
+        lifetime.track_buffer(self)
         self.max_tokens, self.hidden, self.num_experts, self.top_k, self.expand_factor = sizes
         self.num_local_experts = self.num_experts // self.num_ranks
-        # The calls' stream: torch's, of the device's highest priority (so that its blocks are
-        # admitted ahead of a concurrent compute kernel's as SMs free up). torch's pool streams
-        # outlive every tensor that records them, which a stream owned by the Buffer would not.
-        self.comm_stream = torch.cuda.Stream(self.device, priority=-1000)
+        self.comm_stream = comm_stream if comm_stream is not None else \
+            torch.cuda.Stream(self.device, priority=-1000)
         self._window: Optional[_Window] = None
         self._layout_key: Optional[Tuple[int, int]] = None  # the latest uncached dispatch's
         self._views: dict = {}  # (rows, row_bytes, fp8, expanded) -> the result's views
-        self._fp8_row_bytes = (_weft.ep.fp8_row_bytes(self.hidden)
+        self.fp8_row_bytes = (_weft.ep.fp8_row_bytes(self.hidden)
                                if self.hidden % _FP8_GROUP == 0 else None)
 
     # -- lifetime ---------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Frees the window and the communicator now (after the work queued on the device):
-        results that view the window are invalid from then on. Without destroy(), the window
-        lives until the Buffer and every view of it are released."""
+        """Frees the window now (after the work queued on the device): results that view the
+        window are invalid from then on. A communicator the Buffer made itself goes with it.
+        Without destroy(), the window lives until the Buffer and every view of it are released
+        (and at the latest until the interpreter exits)."""
         self._window = None
         self._views = {}
-        self._native.destroy()
+        if self._native is not None:
+            self._native.destroy()
+        if self._owns_communicator and self.communicator.alive:
+            self.communicator.destroy()
+
+    def _release_at_exit(self) -> None:
+        self.destroy()
+        self._native = None
+
+    @property
+    def alive(self) -> bool:
+        return self._native is not None and self._native.alive
 
     @property
     def capacity(self) -> int:
@@ -227,75 +376,42 @@ class NativeBuffer:
         """Raises the device error recorded by a completed call (after a stream sync)."""
         self._native.check()
 
-    def _holds_layout(self, handle) -> bool:
+    def enter_comm(self, caller: torch.cuda.Stream, previous_event) -> None:
+        """comm_stream waits for previous_event, or else for the work queued so far on caller."""
+        self._native.enter_comm(caller.cuda_stream, self.comm_stream.cuda_stream,
+                                event_of(previous_event))
+
+    def leave_comm(self, caller: torch.cuda.Stream) -> None:
+        """caller waits for the work queued so far on comm_stream."""
+        self._native.leave_comm(caller.cuda_stream, self.comm_stream.cuda_stream)
+
+    def holds_layout(self, handle) -> bool:
         """Whether the window still holds handle's layout (no uncached dispatch since)."""
         return (handle.buffer_id, handle.sequence) == self._layout_key
 
-    # -- streams ------------------------------------------------------------------------------
-    def _enter(self, previous_event: Optional[EventOverlap], async_finish: bool,
-               allocate_on_comm_stream: bool):
-        """Orders the comm stream after previous_event or the current stream's queued work;
-        returns the current stream (its cudaStream_t)."""
-        if allocate_on_comm_stream and not (previous_event is not None and async_finish):
-            raise Error("allocate_on_comm_stream needs previous_event and async_finish "
-                        "(as in DeepEP)")
-        current = _current_raw_stream(self.device.index)
-        event = 0
-        if previous_event is not None:
-            if previous_event.event is None:
-                raise Error("previous_event holds no event (it came from a call made with "
-                            "async_finish=False); use Buffer.capture()")
-            event = previous_event.event.event.cuda_event
-        self._native.enter(current, event, self.comm_stream.cuda_stream)
-        return current
-
-    def _allocating(self, on_comm_stream: bool):
-        """Where a call's new tensors are allocated: the current stream (DeepEP's default), or
-        the comm stream (allocate_on_comm_stream)."""
-        return torch.cuda.stream(self.comm_stream) if on_comm_stream else contextlib.nullcontext()
-
-    def _leave(self, current, async_finish: bool, tensors: Sequence[torch.Tensor]) -> EventOverlap:
-        """With async_finish=False the current stream waits for the call; else the returned
-        event completes with it, and the tensors are kept for the comm stream until then."""
-        if not async_finish:
-            self._native.leave(current, self.comm_stream.cuda_stream)
-            return _NO_EVENT
-        if not _capturing():
-            for t in tensors:
-                t.record_stream(self.comm_stream)
-        return EventOverlap(EventHandle(self.comm_stream), extra_tensors=tensors)
-
     # -- dispatch -------------------------------------------------------------------------------
-    def _x_arg(self, x):
-        """(packed tensor, dtype name, columns, is_fp8) of a bf16 x or an fp8 (x_e4m3, scales)."""
+    def check_x(self, x) -> Tuple[int, bool]:
+        """(num_tokens, is_fp8) of a dispatch's x (see the module's check_x)."""
+        return check_x(x, self.hidden, self.device)
+
+    def check_selections(self, num_tokens: int, topk_idx, topk_weights) -> None:
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), self.device,
+                     (num_tokens, self.top_k))
+        check_tensor("topk_weights", topk_weights, (torch.float32,), self.device,
+                     (num_tokens, self.top_k))
+
+    def packed_x(self, x) -> torch.Tensor:
+        """x as the kernel reads it (checked x): bf16 rows, or packed fp8 rows made from the fp8
+        pair on the current stream."""
         if isinstance(x, (tuple, list)):
-            if len(x) != 2:
-                raise Error(f"fp8 x must be the tuple (x_e4m3, scales), got {len(x)} elements")
-            x_e4m3, scales = x
-            if self._fp8_row_bytes is None:
-                raise Error(f"fp8 dispatch needs hidden a multiple of {_FP8_GROUP}, the Buffer "
-                            f"has {self.hidden}")
-            check_tensor("x[0] (x_e4m3)", x_e4m3, (torch.float8_e4m3fn,), self.device,
-                         (None, self.hidden))
-            n = x_e4m3.shape[0]
-            if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or \
-                    tuple(scales.shape) != (n, self.hidden // _FP8_GROUP) or \
-                    scales.device != self.device:
-                got = _describe(scales) if isinstance(scales, torch.Tensor) else type(scales).__name__
-                raise Error(f"x[1] (scales) must be float32 [{n}, {self.hidden // _FP8_GROUP}] on "
-                            f"{self.device}, got {got}")
-            packed = pack_fp8(x_e4m3, scales, self._fp8_row_bytes)
-            return packed, "uint8", self._fp8_row_bytes, True
-        if isinstance(x, torch.Tensor) and x.dtype == torch.uint8:
-            check_tensor("x (packed fp8 rows)", x, (torch.uint8,), self.device,
-                         (None, self._fp8_row_bytes))
-            return x, "uint8", x.shape[1], True
-        check_tensor("x", x, (torch.bfloat16,), self.device, (None, self.hidden))
-        return x, "bfloat16", self.hidden, False
+            return pack_fp8(x[0], x[1], self.fp8_row_bytes)
+        return x
 
     def _results(self, out, is_fp8: bool, num_rows: int) -> DispatchResult:
         if self._window is None:
             self._window = _Window(self._native, out, self.device)
+        else:
+            self._window.add(out)
         key = (num_rows, out.row_bytes, is_fp8, out.handle.expanded)
         views = self._views.get(key)
         if views is None:
@@ -314,8 +430,9 @@ class NativeBuffer:
         return DispatchResult(
             *views[:6], num_recv if num_recv >= 0 else None,
             list(out.tokens_per_local_expert) if out.num_recv >= 0 else None, views[6],
-            out.rows_required if expanded and out.rows_required >= 0 else None, out.handle,
-            _NO_EVENT)
+            out.rows_required if expanded and out.rows_required >= 0 else None,
+            self._window.rank_prefix_matrix, out.tokens_required if out.num_recv >= 0 else None,
+            out.handle, _NO_EVENT)
 
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, handle=None,
@@ -333,64 +450,86 @@ class NativeBuffer:
         on_current_stream=True runs the kernel on the current stream itself instead of the comm
         stream (no stream hand-off: the cheapest call; the caller orders it with the Buffer's
         other calls, as a stream does)."""
-        packed, x_dtype, x_cols, is_fp8 = self._x_arg(x)
-        num_tokens = packed.shape[0]
+        num_tokens, is_fp8 = self.check_x(x)
         if num_tokens > self.max_tokens:
             raise Error(f"dispatch of {num_tokens} tokens, but this Buffer was sized for at most "
                         f"{self.max_tokens} per rank")
-        idx_ptr = w_ptr = 0
-        idx_dtype = "int64"
-        tensors = [packed]
         if handle is None:
             if topk_idx is None or topk_weights is None:
                 raise Error("dispatch needs topk_idx and topk_weights (or a handle)")
-            check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), self.device,
-                         (num_tokens, self.top_k))
-            check_tensor("topk_weights", topk_weights, (torch.float32,), self.device,
-                         (num_tokens, self.top_k))
-            idx_ptr, w_ptr = topk_idx.data_ptr(), topk_weights.data_ptr()
-            idx_dtype = "int64" if topk_idx.dtype == torch.int64 else "int32"
-            tensors += [topk_idx, topk_weights]
+            self.check_selections(num_tokens, topk_idx, topk_weights)
         elif topk_idx is not None or topk_weights is not None:
             raise Error("a cached dispatch (handle=...) takes no topk_idx / topk_weights")
-        stats_ptr = 0
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                          (torch.int32,), self.device, (self.num_local_experts,))
-            stats_ptr = cumulative_local_expert_recv_stats.data_ptr()
-            tensors.append(cumulative_local_expert_recv_stats)
         if sync_count and _capturing():
             raise Error("sync_count=True waits on the host, which a CUDA graph capture cannot; "
                         "keep the count on the device")
         if on_current_stream:
-            self._check_on_current(previous_event, async_finish, allocate_on_comm_stream)
-            return self._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_ptr, idx_dtype,
-                                         w_ptr, handle, stats_ptr, num_sms, expand, sync_count,
-                                         _current_raw_stream(self.device.index))
-        current = self._enter(previous_event, async_finish, allocate_on_comm_stream)
-        result = self._launch_dispatch(packed, x_dtype, x_cols, is_fp8, idx_ptr, idx_dtype, w_ptr,
-                                       handle, stats_ptr, num_sms, expand, sync_count)
-        result.event = self._leave(current, async_finish, tensors)
+            if previous_event is not None or async_finish or allocate_on_comm_stream:
+                raise Error("on_current_stream=True runs the call on the current stream: it "
+                            "takes no previous_event, async_finish or allocate_on_comm_stream")
+        else:
+            check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
+        stats = cumulative_local_expert_recv_stats
+        if isinstance(x, (tuple, list)) and not on_current_stream:
+            # The packing runs on the comm stream, after previous_event like the kernel.
+            with CommCall(self, previous_event, async_finish) as call:
+                packed = self.packed_x(x)
+                result = self.launch_dispatch(packed, is_fp8, topk_idx, topk_weights, handle,
+                                              stats, num_sms, expand, sync_count)
+                call.keep(packed, *x, topk_idx, topk_weights, stats)
+            result.event = call.event
+            return result
+        packed = self.packed_x(x)
+        current = _current_raw_stream(self.device.index)
+        if on_current_stream:
+            return self.launch_dispatch(packed, is_fp8, topk_idx, topk_weights, handle, stats,
+                                        num_sms, expand, sync_count, current)
+        result = self.launch_dispatch(packed, is_fp8, topk_idx, topk_weights, handle, stats,
+                                      num_sms, expand, sync_count, current,
+                                      self.comm_stream.cuda_stream, event_of(previous_event),
+                                      async_finish)
+        if async_finish:
+            result.event = self._async_event([packed, topk_idx, topk_weights, stats])
         return result
 
-    @staticmethod
-    def _check_on_current(previous_event, async_finish, allocate_on_comm_stream) -> None:
-        if previous_event is not None or async_finish or allocate_on_comm_stream:
-            raise Error("on_current_stream=True runs the call on the current stream: it takes no "
-                        "previous_event, async_finish or allocate_on_comm_stream")
+    def _async_event(self, tensors) -> EventOverlap:
+        """The completion event of a call on the comm stream; keeps its tensors for it."""
+        tensors = [t for t in tensors if t is not None]
+        if not _capturing():
+            for t in tensors:
+                t.record_stream(self.comm_stream)
+        return EventOverlap(EventHandle(self.comm_stream), extra_tensors=tensors)
 
-    def _launch_dispatch(self, packed, x_dtype, x_cols, is_fp8, idx_ptr, idx_dtype, w_ptr,
-                         handle, stats_ptr, num_sms, expand, sync_count,
-                         stream: Optional[int] = None) -> DispatchResult:
-        """The dispatch kernel on stream (default: comm_stream, ordered by the caller's _enter
-        and _leave)."""
-        expand_on = expand is not None
-        out = self._native.dispatch(
-            packed.data_ptr(), x_dtype, packed.shape[0], x_cols, idx_ptr, idx_dtype, w_ptr,
-            handle, stats_ptr, num_sms, expand_on, expand.expert_alignment if expand_on else 1,
-            expand.zero_padding if expand_on else False,
-            self.comm_stream.cuda_stream if stream is None else stream,
-            bool(sync_count and handle is None))
+    def launch_dispatch(self, packed, is_fp8: bool, topk_idx, topk_weights, handle, stats,
+                        num_sms: int, expand: Optional[Expand], sync_count: bool,
+                        stream: Optional[int] = None, comm_stream: int = 0,
+                        previous_event: int = 0, async_finish: bool = False) -> DispatchResult:
+        """The dispatch kernel of checked inputs on stream (default: the current one), or on
+        comm_stream handed off from stream (see DispatchArgs in the binding)."""
+        a = _weft.ep.DispatchArgs()
+        a.x = packed.data_ptr()
+        a.x_dtype = _UINT8 if is_fp8 else _BF16
+        a.num_tokens, a.x_cols = packed.shape
+        if handle is None:
+            a.topk_idx = topk_idx.data_ptr()
+            a.topk_idx_int64 = topk_idx.dtype == torch.int64
+            a.topk_weights = topk_weights.data_ptr()
+        if stats is not None:
+            a.stats = stats.data_ptr()
+        a.num_sms = num_sms
+        if expand is not None:
+            a.expand = True
+            a.expert_alignment = expand.expert_alignment
+            a.zero_padding = expand.zero_padding
+        a.read_counts = bool(sync_count and handle is None)
+        a.stream = _current_raw_stream(self.device.index) if stream is None else stream
+        a.comm_stream = comm_stream
+        a.previous_event = previous_event
+        a.async_finish = async_finish
+        out = self._native.dispatch(a, handle)
         if handle is None:
             self._layout_key = (out.handle.buffer_id, out.handle.sequence)
         num_recv = out.num_recv if out.num_recv >= 0 else out.handle.num_recv
@@ -407,6 +546,33 @@ class NativeBuffer:
         received-row order of handle's dispatch) back at their source, plus bias (one [T, hidden]
         bf16 tensor or a pair). Returns (out [T, hidden] bf16, event). on_current_stream as for
         dispatch."""
+        num_tokens, biases = self.check_combine(expert_out, handle, bias)
+        if on_current_stream:
+            if previous_event is not None or async_finish or allocate_on_comm_stream:
+                raise Error("on_current_stream=True runs the call on the current stream: it "
+                            "takes no previous_event, async_finish or allocate_on_comm_stream")
+        else:
+            check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
+        if out is None:
+            # Allocated on the caller's stream (DeepEP's default) or the comm stream.
+            with torch.cuda.stream(self.comm_stream) if allocate_on_comm_stream else \
+                    contextlib.nullcontext():
+                out = torch.empty((num_tokens, self.hidden), dtype=torch.bfloat16,
+                                  device=self.device)
+        else:
+            check_tensor("out", out, (torch.bfloat16,), self.device, (num_tokens, self.hidden))
+        current = _current_raw_stream(self.device.index)
+        if on_current_stream:
+            self.launch_combine(expert_out, handle, biases, out, num_sms, current)
+            return out, _NO_EVENT
+        self.launch_combine(expert_out, handle, biases, out, num_sms, current,
+                            self.comm_stream.cuda_stream, event_of(previous_event), async_finish)
+        if not async_finish:
+            return out, _NO_EVENT
+        return out, self._async_event([expert_out, out, *biases])
+
+    def check_combine(self, expert_out, handle, bias) -> Tuple[int, list]:
+        """(num_tokens, biases) of a combine's checked arguments."""
         check_tensor("x (expert output)", expert_out, (torch.bfloat16,), self.device,
                      (None, self.hidden))
         if not isinstance(handle, _weft.ep.Handle):
@@ -418,27 +584,31 @@ class NativeBuffer:
         for i, b in enumerate(biases):
             check_tensor(f"bias[{i}]", b, (torch.bfloat16,), self.device,
                          (num_tokens, self.hidden))
-        if on_current_stream:
-            self._check_on_current(previous_event, async_finish, allocate_on_comm_stream)
-        else:
-            current = self._enter(previous_event, async_finish, allocate_on_comm_stream)
-        if out is None:
-            with self._allocating(allocate_on_comm_stream):
-                out = torch.empty((num_tokens, self.hidden), dtype=torch.bfloat16,
-                                  device=self.device)
-        else:
-            check_tensor("out", out, (torch.bfloat16,), self.device, (num_tokens, self.hidden))
-        if on_current_stream:
-            self._launch_combine(expert_out, handle, biases, out, num_sms,
-                                 _current_raw_stream(self.device.index))
-            return out, _NO_EVENT
-        self._launch_combine(expert_out, handle, biases, out, num_sms)
-        event = self._leave(current, async_finish, [expert_out, out, *biases])
-        return out, event
+        return num_tokens, [b for b in biases if b is not None]
 
-    def _launch_combine(self, expert_out, handle, biases, out, num_sms,
-                        stream: Optional[int] = None) -> None:
-        ptrs = [b.data_ptr() for b in biases] + [0] * (2 - len(biases))
-        self._native.combine(expert_out.data_ptr(), expert_out.shape[0], ptrs[0], ptrs[1],
-                             handle, out.data_ptr(), num_sms,
-                             self.comm_stream.cuda_stream if stream is None else stream)
+    def launch_combine(self, expert_out, handle, biases, out, num_sms: int,
+                       stream: Optional[int] = None, comm_stream: int = 0,
+                       previous_event: int = 0, async_finish: bool = False,
+                       topk_weights: Optional[torch.Tensor] = None,
+                       combined_weights: Optional[torch.Tensor] = None) -> None:
+        """The combine kernel of checked inputs (streams as in launch_dispatch). With
+        topk_weights [>= num_recv, K] fp32, combined_weights [T, K] fp32 receives per token the
+        fp32 sum of the weights rows of the ranks it was sent to."""
+        a = _weft.ep.CombineArgs()
+        a.expert_out = expert_out.data_ptr()
+        a.expert_out_rows = expert_out.shape[0]
+        if biases:
+            a.bias0 = biases[0].data_ptr()
+        if len(biases) > 1:
+            a.bias1 = biases[1].data_ptr()
+        a.out = out.data_ptr()
+        if topk_weights is not None:
+            a.topk_weights = topk_weights.data_ptr()
+            a.topk_weights_rows, a.topk_weights_cols = topk_weights.shape
+            a.combined_weights = combined_weights.data_ptr()
+        a.num_sms = num_sms
+        a.stream = _current_raw_stream(self.device.index) if stream is None else stream
+        a.comm_stream = comm_stream
+        a.previous_event = previous_event
+        a.async_finish = async_finish
+        self._native.combine(a, handle)

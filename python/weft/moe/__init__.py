@@ -3,7 +3,7 @@ NCCL all_to_all dispatcher users have today, or a local one for a single rank), 
 backward: the dispatch's backward is a combine of the gradients, the combine's a dispatch.
 
     layer = weft.moe.MoELayer(hidden=2048, num_experts=128, top_k=8, ffn=768,
-                              dispatcher=weft.moe.EpDispatcher(weft.ep.Buffer(group, 2**31)))
+                              dispatcher=weft.moe.EpDispatcher(weft.ep.Buffer(group, 2**31), 128))
     y = layer(x)            # [T, hidden] bf16; autograd through dispatch, experts, combine
 
 The micro-batched step (step.py): serial_step (one stream) and PipelinedStep (weft.pipeline),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 class LocalDispatcher:
     """One rank, every expert local, in plain torch: the reference of the others."""
 
+    keeps_layouts = False  # a handle carries its whole layout
     num_ranks = 1
     rank = 0
 
@@ -51,6 +52,8 @@ class LocalDispatcher:
 class EpDispatcher:
     """weft.ep's DeepEP-compatible Buffer (owned tensors, as training keeps them for backward)."""
 
+    keeps_layouts = True  # the Buffer's window holds the latest layout only
+
     def __init__(self, buffer, num_experts: int) -> None:
         self.buffer = buffer
         self.num_ranks = buffer.group_size
@@ -79,6 +82,8 @@ class AllToAllDispatcher:
     """The dispatcher MoE users have today: sizes exchanged with an all_to_all (read to the host),
     rows permuted by destination, then torch.distributed.all_to_all_single of rows, indices and
     weights; combine sends the rows back the same way."""
+
+    keeps_layouts = False  # a handle carries its whole layout
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int) -> None:
         self.group = group

@@ -32,7 +32,13 @@ class LayoutSlots:
     @classmethod
     def shared(cls, dispatcher, num_layers: int) -> "LayoutSlots":
         """One dispatcher for every layer and micro-batch: for dispatchers that keep no layout
-        (LocalDispatcher, AllToAllDispatcher: their handles carry the whole layout)."""
+        (LocalDispatcher, AllToAllDispatcher: their handles carry the whole layout). A
+        dispatcher that keeps layouts (keeps_layouts True: EpDispatcher) is refused: micro-
+        batches in flight would overwrite each other's layout."""
+        if getattr(dispatcher, "keeps_layouts", True):
+            raise ValueError(f"LayoutSlots.shared takes a dispatcher that keeps no layout; "
+                             f"{type(dispatcher).__name__} keeps one per Buffer: use "
+                             f"LayoutSlots.ep (one Buffer per live layout)")
         slots = cls(lambda layer, s: dispatcher, [1] * num_layers)
         slots.keeps_layouts = False
         return slots
