@@ -74,17 +74,22 @@ def main():
     # The bare calls run on the current stream, where the events time them.
     stream = torch.cuda.current_stream().cuda_stream
     raw = native._native
+    dargs = weft._weft.ep.DispatchArgs()
+    dargs.x, dargs.num_tokens, dargs.x_cols = x.data_ptr(), T, H
+    dargs.topk_idx, dargs.topk_weights, dargs.stream = idx.data_ptr(), w.data_ptr(), stream
 
     def raw_dispatch():
-        raw.dispatch(x.data_ptr(), "bfloat16", T, H, idx.data_ptr(), "int64", w.data_ptr(), None,
-                     0, 0, False, 1, False, stream, False)
+        raw.dispatch(dargs, None)
 
     handle = native.dispatch(x, idx, w).handle
+    cargs = weft._weft.ep.CombineArgs()
 
     def raw_combine():
-        raw.combine(y.data_ptr(), n, 0, 0, handle, out.data_ptr(), 0, stream)
+        raw.combine(cargs, handle)
 
     out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+    cargs.expert_out, cargs.expert_out_rows, cargs.out, cargs.stream = y.data_ptr(), n, \
+        out.data_ptr(), stream
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
     forms = {

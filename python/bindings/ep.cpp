@@ -160,6 +160,12 @@ struct CombineArgs {
   std::uintptr_t bias0 = 0;       // optional [T, hidden] bf16
   std::uintptr_t bias1 = 0;
   std::uintptr_t out = 0;         // [T, hidden] bf16
+  // Optional [topk_weights_rows, topk_weights_cols] fp32, in the received-row order, and then
+  // combined_weights [T, topk_weights_cols] fp32 out: per token, the sum of its rows' weights.
+  std::uintptr_t topk_weights = 0;
+  int64_t topk_weights_rows = 0;
+  int64_t topk_weights_cols = 0;
+  std::uintptr_t combined_weights = 0;
   int num_sms = 0;
   std::uintptr_t stream = 0;      // as in DispatchArgs
   std::uintptr_t comm_stream = 0;
@@ -181,6 +187,10 @@ struct DispatchOut {
   std::uintptr_t tokens_per_local_expert_device = 0;
   std::uintptr_t num_recv_device = 0;
   std::uintptr_t segment_begin = 0;    // expanded only
+  std::uintptr_t rank_prefix_matrix = 0;  // [R][R] int32 on the device; deduplicated only
+  // read_counts only: 0, or the largest T of any rank when that exceeded max_tokens (no row
+  // moved on any rank: grow and dispatch again).
+  int64_t tokens_required = -1;
   int64_t row_bytes = 0;
   int64_t capacity = 0;
 };
@@ -284,6 +294,7 @@ class PyBuffer {
       WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
       out.num_recv = r.num_recv;
       out.rows_required = r.rows_required;
+      out.tokens_required = r.tokens_required;
       out.tokens_per_local_expert.assign(core_->host_counts, core_->host_counts + num_local);
     } else {
       leave(a.stream, a.comm_stream, a.async_finish);
@@ -297,6 +308,7 @@ class PyBuffer {
     out.tokens_per_local_expert_device = as_int(r.tokens_per_local_expert);
     out.num_recv_device = as_int(r.num_recv_device);
     out.segment_begin = as_int(r.segment_begin);
+    out.rank_prefix_matrix = as_int(r.rank_prefix_matrix);
     out.row_bytes = r.row_bytes;
     out.capacity = r.capacity;
     return out;
@@ -310,6 +322,11 @@ class PyBuffer {
     in.expert_out = {as_ptr(a.expert_out), ep::DType::kBFloat16, a.expert_out_rows, hidden};
     if (a.bias0 != 0) in.bias0 = {as_ptr(a.bias0), ep::DType::kBFloat16, T, hidden};
     if (a.bias1 != 0) in.bias1 = {as_ptr(a.bias1), ep::DType::kBFloat16, T, hidden};
+    if (a.topk_weights_cols > 0) {
+      in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.topk_weights_rows,
+                         a.topk_weights_cols};
+      in.combined_weights = reinterpret_cast<float*>(a.combined_weights);
+    }
     in.num_sms = a.num_sms;
     nb::gil_scoped_release release;  // pacing (pipeline_depth)
     DeviceGuard guard(core_->device);
@@ -439,6 +456,10 @@ void bind_ep(nb::module_& m) {
       .def_rw("bias0", &CombineArgs::bias0)
       .def_rw("bias1", &CombineArgs::bias1)
       .def_rw("out", &CombineArgs::out)
+      .def_rw("topk_weights", &CombineArgs::topk_weights)
+      .def_rw("topk_weights_rows", &CombineArgs::topk_weights_rows)
+      .def_rw("topk_weights_cols", &CombineArgs::topk_weights_cols)
+      .def_rw("combined_weights", &CombineArgs::combined_weights)
       .def_rw("num_sms", &CombineArgs::num_sms)
       .def_rw("stream", &CombineArgs::stream)
       .def_rw("comm_stream", &CombineArgs::comm_stream)
@@ -457,6 +478,8 @@ void bind_ep(nb::module_& m) {
       .def_ro("tokens_per_local_expert_device", &DispatchOut::tokens_per_local_expert_device)
       .def_ro("num_recv_device", &DispatchOut::num_recv_device)
       .def_ro("segment_begin", &DispatchOut::segment_begin)
+      .def_ro("rank_prefix_matrix", &DispatchOut::rank_prefix_matrix)
+      .def_ro("tokens_required", &DispatchOut::tokens_required)
       .def_ro("row_bytes", &DispatchOut::row_bytes)
       .def_ro("capacity", &DispatchOut::capacity);
 

@@ -33,8 +33,17 @@ def inputs(num_tokens, hidden, num_experts, top_k, masked, seed):
 
 
 def poisoned_native(hidden, num_experts, top_k, max_tokens=1024, expand_factor=0):
+    """A NativeBuffer whose window's result regions hold non-zero garbage (0xA5 bytes), so that
+    a row a dispatch should write (or zero) and does not cannot pass as right."""
     buf = weft.ep.NativeBuffer(None, max_tokens=max_tokens, hidden=hidden,
                                num_experts=num_experts, top_k=top_k, expand_factor=expand_factor)
+    x = torch.zeros((1, hidden), dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros((1, top_k), dtype=torch.int64, device="cuda")
+    res = buf.dispatch(x, idx, torch.zeros((1, top_k), device="cuda"), sync_count=True)
+    for view in (res.recv_x, res.recv_expert_idx, res.recv_weights, res.recv_src):
+        region = view._base if view._base is not None else view
+        region.view(torch.uint8).fill_(0xA5)
+    torch.cuda.synchronize()
     return buf
 
 
@@ -141,14 +150,23 @@ def test_deepep_intranode_combinations(previous, async_mode, payload, with_topk)
     (want,) = ref.dispatch([x], [idx], [w], num_experts)
     n = want.x.shape[0]
     x8, scales = ref.per_token_cast_to_fp8(x)  # cast on the CPU: the test checks movement
-    cur_x = (x8.cuda(), scales.t().contiguous().t().cuda()) if payload == "fp8" else x.cuda()
+    # The inputs are made by work still running when the call is made (a spin first): on
+    # another stream, whose event is previous_event, or else on the current stream. A call that
+    # does not wait for them reads what is there before.
+    side = torch.cuda.Stream() if previous else torch.cuda.current_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        cur_x = (x8.cuda().clone(), scales.t().contiguous().t().cuda().clone()) \
+            if payload == "fp8" else x.cuda().clone()
     args = dict(x=cur_x, config=weft.ep.Config(24), async_finish=async_mode, **layout)
     if with_topk:
         args.update(topk_idx=idx.cuda(), topk_weights=w.cuda())
     if previous:
-        args["previous_event"] = buf.capture()
+        args["previous_event"] = weft.ep.EventOverlap(weft.ep.EventHandle(side))
     recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(**args)
     if async_mode:
+        torch.cuda._sleep(20_000_000)  # the wait comes late: the results must not move
         event.current_stream_wait()
     if payload == "fp8":
         assert torch.equal(recv_x[0].cpu().view(torch.uint8), x8.view(torch.uint8)[want.src[:, 1].long()])
@@ -356,8 +374,6 @@ def test_bad_inputs_raise_weft_errors_and_leave_the_buffer_usable():
         "topk_idx must be int64 or int32": lambda: buf.dispatch(x, idx.float(), w),
         r"topk_weights must have shape \[64, 4\]":
             lambda: buf.dispatch(x, idx, w[:, :3].contiguous()),
-        "sized for at most 64": lambda: buf.dispatch(torch.cat([x, x]), torch.cat([idx, idx]),
-                                                    torch.cat([w, w])),
         "scales": lambda: buf.dispatch((x.to(torch.float8_e4m3fn), w), idx, w),
         "takes no topk_idx": lambda: buf.dispatch(x, idx, w, handle=object()),
     }
@@ -368,6 +384,13 @@ def test_bad_inputs_raise_weft_errors_and_leave_the_buffer_usable():
         bad = idx.clone()
         bad[3, 1] = num_experts + 5
         buf.dispatch(x, bad, w, sync_count=True)
+    # More tokens than the Buffer holds: every rank learns it in the count exchange and moves
+    # no row; the Buffer stays usable.
+    over = buf.dispatch(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([w, w]),
+                        sync_count=True)
+    assert over.tokens_required == 128 and over.num_recv == 0
+    with pytest.raises(weft.Error, match="tokens_required|max_tokens"):
+        buf.combine(x, over.handle)
     # A stale handle: the C++ check, carried as weft.Error with its file:line.
     res1 = buf.dispatch(x, idx, w, sync_count=True)
     buf.dispatch(x, idx, w, sync_count=True)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from .. import Error, _weft
 from . import _group
 from .communicator import Communicator
-from .config import Config, dispatch_config, combine_config
+from .config import Config, combine_config, dispatch_config
+from .copy_out import copy_rows, empty_rows, flat, rows_copy
 from .event import EventHandle, EventOverlap
 from .layout import dispatch_layout
 from .native import (CommCall, NativeBuffer, check_stream_options, check_tensor, check_x,
@@ -390,7 +391,7 @@ class Buffer:
                                              None, sync)
             rows = res.num_recv if sync else num_worst_tokens
             with call.allocating():
-                recv_x = _empty_rows(res.recv_x, rows)
+                recv_x = empty_rows(res.recv_x, rows)
                 recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
                 prefix = torch.empty((self.group_size, self.group_size), dtype=torch.int32,
                                      device=device)
@@ -403,8 +404,8 @@ class Buffer:
                 (idx_in, w_in)
             self._copy_out(native, res, rows, recv_x, recv_src, prefix, recv_idx, recv_w,
                            num_tokens, num_worst_tokens)
-            call.keep(packed, *_flat(x), idx_in, w_in, idx_keep, w_keep, topk_idx, topk_weights,
-                      *_flat(recv_x), recv_src, prefix, recv_idx, recv_w)
+            call.keep(packed, *flat(x), idx_in, w_in, idx_keep, w_keep, topk_idx, topk_weights,
+                      *flat(recv_x), recv_src, prefix, recv_idx, recv_w)
         if not sync:
             counts: List[int] = []
         elif topk_idx is not None:
@@ -455,16 +456,16 @@ class Buffer:
         valid = min(rows, native.capacity)  # rows past the capacity are padding only
         k = native.top_k
         row_bytes = native.fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
-        copies = [_rows_copy(dst, src, row_bytes, valid)
-                  for dst, src in zip(_flat(recv_x), _flat(res.recv_x))]
-        copies.append(_rows_copy(recv_src, res.recv_src, 8, valid))
-        copies.append(_rows_copy(prefix, res.rank_prefix_matrix, 4 * self.group_size,
+        copies = [rows_copy(dst, src, row_bytes, valid)
+                  for dst, src in zip(flat(recv_x), flat(res.recv_x))]
+        copies.append(rows_copy(recv_src, res.recv_src, 8, valid))
+        copies.append(rows_copy(prefix, res.rank_prefix_matrix, 4 * self.group_size,
                                  self.group_size))
         if recv_w is not None:
-            copies.append(_rows_copy(recv_w, res.recv_weights, 4 * k, valid))
+            copies.append(rows_copy(recv_w, res.recv_weights, 4 * k, valid))
             if recv_idx.dtype == torch.int32:
-                copies.append(_rows_copy(recv_idx, res.recv_expert_idx, 4 * k, valid))
-        _weft.ep.copy_rows(copies, native.comm_stream.cuda_stream, native.device.index)
+                copies.append(rows_copy(recv_idx, res.recv_expert_idx, 4 * k, valid))
+        copy_rows(copies, native.comm_stream, native.device)
         if recv_idx is not None and recv_idx.dtype != torch.int32:
             recv_idx[:valid].copy_(res.recv_expert_idx[:valid, :recv_idx.shape[1]])
         if num_worst_tokens > 0:
@@ -531,13 +532,13 @@ class Buffer:
             res = native.launch_dispatch(packed, is_fp8, None, None, layout.native, None,
                                          num_sms, None, False)
             with call.allocating():
-                recv_x = _empty_rows(res.recv_x, rows)
+                recv_x = empty_rows(res.recv_x, rows)
             valid = min(rows, native.capacity)
             row_bytes = native.fp8_row_bytes if is_fp8 else native.hidden * 2
-            _weft.ep.copy_rows([_rows_copy(dst, src, row_bytes, valid)
-                                for dst, src in zip(_flat(recv_x), _flat(res.recv_x))],
-                               native.comm_stream.cuda_stream, native.device.index)
-            call.keep(packed, *_flat(recv_x), *_flat(x))
+            copy_rows([rows_copy(dst, src, row_bytes, valid)
+                       for dst, src in zip(flat(recv_x), flat(res.recv_x))],
+                      native.comm_stream, native.device)
+            call.keep(packed, *flat(recv_x), *flat(x))
         return recv_x, None, None, None, None, call.event
 
     # -- combine --------------------------------------------------------------------------------
@@ -599,25 +600,3 @@ class _StreamOnly:
 
     def leave_comm(self, caller: torch.cuda.Stream) -> None:
         caller.wait_stream(self.comm_stream)
-
-
-def _rows_copy(dst: torch.Tensor, src_ptr_or_tensor, src_pitch: int, rows: int):
-    """A copy_rows entry: rows rows of dst's (contiguous) width from src (a tensor or a device
-    address), whose rows are src_pitch bytes apart."""
-    width = dst.stride(0) * dst.element_size() if dst.dim() > 1 else dst.element_size()
-    src = src_ptr_or_tensor if isinstance(src_ptr_or_tensor, int) else \
-        src_ptr_or_tensor.data_ptr()
-    return (dst.data_ptr(), width, src, src_pitch, width, rows)
-
-
-def _empty_rows(x, rows: int):
-    """Empty tensors of x's (or the fp8 pair's) row width and dtype, with rows rows."""
-    if isinstance(x, tuple):
-        return tuple(torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in x)
-    return torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-
-
-def _flat(x):
-    if x is None:
-        return ()
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .. import Error, _weft
 from . import lifetime
 from .communicator import Communicator
+from .copy_out import copy_rows, flat, rows_copy
 from .event import EventHandle, EventOverlap
 
 _FP8_GROUP = 128
@@ -131,7 +132,8 @@ class DispatchResult:
     num_recv_device [1] int32 on the device; num_recv (int) only when the count was read
     (sync_count=True, or a cached dispatch of such a layout). Expanded: segment_begin
     [num_local_experts + 1] int64, and rows_required with sync_count. rank_prefix_matrix
-    [R, R] int32 on the device: rows rank j received from ranks 0..i (DeepEP's handle[0]).
+    [R, R] int32 on the device: rows rank j received from ranks 0..i (DeepEP's handle[0]; None
+    for the expanded layout).
     tokens_required (sync_count only): 0, or the most tokens any rank sent when that was more
     than max_tokens, in which case no row moved on any rank (grow the window and retry).
     """
@@ -158,17 +160,18 @@ class DispatchResult:
         if n is None:
             raise Error("DispatchResult.copy: the count is on the device; pass num_rows "
                         "(e.g. num_worst_tokens) or dispatch with sync_count=True")
-        if isinstance(self.recv_x, tuple):
-            x = (self.recv_x[0][:n].clone(), self.recv_x[1][:n].clone())
-        else:
-            x = self.recv_x[:n].clone()
+        views = [*flat(self.recv_x), self.recv_expert_idx, self.recv_weights, self.recv_src]
+        owned = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in views]
+        copy_rows([rows_copy(o, v, v.stride(0) * v.element_size(), n)
+                   for o, v in zip(owned, views)], torch.cuda.current_stream(), views[0].device)
+        recv_x = tuple(owned[:2]) if isinstance(self.recv_x, tuple) else owned[0]
         return DispatchResult(
-            x, self.recv_expert_idx[:n].clone(), self.recv_weights[:n].clone(),
-            self.recv_src[:n].clone(), self.tokens_per_local_expert.clone(),
+            recv_x, *owned[-3:], self.tokens_per_local_expert.clone(),
             self.num_recv_device.clone(), self.num_recv, self.tokens_per_local_expert_list,
             None if self.segment_begin is None else self.segment_begin.clone(),
-            self.rows_required, self.rank_prefix_matrix.clone(), self.tokens_required,
-            self.handle, self.event)
+            self.rows_required,
+            None if self.rank_prefix_matrix is None else self.rank_prefix_matrix.clone(),
+            self.tokens_required, self.handle, self.event)
 
 
 class _Window:
@@ -189,10 +192,9 @@ class _Window:
         self.tokens_per_local_expert = self._region(out.tokens_per_local_expert_device,
                                                     self.num_local * 4).view(torch.int32)
         self.num_recv = self._region(out.num_recv_device, 4).view(torch.int32)
-        r = native.num_ranks
-        self.rank_prefix_matrix = self._region(out.rank_prefix_matrix, r * r * 4).view(
-            torch.int32).view(r, r)
+        self.num_ranks = native.num_ranks
         self.segment_begin: Optional[torch.Tensor] = None
+        self.rank_prefix_matrix: Optional[torch.Tensor] = None
         self.add(out)
 
     def _region(self, ptr: int, num_bytes: int) -> torch.Tensor:
@@ -203,6 +205,10 @@ class _Window:
         if self.segment_begin is None and out.segment_begin:
             self.segment_begin = self._region(out.segment_begin,
                                               (self.num_local + 2) * 8).view(torch.int64)
+        if self.rank_prefix_matrix is None and out.rank_prefix_matrix:
+            r = self.num_ranks
+            self.rank_prefix_matrix = self._region(out.rank_prefix_matrix, r * r * 4).view(
+                torch.int32).view(r, r)
 
 
 def _current_raw_stream(device_index: int) -> int:
@@ -431,7 +437,8 @@ class NativeBuffer:
             *views[:6], num_recv if num_recv >= 0 else None,
             list(out.tokens_per_local_expert) if out.num_recv >= 0 else None, views[6],
             out.rows_required if expanded and out.rows_required >= 0 else None,
-            self._window.rank_prefix_matrix, out.tokens_required if out.num_recv >= 0 else None,
+            None if expanded else self._window.rank_prefix_matrix,
+            out.tokens_required if out.num_recv >= 0 else None,
             out.handle, _NO_EVENT)
 
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
@@ -446,14 +453,14 @@ class NativeBuffer:
         topk_weights [T, top_k] fp32). With handle (a previous result's), reuses that layout:
         only x moves. sync_count=True reads the count to the host (one host wait), so that
         num_recv and tokens_per_local_expert_list are known and the arrays are sliced to
-        num_recv rows; else they span the capacity and the count stays on the device.
+        num_recv rows; else they span the capacity and the count stays on the device. T may
+        exceed max_tokens (an uncached, deduplicated dispatch): then no rank moves a row and
+        every rank reports the largest T in tokens_required (sync_count; else as a device error
+        of the next call), so that every rank can build a larger Buffer.
         on_current_stream=True runs the kernel on the current stream itself instead of the comm
         stream (no stream hand-off: the cheapest call; the caller orders it with the Buffer's
         other calls, as a stream does)."""
         num_tokens, is_fp8 = self.check_x(x)
-        if num_tokens > self.max_tokens:
-            raise Error(f"dispatch of {num_tokens} tokens, but this Buffer was sized for at most "
-                        f"{self.max_tokens} per rank")
         if handle is None:
             if topk_idx is None or topk_weights is None:
                 raise Error("dispatch needs topk_idx and topk_weights (or a handle)")

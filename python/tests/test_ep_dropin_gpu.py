@@ -1,0 +1,297 @@
+"""weft.ep's DeepEP layer on one GPU under the uses that broke it: windows laid out anew or grown
+while older handles live, previous_event from work still running elsewhere, results whose
+memory the caching allocator could hand out, inputs dropped right after an async call, the GIL
+while a call waits, worst-case row counts above the window, and what a script leaves at exit."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weft  # noqa: E402
+import weft.ep  # noqa: E402
+
+import ep_reference as ref  # noqa: E402
+from conftest import needs_gpus  # noqa: E402
+
+pytestmark = [needs_gpus(1), pytest.mark.timeout(600)]
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(weft.__file__))
+
+
+def inputs(num_tokens, hidden, num_experts, top_k, masked, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
+    idx = ref.random_routing(num_tokens, num_experts, top_k, g, masked)
+    w = torch.rand((num_tokens, top_k), generator=g)
+    return x, idx, w
+
+
+def layout_of(buf, idx, num_experts):
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert)
+
+
+def dispatch(buf, x, idx, w, num_experts, **kw):
+    return buf.dispatch(x.cuda(), topk_idx=idx.cuda(), topk_weights=w.cuda(),
+                        **layout_of(buf, idx.cuda(), num_experts), **kw)
+
+
+def slow_on(stream, fn, cycles=200_000_000):
+    """fn's result, computed on stream after a spin of ~0.1 s: work still running when the
+    host goes on."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(cycles)
+        return fn()
+
+
+def test_the_buffer_works_before_its_first_dispatch():
+    buf = weft.ep.Buffer(None, int(1e9), explicitly_destroy=True)
+    assert buf.get_local_device_id() == torch.cuda.current_device()
+    assert isinstance(buf.get_comm_stream(), torch.cuda.Stream)
+    buf.destroy()
+    with pytest.raises(weft.Error, match="destroyed"):
+        buf.get_comm_stream()
+
+
+def test_the_handle_is_a_tuple_with_the_rank_prefix_matrix():
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(300, 512, 16, 4, 0.2, seed=1)
+    (want,) = ref.dispatch([x], [idx], [w], 16)
+    _, _, _, _, handle, _ = dispatch(buf, x, idx, w, 16)
+    assert isinstance(handle, tuple) and len(handle) == 6
+    assert handle[0].tolist() == [[want.x.shape[0]]]
+    assert torch.equal(handle[3].cpu(), want.src[:, 1])
+
+
+def test_a_window_laid_out_for_other_shapes_refuses_older_handles():
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(100, 512, 16, 4, 0.1, seed=2)
+    _, _, _, _, old, _ = dispatch(buf, x, idx, w, 16)
+    x2, idx2, w2 = inputs(100, 1024, 16, 4, 0.1, seed=3)
+    dispatch(buf, x2, idx2, w2, 16)  # hidden 1024: a new window
+    y = torch.zeros((old.layout.num_rows, 512), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(weft.Error, match="hidden 512.*laid out for hidden 1024"):
+        buf.combine(y, old)
+    with pytest.raises(weft.Error, match="hidden 512.*laid out for hidden 1024"):
+        buf.dispatch(x.cuda(), handle=old)
+
+
+def test_a_bad_input_is_refused_before_the_window_is_laid_out_anew():
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(100, 512, 16, 4, 0.1, seed=4)
+    (want,) = ref.dispatch([x], [idx], [w], 16)
+    _, _, _, _, handle, _ = dispatch(buf, x, idx, w, 16)
+    x2, idx2, w2 = inputs(100, 1024, 16, 4, 0.1, seed=5)
+    lay = layout_of(buf, idx2.cuda(), 16)
+    lay["is_token_in_rank"] = lay["is_token_in_rank"][:7].contiguous()
+    with pytest.raises(weft.Error, match="is_token_in_rank"):
+        buf.dispatch(x2.cuda(), topk_idx=idx2.cuda(), topk_weights=w2.cuda(), **lay)
+    scales_bad = (x2.cuda().to(torch.float8_e4m3fn), torch.ones((100, 3), device="cuda"))
+    with pytest.raises(weft.Error, match="scales"):
+        buf.dispatch(scales_bad, topk_idx=idx2.cuda(), topk_weights=w2.cuda(),
+                     **layout_of(buf, idx2.cuda(), 16))
+    # The first window is still the one in place: its handle combines with no re-run.
+    y = torch.randn((want.x.shape[0], 512)).bfloat16()
+    out, _, _ = buf.combine(y.cuda(), handle)
+    (want_out,) = ref.combine([want], [y], [100])
+    assert torch.equal(out.cpu(), want_out) and buf.num_relayouts == 0
+
+
+def test_a_dispatch_above_the_window_grows_it_and_older_handles_stay_valid():
+    hidden, experts = 1024, 16
+    buf = weft.ep.Buffer(None, weft.ep.sizing.window_bytes_for(64, hidden, 1, 8, experts))
+    small = inputs(50, hidden, experts, 4, 0.1, seed=6)
+    (want_small,) = ref.dispatch([small[0]], [small[1]], [small[2]], experts)
+    _, _, _, _, old, _ = dispatch(buf, *small, experts)
+    big = inputs(700, hidden, experts, 4, 0.1, seed=7)
+    (want_big,) = ref.dispatch([big[0]], [big[1]], [big[2]], experts)
+    rx, ridx, rw, counts, handle, _ = dispatch(buf, *big, experts)
+    assert buf.num_regrowths == 1
+    assert torch.equal(rx.cpu(), want_big.x) and torch.equal(rw.cpu(), want_big.weights)
+    assert counts == want_big.tokens_per_local_expert.tolist()
+    y = torch.randn((want_small.x.shape[0], hidden)).bfloat16()
+    out, _, _ = buf.combine(y.cuda(), old)  # the older handle, on the grown window
+    (want_out,) = ref.combine([want_small], [y], [50])
+    assert torch.equal(out.cpu(), want_out)
+    dispatch(buf, *big, experts)
+    assert buf.num_regrowths == 1  # the grown window holds it now
+
+
+def test_previous_event_from_work_still_running_elsewhere_orders_bf16_and_fp8():
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(400, 1024, 16, 4, 0.1, seed=8)
+    (want,) = ref.dispatch([x], [idx], [w], 16)
+    x8, scales = ref.per_token_cast_to_fp8(x)
+    lay = layout_of(buf, idx.cuda(), 16)
+    side = torch.cuda.Stream()
+    for payload in ("bf16", "fp8"):
+        for async_finish in (False, True):
+            if payload == "bf16":
+                cur = slow_on(side, lambda: x.cuda(non_blocking=False).clone())
+            else:
+                cur = slow_on(side, lambda: (x8.cuda().clone(),
+                                             scales.t().contiguous().t().cuda().clone()))
+            event = weft.ep.EventOverlap(weft.ep.EventHandle(side))
+            recv, _, _, _, _, done = buf.dispatch(cur, topk_idx=idx.cuda(),
+                                                  topk_weights=w.cuda(), previous_event=event,
+                                                  async_finish=async_finish, **lay)
+            if async_finish:
+                done.current_stream_wait()
+            if payload == "bf16":
+                assert torch.equal(recv.cpu(), want.x)
+            else:
+                rows = want.src[:, 1].long()
+                assert torch.equal(recv[0].cpu().view(torch.uint8), x8.view(torch.uint8)[rows])
+                assert torch.equal(recv[1].cpu(), scales[rows])
+
+
+def _segment_stream(t: torch.Tensor) -> int:
+    """The stream that owns the caching allocator's segment holding t."""
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= t.data_ptr() < seg["address"] + seg["total_size"]:
+            return seg["stream"]
+    raise AssertionError("no segment holds the tensor")
+
+
+def test_results_are_allocated_on_the_callers_stream():
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(256, 512, 16, 4, 0.1, seed=9)
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        per_rank, _, per_expert, in_rank, event = buf.get_dispatch_layout(
+            idx.cuda(), 16, previous_event=buf.capture(), async_finish=True)
+        event.current_stream_wait()
+        rx, ridx, rw, _, handle, event = buf.dispatch(
+            x.cuda(), topk_idx=idx.cuda(), topk_weights=w.cuda(), num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            previous_event=buf.capture(), async_finish=True)
+        event.current_stream_wait()
+        out, cw, event = buf.combine(rx, handle, topk_weights=rw, previous_event=buf.capture(),
+                                     async_finish=True)
+        event.current_stream_wait()
+    for t in (per_rank, per_expert, in_rank, rx, ridx, rw, handle[0], out, cw):
+        assert _segment_stream(t) == caller.cuda_stream
+
+
+def test_inputs_and_handles_dropped_after_an_async_call_are_kept_for_it():
+    hidden, experts = 2048, 16
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(512, hidden, experts, 4, 0.1, seed=10)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    n = want.x.shape[0]
+    y = torch.randn((n, hidden)).bfloat16()
+    (want_out,) = ref.combine([want], [y], [512])
+    for _ in range(20):
+        _, _, rw, _, handle, _ = dispatch(buf, x, idx, w, experts)
+        y_dev, rw_dev = y.cuda(), rw.clone()
+        torch.cuda._sleep(100_000_000)  # the caller's stream is busy: the call waits for it
+        out, cw, event = buf.combine(y_dev, handle, topk_weights=rw_dev, async_finish=True)
+        del y_dev, rw_dev, handle  # their memory must not be handed out under the call
+        scribble = [torch.full((n, hidden), 7.0, dtype=torch.bfloat16, device="cuda"),
+                    torch.full((n, 4), 7.0, device="cuda")]
+        event.current_stream_wait()
+        assert torch.equal(out.cpu(), want_out)
+        sent = (idx >= 0).any(dim=1)
+        assert torch.equal(cw.cpu()[sent], torch.where(idx >= 0, w, 0)[sent])
+        del scribble
+
+
+def test_num_worst_tokens_above_the_window_pads_the_rows():
+    hidden, experts = 512, 16
+    buf = weft.ep.Buffer(None, int(1e9), max_tokens=64)
+    x, idx, w = inputs(64, hidden, experts, 4, 0.2, seed=11)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    n = want.x.shape[0]
+    rx, ridx, rw, counts, handle, _ = dispatch(buf, x, idx, w, experts, num_worst_tokens=200)
+    assert counts == [] and rx.shape[0] == 200
+    assert torch.equal(rx[:n].cpu(), want.x)
+    assert (ridx[n:] == -1).all() and (rw[n:] == 0).all()
+    assert (handle[3][n:] == 64).all()
+    y = torch.randn((200, hidden)).bfloat16()
+    out, _, _ = buf.combine(y.cuda(), handle)
+    (want_out,) = ref.combine([want], [y[:n]], [64])
+    assert torch.equal(out.cpu(), want_out)
+
+
+def test_a_waiting_call_lets_other_python_threads_run():
+    buf = weft.ep.NativeBuffer(None, max_tokens=256, hidden=512, num_experts=16, top_k=4)
+    x, idx, w = (t.cuda() for t in inputs(256, 512, 16, 4, 0.1, seed=12))
+    buf.dispatch(x, idx, w, sync_count=True)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=ticker)
+    t.start()
+    try:
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device work before the dispatch
+        start = time.perf_counter()
+        buf.dispatch(x, idx, w, sync_count=True)  # waits on the host for its count
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    assert end - start > 0.1, "the call did not wait: the test proves nothing"
+    during = [s for s in ticks if start < s < end]
+    assert len(during) > 20, f"{len(during)} ticks in {end - start:.3f} s: the GIL was held"
+
+
+def test_a_plain_then_an_expanded_dispatch_on_one_buffer():
+    buf = weft.ep.NativeBuffer(None, max_tokens=128, hidden=256, num_experts=8, top_k=3,
+                               expand_factor=4)
+    x, idx, w = (t.cuda() for t in inputs(100, 256, 8, 3, 0.1, seed=13))
+    plain = buf.dispatch(x, idx, w, sync_count=True)
+    assert plain.segment_begin is None
+    expanded = buf.dispatch(x, idx, w, expand=weft.ep.Expand(expert_alignment=4),
+                            sync_count=True)
+    assert expanded.segment_begin is not None and expanded.segment_begin.shape == (9,)
+
+
+def test_the_moe_docstring_example_runs():
+    import weft.moe as moe
+
+    group = None
+    layer = moe.MoELayer(hidden=256, num_experts=16, top_k=4, ffn=64,
+                         dispatcher=moe.EpDispatcher(weft.ep.Buffer(group, 2**31), 16),
+                         device="cuda")
+    x = torch.randn((64, 256), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    text = moe.__doc__
+    assert "EpDispatcher(weft.ep.Buffer(group, 2**31), 128)" in text
+
+
+def test_a_script_with_a_buffer_exits_cleanly():
+    script = textwrap.dedent("""
+        import torch, weft.ep, weft.moe as moe
+        buf = weft.ep.Buffer(None, int(1e9))
+        layer = moe.MoELayer(hidden=256, num_experts=16, top_k=4, ffn=64,
+                             dispatcher=moe.EpDispatcher(buf, 16), device="cuda")
+        x = torch.randn((64, 256), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = layer(x)
+        y.float().sum().backward()
+        native = weft.ep.NativeBuffer(None, max_tokens=64, hidden=256, num_experts=16, top_k=4)
+        res = native.dispatch(x.detach(), torch.zeros((64, 4), dtype=torch.int64, device="cuda"),
+                              torch.ones((64, 4), device="cuda"))
+        view = res.recv_x  # a view of the window, alive at exit
+        torch.cuda.synchronize()
+        print("done")
+    """)
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "done"
+    assert "leak" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "", r.stderr
