@@ -34,6 +34,7 @@ struct BufferState {
   int32_t* expert_counts = nullptr;
   int32_t* send_slot = nullptr;
   int32_t* tokens_per_expert = nullptr;
+  int32_t* rank_prefix_matrix = nullptr;  // [R][R] (DispatchParams::rank_prefix_matrix)
   // Expanded dispatch only (BufferConfig::expand_factor > 0), one cudaMalloc:
   // expand_info [E/R + 3] int64, expand_rows [max_tokens][top_k] int2 (ExpandDispatchParams),
   // block_expert_counts [SMs][E] int32.
@@ -259,7 +260,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   const std::size_t words = sizeof(detail::DeviceState) / 4 + 64 + detail::kMaxBlocks * R +
                             std::size_t(config.num_experts) +
                             std::size_t(config.max_tokens) * R +
-                            std::size_t(config.num_local_experts(num_ranks_));
+                            std::size_t(config.num_local_experts(num_ranks_)) + R * R;
   void* memory = nullptr;
   WEFT_CUDA_CHECK(cudaMalloc(&memory, words * 4));
   WEFT_CUDA_CHECK(cudaMemset(memory, 0, words * 4));
@@ -272,6 +273,8 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   state_->send_slot = at;
   at += config.max_tokens * int64_t(R);
   state_->tokens_per_expert = at;
+  at += config.num_local_experts(num_ranks_);
+  state_->rank_prefix_matrix = at;
   if (config.expand_factor > 0) {
     const std::size_t info_words = std::size_t(config.num_local_experts(num_ranks_)) + 3;
     const std::size_t num_selections = std::size_t(config.max_tokens) * std::size_t(config.top_k);
@@ -477,6 +480,7 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   r.tokens_per_local_expert = state_->tokens_per_expert;
   r.num_recv_device = &state_->state->num_recv;
   r.capacity = handle.expand.enabled ? expand_capacity() : capacity();
+  if (!handle.expand.enabled) r.rank_prefix_matrix = state_->rank_prefix_matrix;
   if (handle.expand.enabled) {
     r.segment_begin = state_->expand_info;
     r.rows_required_device = state_->expand_info + config_.num_local_experts(num_ranks_);
@@ -528,6 +532,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.expert_counts = state_->expert_counts;
   p.send_slot = state_->send_slot;
   p.tokens_per_expert = state_->tokens_per_expert;
+  p.rank_prefix_matrix = state_->rank_prefix_matrix;
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   p.layout_id = dispatch_sequence_ + 1;
   if (in.expand.enabled) {

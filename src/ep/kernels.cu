@@ -409,6 +409,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
       c.state->own_begin = own_begin;
       c.state->own_count = s_matrix[c.rank * R + c.rank];
     }
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {  // [i / R][i % R]: column prefix
+      int32_t n = 0;
+      for (int s = 0; s <= i / R; ++s) n += s_matrix[s * R + i % R];
+      p.rank_prefix_matrix[i] = n;
+    }
     // Per-expert counts of every source: all sources' count words have arrived, but the expert
     // words are separate stores, so each is polled for its tag too: one thread per (source,
     // expert) word, so that all polls are in flight at once, into s_hist (published above; free).

@@ -144,6 +144,9 @@ struct DispatchParams {
   int32_t* expert_counts;      // grid mode: [num_experts] scratch, zero between calls
   int32_t* send_slot;          // [max_tokens][num_ranks] out: row of token t at rank d, or -1
   int32_t* tokens_per_expert;  // [num_experts / num_ranks] out
+  // [num_ranks][num_ranks] out (DeepEP's rank_prefix_matrix): [i][j] = rows rank j receives from
+  // ranks 0..i, from the exchanged count matrix (block 0; every rank computes the same matrix).
+  int32_t* rank_prefix_matrix;
   // Optional [num_experts / num_ranks] (device, caller-owned): tokens_per_expert is added to it
   // (block 0 only, after the counts arrived; not atomic: one writer). Null: the kernel variant
   // without it runs, so the default path does not pay.

@@ -125,6 +125,13 @@ struct DispatchResult {
   const int32_t* recv_src = nullptr;         // [capacity, 2] (source rank, source token)
   const int32_t* tokens_per_local_expert = nullptr;  // [num_local_experts], on the device
   const int32_t* num_recv_device = nullptr;  // device scalar: rows received
+  // [num_ranks][num_ranks] int32 on the device, row-major (DeepEP's rank_prefix_matrix, handle[0]):
+  // [i][j] = rows rank j receives from ranks 0..i, the same matrix on every rank (from the count
+  // exchange, no extra collective); this rank's rows from rank s are [[s-1][rank], [s][rank]).
+  // Valid until the next uncached dispatch is launched; a cached dispatch returns its handle's
+  // (the same array). All zero where the dispatch moved no rows (tokens_required > 0). Null for
+  // the expanded layout (its rows are grouped by expert, not by source rank).
+  const int32_t* rank_prefix_matrix = nullptr;
   // fp8 dispatch: [capacity, row_bytes] packed fp8 rows, and recv_x is null (bf16: the reverse).
   const uint8_t* recv_x_fp8 = nullptr;
   int64_t row_bytes = 0;                     // bytes per received row (the stride of both)

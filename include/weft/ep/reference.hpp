@@ -60,6 +60,9 @@ struct RankLayout {
   std::vector<uint16_t> recv_x;           // [num_recv, hidden] (bf16 dispatch)
   std::vector<uint8_t> recv_x_fp8;        // [num_recv, Fp8RowLayout::row_bytes] (fp8 dispatch)
   std::vector<int32_t> tokens_per_local_expert;  // [num_experts / num_ranks]
+  // [num_ranks][num_ranks], the same at every rank (DeepEP's rank_prefix_matrix): [i][j] = rows
+  // rank j receives from ranks 0..i. Deduplicated layout only (empty when expanded).
+  std::vector<int32_t> rank_prefix_matrix;
   // Source side: send_slot[t * num_ranks + d] = the row of this rank's token t at rank d, or -1
   // (expanded: its first row there, the one of its lowest local expert).
   std::vector<int32_t> send_slot;         // [num_tokens, num_ranks]

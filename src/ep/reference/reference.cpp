@@ -253,6 +253,15 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
     }
     dst.num_recv = static_cast<int64_t>(dst.recv_src_rank.size());
   }
+  // rank_prefix_matrix[i][j] = rows j received from ranks 0..i (its rows are in source order).
+  const auto R = static_cast<std::size_t>(num_ranks);
+  std::vector<int32_t> prefix(R * R, 0);
+  for (std::size_t j = 0; j < R; ++j) {
+    for (const int32_t s : out[j].recv_src_rank) {
+      for (auto i = static_cast<std::size_t>(s); i < R; ++i) ++prefix[i * R + j];
+    }
+  }
+  for (auto& layout : out) layout.rank_prefix_matrix = prefix;
   return out;
 }
 
