@@ -1,6 +1,7 @@
 #include "weft/ep/buffer.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <atomic>
 #include <cstdlib>
 #include <sstream>
@@ -41,8 +42,11 @@ struct BufferState {
   int64_t* expand_info = nullptr;
   int2* expand_rows = nullptr;
   int32_t* block_expert_counts = nullptr;
-  int32_t* host_count = nullptr;          // pinned, 16 bytes: the count, then
-  int64_t* host_rows_required = nullptr;  // at byte 8, an expanded dispatch's rows_required
+  // Pinned, 16 bytes: the count and tokens_required (one 8-byte copy of DeviceState::num_recv
+  // and the word after it), then at byte 8 an expanded dispatch's rows_required.
+  int32_t* host_count = nullptr;
+  int32_t* host_tokens_required = nullptr;
+  int64_t* host_rows_required = nullptr;
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable
@@ -130,6 +134,18 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
           << " names source (rank " << r.args[1] << ", token " << r.args[2]
           << "), out of range (recv_src overwritten?); that row was not sent back";
       break;
+    case detail::kErrTokensOverflow:
+      out << "weft::ep dispatch on rank " << r.rank << ": rank " << r.args[0] << " dispatched "
+          << r.args[1] << " tokens, above max_tokens " << r.args[2] << "; no rank moved any row "
+          << "(num_recv 0, tokens_required " << r.args[1] << " on every rank); rebuild every "
+          << "rank's Buffer with max_tokens >= " << r.args[1] << " and dispatch again "
+          << "(CountMode::kExact reports this in DispatchResult::tokens_required instead)";
+      break;
+    case detail::kErrOverflowedLayout:
+      out << "weft::ep combine or cached dispatch on rank " << r.rank << ": its layout is that "
+          << "of a dispatch that moved no rows (rank " << r.args[0] << " dispatched " << r.args[1]
+          << " tokens, above max_tokens " << r.args[2] << "); the call was skipped on every rank";
+      break;
     case detail::kErrExpandOverflow:
       out << "weft::ep combine on rank " << r.rank << ": the expanded dispatch it combines "
           << "overflowed at rank " << r.args[0] << ", which needed " << r.args[1]
@@ -211,7 +227,8 @@ void check_handle(const Handle& h, const Handle& layout, uint64_t buffer_id, con
   WEFT_CHECK(h.sequence == layout.sequence, call, ": the handle is stale (its layout is dispatch ",
              h.sequence, "'s, but the layout in place is dispatch ", layout.sequence, "'s)");
   WEFT_CHECK(h.num_tokens == layout.num_tokens && h.expand == layout.expand &&
-                 (h.num_recv < 0 || h.num_recv == layout.num_recv),
+                 (h.num_recv < 0 || h.num_recv == layout.num_recv) &&
+                 (h.tokens_required < 0 || h.tokens_required == layout.tokens_required),
              call, ": the handle does not match the layout of dispatch ", layout.sequence,
              " (num_tokens ", h.num_tokens, " for ", layout.num_tokens, ", num_recv ", h.num_recv,
              " for ", layout.num_recv, ", expand ", h.expand.enabled, " for ",
@@ -290,6 +307,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   void* host = nullptr;
   WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int64_t), cudaHostAllocDefault));
   state_->host_count = static_cast<int32_t*>(host);
+  state_->host_tokens_required = static_cast<int32_t*>(host) + 1;
   state_->host_rows_required = static_cast<int64_t*>(host) + 1;
   WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
   async_ = detail::make_async_state(device_, options.pipeline_depth);
@@ -446,6 +464,17 @@ void Buffer::throw_if_device_error() {
 
 void Buffer::check() { throw_if_device_error(); }
 
+void Buffer::refuse_overflowed_layout(const Handle& layout, const char* call) const {
+  // Known here from this rank's own T, or (any rank's) from wait_num_recv. A rank that does not
+  // know launches the call, which its kernel skips without advancing the call number
+  // (kErrOverflowedLayout), so refusing here keeps the ranks in step.
+  WEFT_CHECK(layout.num_tokens <= config_.max_tokens && layout.tokens_required <= 0, call,
+             ": the dispatch of this layout (", layout.sequence, ") moved no rows because a rank's ",
+             "T exceeded max_tokens ", config_.max_tokens, " (this rank's T ", layout.num_tokens,
+             ", tokens_required ", layout.tokens_required, ", -1: not waited for); rebuild the ",
+             "Buffers with max_tokens >= tokens_required and dispatch again");
+}
+
 namespace {
 
 // Bytes per row of dispatch's x: bf16 [T, hidden] or packed fp8 [T, fp8 row_bytes] uint8.
@@ -479,6 +508,7 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
   r.tokens_per_local_expert = state_->tokens_per_expert;
   r.num_recv_device = &state_->state->num_recv;
+  r.tokens_required_device = &state_->state->tokens_required;
   r.capacity = handle.expand.enabled ? expand_capacity() : capacity();
   if (!handle.expand.enabled) r.rank_prefix_matrix = state_->rank_prefix_matrix;
   if (handle.expand.enabled) {
@@ -487,6 +517,7 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   }
   r.handle = handle;
   r.num_recv = handle.num_recv;
+  r.tokens_required = handle.tokens_required;
   return r;
 }
 
@@ -494,8 +525,17 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   pace_host();
   throw_if_device_error();
   const int64_t T = in.x.rows;
-  WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "dispatch of ", T,
-             " tokens, but the buffer was sized for at most ", config_.max_tokens);
+  // The deduplicated uncached dispatch takes T above max_tokens (every rank then learns it in
+  // the count exchange and moves no row: see DispatchResult::tokens_required), up to int32 rows;
+  // the expanded one is refused here; a cached one must have its layout's T (dispatch_cached).
+  if (in.handle == nullptr && !in.expand.enabled) {
+    WEFT_CHECK(T >= 0 && T <= kMaxDispatchTokens, "dispatch of ", T, " tokens: at most ",
+               kMaxDispatchTokens, " (int32 rows)");
+  } else if (in.handle == nullptr) {
+    WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "expanded dispatch of ", T,
+               " tokens, but the buffer was sized for at most ", config_.max_tokens,
+               " (only the deduplicated dispatch reports tokens_required instead)");
+  }
   const int64_t row_bytes = dispatch_row_bytes(in.x, config_);
   const PointerHome home = pointer_home(*group_, index_, device_);
   check_pointer(T > 0 ? in.x.data : nullptr, "x", home, 16);
@@ -535,6 +575,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.rank_prefix_matrix = state_->rank_prefix_matrix;
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   p.layout_id = dispatch_sequence_ + 1;
+  p.report_overflow = mode == CountMode::kOnDevice;
   if (in.expand.enabled) {
     detail::ExpandDispatchParams ep{};
     ep.dispatch = p;
@@ -554,8 +595,11 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
 
   DispatchResult r = make_result(row_bytes, state_->layout);
   if (mode == CountMode::kExact) {
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
-                                    cudaMemcpyDeviceToHost, stream));
+    static_assert(offsetof(detail::DeviceState, tokens_required) ==
+                      offsetof(detail::DeviceState, num_recv) + sizeof(int32_t),
+                  "one copy gives the host num_recv and tokens_required");
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv,
+                                    2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
     if (in.expand.enabled) {
       WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_rows_required, r.rows_required_device,
                                       sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
@@ -571,6 +615,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
                                        cudaStream_t stream, CountMode mode) {
   check_handle(*in.handle, state_->layout, id_, "cached dispatch");
   const Handle& h = state_->layout;  // what the handle was checked to match
+  refuse_overflowed_layout(h, "cached dispatch");
   WEFT_CHECK(!in.expand.enabled || in.expand == h.expand,
              "cached dispatch: expand must be left unset or equal the handle's (the layout, "
              "expanded or not, is the handle's)");
@@ -599,6 +644,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
     p.zero_padding = h.expand.zero_padding;
   }
   p.layout_id = h.sequence;
+  p.max_tokens = config_.max_tokens;
   detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
   note_launched(stream);
   return make_result(row_bytes, *in.handle);
@@ -613,7 +659,12 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   throw_if_device_error();
   result.num_recv = *state_->host_count;
   result.handle.num_recv = result.num_recv;
-  if (state_->layout.sequence == result.handle.sequence) state_->layout.num_recv = result.num_recv;
+  result.tokens_required = *state_->host_tokens_required;
+  result.handle.tokens_required = result.tokens_required;
+  if (state_->layout.sequence == result.handle.sequence) {
+    state_->layout.num_recv = result.num_recv;
+    state_->layout.tokens_required = result.tokens_required;
+  }
   if (result.handle.expand.enabled) result.rows_required = *state_->host_rows_required;
   return result.num_recv;
 }
@@ -624,6 +675,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   throw_if_device_error();
   check_handle(handle, state_->layout, id_, "combine");
   const Handle& layout = state_->layout;  // what the handle was checked to match
+  refuse_overflowed_layout(layout, "combine");
   const int64_t T = layout.num_tokens;
   WEFT_CHECK(in.expert_out.dtype == DType::kBFloat16, "expert_out must be bfloat16, got ",
              dtype_name(in.expert_out.dtype));

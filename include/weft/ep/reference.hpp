@@ -33,6 +33,8 @@
 //    first sums each source token's rows in row order (ascending local expert) in fp32 from 0
 //    and rounds that to bf16, once per (token, d); the source then reduces these as above.
 //    combine of a dispatch in which any rank overflowed throws.
+//  - tokens over max_tokens (deduplicated): when any rank's T exceeds max_tokens, every rank
+//    receives nothing and reports tokens_required = the largest T; combine of it throws.
 #pragma once
 
 #include <cstdint>
@@ -72,6 +74,10 @@ struct RankLayout {
   std::vector<int64_t> segment_begin;     // [num_experts / num_ranks + 1]; last = aligned total
   int64_t rows_required = 0;              // = segment_begin.back()
   bool overflowed = false;                // rows_required > BufferConfig::expand_capacity(R)
+  // Deduplicated layout: 0, or the largest T of any rank where some rank's T exceeded
+  // BufferConfig::max_tokens; then no rank received a row (num_recv 0, send_slot all -1, the
+  // counts and rank_prefix_matrix 0) and combine throws.
+  int64_t tokens_required = 0;
 };
 
 struct DispatchOptions {
@@ -79,8 +85,10 @@ struct DispatchOptions {
   ExpandOptions expand{};
 };
 
-// Throws weft::Error on bad input (expert id out of range, T above max_tokens, sizes that do not
-// match). inputs.size() is the number of ranks.
+// Throws weft::Error on bad input (expert id out of range, sizes that do not match, T above
+// max_tokens in an expanded dispatch or above INT32_MAX). A deduplicated dispatch with some T
+// above max_tokens moves nothing (RankLayout::tokens_required). inputs.size() is the number of
+// ranks.
 std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs,
                                  const DispatchOptions& options = {});
 

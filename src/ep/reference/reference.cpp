@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include "weft/core/error.hpp"
 
@@ -180,8 +181,10 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
   std::vector<std::vector<uint32_t>> masks(inputs.size());
   for (int s = 0; s < num_ranks; ++s) {
     const RankInput& in = inputs[static_cast<std::size_t>(s)];
-    WEFT_CHECK(in.num_tokens >= 0 && in.num_tokens <= config.max_tokens, "rank ", s, ": ",
-               in.num_tokens, " tokens, the buffer holds at most ", config.max_tokens);
+    const int64_t most_tokens = options.expand.enabled ? config.max_tokens : int64_t(INT32_MAX);
+    WEFT_CHECK(in.num_tokens >= 0 && in.num_tokens <= most_tokens, "rank ", s, ": ",
+               in.num_tokens, " tokens, at most ", most_tokens, " allowed",
+               options.expand.enabled ? " (the expanded dispatch's max_tokens)" : "");
     const auto t_count = static_cast<std::size_t>(in.num_tokens);
     if (options.fp8) {
       WEFT_CHECK(in.x_fp8.size() == t_count * fp8_row_bytes, "rank ", s, ": x_fp8 has ",
@@ -214,6 +217,21 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
   }
   if (options.expand.enabled) {
     for (int d = 0; d < num_ranks; ++d) expand_destination(config, inputs, options, d, out);
+    return out;
+  }
+  // Tokens over max_tokens: every rank sees every T, so every rank moves nothing and reports the
+  // largest T.
+  int64_t required = 0;
+  for (const RankInput& in : inputs) {
+    if (in.num_tokens > config.max_tokens) required = std::max(required, in.num_tokens);
+  }
+  if (required > 0) {
+    for (auto& layout : out) {
+      layout.tokens_required = required;
+      layout.tokens_per_local_expert.assign(static_cast<std::size_t>(epr), 0);
+      layout.rank_prefix_matrix.assign(static_cast<std::size_t>(num_ranks) *
+                                           static_cast<std::size_t>(num_ranks), 0);
+    }
     return out;
   }
   for (int d = 0; d < num_ranks; ++d) {
@@ -327,6 +345,8 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
   const auto hidden = static_cast<std::size_t>(config.hidden);
   const RankLayout& src = layouts[static_cast<std::size_t>(rank)];
   const auto t_count = static_cast<std::size_t>(src.num_tokens);
+  WEFT_CHECK(src.tokens_required == 0, "combine: the dispatch moved no rows (a rank had ",
+             src.tokens_required, " tokens, above max_tokens ", config.max_tokens, ")");
   WEFT_CHECK(bias0.empty() || bias0.size() == t_count * hidden, "bias0 must be [T, hidden]");
   WEFT_CHECK(bias1.empty() || bias1.size() == t_count * hidden, "bias1 must be [T, hidden]");
   for (int d = 0; d < num_ranks; ++d) {
