@@ -116,7 +116,8 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
       break;
     case detail::kErrTooManyRows:
       out << "weft::ep combine on rank " << r.rank << ": " << r.args[0]
-          << " rows were received but expert_out has only " << r.args[1]
+          << " rows were received but " << (r.args[2] != 0 ? "topk_weights" : "expert_out")
+          << " has only " << r.args[1]
           << " rows; none was read or sent, out was not written";
       break;
     case detail::kErrPeerRowsMissing:
@@ -687,6 +688,26 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   WEFT_CHECK(layout.num_recv < 0 || in.expert_out.rows >= layout.num_recv, "expert_out has ",
              in.expert_out.rows, " rows but ", layout.num_recv, " were received");
   WEFT_CHECK(in.expert_out.rows == 0 || in.expert_out.data != nullptr, "expert_out is null");
+  const bool with_weights = in.topk_weights.cols != 0;
+  if (with_weights) {
+    const TensorView& w = in.topk_weights;
+    WEFT_CHECK(!layout.expand.enabled, "combine: topk_weights with an expanded layout is not "
+               "supported (its rows are per expert; combine the weights of the deduplicated one)");
+    WEFT_CHECK(w.dtype == DType::kFloat32, "topk_weights must be float32, got ",
+               dtype_name(w.dtype));
+    WEFT_CHECK(w.cols >= 1 && w.cols <= config_.top_k, "topk_weights has ", w.cols,
+               " columns; K must be in 1..top_k = ", config_.top_k);
+    WEFT_CHECK(w.rows >= 0 && w.rows <= rows_allowed, "topk_weights has ", w.rows,
+               " rows, at most ", rows_allowed, " allowed");
+    WEFT_CHECK(layout.num_recv < 0 || w.rows >= layout.num_recv, "topk_weights has ", w.rows,
+               " rows but ", layout.num_recv, " were received");
+    WEFT_CHECK(w.rows == 0 || w.data != nullptr, "topk_weights is null");
+    WEFT_CHECK(T == 0 || in.combined_weights != nullptr,
+               "combined_weights is null but topk_weights is given");
+  } else {
+    WEFT_CHECK(in.combined_weights == nullptr,
+               "combined_weights is given but topk_weights is not (cols == 0)");
+  }
   if (in.bias0.data != nullptr) check_view(in.bias0, "bias0", {DType::kBFloat16}, T, config_.hidden);
   if (in.bias1.data != nullptr) check_view(in.bias1, "bias1", {DType::kBFloat16}, T, config_.hidden);
   WEFT_CHECK(T == 0 || out != nullptr, "out is null");
@@ -696,6 +717,10 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     check_pointer(in.bias0.data, "bias0", home, 16);
     check_pointer(in.bias1.data, "bias1", home, 16);
     check_pointer(out, "out", home, 16);
+    check_pointer(in.combined_weights, "combined_weights", home, 4);
+  }
+  if (with_weights && in.topk_weights.rows > 0) {
+    check_pointer(in.topk_weights.data, "topk_weights", home, 4);
   }
   DeviceGuard guard(device_);
   detail::CombineParams p{};
@@ -710,6 +735,13 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
+  if (with_weights) {
+    p.topk_weights = static_cast<const float*>(in.topk_weights.data);
+    p.topk_weights_rows = in.topk_weights.rows;
+    p.num_weights = int(in.topk_weights.cols);
+    p.combined_weights = in.combined_weights;
+  }
+  p.top_k = config_.top_k;
   p.layout_id = layout.sequence;
   if (layout.expand.enabled) {
     p.num_send_warps = options_.expanded_combine_send_warps;

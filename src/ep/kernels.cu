@@ -958,6 +958,10 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
 // from peers into the peer's comb_x[rank][token] (then comb_flags[rank][token] = seq); the other
 // warps reduce this rank's tokens: bias0 + bias1 + contributions in ascending rank order, the
 // own rank's read straight from expert_out (the slot would only be a local copy of it).
+// With topk_weights (deduplicated only), each stored-back row's num_weights weights go into
+// comb_w[rank][token] by the same warp before the same fence, so the row's flag publishes both;
+// the reduce warp of a token's first piece sums them (0 + ranks ascending, the own rank's read
+// straight from topk_weights) into combined_weights.
 // kExpanded (the combine of an expanded dispatch): what is stored back is one row per
 // (source, token), the fp32 sum of its rows here rounded once (warp_sum_rows over its
 // expand_chain), and the own rank's sums go through comb_x too (its rows are not one row per
@@ -1000,7 +1004,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   // have sent as failed (kFlagFatal for the timeout), so that its peers report it at once instead
   // of timing out on rows that never come.
   const int32_t num_recv = c.state->num_recv;
-  const bool rows_missing = num_recv > p.expert_out_rows;
+  const int64_t rows_given = p.topk_weights != nullptr
+                                 ? min(p.expert_out_rows, p.topk_weights_rows)
+                                 : p.expert_out_rows;
+  const bool rows_missing = num_recv > rows_given;
   const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
   // The flag of a received row's (source, token) at the source, or null (reported) where the
   // source is out of range: rows are sent only to sources that exist.
@@ -1028,7 +1035,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     asm volatile("bar.sync 1, %0;" ::"r"(num_send_threads) : "memory");
     if (!s_ok || rows_missing) {
       if (s_ok && blockIdx.x == 0 && threadIdx.x == 0) {
-        raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
+        raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, rows_given,
+                           int64_t(rows_given < p.expert_out_rows));
       }
       const uint64_t mark = seq | kFlagFailed | (s_ok ? 0 : kFlagFatal);
       // Every row that would have gone out (expanded: every chain head, the own rank's too):
@@ -1117,9 +1125,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
           const int64_t j = received_row(r);
           const int2 src = recv_src[j];
           if (!source_in_range(src)) continue;
-          warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
-                            (int64_t(c.rank) * p.max_tokens + src.y) * n16,
+          const int64_t slot = int64_t(c.rank) * p.max_tokens + src.y;
+          warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) + slot * n16,
                         reinterpret_cast<const int4*>(p.expert_out) + j * n16, n16, lane);
+          if (p.topk_weights != nullptr && lane < p.num_weights) {
+            reinterpret_cast<float*>(s_peer[src.x] + c.layout.comb_w)[slot * p.top_k + lane] =
+                p.topk_weights[j * p.num_weights + lane];
+          }
         }
         __syncwarp();
         if (lane == 0) {
@@ -1182,6 +1194,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         }
       }
       if (!arrived) continue;
+      if (!kExpanded && p.combined_weights != nullptr && piece == 0 && lane < p.num_weights) {
+        // Each lane acquired every contributing peer's flag itself (above), so its comb_w loads
+        // follow the peer's stores; plain loads (written during this kernel: no nc cache).
+        const float* comb_w = reinterpret_cast<const float*>(local + c.layout.comb_w);
+        float w = 0.0f;
+        for (uint32_t m = ranks; m != 0; m &= m - 1) {
+          const int d = __ffs(int(m)) - 1;
+          w += d == c.rank
+                   ? p.topk_weights[int64_t(p.send_slot[t * R + d]) * p.num_weights + lane]
+                   : comb_w[(int64_t(d) * p.max_tokens + t) * p.top_k + lane];
+        }
+        p.combined_weights[t * p.num_weights + lane] = w;
+      }
       const int num_sources = num_bias + __popc(ranks);
       // Source i in the reference's order: bias0, bias1, then contributing ranks ascending.
       auto source = [&](int i, bool& coherent) -> const int4* {
@@ -1417,6 +1442,7 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
   l.recv_weights = region(sizeof(float) * cap * uint64_t(top_k));
   l.recv_x = region(2 * cap * uint64_t(hidden));
   l.comb_x = region(2 * R * uint64_t(max_tokens) * uint64_t(hidden));
+  l.comb_w = region(sizeof(float) * R * uint64_t(max_tokens) * uint64_t(top_k));
   l.expand_matrix =
       region(expand_factor > 0 ? sizeof(uint64_t) * 2 * R * uint64_t(num_experts) : 0);
   l.expand_chain = region(sizeof(int32_t) * 2 * expand_rows);

@@ -31,7 +31,8 @@ constexpr int kExpandSubChunkTokens = 128;
 enum ErrorCode : uint32_t {
   kErrBadExpert = 1,        // args: token, selection k, expert id
   kErrTimeout = 2,          // fatal; args: WaitKind, peer rank (or -1), call sequence number
-  kErrTooManyRows = 3,      // args: rows received, rows of expert_out
+  kErrTooManyRows = 3,      // args: rows received, rows given, 1 if topk_weights (not
+                            // expert_out) was the shorter
   kErrExpandOverflow = 4,   // combine of an overflowed expanded dispatch; args: the lowest
                             // overflowed rank, the rows it needed, its capacity
   kErrLayoutMismatch = 5,   // combine / cached dispatch of a layout that is not the one in
@@ -75,6 +76,8 @@ enum WaitKind : int64_t {
 //   recv_x       [cap][hidden] bf16, cap = R * max_tokens, or expand_factor * R * max_tokens when
 //                that is larger (BufferConfig::expand_factor: the expanded layout's capacity)
 //   comb_x       [R][max_tokens][hidden] bf16: rank r's expert output for our token t
+//   comb_w       [R][max_tokens][top_k] fp32: rank r's top-k weights for our token t (the first
+//                K of each row; combine with topk_weights), published by the comb_flags as comb_x
 //   expand_matrix[2 (call parity)][R source][E] uint64 tagged words: the source's rows per expert
 //                (expanded dispatch; every rank receives every source's whole histogram)
 //   expand_chain [cap] int2 (expanded dispatch): per received row, {the next row of the same
@@ -91,6 +94,7 @@ struct WindowLayout {
   uint64_t recv_weights = 0;
   uint64_t recv_x = 0;
   uint64_t comb_x = 0;
+  uint64_t comb_w = 0;
   uint64_t expand_matrix = 0;
   uint64_t expand_chain = 0;
   uint64_t total_bytes = 0;
@@ -234,6 +238,15 @@ struct CombineParams {
   int64_t max_tokens;
   const int32_t* send_slot;    // [num_tokens][num_ranks] from the dispatch
   int num_send_warps;          // warps per block that store back; the others reduce
+  // Optional (deduplicated layout only; else null): [topk_weights_rows, num_weights] fp32 in the
+  // received-row order, stored back with each row into comb_w; the source writes
+  // combined_weights [num_tokens, num_weights] = per token, 0 + the contributing ranks' rows in
+  // ascending rank order (fp32). num_weights <= top_k (comb_w's row stride).
+  const float* topk_weights;
+  int64_t topk_weights_rows;
+  int num_weights;
+  int top_k;
+  float* combined_weights;
   // Expanded dispatch only (else null / 0): its expand_info (ExpandDispatchParams) and capacity.
   const int64_t* expand_info;
   int num_local_experts;

@@ -214,6 +214,17 @@ struct CombineInputs {
   TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
   TensorView bias1{};       // optional [T, hidden] bf16
   int num_sms = 0;          // most blocks (SMs) of this call; 0 = BufferOptions::num_sms
+  // Optional (cols == 0: none) [rows >= num_recv, K] float32 in the received-row order, K in
+  // 1..top_k (DeepEP's combine(topk_weights=...), e.g. recv_weights itself with K = top_k), 4-byte
+  // aligned, data null only with rows == 0. Rows short of num_recv are handled as expert_out's.
+  // Deduplicated layout only (an expanded handle throws).
+  TensorView topk_weights{};
+  // [T, K] float32 out (DeepEP's combined_topk_weights), required iff topk_weights is given (else
+  // must be null), 4-byte aligned: per token, 0.0f + the K weights of its row at each rank it
+  // was sent to, in ascending rank order, every addition in fp32 (deterministic, bit-identical to
+  // reference::combine_weights); 0 for a token sent nowhere. Written with out (not where out is
+  // not written).
+  float* combined_weights = nullptr;
 };
 
 // Packs x [num_tokens, hidden] bf16 into fp8 rows out [num_tokens, fp8_row_layout(hidden).

@@ -33,6 +33,8 @@
 //    first sums each source token's rows in row order (ascending local expert) in fp32 from 0
 //    and rounds that to bf16, once per (token, d); the source then reduces these as above.
 //    combine of a dispatch in which any rank overflowed throws.
+//  - combine_weights: per token, 0 + each contributing rank's row of weights, ranks ascending,
+//    in fp32 (the GPU's combined_weights, bit for bit).
 //  - tokens over max_tokens (deduplicated): when any rank's T exceeds max_tokens, every rank
 //    receives nothing and reports tokens_required = the largest T; combine of it throws.
 #pragma once
@@ -116,6 +118,16 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
                               std::span<const RankLayout> layouts,
                               std::span<const std::vector<uint16_t>> expert_out,
                               std::span<const uint16_t> bias0, std::span<const uint16_t> bias1);
+
+// combine's top-k weights (DeepEP's combined_topk_weights) of `rank`: [num_tokens of rank,
+// num_weights] fp32, out[t][k] = 0.0f + topk_weights[d][row of t at d][k] over the ranks d that t
+// was sent to, in ascending d, each addition in fp32 (0 where t was sent nowhere).
+// topk_weights[d]: rank d's [layouts[d].num_recv, num_weights], num_weights in 1..top_k.
+// Deduplicated layouts only (throws for an expanded one, or one that moved no rows).
+std::vector<float> combine_weights(const BufferConfig& config, int rank,
+                                   std::span<const RankLayout> layouts,
+                                   std::span<const std::vector<float>> topk_weights,
+                                   int num_weights);
 
 // A finite bf16 whose bits name (rank, token, column), for payloads of tests and benchmarks: a
 // hash of the three picks the sign, the mantissa and a biased exponent in [min_exponent,

@@ -378,6 +378,41 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
   return out;
 }
 
+std::vector<float> combine_weights(const BufferConfig& config, int rank,
+                                   std::span<const RankLayout> layouts,
+                                   std::span<const std::vector<float>> topk_weights,
+                                   int num_weights) {
+  const int num_ranks = static_cast<int>(layouts.size());
+  WEFT_CHECK(rank >= 0 && rank < num_ranks, "rank ", rank, " out of range");
+  WEFT_CHECK(topk_weights.size() == layouts.size(), "one topk_weights per rank is needed");
+  WEFT_CHECK(num_weights >= 1 && num_weights <= config.top_k, "num_weights ", num_weights,
+             " must be in 1..top_k = ", config.top_k);
+  const auto K = static_cast<std::size_t>(num_weights);
+  for (int d = 0; d < num_ranks; ++d) {
+    const RankLayout& L = layouts[static_cast<std::size_t>(d)];
+    WEFT_CHECK(!L.expanded, "combine_weights: the expanded layout is not supported");
+    WEFT_CHECK(L.tokens_required == 0, "combine_weights: the dispatch moved no rows");
+    WEFT_CHECK(topk_weights[static_cast<std::size_t>(d)].size() ==
+                   static_cast<std::size_t>(L.num_recv) * K,
+               "topk_weights of rank ", d, " must be [num_recv, num_weights]");
+  }
+  const RankLayout& src = layouts[static_cast<std::size_t>(rank)];
+  const auto t_count = static_cast<std::size_t>(src.num_tokens);
+  const auto R = static_cast<std::size_t>(num_ranks);
+  std::vector<float> out(t_count * K);
+  for (std::size_t t = 0; t < t_count; ++t) {
+    for (std::size_t k = 0; k < K; ++k) {
+      float w = 0.0f;
+      for (std::size_t d = 0; d < R; ++d) {
+        const int32_t row = src.send_slot[t * R + d];
+        if (row >= 0) w += topk_weights[d][static_cast<std::size_t>(row) * K + k];
+      }
+      out[t * K + k] = w;
+    }
+  }
+  return out;
+}
+
 std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x) {
   const Fp8RowLayout l = fp8_row_layout(hidden);
   WEFT_CHECK(num_tokens >= 0 && x.size() == static_cast<std::size_t>(num_tokens * hidden),
