@@ -1,6 +1,7 @@
 #include "weft/ep/buffer.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <atomic>
 #include <cstdlib>
 #include <sstream>
@@ -34,14 +35,18 @@ struct BufferState {
   int32_t* expert_counts = nullptr;
   int32_t* send_slot = nullptr;
   int32_t* tokens_per_expert = nullptr;
+  int32_t* rank_prefix_matrix = nullptr;  // [R][R] (DispatchParams::rank_prefix_matrix)
   // Expanded dispatch only (BufferConfig::expand_factor > 0), one cudaMalloc:
   // expand_info [E/R + 3] int64, expand_rows [max_tokens][top_k] int2 (ExpandDispatchParams),
   // block_expert_counts [SMs][E] int32.
   int64_t* expand_info = nullptr;
   int2* expand_rows = nullptr;
   int32_t* block_expert_counts = nullptr;
-  int32_t* host_count = nullptr;          // pinned, 16 bytes: the count, then
-  int64_t* host_rows_required = nullptr;  // at byte 8, an expanded dispatch's rows_required
+  // Pinned, 16 bytes: the count and tokens_required (one 8-byte copy of DeviceState::num_recv
+  // and the word after it), then at byte 8 an expanded dispatch's rows_required.
+  int32_t* host_count = nullptr;
+  int32_t* host_tokens_required = nullptr;
+  int64_t* host_rows_required = nullptr;
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable
@@ -111,7 +116,8 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
       break;
     case detail::kErrTooManyRows:
       out << "weft::ep combine on rank " << r.rank << ": " << r.args[0]
-          << " rows were received but expert_out has only " << r.args[1]
+          << " rows were received but " << (r.args[2] != 0 ? "topk_weights" : "expert_out")
+          << " has only " << r.args[1]
           << " rows; none was read or sent, out was not written";
       break;
     case detail::kErrPeerRowsMissing:
@@ -128,6 +134,18 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
       out << "weft::ep combine on rank " << r.rank << ": received row " << r.args[0]
           << " names source (rank " << r.args[1] << ", token " << r.args[2]
           << "), out of range (recv_src overwritten?); that row was not sent back";
+      break;
+    case detail::kErrTokensOverflow:
+      out << "weft::ep dispatch on rank " << r.rank << ": rank " << r.args[0] << " dispatched "
+          << r.args[1] << " tokens, above max_tokens " << r.args[2] << "; no rank moved any row "
+          << "(num_recv 0, tokens_required " << r.args[1] << " on every rank); rebuild every "
+          << "rank's Buffer with max_tokens >= " << r.args[1] << " and dispatch again "
+          << "(CountMode::kExact reports this in DispatchResult::tokens_required instead)";
+      break;
+    case detail::kErrOverflowedLayout:
+      out << "weft::ep combine or cached dispatch on rank " << r.rank << ": its layout is that "
+          << "of a dispatch that moved no rows (rank " << r.args[0] << " dispatched " << r.args[1]
+          << " tokens, above max_tokens " << r.args[2] << "); the call was skipped on every rank";
       break;
     case detail::kErrExpandOverflow:
       out << "weft::ep combine on rank " << r.rank << ": the expanded dispatch it combines "
@@ -210,7 +228,8 @@ void check_handle(const Handle& h, const Handle& layout, uint64_t buffer_id, con
   WEFT_CHECK(h.sequence == layout.sequence, call, ": the handle is stale (its layout is dispatch ",
              h.sequence, "'s, but the layout in place is dispatch ", layout.sequence, "'s)");
   WEFT_CHECK(h.num_tokens == layout.num_tokens && h.expand == layout.expand &&
-                 (h.num_recv < 0 || h.num_recv == layout.num_recv),
+                 (h.num_recv < 0 || h.num_recv == layout.num_recv) &&
+                 (h.tokens_required < 0 || h.tokens_required == layout.tokens_required),
              call, ": the handle does not match the layout of dispatch ", layout.sequence,
              " (num_tokens ", h.num_tokens, " for ", layout.num_tokens, ", num_recv ", h.num_recv,
              " for ", layout.num_recv, ", expand ", h.expand.enabled, " for ",
@@ -259,7 +278,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   const std::size_t words = sizeof(detail::DeviceState) / 4 + 64 + detail::kMaxBlocks * R +
                             std::size_t(config.num_experts) +
                             std::size_t(config.max_tokens) * R +
-                            std::size_t(config.num_local_experts(num_ranks_));
+                            std::size_t(config.num_local_experts(num_ranks_)) + R * R;
   void* memory = nullptr;
   WEFT_CUDA_CHECK(cudaMalloc(&memory, words * 4));
   WEFT_CUDA_CHECK(cudaMemset(memory, 0, words * 4));
@@ -272,6 +291,8 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   state_->send_slot = at;
   at += config.max_tokens * int64_t(R);
   state_->tokens_per_expert = at;
+  at += config.num_local_experts(num_ranks_);
+  state_->rank_prefix_matrix = at;
   if (config.expand_factor > 0) {
     const std::size_t info_words = std::size_t(config.num_local_experts(num_ranks_)) + 3;
     const std::size_t num_selections = std::size_t(config.max_tokens) * std::size_t(config.top_k);
@@ -287,6 +308,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   void* host = nullptr;
   WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int64_t), cudaHostAllocDefault));
   state_->host_count = static_cast<int32_t*>(host);
+  state_->host_tokens_required = static_cast<int32_t*>(host) + 1;
   state_->host_rows_required = static_cast<int64_t*>(host) + 1;
   WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
   async_ = detail::make_async_state(device_, options.pipeline_depth);
@@ -443,6 +465,17 @@ void Buffer::throw_if_device_error() {
 
 void Buffer::check() { throw_if_device_error(); }
 
+void Buffer::refuse_overflowed_layout(const Handle& layout, const char* call) const {
+  // Known here from this rank's own T, or (any rank's) from wait_num_recv. A rank that does not
+  // know launches the call, which its kernel skips without advancing the call number
+  // (kErrOverflowedLayout), so refusing here keeps the ranks in step.
+  WEFT_CHECK(layout.num_tokens <= config_.max_tokens && layout.tokens_required <= 0, call,
+             ": the dispatch of this layout (", layout.sequence, ") moved no rows because a rank's ",
+             "T exceeded max_tokens ", config_.max_tokens, " (this rank's T ", layout.num_tokens,
+             ", tokens_required ", layout.tokens_required, ", -1: not waited for); rebuild the ",
+             "Buffers with max_tokens >= tokens_required and dispatch again");
+}
+
 namespace {
 
 // Bytes per row of dispatch's x: bf16 [T, hidden] or packed fp8 [T, fp8 row_bytes] uint8.
@@ -476,13 +509,16 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
   r.tokens_per_local_expert = state_->tokens_per_expert;
   r.num_recv_device = &state_->state->num_recv;
+  r.tokens_required_device = &state_->state->tokens_required;
   r.capacity = handle.expand.enabled ? expand_capacity() : capacity();
+  if (!handle.expand.enabled) r.rank_prefix_matrix = state_->rank_prefix_matrix;
   if (handle.expand.enabled) {
     r.segment_begin = state_->expand_info;
     r.rows_required_device = state_->expand_info + config_.num_local_experts(num_ranks_);
   }
   r.handle = handle;
   r.num_recv = handle.num_recv;
+  r.tokens_required = handle.tokens_required;
   return r;
 }
 
@@ -490,8 +526,17 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   pace_host();
   throw_if_device_error();
   const int64_t T = in.x.rows;
-  WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "dispatch of ", T,
-             " tokens, but the buffer was sized for at most ", config_.max_tokens);
+  // The deduplicated uncached dispatch takes T above max_tokens (every rank then learns it in
+  // the count exchange and moves no row: see DispatchResult::tokens_required), up to int32 rows;
+  // the expanded one is refused here; a cached one must have its layout's T (dispatch_cached).
+  if (in.handle == nullptr && !in.expand.enabled) {
+    WEFT_CHECK(T >= 0 && T <= kMaxDispatchTokens, "dispatch of ", T, " tokens: at most ",
+               kMaxDispatchTokens, " (int32 rows)");
+  } else if (in.handle == nullptr) {
+    WEFT_CHECK(T >= 0 && T <= config_.max_tokens, "expanded dispatch of ", T,
+               " tokens, but the buffer was sized for at most ", config_.max_tokens,
+               " (only the deduplicated dispatch reports tokens_required instead)");
+  }
   const int64_t row_bytes = dispatch_row_bytes(in.x, config_);
   const PointerHome home = pointer_home(*group_, index_, device_);
   check_pointer(T > 0 ? in.x.data : nullptr, "x", home, 16);
@@ -528,8 +573,10 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.expert_counts = state_->expert_counts;
   p.send_slot = state_->send_slot;
   p.tokens_per_expert = state_->tokens_per_expert;
+  p.rank_prefix_matrix = state_->rank_prefix_matrix;
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   p.layout_id = dispatch_sequence_ + 1;
+  p.report_overflow = mode == CountMode::kOnDevice;
   if (in.expand.enabled) {
     detail::ExpandDispatchParams ep{};
     ep.dispatch = p;
@@ -549,8 +596,11 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
 
   DispatchResult r = make_result(row_bytes, state_->layout);
   if (mode == CountMode::kExact) {
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv, sizeof(int32_t),
-                                    cudaMemcpyDeviceToHost, stream));
+    static_assert(offsetof(detail::DeviceState, tokens_required) ==
+                      offsetof(detail::DeviceState, num_recv) + sizeof(int32_t),
+                  "one copy gives the host num_recv and tokens_required");
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_count, &state_->state->num_recv,
+                                    2 * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
     if (in.expand.enabled) {
       WEFT_CUDA_CHECK(cudaMemcpyAsync(state_->host_rows_required, r.rows_required_device,
                                       sizeof(int64_t), cudaMemcpyDeviceToHost, stream));
@@ -566,6 +616,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
                                        cudaStream_t stream, CountMode mode) {
   check_handle(*in.handle, state_->layout, id_, "cached dispatch");
   const Handle& h = state_->layout;  // what the handle was checked to match
+  refuse_overflowed_layout(h, "cached dispatch");
   WEFT_CHECK(!in.expand.enabled || in.expand == h.expand,
              "cached dispatch: expand must be left unset or equal the handle's (the layout, "
              "expanded or not, is the handle's)");
@@ -594,6 +645,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
     p.zero_padding = h.expand.zero_padding;
   }
   p.layout_id = h.sequence;
+  p.max_tokens = config_.max_tokens;
   detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
   note_launched(stream);
   return make_result(row_bytes, *in.handle);
@@ -608,7 +660,12 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   throw_if_device_error();
   result.num_recv = *state_->host_count;
   result.handle.num_recv = result.num_recv;
-  if (state_->layout.sequence == result.handle.sequence) state_->layout.num_recv = result.num_recv;
+  result.tokens_required = *state_->host_tokens_required;
+  result.handle.tokens_required = result.tokens_required;
+  if (state_->layout.sequence == result.handle.sequence) {
+    state_->layout.num_recv = result.num_recv;
+    state_->layout.tokens_required = result.tokens_required;
+  }
   if (result.handle.expand.enabled) result.rows_required = *state_->host_rows_required;
   return result.num_recv;
 }
@@ -619,6 +676,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   throw_if_device_error();
   check_handle(handle, state_->layout, id_, "combine");
   const Handle& layout = state_->layout;  // what the handle was checked to match
+  refuse_overflowed_layout(layout, "combine");
   const int64_t T = layout.num_tokens;
   WEFT_CHECK(in.expert_out.dtype == DType::kBFloat16, "expert_out must be bfloat16, got ",
              dtype_name(in.expert_out.dtype));
@@ -630,6 +688,26 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   WEFT_CHECK(layout.num_recv < 0 || in.expert_out.rows >= layout.num_recv, "expert_out has ",
              in.expert_out.rows, " rows but ", layout.num_recv, " were received");
   WEFT_CHECK(in.expert_out.rows == 0 || in.expert_out.data != nullptr, "expert_out is null");
+  const bool with_weights = in.topk_weights.cols != 0;
+  if (with_weights) {
+    const TensorView& w = in.topk_weights;
+    WEFT_CHECK(!layout.expand.enabled, "combine: topk_weights with an expanded layout is not "
+               "supported (its rows are per expert; combine the weights of the deduplicated one)");
+    WEFT_CHECK(w.dtype == DType::kFloat32, "topk_weights must be float32, got ",
+               dtype_name(w.dtype));
+    WEFT_CHECK(w.cols >= 1 && w.cols <= config_.top_k, "topk_weights has ", w.cols,
+               " columns; K must be in 1..top_k = ", config_.top_k);
+    WEFT_CHECK(w.rows >= 0 && w.rows <= rows_allowed, "topk_weights has ", w.rows,
+               " rows, at most ", rows_allowed, " allowed");
+    WEFT_CHECK(layout.num_recv < 0 || w.rows >= layout.num_recv, "topk_weights has ", w.rows,
+               " rows but ", layout.num_recv, " were received");
+    WEFT_CHECK(w.rows == 0 || w.data != nullptr, "topk_weights is null");
+    WEFT_CHECK(T == 0 || in.combined_weights != nullptr,
+               "combined_weights is null but topk_weights is given");
+  } else {
+    WEFT_CHECK(in.combined_weights == nullptr,
+               "combined_weights is given but topk_weights is not (cols == 0)");
+  }
   if (in.bias0.data != nullptr) check_view(in.bias0, "bias0", {DType::kBFloat16}, T, config_.hidden);
   if (in.bias1.data != nullptr) check_view(in.bias1, "bias1", {DType::kBFloat16}, T, config_.hidden);
   WEFT_CHECK(T == 0 || out != nullptr, "out is null");
@@ -639,6 +717,10 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     check_pointer(in.bias0.data, "bias0", home, 16);
     check_pointer(in.bias1.data, "bias1", home, 16);
     check_pointer(out, "out", home, 16);
+    check_pointer(in.combined_weights, "combined_weights", home, 4);
+  }
+  if (with_weights && in.topk_weights.rows > 0) {
+    check_pointer(in.topk_weights.data, "topk_weights", home, 4);
   }
   DeviceGuard guard(device_);
   detail::CombineParams p{};
@@ -653,6 +735,13 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.max_tokens = config_.max_tokens;
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
+  if (with_weights) {
+    p.topk_weights = static_cast<const float*>(in.topk_weights.data);
+    p.topk_weights_rows = in.topk_weights.rows;
+    p.num_weights = int(in.topk_weights.cols);
+    p.combined_weights = in.combined_weights;
+  }
+  p.top_k = config_.top_k;
   p.layout_id = layout.sequence;
   if (layout.expand.enabled) {
     p.num_send_warps = options_.expanded_combine_send_warps;

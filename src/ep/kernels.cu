@@ -170,6 +170,22 @@ __device__ bool layout_mismatch(const CommParams& c, uint64_t layout_id) {
   return true;
 }
 
+// Combine and cached dispatch (every thread): did the layout in place move no rows, because some
+// rank's T exceeded max_tokens (DeviceState::tokens_required)? Block 0 reports it; the caller then
+// returns at once *without* finish_block: the call is a no-op that does not advance the call
+// number, so a rank whose host refused the same call (it knew of the overflow: CountMode::kExact,
+// or its own T) and launched nothing stays in step with those that launched it. Every rank holds
+// the same tokens_required, so every rank that launches skips alike and none waits for a peer.
+__device__ bool layout_overflowed(const CommParams& c, int64_t max_tokens) {
+  const int32_t required = c.state->tokens_required;
+  if (required <= 0) return false;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    raise_device_error(c.error, kErrOverflowedLayout, c.rank, c.state->overflow_rank, required,
+                       max_tokens);
+  }
+  return true;
+}
+
 // One warp claims the next unit of work of the running kernel (all lanes get the same index):
 // units go to whichever warps are ready, so blocks whose stores drain faster take more and no
 // block's fixed share is left over at the end.
@@ -266,13 +282,18 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
 //     - grid (large T): each block counts its chunk (block_counts, global per-expert atomics), a
 //       grid barrier, then block 0 sums and publishes; a block's prefix is the sum of the
 //       block_counts before it.
-//  2. exchange: block 0 writes this rank's count vector [R] and per-local-expert counts into
-//     every rank's window as *tagged words* (call number in the high half, count in the low
-//     half; slot [seq parity][rank]). A tagged word needs no fence before a flag: a reader polls
-//     each word until its tag is this call's. Every block waits for all R x R count words (so
-//     every peer has entered this call: no rank runs more than one call ahead) and then knows
-//     its rows' final index at every destination:
+//  2. exchange: block 0 writes this rank's count vector [R], its T and its per-local-expert
+//     counts into every rank's window as *tagged words* (call number in the high half, the value
+//     in the low half; slot [seq parity][rank]). A tagged word needs no fence before a flag: it
+//     carries its own value, and a reader polls each word until its tag is this call's. Every
+//     block waits for all R x (R + 1) count words (so every peer has entered this call: no rank
+//     runs more than one call ahead) and then knows its rows' final index at every destination:
 //        base(d) = sum_{s < rank} count[s][d] + prefix_b(d) + slot in block;
+//     Overflow: where any rank's T exceeds max_tokens (its Buffer's rows and slots are sized for
+//     max_tokens), every rank sees it in the same words and skips phase 3 alike: no row is
+//     written anywhere, num_recv = 0, the counts and rank_prefix_matrix read 0, and
+//     DeviceState::tokens_required = the largest T (what the caller regrows max_tokens to). The
+//     call still ends with the done flags, so the call numbers stay in step.
 //  3. scatter: one warp per (token, destination) writes row + metadata straight to the peer's
 //     window; the last block then raises kFlagDone at every peer and waits for all peers' done.
 // Rows are opaque: row_bytes / 16 vectors each (bf16 rows, or packed fp8 rows).
@@ -303,6 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   int32_t* s_tile = s_matrix + R * R;
   uint32_t* s_tmask = reinterpret_cast<uint32_t*>(s_tile + kThreads);
   __shared__ char* s_peer[kMaxRanks];
+  __shared__ int32_t s_num_tokens[kMaxRanks];  // T of every rank in this call
   __shared__ int s_num_items;
   __shared__ int s_ok;
 
@@ -364,50 +386,89 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   // 2. Exchange. Block 0 publishes (a timed-out grid barrier publishes nothing: peers time out).
   char* local = s_peer[c.rank];
   const uint64_t tag = uint64_t(uint32_t(seq)) << 32;
+  const int W = R + 1;  // count words per source: its rows per destination, then its T
   if (blockIdx.x == 0 && ok) {
-    if (threadIdx.x < R * R) {
-      const int peer = threadIdx.x / R, d = threadIdx.x % R;
+    for (int i = threadIdx.x; i < R * W; i += blockDim.x) {
+      const int peer = i / W, d = i % W;
       uint64_t* m = reinterpret_cast<uint64_t*>(s_peer[peer] + c.layout.count_matrix);
-      st_relaxed_sys(m + (parity * R + c.rank) * R + d, tag | uint32_t(s_count[d]));
+      const uint32_t value = d < R ? uint32_t(s_count[d]) : uint32_t(p.num_tokens);
+      st_relaxed_sys(m + (parity * R + c.rank) * W + d, tag | value);
     }
     for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
       uint64_t* m = reinterpret_cast<uint64_t*>(s_peer[i / epr] + c.layout.expert_matrix);
       st_relaxed_sys(m + (parity * R + c.rank) * epr + (i % epr), tag | uint32_t(s_hist[i]));
     }
   }
-  // Thread i < R*R waits for count[s = i / R][d = i % R]; on timeout it reports source s.
+  // Thread i waits for words i, i + blockDim.x, ... of [s][W] (count[s][d], then T[s]); on a
+  // timeout it reports source s and waits for no further word.
   if (threadIdx.x == 0) s_ok = ok;
   __syncthreads();
-  if (ok && threadIdx.x < R * R) {
+  for (int i = threadIdx.x; ok && i < R * W; i += blockDim.x) {
     const uint64_t* w = reinterpret_cast<const uint64_t*>(local + c.layout.count_matrix) +
-                        parity * R * R + threadIdx.x;
+                        parity * R * W + i;
     uint64_t v = 0;
-    if (spin_wait([&] { return ((v = ld_acquire_sys(w)) & ~0xffffffffull) == tag; },
-                  c.timeout_ns)) {
-      s_matrix[threadIdx.x] = int32_t(uint32_t(v));
-    } else {
-      raise_timeout(c, kWaitCounts, threadIdx.x / R, seq);
+    if (!spin_wait([&] { return ((v = ld_acquire_sys(w)) & ~0xffffffffull) == tag; },
+                   c.timeout_ns)) {
+      raise_timeout(c, kWaitCounts, i / W, seq);
       s_ok = 0;
+      break;
+    }
+    const int src = i / W, d = i % W;
+    if (d < R) {
+      s_matrix[src * R + d] = int32_t(uint32_t(v));
+    } else {
+      s_num_tokens[src] = int32_t(uint32_t(v));
     }
   }
   __syncthreads();
   ok = s_ok != 0;
-  if (ok && warp < R) {  // base of this block's rows at destination `warp`
+  // Every rank decides from the same words: the largest T above max_tokens (0: none) and the
+  // lowest rank with it.
+  int32_t required = 0;
+  int over_rank = -1;
+  for (int src = 0; ok && src < R; ++src) {
+    if (s_num_tokens[src] > p.max_tokens && s_num_tokens[src] > required) {
+      required = s_num_tokens[src];
+      over_rank = src;
+    }
+  }
+  const bool overflow = required > 0;
+  if (ok && overflow && blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      c.state->num_recv = 0;
+      c.state->own_begin = 0;
+      c.state->own_count = 0;
+      c.state->tokens_required = required;
+      c.state->overflow_rank = over_rank;
+      if (p.report_overflow) {
+        raise_device_error(c.error, kErrTokensOverflow, c.rank, over_rank, required, p.max_tokens);
+      }
+    }
+    for (int e = threadIdx.x; e < epr; e += blockDim.x) p.tokens_per_expert[e] = 0;
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) p.rank_prefix_matrix[i] = 0;
+  }
+  if (ok && !overflow && warp < R) {  // base of this block's rows at destination `warp`
     const int d = warp;
     int32_t base = 0;
     for (int s = lane; s < c.rank; s += 32) base += s_matrix[s * R + d];
     for (int o = 16; o > 0; o /= 2) base += __shfl_xor_sync(0xffffffffu, base, o);
     if (lane == 0) s_base[d] = (blockIdx.x == 0 ? 0 : s_base[d]) + base;
   }
-  if (ok && blockIdx.x == 0) {
+  if (ok && !overflow && blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       int32_t n = 0;
       for (int s = 0; s < R; ++s) n += s_matrix[s * R + c.rank];
       c.state->num_recv = n;
+      c.state->tokens_required = 0;
       int32_t own_begin = 0;
       for (int s = 0; s < c.rank; ++s) own_begin += s_matrix[s * R + c.rank];
       c.state->own_begin = own_begin;
       c.state->own_count = s_matrix[c.rank * R + c.rank];
+    }
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {  // [i / R][i % R]: column prefix
+      int32_t n = 0;
+      for (int s = 0; s <= i / R; ++s) n += s_matrix[s * R + i % R];
+      p.rank_prefix_matrix[i] = n;
     }
     // Per-expert counts of every source: all sources' count words have arrived, but the expert
     // words are separate stores, so each is polled for its tag too: one thread per (source,
@@ -436,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
 
   // 3. Scatter, kSubChunkTokens tokens at a time.
   const int64_t n16 = p.row_bytes / 16;
-  for (int64_t sub = t_begin; ok && sub < t_end; sub += kSubChunkTokens) {
+  for (int64_t sub = t_begin; ok && !overflow && sub < t_end; sub += kSubChunkTokens) {
     const int n = int(min(int64_t(kSubChunkTokens), t_end - sub));
     token_masks(p, sub, sub + n, epr, false, false, s_tile, s_tmask, s_hist,
                 [&](int64_t t, uint32_t mask) { s_mask[t - sub] = mask; });
@@ -499,13 +560,18 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
     }
     __syncthreads();
   }
-  // A block that timed out still records its rows as unsent, so combine reads nothing stale;
+  // A block that timed out, or a call that overflowed, still records its rows as unsent (only
+  // tokens below max_tokens: send_slot has max_tokens rows), so combine reads nothing stale;
   // where block 0 timed out, this rank's count is 0 rather than the previous layout's.
-  if (!ok) {
-    for (int64_t t = t_begin + threadIdx.x; t < t_end; t += blockDim.x) {
+  if (!ok || overflow) {
+    const int64_t end = min(t_end, p.max_tokens);
+    for (int64_t t = t_begin + threadIdx.x; t < end; t += blockDim.x) {
       for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
     }
-    if (blockIdx.x == 0 && threadIdx.x == 0) c.state->num_recv = 0;
+    if (!ok && blockIdx.x == 0 && threadIdx.x == 0) {
+      c.state->num_recv = 0;
+      c.state->tokens_required = 0;
+    }
   }
 
   finish_dispatch(c, s_peer, seq);
@@ -552,7 +618,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
   if (is_broken(c)) return;
   const int parity = int(seq & 1);
-  if (blockIdx.x == 0 && threadIdx.x == 0) c.state->layout_id = p.layout_id;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    c.state->layout_id = p.layout_id;
+    c.state->tokens_required = 0;  // T <= max_tokens: checked on the host
+  }
 
   int64_t* s_next = smem64;
   int64_t* s_seg = s_next + E;
@@ -889,6 +958,10 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
 // from peers into the peer's comb_x[rank][token] (then comb_flags[rank][token] = seq); the other
 // warps reduce this rank's tokens: bias0 + bias1 + contributions in ascending rank order, the
 // own rank's read straight from expert_out (the slot would only be a local copy of it).
+// With topk_weights (deduplicated only), each stored-back row's num_weights weights go into
+// comb_w[rank][token] by the same warp before the same fence, so the row's flag publishes both;
+// the reduce warp of a token's first piece sums them (0 + ranks ascending, the own rank's read
+// straight from topk_weights) into combined_weights.
 // kExpanded (the combine of an expanded dispatch): what is stored back is one row per
 // (source, token), the fp32 sum of its rows here rounded once (warp_sum_rows over its
 // expand_chain), and the own rank's sums go through comb_x too (its rows are not one row per
@@ -905,6 +978,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     finish_block(c, seq);
     return;
   }
+  if (layout_overflowed(c, p.max_tokens)) return;  // out unwritten; not a call (no seq advance)
   if constexpr (kExpanded) {
     // The dispatch overflowed at some rank, which then holds none of its rows. Every rank derived
     // the same overflow from the same counts, so every rank skips the call alike (none waits for
@@ -930,7 +1004,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
   // have sent as failed (kFlagFatal for the timeout), so that its peers report it at once instead
   // of timing out on rows that never come.
   const int32_t num_recv = c.state->num_recv;
-  const bool rows_missing = num_recv > p.expert_out_rows;
+  const int64_t rows_given = p.topk_weights != nullptr
+                                 ? min(p.expert_out_rows, p.topk_weights_rows)
+                                 : p.expert_out_rows;
+  const bool rows_missing = num_recv > rows_given;
   const int2* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
   // The flag of a received row's (source, token) at the source, or null (reported) where the
   // source is out of range: rows are sent only to sources that exist.
@@ -958,7 +1035,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
     asm volatile("bar.sync 1, %0;" ::"r"(num_send_threads) : "memory");
     if (!s_ok || rows_missing) {
       if (s_ok && blockIdx.x == 0 && threadIdx.x == 0) {
-        raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, p.expert_out_rows);
+        raise_device_error(c.error, kErrTooManyRows, c.rank, num_recv, rows_given,
+                           int64_t(rows_given < p.expert_out_rows));
       }
       const uint64_t mark = seq | kFlagFailed | (s_ok ? 0 : kFlagFatal);
       // Every row that would have gone out (expanded: every chain head, the own rank's too):
@@ -1047,9 +1125,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
           const int64_t j = received_row(r);
           const int2 src = recv_src[j];
           if (!source_in_range(src)) continue;
-          warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) +
-                            (int64_t(c.rank) * p.max_tokens + src.y) * n16,
+          const int64_t slot = int64_t(c.rank) * p.max_tokens + src.y;
+          warp_copy_row(reinterpret_cast<int4*>(s_peer[src.x] + c.layout.comb_x) + slot * n16,
                         reinterpret_cast<const int4*>(p.expert_out) + j * n16, n16, lane);
+          if (p.topk_weights != nullptr && lane < p.num_weights) {
+            reinterpret_cast<float*>(s_peer[src.x] + c.layout.comb_w)[slot * p.top_k + lane] =
+                p.topk_weights[j * p.num_weights + lane];
+          }
         }
         __syncwarp();
         if (lane == 0) {
@@ -1112,6 +1194,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
         }
       }
       if (!arrived) continue;
+      if (!kExpanded && p.combined_weights != nullptr && piece == 0 && lane < p.num_weights) {
+        // Each lane acquired every contributing peer's flag itself (above), so its comb_w loads
+        // follow the peer's stores; plain loads (written during this kernel: no nc cache).
+        const float* comb_w = reinterpret_cast<const float*>(local + c.layout.comb_w);
+        float w = 0.0f;
+        for (uint32_t m = ranks; m != 0; m &= m - 1) {
+          const int d = __ffs(int(m)) - 1;
+          w += d == c.rank
+                   ? p.topk_weights[int64_t(p.send_slot[t * R + d]) * p.num_weights + lane]
+                   : comb_w[(int64_t(d) * p.max_tokens + t) * p.top_k + lane];
+        }
+        p.combined_weights[t * p.num_weights + lane] = w;
+      }
       const int num_sources = num_bias + __popc(ranks);
       // Source i in the reference's order: bias0, bias1, then contributing ranks ascending.
       auto source = [&](int i, bool& coherent) -> const int4* {
@@ -1194,6 +1289,7 @@ __global__ void __launch_bounds__(kThreads, 1) cached_dispatch_kernel(const Cach
     finish_block(c, seq);
     return;
   }
+  if (layout_overflowed(c, p.max_tokens)) return;  // not a call: see layout_overflowed
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_ok;
   if (threadIdx.x < R) s_peer[threadIdx.x] = peer_base(c, threadIdx.x);
@@ -1338,7 +1434,7 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
     return start;
   };
   l.flags = region(sizeof(uint64_t) * kNumFlagKinds * kMaxRanks);
-  l.count_matrix = region(sizeof(uint64_t) * 2 * R * R);
+  l.count_matrix = region(sizeof(uint64_t) * 2 * R * (R + 1));
   l.expert_matrix = region(sizeof(uint64_t) * 2 * uint64_t(num_experts));
   l.comb_flags = region(sizeof(uint64_t) * R * uint64_t(max_tokens));
   l.recv_src = region(sizeof(int32_t) * 2 * cap);
@@ -1346,6 +1442,7 @@ WindowLayout make_window_layout(int num_ranks, int64_t max_tokens, int64_t hidde
   l.recv_weights = region(sizeof(float) * cap * uint64_t(top_k));
   l.recv_x = region(2 * cap * uint64_t(hidden));
   l.comb_x = region(2 * R * uint64_t(max_tokens) * uint64_t(hidden));
+  l.comb_w = region(sizeof(float) * R * uint64_t(max_tokens) * uint64_t(top_k));
   l.expand_matrix =
       region(expand_factor > 0 ? sizeof(uint64_t) * 2 * R * uint64_t(num_experts) : 0);
   l.expand_chain = region(sizeof(int32_t) * 2 * expand_rows);

@@ -31,7 +31,8 @@ constexpr int kExpandSubChunkTokens = 128;
 enum ErrorCode : uint32_t {
   kErrBadExpert = 1,        // args: token, selection k, expert id
   kErrTimeout = 2,          // fatal; args: WaitKind, peer rank (or -1), call sequence number
-  kErrTooManyRows = 3,      // args: rows received, rows of expert_out
+  kErrTooManyRows = 3,      // args: rows received, rows given, 1 if topk_weights (not
+                            // expert_out) was the shorter
   kErrExpandOverflow = 4,   // combine of an overflowed expanded dispatch; args: the lowest
                             // overflowed rank, the rows it needed, its capacity
   kErrLayoutMismatch = 5,   // combine / cached dispatch of a layout that is not the one in
@@ -42,6 +43,11 @@ enum ErrorCode : uint32_t {
                             // that peer, call sequence number
   kErrPeerFailed = 8,       // fatal; a peer's call failed (it timed out) and said so in its done
                             // or row flags; args: WaitKind, that peer, call sequence number
+  kErrTokensOverflow = 9,   // dispatch (DispatchParams::report_overflow): a rank's T exceeded
+                            // max_tokens, so no rank moved a row; args: the lowest rank of the
+                            // largest T, that T, max_tokens
+  kErrOverflowedLayout = 10,  // combine / cached dispatch of such a dispatch's layout (skipped);
+                              // args: as kErrTokensOverflow
 };
 // A flag's value is a call number; kFlagFailed is set where its writer failed that call (dispatch
 // done flags: the call timed out there; combine row flags: no row was sent), kFlagFatal beside it
@@ -61,7 +67,8 @@ enum WaitKind : int64_t {
 
 // Byte offsets of the regions of the symmetric window; identical on every rank.
 //   flags        [kNumFlagKinds][kMaxRanks] uint64: per-source flags carrying call numbers
-//   count_matrix [2 (call parity)][R source][R destination] uint64 tagged words
+//   count_matrix [2 (call parity)][R source][R + 1] uint64 tagged words: the source's rows per
+//                destination, then its T (the tokens of its call, which may exceed max_tokens)
 //   expert_matrix[2][R source][E/R] uint64 tagged words: rows source sends here, per local expert
 //   (tagged word = (call number mod 2^32) << 32 | count: valid once its tag is the call's)
 //   comb_flags   [R][max_tokens] uint64: call number once rank r's row for token t landed
@@ -69,6 +76,8 @@ enum WaitKind : int64_t {
 //   recv_x       [cap][hidden] bf16, cap = R * max_tokens, or expand_factor * R * max_tokens when
 //                that is larger (BufferConfig::expand_factor: the expanded layout's capacity)
 //   comb_x       [R][max_tokens][hidden] bf16: rank r's expert output for our token t
+//   comb_w       [R][max_tokens][top_k] fp32: rank r's top-k weights for our token t (the first
+//                K of each row; combine with topk_weights), published by the comb_flags as comb_x
 //   expand_matrix[2 (call parity)][R source][E] uint64 tagged words: the source's rows per expert
 //                (expanded dispatch; every rank receives every source's whole histogram)
 //   expand_chain [cap] int2 (expanded dispatch): per received row, {the next row of the same
@@ -85,6 +94,7 @@ struct WindowLayout {
   uint64_t recv_weights = 0;
   uint64_t recv_x = 0;
   uint64_t comb_x = 0;
+  uint64_t comb_w = 0;
   uint64_t expand_matrix = 0;
   uint64_t expand_chain = 0;
   uint64_t total_bytes = 0;
@@ -99,6 +109,11 @@ struct DeviceState {
   uint32_t barrier_count;  // grid barrier arrivals
   uint32_t barrier_generation;
   int32_t num_recv;        // rows received by the last dispatch
+  // 0, or the largest T of any rank where some rank's T exceeded max_tokens in the last
+  // uncached dispatch (which then moved no rows): written with num_recv by every uncached
+  // dispatch, read by combine and cached dispatch. Right after num_recv, so that one copy of 8
+  // bytes gives the host both (CountMode::kExact).
+  int32_t tokens_required;
   int32_t own_begin;       // ... of which [own_begin, own_begin + own_count) came from this rank
   int32_t own_count;
   // Units of work handed out so far in the running kernel (combine's store-back batches:
@@ -109,6 +124,7 @@ struct DeviceState {
   uint32_t dead_peers;
   // Non-zero once a fatal error was raised on this rank: every later kernel returns at once.
   uint32_t broken;
+  int32_t overflow_rank;   // with tokens_required > 0: the lowest rank whose T it is
   // The uncached dispatch whose layout is in place (its Handle::sequence): what combine and a
   // cached dispatch check their layout against.
   uint64_t layout_id;
@@ -135,6 +151,8 @@ struct DispatchParams {
   bool topk_idx_int64;
   bool local_count;            // count mode: local (no grid barrier) or grid; see dispatch_kernel
   const float* topk_weights;   // [num_tokens, top_k]
+  // May exceed max_tokens (the deduplicated dispatch, up to INT32_MAX): then no rank moves a row
+  // (see dispatch_kernel), and nothing [max_tokens]-sized is indexed past max_tokens.
   int64_t num_tokens;
   int64_t hidden;
   int64_t max_tokens;
@@ -144,11 +162,17 @@ struct DispatchParams {
   int32_t* expert_counts;      // grid mode: [num_experts] scratch, zero between calls
   int32_t* send_slot;          // [max_tokens][num_ranks] out: row of token t at rank d, or -1
   int32_t* tokens_per_expert;  // [num_experts / num_ranks] out
+  // [num_ranks][num_ranks] out (DeepEP's rank_prefix_matrix): [i][j] = rows rank j receives from
+  // ranks 0..i, from the exchanged count matrix (block 0; every rank computes the same matrix).
+  int32_t* rank_prefix_matrix;
   // Optional [num_experts / num_ranks] (device, caller-owned): tokens_per_expert is added to it
   // (block 0 only, after the counts arrived; not atomic: one writer). Null: the kernel variant
   // without it runs, so the default path does not pay.
   uint32_t* cumulative_stats;
   uint64_t layout_id;          // this dispatch's layout number (DeviceState::layout_id)
+  // A T above max_tokens at any rank is also a bad-data device error (kErrTokensOverflow), not
+  // only DeviceState::tokens_required (CountMode::kOnDevice; kExact reports it to the host).
+  bool report_overflow;
 };
 
 // The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
@@ -189,6 +213,7 @@ struct CachedDispatchParams {
   const int64_t* segment_begin;  // [num_local_experts + 1]
   bool zero_padding;
   uint64_t layout_id;          // the layout reused: must be DeviceState::layout_id
+  int64_t max_tokens;          // for the report of an overflowed layout (kErrOverflowedLayout)
 };
 
 // bf16 -> packed fp8 rows (weft::ep::Fp8RowLayout); see cast_to_fp8 in buffer.hpp.
@@ -213,6 +238,15 @@ struct CombineParams {
   int64_t max_tokens;
   const int32_t* send_slot;    // [num_tokens][num_ranks] from the dispatch
   int num_send_warps;          // warps per block that store back; the others reduce
+  // Optional (deduplicated layout only; else null): [topk_weights_rows, num_weights] fp32 in the
+  // received-row order, stored back with each row into comb_w; the source writes
+  // combined_weights [num_tokens, num_weights] = per token, 0 + the contributing ranks' rows in
+  // ascending rank order (fp32). num_weights <= top_k (comb_w's row stride).
+  const float* topk_weights;
+  int64_t topk_weights_rows;
+  int num_weights;
+  int top_k;
+  float* combined_weights;
   // Expanded dispatch only (else null / 0): its expand_info (ExpandDispatchParams) and capacity.
   const int64_t* expand_info;
   int num_local_experts;

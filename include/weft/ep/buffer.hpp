@@ -20,8 +20,13 @@
 //    or copy them out, in between. expert_out given to combine may be recv_x itself.
 //  - No host synchronisation inside dispatch or combine: both are single kernels, usable under
 //    CUDA graph capture (the call sequence number lives on the device). CountMode::kExact only
-//    adds an asynchronous 4-byte device-to-host copy (expanded: and an 8-byte one of
-//    rows_required); wait_num_recv() is the one host wait.
+//    adds an asynchronous 8-byte device-to-host copy (the count and tokens_required; expanded:
+//    and an 8-byte one of rows_required); wait_num_recv() is the one host wait.
+//  - Tokens over max_tokens (DispatchResult::tokens_required): an uncached deduplicated dispatch
+//    may have T > max_tokens on some ranks. Every rank learns every T in the count exchange, so
+//    all reach the same verdict in the same call: no rank moves a row, the call completes, and
+//    every rank reports the largest T. The caller then rebuilds the Buffers of every rank
+//    (max_tokens >= tokens_required) and dispatches again; the Buffer also stays usable as is.
 //  - Errors (docs/ep.md "Errors"): bad arguments the host can see throw weft::Error at once,
 //    among them pointers misaligned for their use or not device memory of this Buffer's device,
 //    and handles that are stale or differ from the layout the Buffer keeps. Errors found on the
@@ -81,7 +86,13 @@ struct Handle {
   int64_t num_tokens = 0;
   int64_t num_recv = -1;  // known only after wait_num_recv()
   ExpandOptions expand;   // the layout's DispatchInputs::expand (enabled: the expanded layout)
+  // Known only after wait_num_recv() (-1 before): DispatchResult::tokens_required.
+  int64_t tokens_required = -1;
 };
+
+// The most tokens of one dispatch (rows are int32 indices); up to this an uncached deduplicated
+// dispatch takes T above BufferConfig::max_tokens and reports it (DispatchResult::tokens_required).
+constexpr int64_t kMaxDispatchTokens = INT32_MAX;
 
 struct DispatchInputs {
   // [T, hidden] bf16, or [T, fp8_row_layout(hidden).row_bytes] uint8 packed fp8 rows (types.hpp;
@@ -125,6 +136,13 @@ struct DispatchResult {
   const int32_t* recv_src = nullptr;         // [capacity, 2] (source rank, source token)
   const int32_t* tokens_per_local_expert = nullptr;  // [num_local_experts], on the device
   const int32_t* num_recv_device = nullptr;  // device scalar: rows received
+  // [num_ranks][num_ranks] int32 on the device, row-major (DeepEP's rank_prefix_matrix, handle[0]):
+  // [i][j] = rows rank j receives from ranks 0..i, the same matrix on every rank (from the count
+  // exchange, no extra collective); this rank's rows from rank s are [[s-1][rank], [s][rank]).
+  // Valid until the next uncached dispatch is launched; a cached dispatch returns its handle's
+  // (the same array). All zero where the dispatch moved no rows (tokens_required > 0). Null for
+  // the expanded layout (its rows are grouped by expert, not by source rank).
+  const int32_t* rank_prefix_matrix = nullptr;
   // fp8 dispatch: [capacity, row_bytes] packed fp8 rows, and recv_x is null (bf16: the reverse).
   const uint8_t* recv_x_fp8 = nullptr;
   int64_t row_bytes = 0;                     // bytes per received row (the stride of both)
@@ -142,6 +160,18 @@ struct DispatchResult {
   const int64_t* segment_begin = nullptr;
   const int64_t* rows_required_device = nullptr;
   int64_t rows_required = -1;  // set by wait_num_recv() (expanded)
+  // Tokens over max_tokens (deduplicated uncached dispatch; the expanded and cached ones refuse
+  // T > max_tokens on the host). Every rank exchanges its T with its counts; where any rank's T
+  // exceeds max_tokens, every rank moves no row (num_recv 0, counts and rank_prefix_matrix 0,
+  // no peer's window written), the call still completes (the Buffer stays usable) and this is
+  // the largest T of any rank, identical on every rank: what every rank rebuilds its Buffer's
+  // max_tokens to before dispatching again. Combine or cached dispatch of that layout is refused
+  // (see Buffer::combine). With CountMode::kExact a result, not an error; with kOnDevice also a
+  // bad-data device error (thrown by the next call or check()).
+  //  tokens_required_device: device int32, 0 = no rank over max_tokens, else the largest T.
+  //  tokens_required: set by wait_num_recv(): 0 or that T; -1 = not waited for.
+  const int32_t* tokens_required_device = nullptr;
+  int64_t tokens_required = -1;
   Handle handle;
 };
 
@@ -184,6 +214,17 @@ struct CombineInputs {
   TensorView bias0{};       // optional [T, hidden] bf16 (data == nullptr: none)
   TensorView bias1{};       // optional [T, hidden] bf16
   int num_sms = 0;          // most blocks (SMs) of this call; 0 = BufferOptions::num_sms
+  // Optional (cols == 0: none) [rows >= num_recv, K] float32 in the received-row order, K in
+  // 1..top_k (DeepEP's combine(topk_weights=...), e.g. recv_weights itself with K = top_k), 4-byte
+  // aligned, data null only with rows == 0. Rows short of num_recv are handled as expert_out's.
+  // Deduplicated layout only (an expanded handle throws).
+  TensorView topk_weights{};
+  // [T, K] float32 out (DeepEP's combined_topk_weights), required iff topk_weights is given (else
+  // must be null), 4-byte aligned: per token, 0.0f + the K weights of its row at each rank it
+  // was sent to, in ascending rank order, every addition in fp32 (deterministic, bit-identical to
+  // reference::combine_weights); 0 for a token sent nowhere. Written with out (not where out is
+  // not written).
+  float* combined_weights = nullptr;
 };
 
 // Packs x [num_tokens, hidden] bf16 into fp8 rows out [num_tokens, fp8_row_layout(hidden).
@@ -226,12 +267,18 @@ class Buffer {
   DispatchResult dispatch(const DispatchInputs& inputs, cudaStream_t stream,
                           CountMode mode = CountMode::kOnDevice);
   // kExact only: waits for this dispatch's count (host wait on its event), checks the device
-  // flag, stores and returns result.num_recv (also in result.handle); expanded, also stores
+  // flag, stores and returns result.num_recv (also in result.handle) and result.tokens_required
+  // (also in result.handle; 0 unless a rank's T exceeded max_tokens); expanded, also stores
   // result.rows_required.
   int64_t wait_num_recv(DispatchResult& result);
 
   // out: [handle.num_tokens, hidden] bf16, fully written (not at all after an overflowed
   // expanded dispatch: see CombineInputs).
+  // A layout whose dispatch moved no rows (DispatchResult::tokens_required > 0) is refused, for
+  // combine and cached dispatch alike: on the host (weft::Error, nothing launched) where this
+  // rank knows it (its own T > max_tokens, or wait_num_recv reported it), else on the device
+  // (the kernel skips, out unwritten, a bad-data error). Either way the call is not counted in
+  // the call sequence, so ranks that refused on the host and ranks that skipped stay in step.
   void combine(const CombineInputs& inputs, const Handle& handle, void* out, cudaStream_t stream);
 
   // Asynchronous forms: the call runs on comm_stream() (see AsyncOptions); `stream` is the
@@ -270,6 +317,7 @@ class Buffer {
          const BufferOptions& options);
   static void handshake(std::vector<Buffer*> buffers);
   void throw_if_device_error();
+  void refuse_overflowed_layout(const Handle& layout, const char* call) const;
   DispatchResult dispatch_cached(const DispatchInputs& inputs, int64_t row_bytes,
                                  cudaStream_t stream, CountMode mode);
   DispatchResult make_result(int64_t row_bytes, const Handle& handle) const;

@@ -33,6 +33,10 @@
 //    first sums each source token's rows in row order (ascending local expert) in fp32 from 0
 //    and rounds that to bf16, once per (token, d); the source then reduces these as above.
 //    combine of a dispatch in which any rank overflowed throws.
+//  - combine_weights: per token, 0 + each contributing rank's row of weights, ranks ascending,
+//    in fp32 (the GPU's combined_weights, bit for bit).
+//  - tokens over max_tokens (deduplicated): when any rank's T exceeds max_tokens, every rank
+//    receives nothing and reports tokens_required = the largest T; combine of it throws.
 #pragma once
 
 #include <cstdint>
@@ -60,6 +64,9 @@ struct RankLayout {
   std::vector<uint16_t> recv_x;           // [num_recv, hidden] (bf16 dispatch)
   std::vector<uint8_t> recv_x_fp8;        // [num_recv, Fp8RowLayout::row_bytes] (fp8 dispatch)
   std::vector<int32_t> tokens_per_local_expert;  // [num_experts / num_ranks]
+  // [num_ranks][num_ranks], the same at every rank (DeepEP's rank_prefix_matrix): [i][j] = rows
+  // rank j receives from ranks 0..i. Deduplicated layout only (empty when expanded).
+  std::vector<int32_t> rank_prefix_matrix;
   // Source side: send_slot[t * num_ranks + d] = the row of this rank's token t at rank d, or -1
   // (expanded: its first row there, the one of its lowest local expert).
   std::vector<int32_t> send_slot;         // [num_tokens, num_ranks]
@@ -69,6 +76,10 @@ struct RankLayout {
   std::vector<int64_t> segment_begin;     // [num_experts / num_ranks + 1]; last = aligned total
   int64_t rows_required = 0;              // = segment_begin.back()
   bool overflowed = false;                // rows_required > BufferConfig::expand_capacity(R)
+  // Deduplicated layout: 0, or the largest T of any rank where some rank's T exceeded
+  // BufferConfig::max_tokens; then no rank received a row (num_recv 0, send_slot all -1, the
+  // counts and rank_prefix_matrix 0) and combine throws.
+  int64_t tokens_required = 0;
 };
 
 struct DispatchOptions {
@@ -76,8 +87,10 @@ struct DispatchOptions {
   ExpandOptions expand{};
 };
 
-// Throws weft::Error on bad input (expert id out of range, T above max_tokens, sizes that do not
-// match). inputs.size() is the number of ranks.
+// Throws weft::Error on bad input (expert id out of range, sizes that do not match, T above
+// max_tokens in an expanded dispatch or above INT32_MAX). A deduplicated dispatch with some T
+// above max_tokens moves nothing (RankLayout::tokens_required). inputs.size() is the number of
+// ranks.
 std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs,
                                  const DispatchOptions& options = {});
 
@@ -105,6 +118,16 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
                               std::span<const RankLayout> layouts,
                               std::span<const std::vector<uint16_t>> expert_out,
                               std::span<const uint16_t> bias0, std::span<const uint16_t> bias1);
+
+// combine's top-k weights (DeepEP's combined_topk_weights) of `rank`: [num_tokens of rank,
+// num_weights] fp32, out[t][k] = 0.0f + topk_weights[d][row of t at d][k] over the ranks d that t
+// was sent to, in ascending d, each addition in fp32 (0 where t was sent nowhere).
+// topk_weights[d]: rank d's [layouts[d].num_recv, num_weights], num_weights in 1..top_k.
+// Deduplicated layouts only (throws for an expanded one, or one that moved no rows).
+std::vector<float> combine_weights(const BufferConfig& config, int rank,
+                                   std::span<const RankLayout> layouts,
+                                   std::span<const std::vector<float>> topk_weights,
+                                   int num_weights);
 
 // A finite bf16 whose bits name (rank, token, column), for payloads of tests and benchmarks: a
 // hash of the three picks the sign, the mantissa and a biased exponent in [min_exponent,

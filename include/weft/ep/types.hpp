@@ -29,7 +29,9 @@ struct TensorView {
 
 // What one Buffer is sized for. Every rank of a communicator uses the same config.
 struct BufferConfig {
-  int64_t max_tokens = 0;  // tokens per rank and call, upper bound (T <= max_tokens)
+  // Tokens per rank and call that move (T <= max_tokens; a deduplicated dispatch of more moves
+  // nothing and reports DispatchResult::tokens_required on every rank).
+  int64_t max_tokens = 0;
   int64_t hidden = 0;      // row width in elements; hidden * 2 bytes must be a multiple of 16
   int num_experts = 0;     // global experts; a multiple of the number of ranks
   int top_k = 0;           // selections per token (1..32)

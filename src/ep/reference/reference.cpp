@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include "weft/core/error.hpp"
 
@@ -180,8 +181,10 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
   std::vector<std::vector<uint32_t>> masks(inputs.size());
   for (int s = 0; s < num_ranks; ++s) {
     const RankInput& in = inputs[static_cast<std::size_t>(s)];
-    WEFT_CHECK(in.num_tokens >= 0 && in.num_tokens <= config.max_tokens, "rank ", s, ": ",
-               in.num_tokens, " tokens, the buffer holds at most ", config.max_tokens);
+    const int64_t most_tokens = options.expand.enabled ? config.max_tokens : int64_t(INT32_MAX);
+    WEFT_CHECK(in.num_tokens >= 0 && in.num_tokens <= most_tokens, "rank ", s, ": ",
+               in.num_tokens, " tokens, at most ", most_tokens, " allowed",
+               options.expand.enabled ? " (the expanded dispatch's max_tokens)" : "");
     const auto t_count = static_cast<std::size_t>(in.num_tokens);
     if (options.fp8) {
       WEFT_CHECK(in.x_fp8.size() == t_count * fp8_row_bytes, "rank ", s, ": x_fp8 has ",
@@ -214,6 +217,21 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
   }
   if (options.expand.enabled) {
     for (int d = 0; d < num_ranks; ++d) expand_destination(config, inputs, options, d, out);
+    return out;
+  }
+  // Tokens over max_tokens: every rank sees every T, so every rank moves nothing and reports the
+  // largest T.
+  int64_t required = 0;
+  for (const RankInput& in : inputs) {
+    if (in.num_tokens > config.max_tokens) required = std::max(required, in.num_tokens);
+  }
+  if (required > 0) {
+    for (auto& layout : out) {
+      layout.tokens_required = required;
+      layout.tokens_per_local_expert.assign(static_cast<std::size_t>(epr), 0);
+      layout.rank_prefix_matrix.assign(static_cast<std::size_t>(num_ranks) *
+                                           static_cast<std::size_t>(num_ranks), 0);
+    }
     return out;
   }
   for (int d = 0; d < num_ranks; ++d) {
@@ -253,6 +271,15 @@ std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const Ran
     }
     dst.num_recv = static_cast<int64_t>(dst.recv_src_rank.size());
   }
+  // rank_prefix_matrix[i][j] = rows j received from ranks 0..i (its rows are in source order).
+  const auto R = static_cast<std::size_t>(num_ranks);
+  std::vector<int32_t> prefix(R * R, 0);
+  for (std::size_t j = 0; j < R; ++j) {
+    for (const int32_t s : out[j].recv_src_rank) {
+      for (auto i = static_cast<std::size_t>(s); i < R; ++i) ++prefix[i * R + j];
+    }
+  }
+  for (auto& layout : out) layout.rank_prefix_matrix = prefix;
   return out;
 }
 
@@ -318,6 +345,8 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
   const auto hidden = static_cast<std::size_t>(config.hidden);
   const RankLayout& src = layouts[static_cast<std::size_t>(rank)];
   const auto t_count = static_cast<std::size_t>(src.num_tokens);
+  WEFT_CHECK(src.tokens_required == 0, "combine: the dispatch moved no rows (a rank had ",
+             src.tokens_required, " tokens, above max_tokens ", config.max_tokens, ")");
   WEFT_CHECK(bias0.empty() || bias0.size() == t_count * hidden, "bias0 must be [T, hidden]");
   WEFT_CHECK(bias1.empty() || bias1.size() == t_count * hidden, "bias1 must be [T, hidden]");
   for (int d = 0; d < num_ranks; ++d) {
@@ -345,6 +374,41 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
       for (std::size_t h = 0; h < hidden; ++h) acc[h] += bf16_to_float(y[h]);
     }
     for (std::size_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
+  }
+  return out;
+}
+
+std::vector<float> combine_weights(const BufferConfig& config, int rank,
+                                   std::span<const RankLayout> layouts,
+                                   std::span<const std::vector<float>> topk_weights,
+                                   int num_weights) {
+  const int num_ranks = static_cast<int>(layouts.size());
+  WEFT_CHECK(rank >= 0 && rank < num_ranks, "rank ", rank, " out of range");
+  WEFT_CHECK(topk_weights.size() == layouts.size(), "one topk_weights per rank is needed");
+  WEFT_CHECK(num_weights >= 1 && num_weights <= config.top_k, "num_weights ", num_weights,
+             " must be in 1..top_k = ", config.top_k);
+  const auto K = static_cast<std::size_t>(num_weights);
+  for (int d = 0; d < num_ranks; ++d) {
+    const RankLayout& L = layouts[static_cast<std::size_t>(d)];
+    WEFT_CHECK(!L.expanded, "combine_weights: the expanded layout is not supported");
+    WEFT_CHECK(L.tokens_required == 0, "combine_weights: the dispatch moved no rows");
+    WEFT_CHECK(topk_weights[static_cast<std::size_t>(d)].size() ==
+                   static_cast<std::size_t>(L.num_recv) * K,
+               "topk_weights of rank ", d, " must be [num_recv, num_weights]");
+  }
+  const RankLayout& src = layouts[static_cast<std::size_t>(rank)];
+  const auto t_count = static_cast<std::size_t>(src.num_tokens);
+  const auto R = static_cast<std::size_t>(num_ranks);
+  std::vector<float> out(t_count * K);
+  for (std::size_t t = 0; t < t_count; ++t) {
+    for (std::size_t k = 0; k < K; ++k) {
+      float w = 0.0f;
+      for (std::size_t d = 0; d < R; ++d) {
+        const int32_t row = src.send_slot[t * R + d];
+        if (row >= 0) w += topk_weights[d][static_cast<std::size_t>(row) * K + k];
+      }
+      out[t * K + k] = w;
+    }
   }
   return out;
 }

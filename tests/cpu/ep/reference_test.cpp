@@ -85,6 +85,17 @@ void check_layout(const BufferConfig& c, std::span<const ref::RankInput> inputs,
       }
     }
     ASSERT_EQ(L.num_recv, static_cast<int64_t>(expected.size())) << "rank " << d;
+    // rank_prefix_matrix[i][d] = rows d receives from ranks 0..i; every rank holds all of it.
+    const auto R = static_cast<std::size_t>(num_ranks);
+    ASSERT_EQ(L.rank_prefix_matrix.size(), R * R) << "rank " << d;
+    for (std::size_t i = 0; i < R; ++i) {
+      int32_t from_ranks_up_to_i = 0;
+      for (const auto& [s, t] : expected) from_ranks_up_to_i += static_cast<std::size_t>(s) <= i;
+      for (const auto& other : layouts) {
+        EXPECT_EQ(other.rank_prefix_matrix[i * R + static_cast<std::size_t>(d)], from_ranks_up_to_i)
+            << "rank_prefix_matrix[" << i << "][" << d << "]";
+      }
+    }
     std::vector<int32_t> per_expert(static_cast<std::size_t>(epr), 0);
     for (int64_t j = 0; j < L.num_recv; ++j) {
       const auto [s, t] = expected[static_cast<std::size_t>(j)];

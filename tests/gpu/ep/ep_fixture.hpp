@@ -164,6 +164,10 @@ class EpTest : public ::testing::Test {
         WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.recv_src), 0x7F, b->capacity() * 8));
         WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.tokens_per_local_expert), 0x7F,
                                    config.num_local_experts(R) * 4));
+        if (pp.rank_prefix_matrix != nullptr) {
+          WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.rank_prefix_matrix), 0x7F,
+                                     std::size_t(R) * std::size_t(R) * 4));
+        }
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
       }
     }
@@ -264,6 +268,13 @@ class EpTest : public ::testing::Test {
     EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert,
                                 std::size_t(config.num_local_experts(R))),
               L.tokens_per_local_expert);
+    // DeepEP's rank_prefix_matrix: the deduplicated layout's (the expanded one has none).
+    ASSERT_EQ(rr.rank_prefix_matrix == nullptr, L.rank_prefix_matrix.empty()) << "rank " << r;
+    if (rr.rank_prefix_matrix != nullptr) {
+      EXPECT_EQ(download<int32_t>(r, rr.rank_prefix_matrix, std::size_t(R) * std::size_t(R)),
+                L.rank_prefix_matrix)
+          << "rank " << r;
+    }
   }
 
   BufferConfig config;

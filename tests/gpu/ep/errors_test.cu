@@ -128,7 +128,12 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
   bad.topk_weights.dtype = DType::kBFloat16;
   EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
   bad = din(0, 64);
+  // T above max_tokens is a result (tokens_overflow_test.cu); above int32 rows, refused.
+  bad.x.rows = bad.topk_idx.rows = bad.topk_weights.rows = weft::ep::kMaxDispatchTokens + 1;
+  EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
+  bad = din(0, 64);
   bad.x.rows = bad.topk_idx.rows = bad.topk_weights.rows = 65;
+  bad.expand.enabled = true;  // the expanded dispatch keeps the host-side check of max_tokens
   EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
   bad = din(0, 64);
   bad.x.cols = 120;
