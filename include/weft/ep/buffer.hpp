@@ -17,7 +17,8 @@
 //    calls of one Buffer must be ordered on the device (one stream, or ordered by events).
 //  - Zero copy: a DispatchResult's arrays live in the Buffer's symmetric window and stay valid
 //    until the next dispatch or combine on this Buffer is *launched*: read them (expert GEMMs),
-//    or copy them out, in between. expert_out given to combine may be recv_x itself.
+//    or copy them out, in between. expert_out given to combine may be recv_x itself, and
+//    topk_weights recv_weights.
 //  - No host synchronisation inside dispatch or combine: both are single kernels, usable under
 //    CUDA graph capture (the call sequence number lives on the device). CountMode::kExact only
 //    adds an asynchronous 8-byte device-to-host copy (the count and tokens_required; expanded:
@@ -163,7 +164,7 @@ struct DispatchResult {
   // Tokens over max_tokens (deduplicated uncached dispatch; the expanded and cached ones refuse
   // T > max_tokens on the host). Every rank exchanges its T with its counts; where any rank's T
   // exceeds max_tokens, every rank moves no row (num_recv 0, counts and rank_prefix_matrix 0,
-  // no peer's window written), the call still completes (the Buffer stays usable) and this is
+  // nothing added to cumulative_local_expert_recv_stats, no window written), the call completes (the Buffer stays usable) and this is
   // the largest T of any rank, identical on every rank: what every rank rebuilds its Buffer's
   // max_tokens to before dispatching again. Combine or cached dispatch of that layout is refused
   // (see Buffer::combine). With CountMode::kExact a result, not an error; with kOnDevice also a
