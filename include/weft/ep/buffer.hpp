@@ -17,7 +17,8 @@
 //    calls of one Buffer must be ordered on the device (one stream, or ordered by events).
 //  - Zero copy: a DispatchResult's arrays live in the Buffer's symmetric window and stay valid
 //    until the next dispatch or combine on this Buffer is *launched*: read them (expert GEMMs),
-//    or copy them out, in between. expert_out given to combine may be recv_x itself.
+//    or copy them out, in between. expert_out given to combine may be recv_x itself, and
+//    topk_weights recv_weights.
 //  - No host synchronisation inside dispatch or combine: both are single kernels, usable under
 //    CUDA graph capture (the call sequence number lives on the device). CountMode::kExact only
 //    adds an asynchronous 8-byte device-to-host copy (the count and tokens_required; expanded:
@@ -136,12 +137,12 @@ struct DispatchResult {
   const int32_t* recv_src = nullptr;         // [capacity, 2] (source rank, source token)
   const int32_t* tokens_per_local_expert = nullptr;  // [num_local_experts], on the device
   const int32_t* num_recv_device = nullptr;  // device scalar: rows received
-  // [num_ranks][num_ranks] int32 on the device, row-major (DeepEP's rank_prefix_matrix, handle[0]):
-  // [i][j] = rows rank j receives from ranks 0..i, the same matrix on every rank (from the count
-  // exchange, no extra collective); this rank's rows from rank s are [[s-1][rank], [s][rank]).
-  // Valid until the next uncached dispatch is launched; a cached dispatch returns its handle's
-  // (the same array). All zero where the dispatch moved no rows (tokens_required > 0). Null for
-  // the expanded layout (its rows are grouped by expert, not by source rank).
+  // [num_ranks][num_ranks] int32 on the device, row-major (DeepEP's rank_prefix_matrix,
+  // handle[0]): [i][j] = rows rank j receives from ranks 0..i; the same matrix on every rank
+  // (from the count exchange, no extra collective). This rank's rows from rank s are
+  // [[s-1][rank], [s][rank]). Valid until the next uncached dispatch is launched; a cached
+  // dispatch returns its handle's (the same array). All zero where the dispatch moved no rows
+  // (tokens_required > 0). Null for the expanded layout (its rows are grouped by expert).
   const int32_t* rank_prefix_matrix = nullptr;
   // fp8 dispatch: [capacity, row_bytes] packed fp8 rows, and recv_x is null (bf16: the reverse).
   const uint8_t* recv_x_fp8 = nullptr;
@@ -163,11 +164,12 @@ struct DispatchResult {
   // Tokens over max_tokens (deduplicated uncached dispatch; the expanded and cached ones refuse
   // T > max_tokens on the host). Every rank exchanges its T with its counts; where any rank's T
   // exceeds max_tokens, every rank moves no row (num_recv 0, counts and rank_prefix_matrix 0,
-  // no peer's window written), the call still completes (the Buffer stays usable) and this is
-  // the largest T of any rank, identical on every rank: what every rank rebuilds its Buffer's
-  // max_tokens to before dispatching again. Combine or cached dispatch of that layout is refused
-  // (see Buffer::combine). With CountMode::kExact a result, not an error; with kOnDevice also a
-  // bad-data device error (thrown by the next call or check()).
+  // nothing added to cumulative_local_expert_recv_stats, no window written), the call completes
+  // (the Buffer stays usable), and tokens_required is the largest T of any rank, identical on
+  // every rank: what every rank rebuilds its Buffer's max_tokens to before dispatching again.
+  // Combine or cached dispatch of that layout is refused (see Buffer::combine). With
+  // CountMode::kExact a result, not an error; with kOnDevice also a bad-data device error
+  // (thrown by the next call or check()).
   //  tokens_required_device: device int32, 0 = no rank over max_tokens, else the largest T.
   //  tokens_required: set by wait_num_recv(): 0 or that T; -1 = not waited for.
   const int32_t* tokens_required_device = nullptr;
