@@ -173,6 +173,24 @@ struct CombineArgs {
   bool async_finish = false;
 };
 
+// A dispatch's handle as a plain tuple (buffer_id, sequence, num_tokens, num_recv, expanded,
+// expert_alignment, zero_padding, tokens_required): the Python layer keeps handles in objects
+// that may outlive the extension's types (an autograd graph alive at interpreter exit), so a
+// handle holds no instance of them.
+using HandleTuple = std::tuple<uint64_t, uint64_t, int64_t, int64_t, bool, int, bool, int64_t>;
+
+HandleTuple to_tuple(const ep::Handle& h) {
+  return {h.buffer_id, h.sequence, h.num_tokens, h.num_recv, h.expand.enabled,
+          h.expand.expert_alignment, h.expand.zero_padding, h.tokens_required};
+}
+
+ep::Handle from_tuple(const HandleTuple& t) {
+  ep::Handle h;
+  std::tie(h.buffer_id, h.sequence, h.num_tokens, h.num_recv, h.expand.enabled,
+           h.expand.expert_alignment, h.expand.zero_padding, h.tokens_required) = t;
+  return h;
+}
+
 // What dispatch returns to the Python layer: the handle, the counts when they were read, and the
 // window addresses of the result arrays (fixed for the life of the Buffer).
 struct DispatchOut {
@@ -262,8 +280,11 @@ class PyBuffer {
     return device_bytes_capsule(data, num_bytes, core_->device, core_);
   }
 
-  DispatchOut dispatch(const DispatchArgs& a, const ep::Handle* handle) {
+  DispatchOut dispatch(const DispatchArgs& a, const std::optional<HandleTuple>& handle_tuple) {
     ep::Buffer& b = live();
+    std::optional<ep::Handle> handle_value;
+    if (handle_tuple) handle_value = from_tuple(*handle_tuple);
+    const ep::Handle* handle = handle_value ? &*handle_value : nullptr;
     const int top_k = b.config().top_k;
     ep::DispatchInputs in;
     in.x = {as_ptr(a.x), a.x_dtype, a.num_tokens, a.x_cols};
@@ -314,8 +335,9 @@ class PyBuffer {
     return out;
   }
 
-  void combine(const CombineArgs& a, const ep::Handle& handle) {
+  void combine(const CombineArgs& a, const HandleTuple& handle_tuple) {
     ep::Buffer& b = live();
+    const ep::Handle handle = from_tuple(handle_tuple);
     const int64_t hidden = b.config().hidden;
     const int64_t T = handle.num_tokens;
     ep::CombineInputs in;
@@ -422,13 +444,6 @@ void bind_ep(nb::module_& m) {
       .value("int64", ep::DType::kInt64)
       .value("uint8", ep::DType::kUInt8);
 
-  nb::class_<ep::Handle>(m, "Handle")
-      .def_ro("buffer_id", &ep::Handle::buffer_id)
-      .def_ro("sequence", &ep::Handle::sequence)
-      .def_ro("num_tokens", &ep::Handle::num_tokens)
-      .def_ro("num_recv", &ep::Handle::num_recv)
-      .def_prop_ro("expanded", [](const ep::Handle& h) { return h.expand.enabled; });
-
   nb::class_<DispatchArgs>(m, "DispatchArgs")
       .def(nb::init<>())
       .def_rw("x", &DispatchArgs::x)
@@ -467,7 +482,7 @@ void bind_ep(nb::module_& m) {
       .def_rw("async_finish", &CombineArgs::async_finish);
 
   nb::class_<DispatchOut>(m, "DispatchOut")
-      .def_ro("handle", &DispatchOut::handle)
+      .def_prop_ro("handle", [](const DispatchOut& o) { return to_tuple(o.handle); })
       .def_ro("num_recv", &DispatchOut::num_recv)
       .def_ro("rows_required", &DispatchOut::rows_required)
       .def_ro("tokens_per_local_expert", &DispatchOut::tokens_per_local_expert)

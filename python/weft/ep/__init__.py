@@ -16,11 +16,11 @@ from .buffer import Buffer, Handle
 from .communicator import Communicator
 from .config import Config
 from .event import EventHandle, EventOverlap
-from .native import DispatchResult, Expand, NativeBuffer, pack_fp8, unpack_fp8
+from .native import DispatchResult, Expand, NativeBuffer, NativeHandle, pack_fp8, unpack_fp8
 
 # DeepEP's dtype of topk_idx.
 topk_idx_t = torch.int64
 
 __all__ = ["Buffer", "Communicator", "Config", "DispatchResult", "EventHandle", "EventOverlap",
-           "Expand", "Handle", "NativeBuffer", "pack_fp8", "register_as_deep_ep", "topk_idx_t",
+           "Expand", "Handle", "NativeBuffer", "NativeHandle", "pack_fp8", "register_as_deep_ep", "topk_idx_t",
            "unpack_fp8", "utils"]

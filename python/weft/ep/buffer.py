@@ -568,6 +568,10 @@ class Buffer:
                 raise Error(f"topk_weights has {topk_weights.shape[1]} columns; this handle's "
                             f"window takes 1 to {native.top_k}")
         _, biases = native.check_combine(x, layout.native, bias)
+        # Rows past the window's capacity are a worst-case layout's padding: none was received.
+        x = x[:native.capacity]
+        if topk_weights is not None:
+            topk_weights = topk_weights[:native.capacity]
         with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
             if not native.holds_layout(layout.native):
                 call.keep(self._relayout(native, layout, num_sms), layout.topk_idx,

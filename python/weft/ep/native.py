@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -109,6 +109,21 @@ def unpack_fp8(packed: torch.Tensor, hidden: int) -> Tuple[torch.Tensor, torch.T
     x = packed[:, :hidden].view(torch.float8_e4m3fn)
     scales = packed[:, hidden:hidden + num_scale_bytes].view(torch.float32)
     return x, scales
+
+
+class NativeHandle(NamedTuple):
+    """A dispatch's layout as weft::ep::Handle names it (what combine and a cached dispatch take):
+    the Buffer's id, the layout's number, T, the rows received (-1: not read), the expanded
+    layout's options, and tokens_required (-1: not read; > 0: the dispatch moved no rows)."""
+
+    buffer_id: int
+    sequence: int
+    num_tokens: int
+    num_recv: int
+    expanded: bool
+    expert_alignment: int
+    zero_padding: bool
+    tokens_required: int
 
 
 @dataclass
@@ -413,12 +428,12 @@ class NativeBuffer:
             return pack_fp8(x[0], x[1], self.fp8_row_bytes)
         return x
 
-    def _results(self, out, is_fp8: bool, num_rows: int) -> DispatchResult:
+    def _results(self, out, handle: NativeHandle, is_fp8: bool, num_rows: int) -> DispatchResult:
         if self._window is None:
             self._window = _Window(self._native, out, self.device)
         else:
             self._window.add(out)
-        key = (num_rows, out.row_bytes, is_fp8, out.handle.expanded)
+        key = (num_rows, out.row_bytes, is_fp8, handle.expanded)
         views = self._views.get(key)
         if views is None:
             w = self._window
@@ -431,7 +446,7 @@ class NativeBuffer:
             if len(self._views) > 8:  # counts read to the host make a key per count
                 self._views.clear()
             self._views[key] = views
-        num_recv = out.num_recv if out.num_recv >= 0 else out.handle.num_recv
+        num_recv = out.num_recv if out.num_recv >= 0 else handle.num_recv
         expanded = key[3]
         return DispatchResult(
             *views[:6], num_recv if num_recv >= 0 else None,
@@ -439,7 +454,7 @@ class NativeBuffer:
             out.rows_required if expanded and out.rows_required >= 0 else None,
             None if expanded else self._window.rank_prefix_matrix,
             out.tokens_required if out.num_recv >= 0 else None,
-            out.handle, _NO_EVENT)
+            handle, _NO_EVENT)
 
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, handle=None,
@@ -537,10 +552,12 @@ class NativeBuffer:
         a.previous_event = previous_event
         a.async_finish = async_finish
         out = self._native.dispatch(a, handle)
+        result_handle = NativeHandle(*out.handle)
         if handle is None:
-            self._layout_key = (out.handle.buffer_id, out.handle.sequence)
-        num_recv = out.num_recv if out.num_recv >= 0 else out.handle.num_recv
-        return self._results(out, is_fp8, num_recv if num_recv >= 0 else out.capacity)
+            self._layout_key = (result_handle.buffer_id, result_handle.sequence)
+        num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv
+        return self._results(out, result_handle, is_fp8,
+                             num_recv if num_recv >= 0 else out.capacity)
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle, *,
@@ -582,7 +599,7 @@ class NativeBuffer:
         """(num_tokens, biases) of a combine's checked arguments."""
         check_tensor("x (expert output)", expert_out, (torch.bfloat16,), self.device,
                      (None, self.hidden))
-        if not isinstance(handle, _weft.ep.Handle):
+        if not isinstance(handle, NativeHandle):
             raise Error(f"handle must be a weft.ep dispatch handle, got {type(handle).__name__}")
         num_tokens = handle.num_tokens
         biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
