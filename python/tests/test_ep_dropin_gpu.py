@@ -295,3 +295,19 @@ def test_a_script_with_a_buffer_exits_cleanly():
     assert r.stdout.strip() == "done"
     assert "leak" not in r.stderr, r.stderr
     assert r.stderr.strip() == "", r.stderr
+
+
+def test_a_handle_that_is_not_this_buffers_is_refused():
+    buf = weft.ep.Buffer(None, int(1e9))
+    other = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(50, 512, 16, 4, 0.1, seed=14)
+    _, _, _, _, theirs, _ = dispatch(other, x, idx, w, 16)
+    dispatch(buf, x, idx, w, 16)
+    y = torch.zeros((50, 512), dtype=torch.bfloat16, device="cuda")
+    for handle, match in ((object(), "handle must come from this Buffer's dispatch"),
+                          ((1, 2, 3), "handle must come from this Buffer's dispatch"),
+                          (theirs, "another Buffer")):
+        with pytest.raises(weft.Error, match=match):
+            buf.combine(y, handle)
+        with pytest.raises(weft.Error, match=match):
+            buf.dispatch(y, handle=handle)
