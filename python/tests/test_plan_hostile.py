@@ -89,6 +89,14 @@ def test_a_cost_just_over_the_limit_is_reported_as_given():
         plan.simulate(two_threads(), "per_task", {"tasks": {"A": {"host_us": 1e9 + 1}}})
 
 
+@pytest.mark.parametrize("field", ["num_steps", "max_host_runahead"])
+def test_simulate_counts_are_ints_in_range(field):
+    with pytest.raises(weft.Error, match=f"{field} {2**40} is outside"):
+        plan.simulate("default_d3", **{field: 2**40})
+    with pytest.raises(TypeError, match=f"{field} must be an int"):
+        plan.simulate("default_d3", **{field: 12.0})
+
+
 # 15 -----------------------------------------------------------------------------------------
 
 def test_a_report_into_a_missing_folder_names_the_users_path(tmp_path):
