@@ -332,6 +332,7 @@ else:
     for line in children:
         assert "built before this process was forked" in line, line
     assert lines[-2:] == ["child exit 0", "[1, 2, 3]"]
+    assert "leaked" not in r.stderr, r.stderr
 
 
 # 12 -----------------------------------------------------------------------------------------
