@@ -141,6 +141,7 @@ def test_invalid_utf8_in_a_schedule_config_file_is_a_weft_error(tmp_path):
     lambda: Task.from_fn("a", None, stream="s\ud800"),
     lambda: ThreadMap.of({"io\ud800": ["a"]}),
     lambda: Schedule(inputs=["b\ud800"]),
+    lambda: ScheduleConfig.parse('{"thread_map": "\ud800"}'),
 ])
 def test_a_lone_surrogate_in_a_name_is_a_weft_error(make):
     with pytest.raises(weft.Error, match="not valid UTF-8"):
