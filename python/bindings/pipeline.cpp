@@ -251,11 +251,14 @@ class PyEngine {
       const GilAcquire gil;
       if (PyErr_CheckSignals() != 0) throw PythonException::fetch("progress() was interrupted");
     };
-    const GilRelease release;  // the inits run on the engine's threads
-    engine_ = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend),
-                                           std::move(options));
-    has_result_ = engine_->schedule().find_slot(result_slot_).has_value();
-    WEFT_CHECK(has_result_ || !result_required, "engine: result slot '", result_slot_,
+    {
+      const GilRelease release;  // the inits run on the engine's threads, which join without it
+      auto engine = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend),
+                                                 std::move(options));
+      has_result_ = engine->schedule().find_slot(result_slot_).has_value();
+      if (has_result_ || !result_required) engine_ = std::move(engine);
+    }
+    WEFT_CHECK(engine_ != nullptr, "engine: result slot '", result_slot_,
                "' is no slot of the schedule (a task writes it, or it is an input)");
   }
   PyEngine(const PyEngine&) = delete;

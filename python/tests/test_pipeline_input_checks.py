@@ -49,10 +49,13 @@ def test_a_thread_map_value_given_as_a_string_is_refused():
         ThreadMap.of({"io": ["a", 3]})
 
 
-def test_a_result_slot_no_task_writes_is_refused_at_construction():
-    s = Schedule([Task.from_fn("a", None, reads=["batch_cpu"], writes=["step_result"])])
+@pytest.mark.parametrize("thread_map", ["legacy", "per_task"])
+def test_a_result_slot_no_task_writes_is_refused_at_construction(thread_map):
+    # The init runs on the engine's thread, which the refusal joins.
+    s = Schedule([Task.from_fn("a", None, init=lambda ctx: None, reads=["batch_cpu"],
+                               writes=["step_result"])])
     with pytest.raises(weft.Error, match="result slot 'step_reslt' is no slot of the schedule"):
-        Engine(s, "legacy", result="step_reslt")
+        Engine(s, thread_map, result="step_reslt")
     # The default result slot may be absent: progress() then returns None.
     assert drain(Engine(Schedule([Task.from_fn("a", None)]), "legacy"), [1, 2]) == [None, None]
 
