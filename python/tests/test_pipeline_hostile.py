@@ -48,7 +48,7 @@ def run(code, timeout_s=30):
     return run_python(PRELUDE + code, timeout_s)
 
 
-# 1 ------------------------------------------------------------------------------------------
+# Two threads -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS)
 def test_a_second_thread_is_refused_while_progress_runs(thread_map):
@@ -111,7 +111,7 @@ print(sorted(results) == list(range(300)), errors)
     assert r.stdout.strip() == "True []"
 
 
-# 2, 16 --------------------------------------------------------------------------------------
+# Reference cycles, and what the engine keeps after the end ---------------------------------------
 
 TRAINER = """
 class Trainer:
@@ -185,7 +185,7 @@ print("alive", sum(ref() is not None for ref in refs), "open", engine.num_in_fli
     assert r.stdout.strip() == "alive 0 open 0"
 
 
-# 3 ------------------------------------------------------------------------------------------
+# A body calling back into its engine -------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS)
 @pytest.mark.parametrize("call", ["progress", "reset", "synchronize", "close"])
@@ -207,11 +207,12 @@ print(drain(engine, it))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "0"
-    assert lines[1].startswith("raised:") and f"{call}() called from inside task 'train'" in lines[1]
+    assert lines[1].startswith("raised:")
+    assert f"{call}() called from inside task 'train'" in lines[1]
     assert lines[2] == "[3]"  # the source goes on where it was
 
 
-# 4 ------------------------------------------------------------------------------------------
+# A slot value's __del__ calling the engine -------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS)
 @pytest.mark.parametrize("call", ["progress", "reset", "close"])
@@ -247,7 +248,7 @@ print(len(refused), sorted(set(refused)))
     assert "ran" not in messages and "while the engine runs" in messages, messages
 
 
-# 5 ------------------------------------------------------------------------------------------
+# Interpreter exit --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS)
 def test_interpreter_exit_with_progress_in_a_daemon_thread(thread_map):
@@ -269,7 +270,7 @@ print("exiting")
         assert "terminate" not in r.stderr, r.stderr
 
 
-# 6 ------------------------------------------------------------------------------------------
+# An exception that resists inspection ------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS)
 def test_an_exception_whose_type_name_raises_arrives_intact(thread_map):
@@ -301,7 +302,7 @@ print(drain(engine, it))
     assert r.stdout.splitlines() == ["0", "caught the original", "then True True", "[3]"]
 
 
-# 8 ------------------------------------------------------------------------------------------
+# fork() ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS + ["default"])
 @pytest.mark.parametrize("child_calls", [True, False])
@@ -335,7 +336,7 @@ else:
     assert "leaked" not in r.stderr, r.stderr
 
 
-# 12 -----------------------------------------------------------------------------------------
+# close() -----------------------------------------------------------------------------------------
 
 def test_every_call_after_close_says_the_engine_is_closed():
     r = run("""
@@ -367,7 +368,7 @@ print("closed twice")
     assert len(lines) == 12
 
 
-# 13 -----------------------------------------------------------------------------------------
+# The stall report --------------------------------------------------------------------------------
 
 def test_the_stall_report_under_the_legacy_map():
     r = run("""

@@ -21,7 +21,7 @@ def one_task(**fields):
     return Schedule([Task.from_fn("a", None, **fields)])
 
 
-# 11 -----------------------------------------------------------------------------------------
+# Types, ranges, names that are no slots ----------------------------------------------------------
 
 @pytest.mark.parametrize("value", [1.5, "2", True, 2.0])
 def test_a_lookahead_that_is_not_an_int_is_refused(value):
@@ -108,7 +108,7 @@ def test_integers_out_of_range_name_their_field(make, field):
         make()
 
 
-# 10 -----------------------------------------------------------------------------------------
+# The lookahead limit -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", ["legacy", "per_task"])
 def test_the_largest_lookahead_prefills_fast(thread_map):
@@ -129,7 +129,7 @@ def test_one_lookahead_limit_everywhere():
     assert s.task("a").lookahead == MAX_LOOKAHEAD
 
 
-# 9 ------------------------------------------------------------------------------------------
+# Text that is not UTF-8 --------------------------------------------------------------------------
 
 def test_invalid_utf8_in_a_schedule_config_file_is_a_weft_error(tmp_path):
     path = tmp_path / "bad.json"

@@ -37,7 +37,7 @@ def long_trace(path, num_steps):
     engine.close()
 
 
-# 7 ------------------------------------------------------------------------------------------
+# A long trace ------------------------------------------------------------------------------------
 
 def test_reading_a_long_trace_takes_time_linear_in_its_size(tmp_path):
     path = tmp_path / "long.trace.json"
@@ -60,7 +60,7 @@ def test_reading_a_long_trace_takes_time_linear_in_its_size(tmp_path):
     assert ours_s < 2 * json_s + 0.05, f"{ours_s:.3f} s to read, json.load {json_s:.3f} s"
 
 
-# 9 ------------------------------------------------------------------------------------------
+# Text that is not UTF-8 --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", ["trace", "costs"])
 def test_invalid_utf8_in_a_file_is_a_weft_error(tmp_path, where):
@@ -75,7 +75,7 @@ def test_invalid_utf8_in_a_file_is_a_weft_error(tmp_path, where):
             plan.simulate(two_threads(), "per_task", path)
 
 
-# 14 -----------------------------------------------------------------------------------------
+# Costs that JSON cannot hold, or just past a limit -----------------------------------------------
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_cost_in_a_dict_is_refused_by_name(value):
@@ -97,7 +97,7 @@ def test_simulate_counts_are_ints_in_range(field):
         plan.simulate("default_d3", **{field: 12.0})
 
 
-# 15 -----------------------------------------------------------------------------------------
+# A report into a missing folder ------------------------------------------------------------------
 
 def test_a_report_into_a_missing_folder_names_the_users_path(tmp_path):
     target = tmp_path / "missing" / "report.html"
