@@ -32,6 +32,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -656,8 +658,8 @@ void bind_engine(nb::module_& m) {
           "__init__",
           [](PyEngine* self, const pl::Schedule& schedule, const pl::ThreadMap& threads,
              const std::string& backend, int device,
-             const std::vector<std::pair<std::string, std::uintptr_t>>& adopted_streams,
-             bool trace, double stall_report_s, double spin_us, const std::string& result_slot,
+             const std::vector<std::pair<std::string, std::uintptr_t>>& adopted_streams, bool trace,
+             double stall_report_s, double spin_us, const std::string& result_slot,
              bool result_required) {
             pl::EngineOptions options;
             options.trace = trace;

@@ -40,8 +40,8 @@ void before_exit() {
   exiting.store(true, std::memory_order_seq_cst);
   if (num_holding.load(std::memory_order_seq_cst) == 0) return;
   const GilRelease release;
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration<double>(kExitGraceSeconds);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(kExitGraceSeconds);
   while (num_holding.load(std::memory_order_seq_cst) != 0 &&
          std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

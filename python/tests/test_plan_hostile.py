@@ -70,7 +70,7 @@ def test_invalid_utf8_in_a_file_is_a_weft_error(tmp_path, where):
         with pytest.raises(weft.Error, match="bad.json"):
             plan.report_from_trace(path, tmp_path / "never.html")
     else:
-        path.write_bytes(b'{"tasks": {"A\xc3": {"host_us": 1}}}')
+        path.write_bytes(b'{"tasks": {"A": {"host_us": "\xff\xfe"}}}')
         with pytest.raises(weft.Error, match="bad.json"):
             plan.simulate(two_threads(), "per_task", path)
 

@@ -63,7 +63,9 @@ inline void check_nesting_depth(std::string_view text) {
     } else if (c == '"') {
       in_string = true;
     } else if (c == '[' || c == '{') {
-      if (depth >= kMaxNestingDepth) WEFT_FAIL("$: nested deeper than ", kMaxNestingDepth, " levels");
+      if (depth >= kMaxNestingDepth) {
+        WEFT_FAIL("$: nested deeper than ", kMaxNestingDepth, " levels");
+      }
       ++depth;
     } else if ((c == ']' || c == '}') && depth > 0) {
       --depth;

@@ -143,8 +143,8 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
       (e.pid == host_pid ? thread_names : stream_names)[e.tid] = e.args_name;
     } else if (e.ph == "X" && (e.pid == host_pid || e.pid == gpu_pid)) {
       // Spans are grouped by iteration: without it every iteration would be drawn as one.
-      WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", event_path(e.index), ": host span '",
-                 e.name.substr(0, json_input::kMaxExcerptChars),
+      WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", event_path(e.index),
+                 ": host span '", e.name.substr(0, json_input::kMaxExcerptChars),
                  "' has no args.iteration (not a trace written by weft's engine)");
       (e.pid == host_pid ? host : gpu)
           .push_back({e.name, e.tid, e.ts, e.ts + e.dur, e.batch, e.iteration.value_or(-1),

@@ -15,6 +15,8 @@
 //    destroys every value the engine still holds.
 //  - set_source() starts a new data source and resets the ring; calling it while batches of the
 //    previous source are in flight (not all results returned) is an error: drain first, or reset().
+//  - One caller: the methods are called by one thread at a time, never from a task body or init
+//    of this engine, nor from the destructor of a slot value it destroys.
 //  - Threaded executor (any map but legacy): persistent threads, one per thread of the map, each
 //    running its tasks in run order; progress() returns when all have finished. Cross-thread waits
 //    follow wait_edges(); collectives take tickets in run order (same order on every rank).
