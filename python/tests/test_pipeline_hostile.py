@@ -162,13 +162,13 @@ for _ in range(10):
             trainer.step()
         except StopIteration:
             pass
-    refs.append(weakref.ref(trainer))
+    refs += [weakref.ref(trainer), weakref.ref(trainer.engine)]
     del trainer
 gc.collect()
 print("alive", sum(ref() is not None for ref in refs), "threads", num_os_threads() - before)
 """)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "alive 0 threads 0"
+    assert r.stdout.strip() == "alive 0 threads 0"  # trainers and engines
     assert "leaked" not in r.stderr, r.stderr
 
 
