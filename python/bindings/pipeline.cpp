@@ -449,6 +449,22 @@ PyType_Slot engine_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(engine_tr
                               {Py_tp_clear, reinterpret_cast<void*>(engine_clear)},
                               {0, nullptr}};
 
+// A Python int in [0, 2^64) as a byte count: TypeError for anything but an int (a bool, a
+// float), weft.Error naming `field` for one out of range.
+std::size_t byte_count(nb::handle value, const char* field) {
+  if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
+    throw nb::type_error((std::string(field) + " must be an int, got " +
+                          Py_TYPE(value.ptr())->tp_name)
+                             .c_str());
+  }
+  const unsigned long long n = PyLong_AsUnsignedLongLong(value.ptr());
+  if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    WEFT_FAIL(field, " ", nb::str(value).c_str(), " is outside [0, 2^64 - 1]");
+  }
+  return static_cast<std::size_t>(n);
+}
+
 nb::object slot_value(const pl::TaskContext& c, const std::string& slot) {
   return nb::borrow(c.get<PyRef>(slot).handle());
 }
@@ -494,7 +510,9 @@ void bind_context(nb::module_& m) {
       .def(
           "record_collective",
           [](BodyContext& b, const std::string& kind, const std::string& stream,
-             std::size_t num_bytes) { b.get().record_collective(kind, stream, num_bytes); },
+             nb::handle num_bytes) {
+            b.get().record_collective(kind, stream, byte_count(num_bytes, "num_bytes"));
+          },
           nb::arg("kind"), nb::arg("stream"), nb::arg("num_bytes"),
           "Records one collective the body enqueued (for Engine.collective_inventory()).");
 }

@@ -108,6 +108,17 @@ def test_integers_out_of_range_name_their_field(make, field):
         make()
 
 
+@pytest.mark.parametrize("num_bytes,error", [(-1, weft.Error), (2**64, weft.Error),
+                                             (1.5, TypeError), (True, TypeError)])
+def test_record_collective_refuses_a_byte_count_that_is_no_size(num_bytes, error):
+    def body(ctx):
+        ctx.record_collective("AllReduce", "default", num_bytes)
+
+    engine = Engine(Schedule([Task.from_fn("a", body, collective=True)]), "legacy")
+    with pytest.raises(error, match="num_bytes"):
+        drain(engine, [0])
+
+
 # The lookahead limit -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", ["legacy", "per_task"])
