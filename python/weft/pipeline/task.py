@@ -134,8 +134,9 @@ def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
             name = v.get("task", v.get("name"))
             if not isinstance(name, str):
                 raise TypeError(f"same_progress_sync: {v!r} names no task")
-            out.append((_checks.name(name, "same_progress_sync"), _side(v.get("sides", v.get("side", SyncSide.BOTH)),
-                                    f"same_progress_sync[{name}]")))
+            side = v.get("sides", v.get("side", SyncSide.BOTH))
+            out.append((_checks.name(name, "same_progress_sync"),
+                        _side(side, f"same_progress_sync[{name}]")))
         else:
             raise TypeError("same_progress_sync entries are names, (name, side) or mappings, "
                             f"got {v!r}")
