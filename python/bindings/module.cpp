@@ -5,7 +5,9 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <exception>
 #include <string>
+#include <string_view>
 
 #include "weft/core/error.hpp"
 #include "weft/core/version.hpp"
@@ -68,8 +70,22 @@ nb::dict info() {
 NB_MODULE(_weft, m) {
   m.doc() = "weft's extension: device pointers, streams and DLPack capsules (see the weft package)";
   // weft::Error and its CUDA/NCCL subclasses arrive in Python as weft.Error (a RuntimeError) whose
-  // message is the C++ what(): "file:line: message".
-  nb::exception<weft::Error>(m, "Error", PyExc_RuntimeError);
+  // message is the C++ what(): "file:line: message". A message quoting bytes of the user's input
+  // that are not UTF-8 shows them as \x escapes (a UnicodeDecodeError would hide the error).
+  // The module keeps the type alive: it is the translator's payload.
+  const nb::exception<weft::Error> error(m, "Error", PyExc_RuntimeError);
+  nb::register_exception_translator(
+      [](const std::exception_ptr& raised, void* type) {
+        try {
+          std::rethrow_exception(raised);
+        } catch (const weft::Error& e) {
+          const std::string_view what = e.what();
+          const nb::object message = nb::steal(PyUnicode_DecodeUTF8(
+              what.data(), static_cast<Py_ssize_t>(what.size()), "backslashreplace"));
+          PyErr_SetObject(static_cast<PyObject*>(type), message.ptr());
+        }
+      },
+      error.ptr());
   m.def("version", [] { return std::string(weft::version()); });
   m.def("info", &info, "What this build of weft contains and which NCCL / CUDA it runs with.");
   nb::module_ pipeline = m.def_submodule("pipeline", "weft::pipeline's engine with Python bodies");

@@ -7,6 +7,12 @@
 // the engine may copy and destroy them on any thread. A Python exception raised in a
 // body travels through the engine as a PythonException and is raised again by progress(), the
 // same object with its traceback.
+//
+// One call at a time: an Engine's methods refuse, with weft.Error, a call made while another of
+// its calls runs (from a second thread, from a body, or from a slot value's __del__ run by the
+// engine), after close(), and in a process forked after the engine was built. The engine takes
+// part in garbage collection: it reports the data iterator and the slot values it holds, and
+// collecting it closes it.
 #include "weft/pipeline/pipeline.hpp"
 
 #include <nanobind/nanobind.h>
@@ -17,10 +23,17 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <pthread.h>
+
+#include <any>
+#include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -50,6 +63,14 @@ struct BodyContext {
   }
 };
 
+// The body running on this thread, if any: its engine's schedule (one per engine) and its task.
+// A body that drives another engine nests, so each body saves and restores the outer one.
+struct RunningBody {
+  const pl::CompiledSchedule* schedule = nullptr;
+  std::string_view task;
+};
+thread_local RunningBody running_body;
+
 // Runs `fn(ctx)` on an engine thread (or the caller's, for the sequential executor). `fn` is
 // borrowed: the Python Engine keeps every body alive for as long as the C++ engine lives, in an
 // attribute the garbage collector sees, so that a cycle through a body (a module-level engine
@@ -57,10 +78,12 @@ struct BodyContext {
 pl::TaskBody python_body(nb::handle borrowed_fn, nb::handle ctx) {
   return [fn = borrowed_fn, ctx = PyRef(ctx)](pl::TaskContext& context) {
     ensure_python_thread_state();
-    nb::gil_scoped_acquire gil;
+    const GilAcquire gil;
     BodyContext* box = nb::inst_ptr<BodyContext>(ctx.handle());
     box->context = &context;
+    const RunningBody outer = std::exchange(running_body, {&context.schedule(), context.name()});
     PyObject* result = PyObject_CallOneArg(fn.ptr(), ctx.ptr());
+    running_body = outer;
     box->context = nullptr;
     if (result == nullptr) {
       // A StopIteration leaving progress() would end the caller's loop as if the data had ended
@@ -206,34 +229,51 @@ std::unique_ptr<pl::Backend> make_backend(const BackendSpec& spec) {
   WEFT_FAIL("pipeline: unknown backend '", spec.kind, "' (host or cuda)");
 }
 
-// The engine, its Python data source and the slot a step returns.
+// Counts the fork()s this process descends from: an engine built under another count was built
+// in an ancestor, whose threads the child does not have.
+std::atomic<std::uint64_t> fork_generation{0};
+
+void count_forks() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork(nullptr, nullptr,
+                   [] { fork_generation.fetch_add(1, std::memory_order_relaxed); });
+  });
+}
+
+// The engine, its Python data source and the slot a step returns. Every member is used with the
+// GIL held, which orders the calls' checks among threads.
 class PyEngine {
  public:
   PyEngine(const pl::Schedule& schedule, const pl::ThreadMap& threads, const BackendSpec& backend,
-           pl::EngineOptions options, std::string result_slot)
-      : result_slot_(std::move(result_slot)) {
+           pl::EngineOptions options, std::string result_slot, bool result_required)
+      : result_slot_(std::move(result_slot)),
+        fork_generation_(fork_generation.load(std::memory_order_relaxed)) {
     options.interrupt_check = [] {
-      nb::gil_scoped_acquire gil;
+      const GilAcquire gil;
       if (PyErr_CheckSignals() != 0) throw PythonException::fetch("progress() was interrupted");
     };
-    nb::gil_scoped_release release;  // the inits run on the engine's threads
-    engine_ = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend),
-                                           std::move(options));
+    {
+      const GilRelease release;  // the inits run on the engine's threads, which join without it
+      auto engine = std::make_unique<pl::Engine>(schedule, threads, make_backend(backend),
+                                                 std::move(options));
+      has_result_ = engine->schedule().find_slot(result_slot_).has_value();
+      if (has_result_ || !result_required) engine_ = std::move(engine);
+    }
+    WEFT_CHECK(engine_ != nullptr, "engine: result slot '", result_slot_,
+               "' is no slot of the schedule (a task writes it, or it is an input)");
   }
   PyEngine(const PyEngine&) = delete;
   PyEngine& operator=(const PyEngine&) = delete;
-  // Joining the threads lets each delete its Python thread state, which takes the GIL.
-  ~PyEngine() {
-    nb::gil_scoped_release release;
-    engine_.reset();
-  }
+  ~PyEngine() { destroy_engine(); }
 
   // TorchRec's progress(dataloader_iter): a new iterator object starts a new source.
   nb::object progress(nb::handle iterator) {
+    const Busy busy = enter("progress");
     if (!iterator.is(source_.handle())) set_source(iterator);
     std::optional<pl::Step> step;
     {
-      nb::gil_scoped_release release;
+      const GilRelease release;
       step = engine_->progress();
     }
     if (!step) throw nb::stop_iteration();
@@ -243,26 +283,119 @@ class PyEngine {
   }
 
   void reset() {
-    nb::gil_scoped_release release;
+    const Busy busy = enter("reset");
+    const GilRelease release;
     engine_->reset();
   }
   void synchronize() {
-    nb::gil_scoped_release release;
+    const Busy busy = enter("synchronize");
+    const GilRelease release;
     engine_->synchronize();
   }
-  pl::Engine& engine() { return *engine_; }
-  std::int64_t last_batch_index() const noexcept { return last_batch_index_; }
+  // Joins the threads and destroys the slot values now; a second close() does nothing.
+  void close() {
+    if (engine_ == nullptr) return;
+    const Busy busy = enter("close");
+    destroy_engine();
+  }
+  // For a call that only reads the engine: refused as a busy one would be.
+  pl::Engine& engine(const char* call) {
+    check_callable(call);
+    return *engine_;
+  }
+  std::int64_t last_batch_index() {
+    check_callable("last_batch_index");
+    return last_batch_index_;
+  }
+
+  // The garbage collector's view (the GIL is held): the data source and, while no call runs,
+  // the slot values. Values are left out while a call runs on another thread (they change
+  // there): the collector then keeps them, and whatever they refer to, alive this time.
+  int traverse(visitproc visit, void* arg) const {
+    Py_VISIT(source_.ptr());
+    Py_VISIT(iterator_.ptr());
+    if (engine_ == nullptr || busy_call_ != nullptr || forked()) return 0;
+    int result = 0;
+    engine_->for_each_value([&](const std::any& value) {
+      const auto* ref = std::any_cast<PyRef>(&value);
+      if (result == 0 && ref != nullptr && *ref) result = visit(ref->ptr(), arg);
+    });
+    return result;
+  }
+  // Breaks a cycle the collector found: closes the engine (a garbage engine runs no call).
+  void clear() {
+    if (busy_call_ == nullptr) destroy_engine();
+  }
 
  private:
+  // Marks a call running for its lifetime.
+  class Busy {
+   public:
+    explicit Busy(PyEngine& e, const char* call) : e_(e) {
+      e_.busy_call_ = call;
+      e_.busy_thread_ = std::this_thread::get_id();
+    }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+    ~Busy() { e_.busy_call_ = nullptr; }
+
+   private:
+    PyEngine& e_;
+  };
+
+  bool forked() const noexcept {
+    return fork_generation_ != fork_generation.load(std::memory_order_relaxed);
+  }
+
+  void check_callable(const char* call) const {
+    WEFT_CHECK(!forked(), "engine: ", call,
+               "(): this engine was built before this process was forked, and a forked child "
+               "has none of its threads (build a new Engine in the child)");
+    WEFT_CHECK(engine_ != nullptr, "engine: the engine is closed (", call, "() after close())");
+    if (running_body.schedule == &engine_->schedule()) {
+      WEFT_FAIL("engine: ", call, "() called from inside task '", running_body.task,
+                "' (a body must not call back into its own engine)");
+    }
+    if (busy_call_ == nullptr) return;
+    WEFT_CHECK(busy_thread_ != std::this_thread::get_id(), "engine: ", call,
+               "() called while the engine runs ", busy_call_,
+               "() on this thread (from a slot value's __del__ or another callback)");
+    WEFT_FAIL("engine: ", call, "() refused: ", busy_call_,
+              "() is running on another thread (one thread at a time drives an Engine)");
+  }
+
+  Busy enter(const char* call) {
+    check_callable(call);
+    return Busy(*this, call);
+  }
+
+  // Joins the threads (each deletes its Python thread state, which takes the GIL) and destroys
+  // the slot values. In a forked child the engine is left alone: its threads are not there to
+  // join, and its locks may be held by threads that are gone. What it holds is then leaked on
+  // purpose, which nanobind would report at exit as a reference-counting bug.
+  void destroy_engine() {
+    if (engine_ == nullptr) return;
+    if (forked()) {
+      (void)engine_.release();
+      nb::set_leak_warnings(false);
+      return;
+    }
+    {
+      const GilRelease release;
+      engine_.reset();
+    }
+    iterator_ = PyRef();
+    source_ = PyRef();
+  }
+
   void set_source(nb::handle iterable) {
     const nb::object iterator = nb::steal(PyObject_GetIter(iterable.ptr()));
     if (!iterator.is_valid()) throw nb::python_error();
-    const pl::CompiledSchedule& schedule = engine_->schedule();
-    has_result_ = schedule.find_slot(result_slot_).has_value();
-    std::vector<std::string> inputs = schedule.source().inputs();
-    pl::Source source = [iterator = PyRef(iterator), inputs = std::move(inputs)](pl::Batch& batch) {
-      nb::gil_scoped_acquire gil;
-      const nb::object item = nb::steal(PyIter_Next(iterator.ptr()));
+    std::vector<std::string> inputs = engine_->schedule().source().inputs();
+    // The source borrows the iterator, which iterator_ owns, so that the collector sees it.
+    pl::Source source = [iterator = iterator.ptr(), inputs = std::move(inputs)](pl::Batch& batch) {
+      const GilAcquire gil;
+      const nb::object item = nb::steal(PyIter_Next(iterator));
       if (!item.is_valid()) {
         if (PyErr_Occurred() != nullptr) throw PythonException::fetch("the data iterator");
         return false;
@@ -282,19 +415,55 @@ class PyEngine {
       return true;
     };
     {
-      nb::gil_scoped_release release;
+      const GilRelease release;
       engine_->set_source(std::move(source));
     }
+    iterator_ = PyRef(iterator);
     // Kept as given, so that the next call with the same object continues this source.
     source_ = PyRef(iterable);
   }
 
-  std::unique_ptr<pl::Engine> engine_;
+  std::unique_ptr<pl::Engine> engine_;  // null once closed
   PyRef source_;
+  PyRef iterator_;
   std::string result_slot_;
   bool has_result_ = false;
   std::int64_t last_batch_index_ = -1;
+  std::uint64_t fork_generation_;
+  const char* busy_call_ = nullptr;  // the call that runs now, or null
+  std::thread::id busy_thread_;
 };
+
+int engine_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  return nb::inst_ptr<PyEngine>(self)->traverse(visit, arg);
+}
+
+int engine_clear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<PyEngine>(self)->clear();
+  return 0;
+}
+
+PyType_Slot engine_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(engine_traverse)},
+                              {Py_tp_clear, reinterpret_cast<void*>(engine_clear)},
+                              {0, nullptr}};
+
+// A Python int in [0, 2^64) as a byte count: TypeError for anything but an int (a bool, a
+// float), weft.Error naming `field` for one out of range.
+std::size_t byte_count(nb::handle value, const char* field) {
+  if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
+    throw nb::type_error((std::string(field) + " must be an int, got " +
+                          Py_TYPE(value.ptr())->tp_name)
+                             .c_str());
+  }
+  const unsigned long long n = PyLong_AsUnsignedLongLong(value.ptr());
+  if (n == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    WEFT_FAIL(field, " ", nb::str(value).c_str(), " is outside [0, 2^64 - 1]");
+  }
+  return static_cast<std::size_t>(n);
+}
 
 nb::object slot_value(const pl::TaskContext& c, const std::string& slot) {
   return nb::borrow(c.get<PyRef>(slot).handle());
@@ -341,7 +510,9 @@ void bind_context(nb::module_& m) {
       .def(
           "record_collective",
           [](BodyContext& b, const std::string& kind, const std::string& stream,
-             std::size_t num_bytes) { b.get().record_collective(kind, stream, num_bytes); },
+             nb::handle num_bytes) {
+            b.get().record_collective(kind, stream, byte_count(num_bytes, "num_bytes"));
+          },
           nb::arg("kind"), nb::arg("stream"), nb::arg("num_bytes"),
           "Records one collective the body enqueued (for Engine.collective_inventory()).");
 }
@@ -498,41 +669,53 @@ void bind_trace(nb::module_& m) {
 }
 
 void bind_engine(nb::module_& m) {
-  nb::class_<PyEngine>(m, "Engine", "weft::pipeline::Engine driven from Python")
+  count_forks();
+  nb::class_<PyEngine>(m, "Engine", "weft::pipeline::Engine driven from Python",
+                       nb::type_slots(engine_slots))
       .def(
           "__init__",
           [](PyEngine* self, const pl::Schedule& schedule, const pl::ThreadMap& threads,
              const std::string& backend, int device,
-             const std::vector<std::pair<std::string, std::uintptr_t>>& adopted_streams,
-             bool trace, double stall_report_s, double spin_us, const std::string& result_slot) {
+             const std::vector<std::pair<std::string, std::uintptr_t>>& adopted_streams, bool trace,
+             double stall_report_s, double spin_us, const std::string& result_slot,
+             bool result_required) {
             pl::EngineOptions options;
             options.trace = trace;
             options.stall_report_s = stall_report_s;
             options.spin_us = spin_us;
             new (self) PyEngine(schedule, threads, BackendSpec{backend, device, adopted_streams},
-                                std::move(options), result_slot);
+                                std::move(options), result_slot, result_required);
           },
           nb::arg("schedule"), nb::arg("threads"), nb::arg("backend"), nb::arg("device"),
-          nb::arg("adopted_streams"), nb::arg("trace"), nb::arg("stall_report_s"), nb::arg("spin_us"), nb::arg("result_slot"))
+          nb::arg("adopted_streams"), nb::arg("trace"), nb::arg("stall_report_s"),
+          nb::arg("spin_us"), nb::arg("result_slot"), nb::arg("result_required"))
       .def("progress", &PyEngine::progress, nb::arg("data_iter"))
       .def("reset", &PyEngine::reset)
       .def("synchronize", &PyEngine::synchronize)
+      .def("close", &PyEngine::close)
       .def_prop_ro("last_batch_index", &PyEngine::last_batch_index)
-      .def_prop_ro("failed", [](PyEngine& e) { return e.engine().failed(); })
-      .def_prop_ro("num_in_flight", [](PyEngine& e) { return e.engine().num_in_flight(); })
-      .def_prop_ro("backend", [](PyEngine& e) { return std::string(e.engine().backend().name()); })
+      .def_prop_ro("failed", [](PyEngine& e) { return e.engine("failed").failed(); })
+      .def_prop_ro("num_in_flight",
+                   [](PyEngine& e) { return e.engine("num_in_flight").num_in_flight(); })
+      .def_prop_ro("backend",
+                   [](PyEngine& e) { return std::string(e.engine("backend").backend().name()); })
       .def("threads",
-           [](PyEngine& e) { return thread_lists(e.engine().threads(), e.engine().schedule()); })
+           [](PyEngine& e) {
+             pl::Engine& engine = e.engine("threads");
+             return thread_lists(engine.threads(), engine.schedule());
+           })
       .def("stream_handle",
            [](PyEngine& e, const std::string& stream) {
-             const auto id = e.engine().schedule().find_stream(stream);
+             pl::Engine& engine = e.engine("stream_handle");
+             const auto id = engine.schedule().find_stream(stream);
              WEFT_CHECK(id.has_value(), "engine: no stream '", stream, "' in the schedule");
-             return reinterpret_cast<std::uintptr_t>(e.engine().backend().stream_handle(*id));
+             return reinterpret_cast<std::uintptr_t>(engine.backend().stream_handle(*id));
            })
-      .def("take_trace", [](PyEngine& e) { return e.engine().take_trace(); })
+      .def("take_trace", [](PyEngine& e) { return e.engine("take_trace").take_trace(); })
       .def("collective_inventory", [](PyEngine& e) {
         nb::list out;
-        for (const pl::MeasuredCollective& c : e.engine().collective_inventory()) {
+        for (const pl::MeasuredCollective& c :
+             e.engine("collective_inventory").collective_inventory()) {
           nb::dict d;
           d["task"] = c.task;
           d["kind"] = c.kind;
@@ -550,6 +733,8 @@ void bind_engine(nb::module_& m) {
 
 void bind_pipeline(nb::module_& m) {
   register_python_exception_translator();
+  register_exit_hook(m);
+  m.attr("MAX_LOOKAHEAD") = pl::kMaxLookahead;
   bind_context(m);
   bind_schedule(m);
   bind_thread_map(m);

@@ -12,6 +12,12 @@
 //  - PythonException: a Python exception caught in C++ (a body, the data iterator, Ctrl-C),
 //    carried through the engine as a C++ exception and raised again, the same object with its
 //    traceback, when it reaches Python (an exception translator does that).
+//  - GilAcquire / GilRelease: the only ways weft's threads take and give back the GIL. Once the
+//    interpreter exits (the exit hook, an atexit callback, has run), a thread other than the
+//    exiting one that would take the GIL sleeps forever instead, as Python 3.14 makes such
+//    threads do: before 3.14 Python ends them with pthread_exit(), whose unwinding through the
+//    engine's noexcept C++ frames aborts the process. The hook first lets the threads that hold
+//    the GIL through weft (a body that runs) finish, for at most kExitGraceSeconds.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -24,6 +30,36 @@ namespace weft::python {
 
 namespace nb = nanobind;
 
+inline constexpr double kExitGraceSeconds = 2.0;
+
+// Takes the GIL for its lifetime (a no-op count where the thread already holds it).
+class GilAcquire {
+ public:
+  GilAcquire() noexcept;
+  GilAcquire(const GilAcquire&) = delete;
+  GilAcquire& operator=(const GilAcquire&) = delete;
+  ~GilAcquire() noexcept;
+
+ private:
+  PyGILState_STATE state_;
+  bool counted_;
+};
+
+// Gives the GIL back for its lifetime; the thread holds it and has a Python thread state.
+class GilRelease {
+ public:
+  GilRelease() noexcept : state_(PyEval_SaveThread()) {}
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+  ~GilRelease() noexcept;
+
+ private:
+  PyThreadState* state_;
+};
+
+// Registers the exit hook with Python's atexit (once per process).
+void register_exit_hook(nb::module_& m);
+
 class PyRef {
  public:
   PyRef() = default;
@@ -31,7 +67,7 @@ class PyRef {
   explicit PyRef(nb::handle object) noexcept : ptr_(object.inc_ref().ptr()) {}
   PyRef(const PyRef& other) : ptr_(other.ptr_) {
     if (ptr_ != nullptr) {
-      nb::gil_scoped_acquire gil;
+      const GilAcquire gil;
       Py_INCREF(ptr_);
     }
   }
@@ -42,7 +78,7 @@ class PyRef {
   }
   ~PyRef() {
     if (ptr_ != nullptr) {
-      nb::gil_scoped_acquire gil;
+      const GilAcquire gil;
       Py_DECREF(ptr_);
     }
   }

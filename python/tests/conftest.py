@@ -71,3 +71,22 @@ def run_ranks(fn, world_size, store_path, *args, backend="gloo", timeout_s=120,
     assert not hung, f"ranks {hung} of {world_size} did not finish within {timeout_s} s (a hang)"
     codes = [p.exitcode for p in procs]
     assert codes == [0] * world_size, f"rank exit codes {codes} (tracebacks above)"
+
+
+def run_python(code, timeout_s=30):
+    """Runs ``code`` in a fresh interpreter that imports the weft this process imported; returns
+    the CompletedProcess (text output). A run past timeout_s is killed and fails the test as a
+    hang."""
+    import subprocess
+    import textwrap
+
+    import weft
+
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
+    env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"hung: no exit within {timeout_s} s; output so far:\n{e.stdout}\n{e.stderr}")

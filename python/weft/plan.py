@@ -16,11 +16,12 @@ waits with the rule and cause of each, host_step_us, step_us). Bad input raises 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import _weft
+from . import _checks, _weft
 from .pipeline import HSTU_TASK_NAMES, Schedule, ThreadMap, hstu_schedule, hstu_variant
 
 _native = _weft.plan
@@ -49,11 +50,25 @@ def _cost_model(costs: CostsLike, schedule: Schedule) -> CostModel:
         names = {t.name for t in schedule.tasks}
         return CostModel.hstu_defaults() if names == set(HSTU_TASK_NAMES) else CostModel()
     if isinstance(costs, Mapping):
+        _check_finite(costs, "$")
         return CostModel.parse(json.dumps(costs))
     if isinstance(costs, (str, os.PathLike)):
         return CostModel.load(os.fspath(costs))
     raise TypeError("costs are a CostModel, a dict, a path or None, got "
                     f"{type(costs).__name__}")
+
+
+def _check_finite(value, path: str) -> None:
+    """JSON has no NaN or infinity: refused here by path, in the cost file's error form, instead
+    of reaching the parser as a syntax error."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _weft.Error(f"{path}: expected a finite number, got {value}")
+    if isinstance(value, Mapping):
+        for key, v in value.items():
+            _check_finite(v, f"{path}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{path}[{i}]")
 
 
 def _resolve(variant: VariantLike) -> Tuple[str, str, Schedule, ThreadMap]:
@@ -94,6 +109,8 @@ def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike]
 def _simulate(resolved: Tuple[str, str, Schedule, ThreadMap], costs: CostsLike, num_steps: int,
               max_host_runahead: int) -> VariantReport:
     name, cascade, schedule, thread_map = resolved
+    num_steps = _checks.integer(num_steps, "num_steps", *_checks.INT32)
+    max_host_runahead = _checks.integer(max_host_runahead, "max_host_runahead", *_checks.INT32)
     return _native.simulate(name, cascade, schedule._to_native(with_bodies=False),
                             thread_map._native, _cost_model(costs, schedule), num_steps,
                             max_host_runahead)
@@ -108,7 +125,13 @@ def _write_page(path: Union[str, os.PathLike], text: str) -> None:
         with open(target, "w", encoding="utf-8") as f:
             f.write(text)
         return
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".weft-plan-", suffix=".html")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".weft-plan-",
+                                   suffix=".html")
+    except OSError as e:
+        # The temporary file's name means nothing to the caller; the page's path does.
+        raise type(e)(e.errno, f"cannot write the report: {e.strerror}",
+                      os.fspath(path)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -46,16 +46,38 @@ inline std::string member_path(const std::string& path, std::string_view key) {
   return path + "." + short_text(key);
 }
 
-inline Json parse_json(std::string_view text) {
-  const Json::parser_callback_t limit_depth = [](int depth, Json::parse_event_t event, Json&) {
-    if ((event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) &&
-        depth >= kMaxNestingDepth) {
-      WEFT_FAIL("$: nested deeper than ", kMaxNestingDepth, " levels");
+// Refuses text nested deeper than kMaxNestingDepth, in one pass before it is parsed (brackets
+// inside strings skipped). Not a parser callback: nlohmann's callback parser looks through the
+// enclosing array at the end of each object, which makes a long array quadratic to read.
+inline void check_nesting_depth(std::string_view text) {
+  int depth = 0;
+  bool in_string = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (depth >= kMaxNestingDepth) {
+        WEFT_FAIL("$: nested deeper than ", kMaxNestingDepth, " levels");
+      }
+      ++depth;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
     }
-    return true;
-  };
+  }
+}
+
+// Parses text of any size in time linear in its length.
+inline Json parse_json(std::string_view text) {
+  check_nesting_depth(text);
   try {
-    return Json::parse(text, limit_depth);
+    return Json::parse(text);
   } catch (const Json::parse_error& e) {
     std::string what = e.what();
     if (what.size() > 4 * kMaxExcerptChars) what = what.substr(0, 4 * kMaxExcerptChars) + "...";

@@ -47,11 +47,21 @@ CompiledSchedule::CompiledSchedule(Schedule schedule) : schedule_(std::move(sche
                " has an empty name (rule: every task has a name)");
     const bool fresh = task_ids_.emplace(task.name(), t).second;
     WEFT_CHECK(fresh, "schedule: task '", task.name(), "' declared twice (rule: unique task names)");
-    WEFT_CHECK(task.lookahead() >= 0, "schedule: task '", task.name(), "' has lookahead ",
-               task.lookahead(), " (rule: lookahead >= 0)");
+    WEFT_CHECK(task.lookahead() >= 0 && task.lookahead() <= kMaxLookahead, "schedule: task '",
+               task.name(), "' has lookahead ", task.lookahead(), " (rule: 0 <= lookahead <= ",
+               kMaxLookahead, ")");
     const auto stream = stream_ids_.find(task.stream());
     WEFT_CHECK(stream != stream_ids_.end(), "schedule: task '", task.name(), "' uses stream '",
                task.stream(), "' which is not declared (rule: known stream; add_stream() it)");
+    for (const CollectiveOp& op : task.collectives()) {
+      WEFT_CHECK(!op.kind.empty(), "schedule: task '", task.name(),
+                 "': collective inventory: an op with no kind (rule: each op names its kind)");
+      WEFT_CHECK(op.count >= 1, "schedule: task '", task.name(), "': collective inventory: ",
+                 op.kind, " with count ", op.count, " (rule: count >= 1 call per run)");
+      WEFT_CHECK(stream_ids_.contains(op.stream), "schedule: task '", task.name(),
+                 "': collective inventory: ", op.kind, " on stream '", op.stream,
+                 "' which is not declared (rule: known stream; add_stream() it)");
+    }
     stream_of_.push_back(stream->second);
     max_lookahead_ = std::max(max_lookahead_, task.lookahead());
   }

@@ -154,6 +154,9 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   progress_by_thread_ = std::make_unique<ThreadProgress[]>(threads_.num_threads());
 
   tracing_ = options_.trace;
+  WEFT_CHECK(!std::isnan(options_.stall_report_s) && options_.stall_report_s >= 0,
+             "EngineOptions::stall_report_s must be a number >= 0 (0 = off), got ",
+             options_.stall_report_s);
   double spin_us = options_.spin_us;
   WEFT_CHECK(!std::isnan(spin_us) && spin_us <= 1e6,
              "EngineOptions::spin_us must be a number <= 1e6 (negative = automatic), got ", spin_us);
@@ -166,7 +169,12 @@ EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Bac
   waits_by_thread_.resize(threads_.num_threads());
   backend_->set_gpu_spans(tracing_);
 
+  call_start_ = std::chrono::steady_clock::now();
   if (threads_.sequential) {
+    if (options_.stall_report_s > 0 && std::isfinite(options_.stall_report_s)) {
+      watchdog_ = std::make_unique<StallWatchdog>(options_.stall_report_s,
+                                                  [this](double s) { report_stall(s); });
+    }
     backend_->on_thread_start();
     run_inits(0);
   } else {
@@ -208,11 +216,10 @@ void EngineCore::start_workers() {
 }
 
 void EngineCore::wait_for_workers() {
-  const auto start = std::chrono::steady_clock::now();
-  bool reported = options_.stall_report_s <= 0;
+  bool reported = stall_reported_ || options_.stall_report_s <= 0;
   // Once the hook has thrown, the step is aborted: no second check.
   bool checking = options_.interrupt_check != nullptr;
-  auto next_check = start + kInterruptCheckInterval;
+  auto next_check = std::chrono::steady_clock::now() + kInterruptCheckInterval;
   std::uint32_t r;
   while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
     wait_for_change(remaining_, r, spin_ns_);
@@ -228,10 +235,10 @@ void EngineCore::wait_for_workers() {
       }
     }
     if (reported) continue;
-    const double seconds = std::chrono::duration<double>(now - start).count();
+    const double seconds = std::chrono::duration<double>(now - call_start_).count();
     if (seconds >= options_.stall_report_s) {
       report_stall(seconds);
-      reported = true;
+      reported = stall_reported_ = true;
     }
   }
 }
@@ -239,8 +246,8 @@ void EngineCore::wait_for_workers() {
 void EngineCore::report_stall(double seconds) const {
   char header[160];
   std::snprintf(header, sizeof(header),
-                "weft engine: progress() has waited %.1f s for its threads (iteration %lld):\n",
-                seconds, static_cast<long long>(iteration_));
+                "weft engine: progress() has run %.1f s (iteration %lld):\n", seconds,
+                static_cast<long long>(reported_iteration_.load(std::memory_order_relaxed)));
   std::string text = header;
   for (std::uint32_t t = 0; t < threads_.num_threads(); ++t) {
     const ThreadProgress::State p = progress_by_thread_[t].get();
@@ -514,6 +521,25 @@ void EngineCore::retire(Batch& batch) {
   retired_.push_back(std::move(retired));
 }
 
+void EngineCore::release_all() {
+  retire(result_);
+  for (Batch& b : ring_) retire(b);
+  if (retired_.empty()) return;
+  backend_->synchronize();
+  retired_.clear();
+}
+
+void EngineCore::for_each_value(const std::function<void(const std::any&)>& visit) const {
+  const auto visit_all = [&](const std::vector<std::any>& values) {
+    for (const std::any& v : values) {
+      if (v.has_value()) visit(v);
+    }
+  };
+  for (const Batch& b : ring_) visit_all(b.values_);
+  visit_all(result_.values_);
+  for (const Retired& r : retired_) visit_all(r.values);
+}
+
 void EngineCore::release_retired() {
   while (!retired_.empty() && backend_->fence_completed(retired_.front().fence)) {
     retired_.pop_front();
@@ -540,19 +566,24 @@ void EngineCore::prepare_iteration() {
     ticket_of_task_[t] = active ? next_ticket++ : -1;
   }
   if (++epoch_ == 0) epoch_ = 1;  // 0 is every done_ counter's value after reset()
+  reported_iteration_.store(iteration_, std::memory_order_relaxed);
 }
 
 void EngineCore::run_iteration() {
   if (threads_.sequential) {
     backend_->on_thread_start();
-    for (TaskId t : schedule_.run_order()) {
+    ThreadProgress& progress = progress_by_thread_[0];
+    const std::vector<TaskId>& tasks = threads_.tasks_of_thread[0];  // the run order
+    for (std::uint32_t i = 0; i < tasks.size(); ++i) {
+      progress.set(i);
       try {
-        run_task(plans_[t], 0, false);
+        run_task(plans_[tasks[i]], 0, false);
       } catch (...) {
         fail(std::current_exception());
         break;
       }
     }
+    progress.set(static_cast<std::uint32_t>(tasks.size()));
   } else {
     remaining_.value.store(static_cast<std::uint32_t>(workers_.threads.size()),
                            std::memory_order_relaxed);
@@ -595,11 +626,21 @@ std::optional<Step> EngineCore::progress() {
                 "); call reset() or set_source() first");
     }
   }
+  call_start_ = std::chrono::steady_clock::now();
+  stall_reported_ = false;
+  if (watchdog_) watchdog_->arm();
+  struct Disarm {
+    StallWatchdog* watchdog;
+    ~Disarm() {
+      if (watchdog) watchdog->disarm();
+    }
+  } disarm{watchdog_.get()};
   while (!ended_) {
     release_retired();
     pull();
     if (exhausted_ && (num_pulled_ == 0 || iteration_ >= num_pulled_ + max_lookahead_)) {
       ended_ = true;
+      release_all();
       break;
     }
     prepare_iteration();
@@ -756,6 +797,10 @@ Trace Engine::take_trace() { return core_->take_trace(); }
 
 std::vector<MeasuredCollective> Engine::collective_inventory() const {
   return core_->collective_inventory();
+}
+
+void Engine::for_each_value(const std::function<void(const std::any&)>& visit) const {
+  core_->for_each_value(visit);
 }
 
 }  // namespace weft::pipeline

@@ -36,6 +36,7 @@
 #include "weft/pipeline/thread_map.hpp"
 #include "weft/pipeline/trace.hpp"
 #include "weft/pipeline/wait_edges.hpp"
+#include "stall_watchdog.hpp"
 
 namespace weft::pipeline::detail {
 
@@ -131,6 +132,7 @@ class EngineCore {
   void synchronize() { backend_->synchronize(); }
   Trace take_trace();
   std::vector<MeasuredCollective> collective_inventory() const;
+  void for_each_value(const std::function<void(const std::any&)>& visit) const;
   void record_collective(TaskId task, std::string_view kind, std::string_view stream,
                          std::size_t num_bytes);
 
@@ -169,9 +171,12 @@ class EngineCore {
   void wait_done(const TaskPlan::HostWait& wait, std::uint32_t epoch, TaskId consumer,
                  std::uint32_t thread);
   void wait_value(Signal& signal, std::uint32_t target);
-  // Waits for remaining_ == 0 (the caller's side of an iteration), reporting a stall once.
+  // Waits for remaining_ == 0 (the caller's side of an iteration), reporting a stall once per
+  // progress() (or construction), timed from its start.
   void wait_for_workers();
   void report_stall(double seconds) const;
+  // At the end of data: the last result and every retired value go now, after the streams.
+  void release_all();
   void mark_done(TaskId task, std::uint32_t epoch) noexcept;
   void fail(std::exception_ptr error) noexcept;
   [[noreturn]] void throw_failure() const;
@@ -197,6 +202,11 @@ class EngineCore {
   std::deque<Retired> retired_;  // oldest first
   Source source_;
   std::int64_t iteration_ = 0;
+  // iteration_ for the stall report, which may read it on the watchdog's thread.
+  std::atomic<std::int64_t> reported_iteration_{0};
+  // The current progress() (or construction) began then; its stall report is printed.
+  std::chrono::steady_clock::time_point call_start_;
+  bool stall_reported_ = false;
   std::int64_t num_pulled_ = 0;
   std::int64_t num_returned_ = 0;
   bool exhausted_ = false;
@@ -243,6 +253,8 @@ class EngineCore {
   std::vector<std::vector<WaitRecord>> waits_by_thread_;
 
   WorkerThreads workers_;
+  // The sequential executor's stall report (null with the threaded one, or the report off).
+  std::unique_ptr<StallWatchdog> watchdog_;
 
   friend class weft::pipeline::TaskContext;
 };

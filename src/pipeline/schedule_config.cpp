@@ -15,8 +15,6 @@ using json_input::short_text;
 
 // Schedule configs are a few lines; anything this large is not one.
 constexpr std::size_t kMaxConfigFileBytes = std::size_t(1) << 20;
-// A ring of more batches than this is a mistake, not a tuning.
-constexpr int kMaxLookahead = 1'000'000;
 
 const std::string& name_at(const json& v, const std::string& path, const char* what) {
   WEFT_CHECK(v.is_string(), path, ": expected ", what, " (a string), got ", excerpt(v));

@@ -1,7 +1,9 @@
 #include "weft/pipeline/trace.hpp"
 
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "weft/core/error.hpp"
 
@@ -31,12 +33,12 @@ std::string Trace::to_chrome_json() const {
       events.push_back(metadata("thread_name", kGpuPid, static_cast<int>(s), stream_names[s]));
     }
   }
-  // The span of (task, iteration) a flow arrow starts or ends at.
+  // The span of (task, iteration) a flow arrow starts or ends at (the first one recorded).
+  std::map<std::pair<TaskId, std::int64_t>, const HostSpan*> span_of;
+  for (const HostSpan& s : host_spans) span_of.emplace(std::pair{s.task, s.iteration}, &s);
   auto find_span = [&](TaskId task, std::int64_t iteration) -> const HostSpan* {
-    for (const HostSpan& s : host_spans) {
-      if (s.task == task && s.iteration == iteration) return &s;
-    }
-    return nullptr;
+    const auto it = span_of.find({task, iteration});
+    return it == span_of.end() ? nullptr : it->second;
   };
   for (const HostSpan& s : host_spans) {
     json args = {{"batch", s.batch}, {"lookahead", s.lookahead}, {"iteration", s.iteration}};

@@ -2,6 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <charconv>
+#include <string>
+
 #include "core/json_input.hpp"
 #include "weft/core/error.hpp"
 
@@ -14,11 +17,18 @@ using json_input::only_keys;
 // Cost files are small; anything this large is not one.
 constexpr std::size_t kMaxCostFileBytes = std::size_t(16) << 20;
 
+// The shortest text that reads back as x: a value just past a limit is not shown as the limit.
+std::string shortest(double x) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, x).ptr;
+  return std::string(text, end);
+}
+
 double cost_at(const json& value, const std::string& path) {
   const double x = json_input::number_at(value, path);
-  WEFT_CHECK(x >= 0, path, ": expected a cost >= 0, got ", x);
+  WEFT_CHECK(x >= 0, path, ": expected a cost >= 0, got ", shortest(x));
   WEFT_CHECK(x <= CostModel::kMaxCostUs, path, ": expected a cost <= ", CostModel::kMaxCostUs,
-             " us, got ", x);
+             " us, got ", shortest(x));
   return x;
 }
 

@@ -29,7 +29,7 @@ WaitRule rule_from_flow_name(const std::string& name) {
 // The fields of one trace event the reader uses, their JSON types checked: an error names the
 // event and the field ("traceEvents[6].args.iteration: expected an integer, got \"three\"").
 struct Event {
-  std::string path;
+  std::size_t index = 0;  // in traceEvents
   std::string ph, name;
   int pid = -1, tid = 0;
   double ts = 0, dur = 0;
@@ -42,18 +42,28 @@ struct Event {
   int ticket = -1;
 };
 
+std::string event_path(std::size_t index) { return "traceEvents[" + std::to_string(index) + "]"; }
+
+// The member `key` of `object` read by `read`, or `fallback` where there is none. Paths are
+// made only for an error's message: a trace has millions of fields.
 template <typename Read>
 auto field_or(const json& object, const char* key, const std::string& path,
               decltype(std::declval<Read>()(object, path)) fallback, Read read) {
   const auto it = object.find(key);
-  return it == object.end() ? fallback : read(*it, path + "." + key);
+  if (it == object.end()) return fallback;
+  try {
+    return read(*it, std::string());
+  } catch (const Error& e) {
+    WEFT_FAIL(path, ".", key, e.message());
+  }
 }
 
+// Errors name the field from the event on (".args.batch: ..."); the caller prefixes the event.
 Event read_event(const json& e, std::size_t index) {
   Event out;
-  out.path = "traceEvents[" + std::to_string(index) + "]";
-  WEFT_CHECK(e.is_object(), out.path, ": expected an object, got ", json_input::excerpt(e));
-  const auto& p = out.path;
+  out.index = index;
+  WEFT_CHECK(e.is_object(), ": expected an object, got ", json_input::excerpt(e));
+  const std::string p;
   out.ph = field_or(e, "ph", p, std::string(), json_input::string_at);
   out.name = field_or(e, "name", p, std::string(), json_input::string_at);
   out.pid = field_or(e, "pid", p, -1, json_input::int_at);
@@ -68,7 +78,7 @@ Event read_event(const json& e, std::size_t index) {
     out.args_name = field_or(*args, "name", a, std::string(), json_input::string_at);
     out.batch = field_or(*args, "batch", a, -1LL, json_input::integer_at<long long>);
     if (args->contains("iteration")) {
-      out.iteration = json_input::integer_at<long long>((*args)["iteration"], a + ".iteration");
+      out.iteration = field_or(*args, "iteration", a, 0LL, json_input::integer_at<long long>);
     }
     out.lookahead = field_or(*args, "lookahead", a, 0, json_input::int_at);
     out.ticket = field_or(*args, "ticket", a, -1, json_input::int_at);
@@ -104,7 +114,14 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   WEFT_CHECK(event_list->is_array(), "trace: traceEvents is not an array");
   std::vector<Event> events;
   try {
-    for (std::size_t i = 0; i < event_list->size(); ++i) events.push_back(read_event((*event_list)[i], i));
+    events.reserve(event_list->size());
+    for (std::size_t i = 0; i < event_list->size(); ++i) {
+      try {
+        events.push_back(read_event((*event_list)[i], i));
+      } catch (const Error& e) {
+        WEFT_FAIL(event_path(i), e.message());
+      }
+    }
   } catch (const Error& e) {
     WEFT_FAIL("trace: ", e.message());
   }
@@ -126,8 +143,8 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
       (e.pid == host_pid ? thread_names : stream_names)[e.tid] = e.args_name;
     } else if (e.ph == "X" && (e.pid == host_pid || e.pid == gpu_pid)) {
       // Spans are grouped by iteration: without it every iteration would be drawn as one.
-      WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", e.path, ": host span '",
-                 e.name.substr(0, json_input::kMaxExcerptChars),
+      WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", event_path(e.index),
+                 ": host span '", e.name.substr(0, json_input::kMaxExcerptChars),
                  "' has no args.iteration (not a trace written by weft's engine)");
       (e.pid == host_pid ? host : gpu)
           .push_back({e.name, e.tid, e.ts, e.ts + e.dur, e.batch, e.iteration.value_or(-1),
@@ -208,20 +225,22 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   for (const auto& [tid, n] : stream_names) {
     if (streams.count(n)) t.streams.push_back(n);
   }
-  // Waits of the drawn iteration: flow arrows whose consumer span belongs to it.
+  // Waits of the drawn iteration: flow arrows whose consumer span belongs to it. An arrow ends
+  // where its consumer's span begins and starts where its producer's span ends (thread, time);
+  // the spans are indexed by those, the last one written winning, so that reading stays linear
+  // in the trace's size.
+  std::map<std::pair<int, double>, const Span*> drawn_by_begin, host_by_end;
+  for (const auto* s : drawn_spans) drawn_by_begin[{s->tid, s->begin}] = s;
+  for (const auto& s : host) host_by_end[{s.tid, s.end}] = &s;
   for (const auto& [id, end] : flow_end) {
     auto start = flow_start.find(id);
     if (start == flow_start.end()) continue;
-    const Span* consumer = nullptr;
-    for (const auto* s : drawn_spans) {
-      if (s->tid == end.first && s->begin == end.second) consumer = s;
-    }
-    if (consumer == nullptr) continue;
-    const Span* producer = nullptr;
-    for (const auto& s : host) {
-      if (s.tid == start->second.first && s.end == start->second.second) producer = &s;
-    }
-    if (producer == nullptr) continue;
+    const auto consumer_it = drawn_by_begin.find(end);
+    if (consumer_it == drawn_by_begin.end()) continue;
+    const Span* consumer = consumer_it->second;
+    const auto producer_it = host_by_end.find(start->second);
+    if (producer_it == host_by_end.end()) continue;
+    const Span* producer = producer_it->second;
     t.waits.push_back({producer->task, consumer->task, thread_name(producer->tid),
                        thread_name(consumer->tid), rule_from_flow_name(flow_name[id]),
                        producer->end - origin, std::max(0.0, consumer->begin - producer->end),

@@ -11,8 +11,12 @@
 //    batches in give exactly M results.
 //  - A slot's value lives until every task that reads it has completed its work on its stream
 //    (Backend::fence); values are destroyed on the caller's thread, never on an engine thread.
+//    At the end of data the progress() that returns std::nullopt waits for the streams and
+//    destroys every value the engine still holds.
 //  - set_source() starts a new data source and resets the ring; calling it while batches of the
 //    previous source are in flight (not all results returned) is an error: drain first, or reset().
+//  - One caller: the methods are called by one thread at a time, never from a task body or init
+//    of this engine, nor from the destructor of a slot value it destroys.
 //  - Threaded executor (any map but legacy): persistent threads, one per thread of the map, each
 //    running its tasks in run order; progress() returns when all have finished. Cross-thread waits
 //    follow wait_edges(); collectives take tickets in run order (same order on every rank).
@@ -30,6 +34,7 @@
 #include <chrono>
 #include <concepts>
 #include <cstdint>
+#include <any>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -57,7 +62,8 @@ struct EngineOptions {
   bool trace = false;  // record host spans, waits and (CUDA backend) GPU spans
   // When one progress() has run this long, the engine prints once, to stderr, where each of its
   // threads is: which task it runs or which producer or ticket it waits for. The progress()
-  // goes on. 0 turns the report off.
+  // goes on. 0 turns the report off; NaN or a negative value is an error. The sequential
+  // executor, whose bodies run on the caller's thread, watches with a thread of its own.
   double stall_report_s = 60;
   // How long an engine thread spins on a hand-off (rounds of pauses, each followed by a yield)
   // before it sleeps. Hand-offs inside one progress() are microseconds apart and waking a
@@ -134,6 +140,10 @@ class Engine {
   // What the collective tasks recorded (TaskContext::record_collective) since construction, in
   // run order of the tasks; call between progress() calls.
   std::vector<MeasuredCollective> collective_inventory() const;
+  // Calls `visit` on every slot value the engine holds (batches in flight, the last result,
+  // values waiting for their streams); for a binding whose garbage collector must see them.
+  // Call between progress() calls.
+  void for_each_value(const std::function<void(const std::any&)>& visit) const;
 
  private:
   std::unique_ptr<detail::EngineCore> core_;

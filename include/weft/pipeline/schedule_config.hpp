@@ -9,10 +9,10 @@
 //     ]
 //   }
 //
-// Every key is optional; unknown keys are errors; a lookahead is an integer in [0, 1000000].
+// Every key is optional; unknown keys are errors; a lookahead is an integer in [0, kMaxLookahead].
 // Errors are weft::Error whose message starts with the file (for a config from load()) and the
 // JSON path of the offending value, e.g. "hstu.json: $.lookahead.h2d: expected an integer in
-// [0, 1000000], got -1", and quotes at most a short excerpt of it. load() reads at most 1 MiB and
+// [0, 1000], got -1", and quotes at most a short excerpt of it. load() reads at most 1 MiB and
 // refuses documents nested deeper than 64 levels, as parse() does.
 //
 //   auto config = ScheduleConfig::parse(read_file("hstu.json"));

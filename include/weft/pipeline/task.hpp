@@ -45,14 +45,20 @@ std::string_view to_string(SyncSide side) noexcept;
 // Accepts "cpu", "gpu", "both"; throws weft::Error otherwise.
 SyncSide parse_sync_side(std::string_view text);
 
+// The largest lookahead a task may have, wherever it is set (Task, ScheduleConfig, Python): the
+// engine keeps max lookahead + 1 batches in flight and its prefill runs max lookahead internal
+// iterations, each looking at every lookahead up to the largest; more in flight than this is a
+// mistake, not a tuning, and this bound keeps the prefill within milliseconds.
+inline constexpr int kMaxLookahead = 1000;
+
 // One collective a task enqueues per run (the per-task inventory the planner and reports read).
 // `stream` names the stream the collective's kernel lands on, which may be a comm stream used
-// inside the task rather than the task's own stream.
+// inside the task rather than the task's own stream; it must be a stream of the schedule.
 struct CollectiveOp {
   std::string kind;             // e.g. "AllGather", "SendRecv", "AllReduce"
   std::string stream;
   std::size_t num_bytes = 0;    // payload per rank and call, an estimate where it varies
-  int count = 1;                // calls per run of the task
+  int count = 1;                // calls per run of the task, >= 1
 
   bool operator==(const CollectiveOp&) const = default;
 };

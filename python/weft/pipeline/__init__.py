@@ -18,7 +18,7 @@
 docs/python.md ("weft.pipeline") describes the API; docs/pipeline.md the engine's semantics.
 """
 
-from .._weft.pipeline import TaskContext, Trace
+from .._weft.pipeline import MAX_LOOKAHEAD, TaskContext, Trace
 from .config import ScheduleConfig
 from .engine import Engine
 from .hstu import HSTU_TASK_NAMES, HstuVariant, hstu_schedule, hstu_variant, hstu_variants
@@ -27,7 +27,8 @@ from .task import CollectiveOp, SameProgressSyncSide, SyncSide, Task
 from .thread_map import ThreadMap
 
 __all__ = [
-    "CollectiveOp", "Engine", "HSTU_TASK_NAMES", "HstuVariant", "SameProgressSyncSide",
+    "CollectiveOp", "Engine", "HSTU_TASK_NAMES", "HstuVariant", "MAX_LOOKAHEAD",
+    "SameProgressSyncSide",
     "Schedule", "ScheduleConfig", "SyncSide", "Task", "TaskContext", "ThreadMap", "Trace",
     "hstu_schedule", "hstu_variant", "hstu_variants",
 ]

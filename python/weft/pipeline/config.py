@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .. import _weft
+from .. import _checks, _weft
 from .schedule import Schedule
 from .task import SyncSide, _SIDES_BY_NAME
 from .thread_map import ThreadMap
@@ -27,7 +27,7 @@ class ScheduleConfig:
 
     @classmethod
     def parse(cls, text: str) -> "ScheduleConfig":
-        return cls(_weft.pipeline.ScheduleConfig.parse(text))
+        return cls(_weft.pipeline.ScheduleConfig.parse(_checks.name(text, "the config's text")))
 
     @classmethod
     def load(cls, path: str) -> "ScheduleConfig":

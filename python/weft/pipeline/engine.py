@@ -26,14 +26,24 @@ Semantics (docs/pipeline.md and docs/python.md "weft.pipeline"):
    every 20 ms of waiting), with the engine failed as after any error; a body that never returns
    keeps progress() waiting (the stall report names it).
  - Slot values are destroyed on the caller's thread with the GIL, after the backend's streams
-   have finished the work enqueued while they were live.
+   have finished the work enqueued while they were live; the progress() that raises
+   StopIteration destroys the last batch's.
+ - One call at a time, from one thread at a time: a call made while another runs (from a second
+   thread, from a body, or from a slot value's __del__) raises weft.Error naming both, and so
+   does every call after close() ("the engine is closed") and every call in a process forked
+   after the Engine was built (the child has none of its threads; build a new Engine there).
+ - The garbage collector sees the data iterator and the slot values the engine holds: a cycle
+   through them (a trainer whose bodies are its methods and whose source is its generator) is
+   collected, which closes the engine and joins its threads.
+ - Interpreter exit with a progress() running in a daemon thread: the engine's threads stop
+   where they would next take the GIL, as a daemon thread does.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Union
 
-from .. import _weft
+from .. import _checks, _weft
 from .schedule import Schedule
 from .thread_map import ThreadMap
 
@@ -47,9 +57,11 @@ class Engine:
     backend: "host" (host streams, no GPU) or "torch" (CUDA streams on ``device``, each a
     torch.cuda.ExternalStream that is current inside its task's body; see weft.pipeline.torch).
     trace: record host spans and waits (and GPU spans on "torch"); take_trace() returns them.
-    stall_report_s: a progress() that runs this long prints, once, where each thread is (0: off).
+    stall_report_s: a progress() that runs this long prints, once, where each thread is (0: off;
+    NaN or negative: weft.Error).
     spin_us: how long a waiting engine thread spins before it sleeps (negative: the engine picks).
-    result: the slot whose value progress() returns.
+    result: the slot whose value progress() returns (weft.Error if the schedule has no such
+    slot); by default "step_result", and None from progress() where the schedule has none.
     streams: ("torch") schedule stream name -> a torch.cuda.Stream of the caller's that the engine
     uses for it instead of making one (kept alive by the Engine; its priority is its own).
     """
@@ -58,9 +70,15 @@ class Engine:
                  thread_map: Union[ThreadMap, str, Dict[str, List[str]]] = "default", *,
                  backend: str = "host", device: Optional[int] = None, trace: bool = False,
                  stall_report_s: float = 60.0, spin_us: float = -1.0,
-                 result: str = "step_result", streams: Optional[Dict[str, Any]] = None) -> None:
+                 result: Optional[str] = None, streams: Optional[Dict[str, Any]] = None) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"Engine takes a weft.pipeline.Schedule, got {type(schedule).__name__}")
+        trace = _checks.boolean(trace, "trace")
+        stall_report_s = _checks.number(stall_report_s, "stall_report_s")
+        spin_us = _checks.number(spin_us, "spin_us")
+        if device is not None:
+            device = _checks.integer(device, "device", 0, _checks.INT32[1])
+        result_slot = "step_result" if result is None else _checks.name(result, "result")
         self._schedule = schedule
         self._thread_map = ThreadMap.of(thread_map)
         wrap = None
@@ -80,8 +98,8 @@ class Engine:
         self._callables: list = []
         self._engine = _weft.pipeline.Engine(
             schedule._to_native(wrap=wrap, keep=self._callables), self._thread_map._native,
-            native_backend, 0 if device is None else int(device), adopted, bool(trace), float(stall_report_s),
-            float(spin_us), result)
+            native_backend, 0 if device is None else device, adopted, trace, stall_report_s,
+            spin_us, result_slot, result is not None)
 
     def progress(self, data_iter: Iterator) -> Any:
         """One training step: the result slot's value; StopIteration once every batch is done."""
@@ -145,8 +163,9 @@ class Engine:
         return self._torch.stream(self.stream_handle(stream))
 
     def close(self) -> None:
-        """Joins the engine's threads and frees its slot values now (also done when collected)."""
-        self._engine = None  # first: the engine borrows the callables
+        """Joins the engine's threads and frees its slot values now (also done when collected);
+        every later call raises weft.Error, a second close() does nothing."""
+        self._engine.close()  # first: the engine borrows the callables
         self._callables = []
 
     def __enter__(self) -> "Engine":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
-from .. import _weft
+from .. import _checks, _weft
 from .task import CollectiveOp, SyncSide, Task, _SIDES_BY_NAME, _SIDE_NAMES
 
 __all__ = ["Schedule"]
@@ -47,12 +47,14 @@ class Schedule:
 
     def add_stream(self, name: str, priority: int = 0) -> "Schedule":
         """Declares a stream; larger priority = more urgent (0 = normal)."""
+        _checks.name(name, "stream name")
+        priority = _checks.integer(priority, f"stream {name!r}: priority", *_checks.INT32)
         if name != "default":
-            self._streams[name] = int(priority)
+            self._streams[name] = priority
         return self
 
     def add_input(self, slot: str) -> "Schedule":
-        self._inputs.append(slot)
+        self._inputs.append(_checks.name(slot, "input slot"))
         return self
 
     @property

@@ -28,6 +28,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
+from .. import _checks
+from .._weft.pipeline import MAX_LOOKAHEAD
+
 __all__ = ["CollectiveOp", "SameProgressSyncSide", "SyncSide", "Task"]
 
 
@@ -48,12 +51,19 @@ _SIDES_BY_NAME = {v: k for k, v in _SIDE_NAMES.items()}
 
 @dataclass(frozen=True)
 class CollectiveOp:
-    """One collective a task enqueues per run: the estimate the planner reads."""
+    """One collective a task enqueues per run: the estimate the planner reads. ``stream`` is a
+    stream of the schedule; ``count`` (calls per run) is >= 1, which the schedule checks."""
 
     kind: str
     stream: str
     num_bytes: int = 0
     count: int = 1
+
+    def __post_init__(self) -> None:
+        _checks.name(self.kind, "CollectiveOp.kind")
+        _checks.name(self.stream, "CollectiveOp.stream")
+        _checks.integer(self.num_bytes, "CollectiveOp.num_bytes", *_checks.UINT64)
+        _checks.integer(self.count, "CollectiveOp.count", *_checks.INT32)
 
 
 def _names(value: Union[None, str, Iterable[str]], field: str) -> Tuple[str, ...]:
@@ -65,6 +75,7 @@ def _names(value: Union[None, str, Iterable[str]], field: str) -> Tuple[str, ...
     for v in out:
         if not isinstance(v, str):
             raise TypeError(f"{field} entries must be names (str), got {type(v).__name__}: {v!r}")
+        _checks.name(v, field)
     return out
 
 
@@ -90,12 +101,13 @@ def _cross_iter(value) -> Tuple[Tuple[str, int], ...]:
     out = []
     for v in value:
         if isinstance(v, str):
-            out.append((v, -1))
-        elif (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
-              and isinstance(v[1], int)):
-            if v[1] >= 0:
+            out.append((_checks.name(v, "cross_iter_depends_on"), -1))
+        elif isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
+            offset = _checks.integer(v[1], f"cross_iter_depends_on[{v[0]}]: the offset",
+                                     *_checks.INT32)
+            if offset >= 0:
                 raise ValueError(f"cross_iter_depends_on={v!r}: the offset must be negative")
-            out.append((v[0], v[1]))
+            out.append((_checks.name(v[0], "cross_iter_depends_on"), offset))
         else:
             raise TypeError(f"cross_iter_depends_on entries are names or (name, -N), got {v!r}")
     return tuple(out)
@@ -111,9 +123,10 @@ def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
     out = []
     for v in value:
         if isinstance(v, str):
-            out.append((v, SyncSide.BOTH))
+            out.append((_checks.name(v, "same_progress_sync"), SyncSide.BOTH))
         elif isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
-            out.append((v[0], _side(v[1], f"same_progress_sync[{v[0]}]")))
+            out.append((_checks.name(v[0], "same_progress_sync"),
+                        _side(v[1], f"same_progress_sync[{v[0]}]")))
         elif isinstance(v, Mapping):
             unknown = set(v) - {"task", "name", "sides", "side"}
             if unknown:
@@ -121,8 +134,9 @@ def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
             name = v.get("task", v.get("name"))
             if not isinstance(name, str):
                 raise TypeError(f"same_progress_sync: {v!r} names no task")
-            out.append((name, _side(v.get("sides", v.get("side", SyncSide.BOTH)),
-                                    f"same_progress_sync[{name}]")))
+            side = v.get("sides", v.get("side", SyncSide.BOTH))
+            out.append((_checks.name(name, "same_progress_sync"),
+                        _side(side, f"same_progress_sync[{name}]")))
         else:
             raise TypeError("same_progress_sync entries are names, (name, side) or mappings, "
                             f"got {v!r}")
@@ -165,8 +179,11 @@ class Task:
         self.name = name if name is not None else cls.name
         if not self.name or not isinstance(self.name, str):
             raise ValueError("a Task needs a name (the name= argument or a class attribute)")
-        self.stream = stream if stream is not None else cls.stream
-        self.lookahead = int(lookahead if lookahead is not None else cls.lookahead)
+        _checks.name(self.name, "task name")
+        self.stream = _checks.name(stream if stream is not None else cls.stream,
+                                   f"task {self.name!r}: stream")
+        self.lookahead = _checks.integer(lookahead if lookahead is not None else cls.lookahead,
+                                         f"task {self.name!r}: lookahead", 0, MAX_LOOKAHEAD)
         self.reads = _names(reads if reads is not None else cls.reads, "reads")
         self.writes = _names(writes if writes is not None else cls.writes, "writes")
         self.depends_on = _names(depends_on if depends_on is not None else cls.depends_on,

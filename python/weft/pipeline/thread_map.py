@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Mapping, Optional, Union
 
-from .. import _weft
+from .. import _checks, _weft
 
 __all__ = ["ThreadMap"]
 
@@ -44,8 +44,21 @@ class ThreadMap:
 
     @classmethod
     def groups(cls, groups: Mapping[str, Iterable[str]], rest: Optional[str] = None) -> "ThreadMap":
-        pairs = [(thread, list(tasks)) for thread, tasks in groups.items()]
-        return cls(_native.ThreadMap.groups(pairs, rest or ""))
+        pairs = []
+        for thread, tasks in groups.items():
+            _checks.name(thread, "thread name")
+            if isinstance(tasks, str):
+                raise TypeError(f"thread {thread!r}: the tasks are a list of names, got the "
+                                f"string {tasks!r}")
+            tasks = list(tasks)
+            for t in tasks:
+                if not isinstance(t, str):
+                    raise TypeError(f"thread {thread!r}: task names are str, got "
+                                    f"{type(t).__name__}: {t!r}")
+                _checks.name(t, f"thread {thread!r}: task name")
+            pairs.append((thread, tasks))
+        rest = "" if rest is None else _checks.name(rest, "rest thread name")
+        return cls(_native.ThreadMap.groups(pairs, rest))
 
     @staticmethod
     def preset_names() -> List[str]:

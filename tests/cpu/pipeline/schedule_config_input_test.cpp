@@ -66,14 +66,16 @@ TEST(ScheduleConfigInput, ErrorMessagesQuoteAShortExcerpt) {
 }
 
 TEST(ScheduleConfigInput, LookaheadsOutsideTheirRangeAreRefusedNotWrapped) {
-  for (const char* value : {"4294967297", "18446744073709551615", "-4294967297", "-1", "1000001"}) {
+  for (const char* value : {"4294967297", "18446744073709551615", "-4294967297", "-1", "1001",
+                            "1000000"}) {
     EXPECT_EQ(parse_error(std::string(R"({"lookahead": {"h2d": )") + value + "}}"),
-              std::string("$.lookahead.h2d: expected an integer in [0, 1000000], got ") + value);
+              std::string("$.lookahead.h2d: expected an integer in [0, 1000], got ") + value);
   }
   EXPECT_EQ(parse_error(R"({"lookahead": {"h2d": 5.0}})"),
             "$.lookahead.h2d: expected an integer, got 5.0");
-  EXPECT_EQ(ScheduleConfig::parse(R"({"lookahead": {"h2d": 1000000}})").lookahead.at("h2d"),
-            1'000'000);
+  // The limit is the engine's, one for every way a lookahead is set.
+  EXPECT_EQ(ScheduleConfig::parse(R"({"lookahead": {"h2d": 1000}})").lookahead.at("h2d"),
+            kMaxLookahead);
 }
 
 TEST(ScheduleConfigInput, ErrorsNameTheFileAndTheJsonPath) {

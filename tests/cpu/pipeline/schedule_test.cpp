@@ -66,7 +66,27 @@ TEST(ScheduleValidation, EveryRuleHasANamedError) {
     Schedule s;
     s.add(Task("a").lookahead(-1));
     CompiledSchedule{std::move(s)};
-  }, {"'a'", "lookahead >= 0"});
+  }, {"'a'", "0 <= lookahead <= 1000"});
+  expect_error([] {
+    Schedule s;
+    s.add(Task("a").lookahead(kMaxLookahead + 1));
+    CompiledSchedule{std::move(s)};
+  }, {"'a'", "lookahead 1001", "0 <= lookahead <= 1000"});
+  expect_error([] {
+    Schedule s;
+    s.add(Task("a").collective({{"AllReduce", "default", 8, -5}}));
+    CompiledSchedule{std::move(s)};
+  }, {"'a'", "collective inventory", "AllReduce with count -5", "count >= 1"});
+  expect_error([] {
+    Schedule s;
+    s.add(Task("a").collective({{"AllReduce", "nowhere", 8, 1}}));
+    CompiledSchedule{std::move(s)};
+  }, {"'a'", "collective inventory", "stream 'nowhere'", "known stream"});
+  expect_error([] {
+    Schedule s;
+    s.add(Task("a").collective({{"", "default", 8, 1}}));
+    CompiledSchedule{std::move(s)};
+  }, {"'a'", "collective inventory", "no kind"});
   expect_error([] {
     Schedule s;
     s.add(Task("a").stream("nowhere"));
@@ -145,6 +165,12 @@ TEST(ScheduleValidation, EveryRuleHasANamedError) {
     s.add(Task("c").same_progress_sync("b"));
     CompiledSchedule{std::move(s)};
   }, {"cycle", "'a'", "'b'", "'c'"});
+}
+
+TEST(ScheduleValidation, TheLargestLookaheadCompiles) {
+  Schedule s;
+  s.add(Task("far").lookahead(kMaxLookahead)).add(Task("near"));
+  EXPECT_EQ(CompiledSchedule(std::move(s)).in_flight(), kMaxLookahead + 1);
 }
 
 TEST(ScheduleValidation, AllowedEdgeShapes) {

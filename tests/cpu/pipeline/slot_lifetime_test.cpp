@@ -1,10 +1,12 @@
 // A slot's value lives until every task that reads it has completed its work on its stream:
 // the engine destroys a batch's values only after the stream work enqueued while they were live
-// has finished, also when the engine itself is destroyed. The stream work here reads the values
+// has finished, also when the engine itself is destroyed; at the end of data it waits for that
+// work and destroys every value it still holds. The stream work here reads the values
 // through a pointer taken in the body, as GPU work reads a tensor's memory; under AddressSanitizer
 // a value destroyed too early is a heap-use-after-free, in any build a failed liveness check.
 #include <gtest/gtest.h>
 
+#include <any>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -82,10 +84,13 @@ Schedule reading_schedule(std::shared_ptr<Reads> reads, std::shared_ptr<Gate> ga
   return s;
 }
 
-Source tracked_source(std::int64_t num_batches) {
-  return [next = std::int64_t{0}, num_batches](Batch& b) mutable {
+// `alive`, if given, collects each value's liveness flag.
+Source tracked_source(std::int64_t num_batches,
+                      std::vector<std::shared_ptr<std::atomic<bool>>>* alive = nullptr) {
+  return [next = std::int64_t{0}, num_batches, alive](Batch& b) mutable {
     if (next == num_batches) return false;
     b.set("input", Tracked(next++));
+    if (alive != nullptr) alive->push_back(b.get<Tracked>("input").alive);
     return true;
   };
 }
@@ -98,17 +103,48 @@ TEST(SlotLifetime, ValuesOutliveTheStreamWorkThatReadsThem) {
     auto reads = std::make_shared<Reads>();
     auto gate = std::make_shared<Gate>();
     Engine engine(reading_schedule(reads, gate), ThreadMap::preset(map));
-    engine.set_source(tracked_source(kNumBatches));
+    std::vector<std::shared_ptr<std::atomic<bool>>> alive;
+    engine.set_source(tracked_source(kNumBatches, &alive));
     std::int64_t num_steps = 0;
-    while (engine.progress()) ++num_steps;
-    ASSERT_EQ(num_steps, kNumBatches);
-    // Every batch has left the ring; its stream work has not run yet.
-    gate->open();
-    engine.synchronize();
+    for (; num_steps < kNumBatches; ++num_steps) ASSERT_TRUE(engine.progress().has_value());
+    // Every batch has run its tasks; their stream work has not run yet. The end of data waits
+    // for it (opened later, from another thread), then destroys every value.
+    std::thread opener([gate] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      gate->open();
+    });
+    EXPECT_FALSE(engine.progress().has_value());
+    opener.join();
     EXPECT_EQ(reads->num_reads.load(), 2 * kNumBatches);
     EXPECT_EQ(reads->num_dead.load(), 0);
     EXPECT_EQ(reads->num_corrupt.load(), 0);
+    ASSERT_EQ(alive.size(), static_cast<std::size_t>(kNumBatches));
+    for (const auto& a : alive) EXPECT_FALSE(a->load()) << "a value outlived the end of data";
   }
+}
+
+// A binding's garbage collector sees every value the engine holds, and none once they are gone.
+TEST(SlotLifetime, ForEachValueVisitsEveryValueHeld) {
+  Schedule s;
+  s.add_input("input");
+  s.add(Task("late").lookahead(1).reads("input").writes("x").body([](TaskContext& c) {
+    c.set("x", c.get<Tracked>("input"));
+  }));
+  s.add(Task("early").reads("x"));
+  Engine engine(std::move(s), ThreadMap::per_task());
+  engine.set_source(tracked_source(3));
+  auto count = [&] {
+    int n = 0;
+    engine.for_each_value([&](const std::any& v) { n += std::any_cast<Tracked>(&v) ? 1 : 0; });
+    return n;
+  };
+  EXPECT_EQ(count(), 0);
+  ASSERT_TRUE(engine.progress().has_value());
+  // Batch 0's input and x in the result, batch 1's in the ring.
+  EXPECT_EQ(count(), 4);
+  while (engine.progress()) {
+  }
+  EXPECT_EQ(count(), 0);
 }
 
 // The engine is destroyed while its streams still hold work that reads the last batches.

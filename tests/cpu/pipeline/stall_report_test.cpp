@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,7 +39,7 @@ TEST(StallReport, NamesTheRunningTaskAndWhatOthersWaitFor) {
                                            {"c", {"first_collective"}},
                                            {"d", {"second_collective"}}});
   const std::string report = run_one_slow_step(std::move(s), map, 0.2);
-  EXPECT_NE(report.find("progress() has waited"), std::string::npos) << report;
+  EXPECT_NE(report.find("progress() has run"), std::string::npos) << report;
   EXPECT_NE(report.find("thread 'a': in task 'slow', running its body"), std::string::npos)
       << report;
   EXPECT_NE(report.find("thread 'b': in task 'consumer', waiting for task 'slow'"),
@@ -52,9 +53,50 @@ TEST(StallReport, NamesTheRunningTaskAndWhatOthersWaitFor) {
             std::string::npos)
       << report;
   // Printed once per progress(), however long it goes on.
-  EXPECT_EQ(report.find("progress() has waited", report.find("progress() has waited") + 1),
+  EXPECT_EQ(report.find("progress() has run", report.find("progress() has run") + 1),
             std::string::npos)
       << report;
+}
+
+// Under the legacy map the body runs on the caller's thread; a thread of the engine's watches.
+TEST(StallReport, LegacyReportsTheBodyOnTheCallersThread) {
+  Schedule s;
+  s.add(Task("slow").body([](TaskContext&) { sleep_for_ms(600); }));
+  const std::string report = run_one_slow_step(std::move(s), ThreadMap::legacy(), 0.2);
+  EXPECT_NE(report.find("progress() has run"), std::string::npos) << report;
+  EXPECT_NE(report.find("thread 'main': in task 'slow', running its body"), std::string::npos)
+      << report;
+  EXPECT_EQ(report.find("progress() has run", report.find("progress() has run") + 1),
+            std::string::npos)
+      << report;
+}
+
+// The first progress() prefills: four internal iterations of 150 ms, none of them 400 ms long.
+TEST(StallReport, TimesTheWholeProgressNotEachIteration) {
+  for (const char* map : {"legacy", "per_task"}) {
+    SCOPED_TRACE(map);
+    Schedule s;
+    s.add(Task("ahead").lookahead(3).body([](TaskContext&) { sleep_for_ms(150); }));
+    s.add(Task("step"));
+    Engine engine(std::move(s), ThreadMap::preset(map), EngineOptions{.stall_report_s = 0.4});
+    engine.set_source([n = 0](Batch&) mutable { return n++ < 8; });
+    testing::internal::CaptureStderr();
+    ASSERT_TRUE(engine.progress().has_value());
+    const std::string report = testing::internal::GetCapturedStderr();
+    EXPECT_NE(report.find("progress() has run"), std::string::npos) << report;
+    EXPECT_EQ(report.find("progress() has run", report.find("progress() has run") + 1),
+              std::string::npos)
+        << report;
+  }
+}
+
+TEST(StallReport, ANanOrNegativeThresholdIsRefused) {
+  for (double bad : {std::nan(""), -1.0}) {
+    Schedule s;
+    s.add(Task("a"));
+    EXPECT_THROW(Engine(std::move(s), ThreadMap::legacy(), EngineOptions{.stall_report_s = bad}),
+                 Error);
+  }
 }
 
 TEST(StallReport, QuietWhenFastOrTurnedOff) {
@@ -66,6 +108,8 @@ TEST(StallReport, QuietWhenFastOrTurnedOff) {
   };
   EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::per_task(), 0), "");
   EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::per_task(), 30), "");
+  EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::legacy(), 0), "");
+  EXPECT_EQ(run_one_slow_step(schedule(), ThreadMap::legacy(), 30), "");
 }
 
 // The report reads where each thread is while the threads go on: with a report in every
@@ -87,7 +131,7 @@ TEST(StallReport, ReportsWhileThreadsRunReadConsistentStates) {
       FAIL() << "progress() threw while reporting, after " << num_steps << " steps: " << e.what();
     }
     const std::string report = testing::internal::GetCapturedStderr();
-    EXPECT_NE(report.find("progress() has waited"), std::string::npos);
+    EXPECT_NE(report.find("progress() has run"), std::string::npos);
   }
   EXPECT_GT(num_steps, 0);
 }

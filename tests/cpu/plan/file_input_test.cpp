@@ -66,6 +66,11 @@ TEST(FileInput, CostsBeyondTheSimulatedRangeAreRefused) {
   EXPECT_EQ(error_of([] { CostModel::parse(R"({"tasks": {"a": {"gpu": [{"stream": "s", "us": 1e300}]}}})"); }),
             "$.tasks.a.gpu[0].us: expected a cost <= 1e+09 us, got 1e+300");
   EXPECT_EQ(error_of([] { CostModel::parse(R"({"tasks": {"a": {"host_us": 1e9}}})"); }), "no error");
+  // Just past the limit: the value as given, not rounded to the limit.
+  EXPECT_EQ(error_of([] { CostModel::parse(R"({"tasks": {"a": {"host_us": 1000000001}}})"); }),
+            "$.tasks.a.host_us: expected a cost <= 1e+09 us, got 1000000001");
+  EXPECT_EQ(error_of([] { CostModel::parse(R"({"tasks": {"a": {"host_us": 1000000000.5}}})"); }),
+            "$.tasks.a.host_us: expected a cost <= 1e+09 us, got 1000000000.5");
 }
 
 TEST(FileInput, IntegersBeyondIntRangeAreRefusedNotWrapped) {

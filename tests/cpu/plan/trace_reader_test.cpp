@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "weft/pipeline/engine.hpp"
 #include "weft/pipeline/hstu.hpp"
 #include "weft/pipeline/task_context.hpp"
+#include "weft/pipeline/trace.hpp"
 
 namespace {
 
@@ -108,6 +110,45 @@ std::string trace_error(const std::string& text) {
     return e.message();
   }
   return "no error";
+}
+
+// A long run's trace as the engine writes it: tasks a and b on two threads, b waiting for a in
+// every iteration (a flow arrow each).
+std::string long_trace(int num_iterations) {
+  pipeline::Trace trace;
+  trace.task_names = {"a", "b"};
+  trace.thread_names = {"t0", "t1"};
+  for (int i = 0; i < num_iterations; ++i) {
+    const double base = 100.0 * i;
+    trace.host_spans.push_back({.task = 0, .thread = 0, .batch = i, .iteration = i,
+                                .begin_us = base, .end_us = base + 40});
+    trace.host_spans.push_back({.task = 1, .thread = 1, .batch = i, .iteration = i,
+                                .begin_us = base + 50, .end_us = base + 90});
+    trace.waits.push_back({.producer = 0, .consumer = 1, .iteration = i, .begin_us = base + 10,
+                           .end_us = base + 50});
+  }
+  return trace.to_chrome_json();
+}
+
+double seconds_to_parse(const std::string& text) {
+  const auto start = std::chrono::steady_clock::now();
+  const plan::VariantReport report = plan::parse_chrome_trace(text, "long");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(report.timeline.waits.size(), 1u);
+  return seconds;
+}
+
+// Eight times the events take about eight times as long (a reader quadratic in the number of
+// events or flow arrows takes 64 times), within a factor of three for the machine's noise.
+TEST(TraceReader, ReadingIsLinearInTheTracesSize) {
+  const std::string small = long_trace(4000);
+  const std::string large = long_trace(32000);
+  const double small_s = std::min(seconds_to_parse(small), seconds_to_parse(small));
+  const double large_s = std::min(seconds_to_parse(large), seconds_to_parse(large));
+  EXPECT_LT(large_s, 3 * 8 * small_s + 0.05) << small_s << " s for " << small.size()
+                                               << " bytes, " << large_s << " s for "
+                                               << large.size();
 }
 
 TEST(TraceReader, ReadsTheSmallestEngineTrace) {
