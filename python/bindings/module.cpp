@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -14,9 +15,9 @@
 
 #ifdef WEFT_PYTHON_WITH_CUDA
 #include <cuda_runtime_api.h>
-#include <nccl.h>
 
 #include "weft/cuda/nccl.hpp"
+#include "weft/cuda/nccl_dlopen.hpp"
 #endif
 
 namespace nb = nanobind;
@@ -48,9 +49,13 @@ nb::dict info() {
 #ifdef WEFT_PYTHON_WITH_CUDA
   d["cuda_architectures"] = WEFT_PYTHON_CUDA_ARCHITECTURES;
   d["nccl_compiled"] = nccl_version_string(weft::cuda::nccl_compiled_version());
-  int loaded = 0;
-  d["nccl_loaded"] = ncclGetVersion(&loaded) == ncclSuccess ? nb::cast(nccl_version_string(loaded))
-                                                              : nb::none();
+  // The process's libnccl.so.2 (torch's, once torch is imported), whether or not weft is bound
+  // to it yet; None where the process holds none.
+  const std::optional<weft::cuda::LoadedNccl> loaded = weft::cuda::loaded_nccl();
+  d["nccl_loaded"] = loaded && loaded->version != 0 ? nb::cast(nccl_version_string(loaded->version))
+                                                    : nb::none();
+  d["nccl_library"] = loaded ? nb::cast(loaded->path) : nb::none();
+  d["nccl_bound"] = weft::cuda::nccl_dlopen::is_bound();
   int runtime = 0;
   d["cuda_runtime"] = cudaRuntimeGetVersion(&runtime) == cudaSuccess
                           ? nb::cast(cuda_version_string(runtime))
@@ -88,6 +93,23 @@ NB_MODULE(_weft, m) {
       error.ptr());
   m.def("version", [] { return std::string(weft::version()); });
   m.def("info", &info, "What this build of weft contains and which NCCL / CUDA it runs with.");
+#ifdef WEFT_PYTHON_WITH_CUDA
+  m.def(
+      "nccl_bind",
+      [](const std::string& path) {
+        const weft::cuda::nccl_dlopen::BindResult r = weft::cuda::nccl_dlopen::bind(path);
+        nb::dict d;
+        d["bound"] = r.bound;
+        d["path"] = r.path;
+        d["version"] = r.version != 0 ? nb::cast(nccl_version_string(r.version)) : nb::none();
+        d["error"] = r.error;
+        return d;
+      },
+      nb::arg("path"),
+      "Binds weft's NCCL calls to the process's libnccl.so.2, else to the one at path, if it is "
+      "the version weft was compiled against (weft/cuda/nccl_dlopen.hpp). Returns bound, path, "
+      "version, error.");
+#endif
   nb::module_ pipeline = m.def_submodule("pipeline", "weft::pipeline's engine with Python bodies");
   weft::python::bind_pipeline(pipeline);
   nb::module_ plan = m.def_submodule("plan", "weft::plan's simulator, report and trace reader");

@@ -6,7 +6,8 @@
     import weft.pipeline # the lookahead pipeline engine with Python task bodies
     import weft.plan     # its planner: simulate a schedule, write the HTML report, draw a trace
 
-`import weft` needs no torch; `weft.ep` does.
+`import weft` needs no torch and loads no NCCL; `weft.ep` needs torch and binds the NCCL torch
+uses, refusing one of another version than weft was built against (weft/_nccl.py).
 """
 
 from ._weft import Error  # a RuntimeError whose message starts with the C++ file:line
@@ -20,8 +21,10 @@ def info() -> dict:
     """What this build of weft contains and which libraries it runs with.
 
     Keys: version, built_with_cuda; with CUDA also cuda_architectures, nccl_compiled,
-    nccl_loaded (the libnccl of this process: weft.ep needs it equal to nccl_compiled),
-    cuda_runtime, cuda_driver (None without a driver) and num_gpus.
+    nccl_loaded and nccl_library (the libnccl.so.2 this process holds, torch's, or None: weft.ep
+    needs it equal to nccl_compiled), nccl_bound (weft's NCCL calls are bound to it: import
+    weft.ep does that), cuda_runtime (weft's own, linked statically), cuda_driver (None without a
+    driver) and num_gpus.
     """
     return dict(_weft.info())
 

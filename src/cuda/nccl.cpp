@@ -1,6 +1,8 @@
 #include "weft/cuda/nccl.hpp"
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <link.h>
 
 #include <cstring>
 #include <utility>
@@ -59,6 +61,23 @@ void check_nccl_runtime() {
   WEFT_CHECK(runtime == NCCL_VERSION_CODE, "NCCL loaded at run time is version ", runtime,
              " but weft was compiled against ", NCCL_VERSION_CODE,
              "; the device API needs the same library (point LD_LIBRARY_PATH at it)");
+}
+
+std::optional<LoadedNccl> loaded_nccl() {
+  void* handle = dlopen("libnccl.so.2", RTLD_LAZY | RTLD_NOLOAD);
+  if (handle == nullptr) return std::nullopt;
+  LoadedNccl result;
+  link_map* map = nullptr;
+  if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr) {
+    result.path = map->l_name;
+  }
+  // Asked through dlsym: in a program that binds NCCL at run time, the ncclGetVersion it links is
+  // weft's forwarder, which answers only once a library is bound.
+  using GetVersion = ncclResult_t (*)(int*);
+  auto get_version = reinterpret_cast<GetVersion>(dlsym(handle, "ncclGetVersion"));
+  if (get_version == nullptr || get_version(&result.version) != ncclSuccess) result.version = 0;
+  dlclose(handle);  // the reference taken above; the library stays with its other users
+  return result;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -126,10 +145,16 @@ DevComms DevComms::create(const Communicators& comms, const DevCommOptions& opti
   DevComms result;
   result.comms_.assign(comms.comms().begin(), comms.comms().end());
   result.dev_comms_.resize(result.comms_.size());
-  // NCCL 2.28 has no initializer macro for the requirements: zero it. No GIN resources are
-  // requested (GIN switches on with signals/counters and fails without a NIC).
+  // NCCL 2.28 has no initializer macro for the requirements: zero it. From 2.29 the struct
+  // starts with its size, a magic number and the header's version, which ncclDevCommCreate
+  // checks: the initializer sets them. No GIN resources are requested (GIN switches on with
+  // signals/counters and fails without a NIC).
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  ncclDevCommRequirements requirements = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
   ncclDevCommRequirements requirements;
   std::memset(&requirements, 0, sizeof(requirements));
+#endif
   requirements.lsaBarrierCount = options.num_lsa_barriers;
   {
     GroupGuard group;

@@ -15,7 +15,7 @@
 // double-buffered by call parity, the others are rewritten only after that entry wait.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
-#include <nccl_device.h>
+#include "weft/cuda/nccl_include.hpp"
 
 #include <algorithm>
 #include <cstdint>

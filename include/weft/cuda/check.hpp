@@ -10,7 +10,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include <nccl.h>
+#include "weft/cuda/nccl_include.hpp"
 
 #include <source_location>
 #include <string>

@@ -16,11 +16,12 @@
 //    the device-side structs are shared verbatim (check_nccl_runtime()).
 #pragma once
 
-#include <nccl.h>
-#include <nccl_device.h>
+#include "weft/cuda/nccl_include.hpp"
 
 #include <cstddef>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace weft::cuda {
@@ -33,6 +34,14 @@ int nccl_compiled_version() noexcept;
 int nccl_runtime_version();
 // Throws weft::Error unless the two are equal.
 void check_nccl_runtime();
+
+// The libnccl.so.2 this process holds, if any (the dynamic linker matches it by its soname, so a
+// process holds at most one): its file and NCCL_VERSION_CODE. Loads nothing, binds nothing.
+struct LoadedNccl {
+  std::string path;
+  int version = 0;
+};
+std::optional<LoadedNccl> loaded_nccl();
 
 // Owns ncclComm_t handles, one per local rank. Destroys them (in one group) on destruction.
 class Communicators {

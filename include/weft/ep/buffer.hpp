@@ -48,7 +48,7 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include <nccl.h>
+#include "weft/cuda/nccl_include.hpp"
 
 #include <cstdint>
 #include <memory>

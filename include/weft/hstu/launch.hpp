@@ -13,7 +13,7 @@
 //   ncclComm_t comm = init_communicator(env);       // device = env.local_rank
 #pragma once
 
-#include <nccl.h>
+#include "weft/cuda/nccl_include.hpp"
 
 #include <functional>
 #include <string>

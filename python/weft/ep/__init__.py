@@ -8,6 +8,7 @@ Two APIs over the same kernels:
   the expanded layout, receive statistics, per-call num_sms).
 """
 
+from .._nccl import require as _require_nccl; _require_nccl()  # noqa: E702  binds NCCL (weft/_nccl.py)
 import torch
 
 from . import utils
