@@ -3,9 +3,6 @@ constructor's signature and refusals, registration under DeepEP's name, the hand
 the config tables and rules, and what weft refuses with a message."""
 
 import inspect
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -16,23 +13,14 @@ import weft.ep  # noqa: E402
 from weft.ep import buffer as ep_buffer  # noqa: E402
 from weft.ep.native import event_of  # noqa: E402
 
+from conftest import run_python  # noqa: E402
+
 # deep_ep.Buffer.__init__'s parameters and defaults at DeepEP 567632d.
 DEEPEP_INIT = [("group", inspect.Parameter.empty), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
                ("low_latency_mode", False), ("num_qps_per_rank", 24),
                ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
                ("use_fabric", False), ("explicitly_destroy", False), ("enable_shrink", False),
                ("comm", None)]
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(weft.__file__))
-
-
-def run_python(code: str, *args, cwd=None, env=None, timeout=120):
-    full_env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT + os.pathsep +
-                    os.environ.get("PYTHONPATH", ""), **(env or {}))
-    return subprocess.run([sys.executable, *args] if not code else
-                          [sys.executable, "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, cwd=cwd, env=full_env, timeout=timeout)
-
-
 def test_the_constructor_takes_deepeps_parameters_in_deepeps_order():
     params = list(inspect.signature(weft.ep.Buffer.__init__).parameters.values())[1:]
     positional = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
@@ -81,7 +69,7 @@ def test_register_as_deep_ep_names_weft_eps_own_objects():
         assert deep_ep.topk_idx_t is torch.int64
         weft.ep.register_as_deep_ep()  # twice is fine
         print("ok")
-    """)
+    """, timeout_s=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
 
@@ -89,16 +77,16 @@ def test_register_as_deep_ep_names_weft_eps_own_objects():
 def test_register_refuses_when_a_real_deep_ep_is_imported(tmp_path):
     (tmp_path / "deep_ep").mkdir()
     (tmp_path / "deep_ep" / "__init__.py").write_text("REAL = True\n")
-    r = run_python("""
+    r = run_python(f"""
         import sys
-        sys.path.insert(0, sys.argv[1])
+        sys.path.insert(0, {str(tmp_path)!r})
         import deep_ep, weft, weft.ep
         try:
             weft.ep.register_as_deep_ep()
         except weft.Error as e:
             print("refused:", e)
         assert sys.modules["deep_ep"].REAL
-    """, str(tmp_path))
+    """, timeout_s=120)
     assert r.returncode == 0, r.stderr
     assert "refused:" in r.stdout and "already imported" in r.stdout
 
@@ -125,7 +113,11 @@ def test_the_runner_serves_a_script_and_the_processes_it_spawns(tmp_path):
             p.join(60)
             assert p.exitcode == 0
     """))
-    r = run_python("", "-m", "weft.ep.as_deep_ep", str(script), "--flag", "7")
+    r = run_python(f"""
+        import runpy, sys
+        sys.argv = ["as_deep_ep", {str(script)!r}, "--flag", "7"]
+        runpy.run_module("weft.ep.as_deep_ep", run_name="__main__")
+    """, timeout_s=180)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "weft.ep weft.ep True weft.ep.utils"
 

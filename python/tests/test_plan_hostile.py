@@ -1,7 +1,6 @@
 """weft.plan under hostile input: a long run's trace read in time linear in its size, undecodable
 bytes, NaN and infinite costs, and a report written into a folder that does not exist."""
 
-import json
 import math
 import time
 
@@ -40,24 +39,21 @@ def long_trace(path, num_steps):
 # A long trace ------------------------------------------------------------------------------------
 
 def test_reading_a_long_trace_takes_time_linear_in_its_size(tmp_path):
-    path = tmp_path / "long.trace.json"
-    long_trace(path, 20000)
-
-    def best_of_two(read):
+    """A complexity guard, not a speed target (bench/python/trace_read.py measures that against
+    json.load): 4x the trace may take 4x the time, with room for noise; a quadratic reader
+    takes 16x."""
+    def seconds_to_read(num_steps):
+        path = tmp_path / f"long{num_steps}.trace.json"
+        long_trace(path, num_steps)
         times = []
         for _ in range(2):
             start = time.perf_counter()
-            read()
+            plan.report_from_trace(path, tmp_path / "long.html")
             times.append(time.perf_counter() - start)
         return min(times)
 
-    def json_load():
-        with open(path) as f:
-            json.load(f)
-
-    json_s = best_of_two(json_load)
-    ours_s = best_of_two(lambda: plan.report_from_trace(path, tmp_path / "long.html"))
-    assert ours_s < 2 * json_s + 0.05, f"{ours_s:.3f} s to read, json.load {json_s:.3f} s"
+    small_s, large_s = seconds_to_read(5000), seconds_to_read(20000)
+    assert large_s < 2.5 * 4 * small_s + 0.05, f"{small_s:.3f} s, then {large_s:.3f} s for 4x"
 
 
 # Text that is not UTF-8 --------------------------------------------------------------------------
