@@ -13,23 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python" / "tests"))
 
-from conftest import drain  # noqa: E402
+from test_plan_hostile import long_trace  # noqa: E402
 
 from weft import plan  # noqa: E402
-from weft.pipeline import Engine, Schedule, Task  # noqa: E402
-
-
-def write_trace(path: Path, num_steps: int) -> None:
-    s = Schedule([
-        Task.from_fn("a", None, stream="s1", reads=["batch_cpu"], writes=["x"]),
-        Task.from_fn("b", None, stream="s2", reads=["x"], writes=["y"]),
-        Task.from_fn("c", None, stream="s3", reads=["y"], writes=["z"]),
-        Task.from_fn("d", None, reads=["z"], writes=["step_result"]),
-    ])
-    engine = Engine(s, "per_task", trace=True)
-    drain(engine, range(num_steps))
-    engine.take_trace().write_chrome_json(str(path))
-    engine.close()
 
 
 def best_of(fn, repeats: int) -> float:
@@ -50,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for n in (int(x) for x in a.steps.split(",")):
             path = Path(d) / f"t{n}.json"
-            write_trace(path, n)
+            long_trace(path, n)
 
             def load():
                 with open(path) as f:

@@ -19,28 +19,15 @@ import weft.ep  # noqa: E402
 
 import ep_reference as ref  # noqa: E402
 from conftest import needs_gpus  # noqa: E402
+from test_ep_gpu import deepep_layout, inputs  # noqa: E402
 
 pytestmark = [needs_gpus(1), pytest.mark.timeout(600)]
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(weft.__file__))
 
 
-def inputs(num_tokens, hidden, num_experts, top_k, masked, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
-    idx = ref.random_routing(num_tokens, num_experts, top_k, g, masked)
-    w = torch.rand((num_tokens, top_k), generator=g)
-    return x, idx, w
-
-
-def layout_of(buf, idx, num_experts):
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
-    return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert)
-
-
 def dispatch(buf, x, idx, w, num_experts, **kw):
     return buf.dispatch(x.cuda(), topk_idx=idx.cuda(), topk_weights=w.cuda(),
-                        **layout_of(buf, idx.cuda(), num_experts), **kw)
+                        **deepep_layout(buf, idx.cuda(), num_experts), **kw)
 
 
 def slow_on(stream, fn, cycles=200_000_000):
@@ -89,14 +76,14 @@ def test_a_bad_input_is_refused_before_the_window_is_laid_out_anew():
     (want,) = ref.dispatch([x], [idx], [w], 16)
     _, _, _, _, handle, _ = dispatch(buf, x, idx, w, 16)
     x2, idx2, w2 = inputs(100, 1024, 16, 4, 0.1, seed=5)
-    lay = layout_of(buf, idx2.cuda(), 16)
+    lay = deepep_layout(buf, idx2.cuda(), 16)
     lay["is_token_in_rank"] = lay["is_token_in_rank"][:7].contiguous()
     with pytest.raises(weft.Error, match="is_token_in_rank"):
         buf.dispatch(x2.cuda(), topk_idx=idx2.cuda(), topk_weights=w2.cuda(), **lay)
     scales_bad = (x2.cuda().to(torch.float8_e4m3fn), torch.ones((100, 3), device="cuda"))
     with pytest.raises(weft.Error, match="scales"):
         buf.dispatch(scales_bad, topk_idx=idx2.cuda(), topk_weights=w2.cuda(),
-                     **layout_of(buf, idx2.cuda(), 16))
+                     **deepep_layout(buf, idx2.cuda(), 16))
     # The first window is still the one in place: its handle combines with no re-run.
     y = torch.randn((want.x.shape[0], 512)).bfloat16()
     out, _, _ = buf.combine(y.cuda(), handle)
@@ -129,7 +116,7 @@ def test_previous_event_from_work_still_running_elsewhere_orders_bf16_and_fp8():
     x, idx, w = inputs(400, 1024, 16, 4, 0.1, seed=8)
     (want,) = ref.dispatch([x], [idx], [w], 16)
     x8, scales = ref.per_token_cast_to_fp8(x)
-    lay = layout_of(buf, idx.cuda(), 16)
+    lay = deepep_layout(buf, idx.cuda(), 16)
     side = torch.cuda.Stream()
     for payload in ("bf16", "fp8"):
         for async_finish in (False, True):

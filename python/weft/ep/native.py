@@ -256,7 +256,14 @@ def event_of(previous_event: Optional[EventOverlap]) -> int:
     return previous_event.event.event.cuda_event
 
 
-def check_stream_options(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+def check_stream_options(previous_event, async_finish: bool, allocate_on_comm_stream: bool,
+                         on_current_stream: bool = False) -> None:
+    """Raises weft.Error for a combination of DeepEP's stream options that DeepEP refuses, or
+    any of them with weft's on_current_stream."""
+    if on_current_stream and (previous_event is not None or async_finish or
+                              allocate_on_comm_stream):
+        raise Error("on_current_stream=True runs the call on the current stream: it takes no "
+                    "previous_event, async_finish or allocate_on_comm_stream")
     if allocate_on_comm_stream and not (previous_event is not None and async_finish):
         raise Error("allocate_on_comm_stream needs previous_event and async_finish "
                     "(as in DeepEP)")
@@ -488,12 +495,8 @@ class NativeBuffer:
         if sync_count and _capturing():
             raise Error("sync_count=True waits on the host, which a CUDA graph capture cannot; "
                         "keep the count on the device")
-        if on_current_stream:
-            if previous_event is not None or async_finish or allocate_on_comm_stream:
-                raise Error("on_current_stream=True runs the call on the current stream: it "
-                            "takes no previous_event, async_finish or allocate_on_comm_stream")
-        else:
-            check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
+        check_stream_options(previous_event, async_finish, allocate_on_comm_stream,
+                             on_current_stream)
         stats = cumulative_local_expert_recv_stats
         if isinstance(x, (tuple, list)) and not on_current_stream:
             # The packing runs on the comm stream, after previous_event like the kernel.
@@ -571,12 +574,8 @@ class NativeBuffer:
         bf16 tensor or a pair). Returns (out [T, hidden] bf16, event). on_current_stream as for
         dispatch."""
         num_tokens, biases = self.check_combine(expert_out, handle, bias)
-        if on_current_stream:
-            if previous_event is not None or async_finish or allocate_on_comm_stream:
-                raise Error("on_current_stream=True runs the call on the current stream: it "
-                            "takes no previous_event, async_finish or allocate_on_comm_stream")
-        else:
-            check_stream_options(previous_event, async_finish, allocate_on_comm_stream)
+        check_stream_options(previous_event, async_finish, allocate_on_comm_stream,
+                             on_current_stream)
         if out is None:
             # Allocated on the caller's stream (DeepEP's default) or the comm stream.
             with torch.cuda.stream(self.comm_stream) if allocate_on_comm_stream else \

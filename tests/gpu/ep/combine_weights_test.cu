@@ -47,27 +47,11 @@ std::size_t count_bit_differences(const std::vector<float>& got, const std::vect
 
 class EpCombineWeightsTest : public EpTest {
  protected:
-  // Every rank's dispatch of `inputs` (kExact); returns the results, counts known.
-  std::vector<weft::ep::DispatchResult> dispatch_all(const std::vector<ref::RankInput>& inputs) {
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[std::size_t(r)];
-      const auto& in = inputs[std::size_t(r)];
-      rd.x = upload(r, in.x);
-      rd.idx = upload(r, in.topk_idx);
-      rd.weights = upload(r, in.topk_weights);
-    }
-    std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[std::size_t(r)];
-      const int64_t T = inputs[std::size_t(r)].num_tokens;
-      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
-          {.x = {rd.x.ptr, DType::kBFloat16, T, config.hidden},
-           .topk_idx = {rd.idx.ptr, DType::kInt64, T, config.top_k},
-           .topk_weights = {rd.weights.ptr, DType::kFloat32, T, config.top_k}},
-          rd.stream, CountMode::kExact);
-    }
-    for (int r = 0; r < R; ++r) eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
-    return res;
+  // Every rank's dispatch of `inputs` (uploaded here, kExact): the results, counts known.
+  std::vector<weft::ep::DispatchResult> upload_and_dispatch(
+      const std::vector<ref::RankInput>& inputs) {
+    put_inputs(inputs);
+    return dispatch_all(inputs, CountMode::kExact);
   }
 
   // One combine with topk_weights on every rank, every element of out and combined_weights
@@ -166,7 +150,7 @@ TEST_F(EpCombineWeightsTest, MatchesTheReferenceBitForBitForEveryK) {
   for (int trial = 0; trial < 6; ++trial) {
     const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.2}, rng);
     const auto layouts = ref::dispatch(config, inputs);
-    const auto res = dispatch_all(inputs);
+    const auto res = upload_and_dispatch(inputs);
     for (int K : {1, 3, 6}) combine_checked(inputs, layouts, res, K, trial % 2, false, rng);
   }
 }
@@ -178,7 +162,7 @@ TEST_F(EpCombineWeightsTest, CombiningRecvWeightsRestoresTheTokensWeights) {
   for (int trial = 0; trial < 3; ++trial) {
     const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.3}, rng);
     const auto layouts = ref::dispatch(config, inputs);
-    const auto res = dispatch_all(inputs);
+    const auto res = upload_and_dispatch(inputs);
     combine_checked(inputs, layouts, res, config.top_k, 0, true, rng);
   }
 }
@@ -192,7 +176,7 @@ TEST_F(EpCombineWeightsTest, HundredsOfBackToBackCalls) {
   for (int layout = 0; layout < 6; ++layout) {
     const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.1}, rng);
     const auto layouts = ref::dispatch(config, inputs);
-    const auto res = dispatch_all(inputs);
+    const auto res = upload_and_dispatch(inputs);
     for (int call = 0; call < 50; ++call) {
       combine_checked(inputs, layouts, res, 1 + call % config.top_k, call % 2, false, rng);
       if (HasFatalFailure()) return;
@@ -211,7 +195,7 @@ TEST_F(EpCombineWeightsTest, CallsQueuedWithoutAHostWaitAreEachCorrect) {
   const int64_t H = config.hidden;
   const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.2}, rng);
   const auto layouts = ref::dispatch(config, inputs);
-  const auto res = dispatch_all(inputs);
+  const auto res = upload_and_dispatch(inputs);
   std::vector<std::vector<uint16_t>> expert_out(static_cast<std::size_t>(R));
   std::vector<DeviceArray> d_expert_out;
   for (int r = 0; r < R; ++r) {
@@ -283,7 +267,7 @@ TEST_F(EpCombineWeightsTest, WeightsComeBackFromPeers) {
                     .duplicates = true}}) {
     const auto inputs = make_inputs(config, R, spec, rng);
     const auto layouts = ref::dispatch(config, inputs);
-    const auto res = dispatch_all(inputs);
+    const auto res = upload_and_dispatch(inputs);
     for (int K : {5, 2}) combine_checked(inputs, layouts, res, K, 1, false, rng);
     combine_checked(inputs, layouts, res, config.top_k, 0, true, rng);
   }
@@ -300,7 +284,7 @@ TEST_F(EpCombineWeightsTest, BadArgumentsAreRefusedOnTheHost) {
   const int64_t H = config.hidden;
   const auto inputs = make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), 64)}, rng);
   const auto layouts = ref::dispatch(config, inputs);
-  auto res = dispatch_all(inputs);
+  auto res = upload_and_dispatch(inputs);
   std::vector<DeviceArray> combined;
   for (int r = 0; r < R; ++r) {
     const auto& rr = res[std::size_t(r)];

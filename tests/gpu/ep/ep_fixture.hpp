@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/nccl.hpp"
 #include "weft/ep/buffer.hpp"
@@ -26,6 +28,23 @@ using weft::ep::DType;
 namespace ref = weft::ep::reference;
 
 inline int num_gpus() { return weft::cuda::device_count(); }
+
+// The message of the weft::Error that f() throws; a test failure (and "") if it throws none.
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const weft::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no weft::Error";
+  return {};
+}
+
+inline bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
 
 // Every test runs on all visible GPUs (one rank each, create_local): one GPU is one rank, every
 // row local. REQUIRE_PEERS: the behaviour tested needs a peer (a rank that is late or missing).
@@ -123,6 +142,42 @@ class EpTest : public ::testing::Test {
   void TearDown() override {
     for (auto& rd : ranks) {
       if (rd.stream != nullptr) cudaStreamDestroy(rd.stream);
+    }
+  }
+  // Uploads every rank's x (bf16), topk_idx (int64) and weights into ranks[r].
+  void put_inputs(const std::vector<ref::RankInput>& inputs) {
+    for (int r = 0; r < R; ++r) {
+      auto& rd = ranks[std::size_t(r)];
+      const auto& in = inputs[std::size_t(r)];
+      rd.x = upload(r, in.x);
+      rd.idx = upload(r, in.topk_idx);
+      rd.weights = upload(r, in.topk_weights);
+    }
+  }
+  weft::ep::DispatchInputs inputs_of(int r, int64_t T) const {
+    const auto& rd = ranks[std::size_t(r)];
+    return {.x = {rd.x.ptr, DType::kBFloat16, T, config.hidden},
+            .topk_idx = {rd.idx.ptr, DType::kInt64, T, config.top_k},
+            .topk_weights = {rd.weights.ptr, DType::kFloat32, T, config.top_k}};
+  }
+  // Every rank's dispatch of put_inputs' arrays; with kExact, also every rank's count.
+  std::vector<weft::ep::DispatchResult> dispatch_all(const std::vector<ref::RankInput>& inputs,
+                                                     weft::ep::CountMode mode) {
+    std::vector<weft::ep::DispatchResult> res(std::size_t(R), weft::ep::DispatchResult{});
+    for (int r = 0; r < R; ++r) {
+      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
+          inputs_of(r, inputs[std::size_t(r)].num_tokens), ranks[std::size_t(r)].stream, mode);
+    }
+    for (int r = 0; r < R && mode == weft::ep::CountMode::kExact; ++r) {
+      eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
+    }
+    return res;
+  }
+  // Waits for every rank's stream without checking the Buffers' errors.
+  void wait_all() {
+    for (int r = 0; r < R; ++r) {
+      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
     }
   }
   void sync_all() {

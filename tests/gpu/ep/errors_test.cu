@@ -25,9 +25,11 @@ namespace {
 using weft::ep::BufferConfig;
 using weft::ep::DType;
 namespace ref = weft::ep::reference;
+using weft::ep::testing::contains;
 using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
+using weft::ep::testing::error_of;
 using weft::ep::testing::make_inputs;
 using weft::ep::testing::num_gpus;
 using weft::ep::testing::RankDevice;
@@ -39,60 +41,8 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The message of the weft::Error that f() throws; a test failure (and "") if it throws none.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const weft::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no weft::Error";
-  return {};
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
 class EpErrorsTest : public EpTest {
  protected:
-  // Uploads every rank's x (bf16), topk_idx (int64) and weights into ranks[r].
-  void put_inputs(const std::vector<ref::RankInput>& inputs) {
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[std::size_t(r)];
-      const auto& in = inputs[std::size_t(r)];
-      rd.x = upload(r, in.x);
-      rd.idx = upload(r, in.topk_idx);
-      rd.weights = upload(r, in.topk_weights);
-    }
-  }
-  weft::ep::DispatchInputs inputs_of(int r, int64_t T) const {
-    const auto& rd = ranks[std::size_t(r)];
-    return {.x = {rd.x.ptr, DType::kBFloat16, T, config.hidden},
-            .topk_idx = {rd.idx.ptr, DType::kInt64, T, config.top_k},
-            .topk_weights = {rd.weights.ptr, DType::kFloat32, T, config.top_k}};
-  }
-  // Every rank's dispatch of put_inputs' arrays; with kExact, also every rank's count.
-  std::vector<weft::ep::DispatchResult> dispatch_all(const std::vector<ref::RankInput>& inputs,
-                                                     weft::ep::CountMode mode) {
-    std::vector<weft::ep::DispatchResult> res(std::size_t(R), weft::ep::DispatchResult{});
-    for (int r = 0; r < R; ++r) {
-      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
-          inputs_of(r, inputs[std::size_t(r)].num_tokens), ranks[std::size_t(r)].stream, mode);
-    }
-    for (int r = 0; r < R && mode == weft::ep::CountMode::kExact; ++r) {
-      eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
-    }
-    return res;
-  }
-  // Waits for every rank's stream without checking the Buffers' errors.
-  void wait_all() {
-    for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
-      WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
-    }
-  }
   RoutingSpec spec_of(int64_t T, double mask_ratio = 0.0) const {
     return {.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = mask_ratio};
   }

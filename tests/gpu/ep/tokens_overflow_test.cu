@@ -25,61 +25,23 @@ namespace {
 using weft::ep::CountMode;
 using weft::ep::DType;
 namespace ref = weft::ep::reference;
+using weft::ep::testing::contains;
 using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
+using weft::ep::testing::error_of;
 using weft::ep::testing::make_inputs;
 using weft::ep::testing::num_gpus;
 using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const weft::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no weft::Error";
-  return {};
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
 class EpTokensOverflowTest : public EpTest {
  protected:
   // Every rank's dispatch of `inputs` (uploaded here), in `mode`; with kExact also every count.
-  std::vector<weft::ep::DispatchResult> dispatch_all(const std::vector<ref::RankInput>& inputs,
-                                                     CountMode mode) {
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[std::size_t(r)];
-      const auto& in = inputs[std::size_t(r)];
-      rd.x = upload(r, in.x);
-      rd.idx = upload(r, in.topk_idx);
-      rd.weights = upload(r, in.topk_weights);
-    }
-    std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
-    for (int r = 0; r < R; ++r) {
-      auto& rd = ranks[std::size_t(r)];
-      const int64_t T = inputs[std::size_t(r)].num_tokens;
-      res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
-          {.x = {rd.x.ptr, DType::kBFloat16, T, config.hidden},
-           .topk_idx = {rd.idx.ptr, DType::kInt64, T, config.top_k},
-           .topk_weights = {rd.weights.ptr, DType::kFloat32, T, config.top_k}},
-          rd.stream, mode);
-    }
-    for (int r = 0; r < R && mode == CountMode::kExact; ++r) {
-      eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
-    }
-    return res;
-  }
-  void wait_all() {
-    for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
-      WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
-    }
+  std::vector<weft::ep::DispatchResult> upload_and_dispatch(
+      const std::vector<ref::RankInput>& inputs, CountMode mode) {
+    put_inputs(inputs);
+    return dispatch_all(inputs, mode);
   }
   // Poisons every rank's whole receive region (payload, metadata) through the views of an
   // earlier dispatch, so that a row written by the overflowed call cannot go unnoticed.
@@ -193,7 +155,7 @@ TEST_F(EpTokensOverflowTest, ExactModeReportsTokensRequiredAndTheBufferStaysUsab
       std::vector<int64_t> tokens(std::size_t(R), max_tokens / 2);
       tokens[std::size_t(over)] = over_T + rep;
       poison_receive(views);
-      const auto res = dispatch_all(make_inputs(config, R, {.tokens = tokens}, rng),
+      const auto res = upload_and_dispatch(make_inputs(config, R, {.tokens = tokens}, rng),
                                     CountMode::kExact);
       for (int r = 0; r < R; ++r) {
         const auto& rr = res[std::size_t(r)];
@@ -215,7 +177,7 @@ TEST_F(EpTokensOverflowTest, NoOverflowReportsZero) {
   REQUIRE_GPUS();
   make({.max_tokens = 64, .hidden = 128, .num_experts = 4 * num_gpus(), .top_k = 2});
   std::mt19937 rng(3);
-  const auto res = dispatch_all(
+  const auto res = upload_and_dispatch(
       make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), 64)}, rng),
       CountMode::kExact);
   for (int r = 0; r < R; ++r) {
@@ -240,7 +202,7 @@ TEST_F(EpTokensOverflowTest, OnDeviceModeRecordsABadDataErrorAndTheBufferStaysUs
     std::vector<int64_t> tokens(std::size_t(R), 10 + rep);
     tokens[std::size_t(over)] = 65 + rep;
     poison_receive(views);
-    const auto res = dispatch_all(make_inputs(config, R, {.tokens = tokens}, rng),
+    const auto res = upload_and_dispatch(make_inputs(config, R, {.tokens = tokens}, rng),
                                   CountMode::kOnDevice);
     wait_all();
     for (int r = 0; r < R; ++r) {
@@ -271,7 +233,7 @@ TEST_F(EpTokensOverflowTest, APeerOverMaxTokensIsSeenByEveryRank) {
     std::vector<int64_t> tokens(std::size_t(R), 128);
     tokens[std::size_t(over)] = 129;
     poison_receive(views);
-    auto res = dispatch_all(make_inputs(config, R, {.tokens = tokens}, rng), CountMode::kOnDevice);
+    auto res = upload_and_dispatch(make_inputs(config, R, {.tokens = tokens}, rng), CountMode::kOnDevice);
     wait_all();
     for (int r = 0; r < R; ++r) {
       error_of([&] { eps[std::size_t(r)]->check(); });
