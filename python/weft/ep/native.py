@@ -256,6 +256,17 @@ def event_of(previous_event: Optional[EventOverlap]) -> int:
     return previous_event.event.event.cuda_event
 
 
+def async_event(comm_stream: torch.cuda.Stream, tensors) -> EventOverlap:
+    """The completion event of a call queued on comm_stream. It keeps the call's tensors (None
+    entries skipped) until the wait, and outside graph capture the comm stream is recorded on
+    them, so that the caching allocator cannot hand their memory out under the call."""
+    tensors = [t for t in tensors if t is not None]
+    if not _capturing():
+        for t in tensors:
+            t.record_stream(comm_stream)
+    return EventOverlap(EventHandle(comm_stream), extra_tensors=tensors)
+
+
 def check_stream_options(previous_event, async_finish: bool, allocate_on_comm_stream: bool,
                          on_current_stream: bool = False) -> None:
     """Raises weft.Error for a combination of DeepEP's stream options that DeepEP refuses, or
@@ -321,10 +332,7 @@ class CommCall:
         if not self.async_finish:
             b.leave_comm(self.caller)
             return
-        if not _capturing():
-            for t in self._keep:
-                t.record_stream(b.comm_stream)
-        self.event = EventOverlap(EventHandle(b.comm_stream), extra_tensors=self._keep)
+        self.event = async_event(b.comm_stream, self._keep)
 
 
 class NativeBuffer:
@@ -517,16 +525,8 @@ class NativeBuffer:
                                       self.comm_stream.cuda_stream, event_of(previous_event),
                                       async_finish)
         if async_finish:
-            result.event = self._async_event([packed, topk_idx, topk_weights, stats])
+            result.event = async_event(self.comm_stream, [packed, topk_idx, topk_weights, stats])
         return result
-
-    def _async_event(self, tensors) -> EventOverlap:
-        """The completion event of a call on the comm stream; keeps its tensors for it."""
-        tensors = [t for t in tensors if t is not None]
-        if not _capturing():
-            for t in tensors:
-                t.record_stream(self.comm_stream)
-        return EventOverlap(EventHandle(self.comm_stream), extra_tensors=tensors)
 
     def launch_dispatch(self, packed, is_fp8: bool, topk_idx, topk_weights, handle, stats,
                         num_sms: int, expand: Optional[Expand], sync_count: bool,
@@ -592,7 +592,7 @@ class NativeBuffer:
                             self.comm_stream.cuda_stream, event_of(previous_event), async_finish)
         if not async_finish:
             return out, _NO_EVENT
-        return out, self._async_event([expert_out, out, *biases])
+        return out, async_event(self.comm_stream, [expert_out, out, *biases])
 
     def check_combine(self, expert_out, handle, bias) -> Tuple[int, list]:
         """(num_tokens, biases) of a combine's checked arguments."""
