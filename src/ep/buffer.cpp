@@ -10,7 +10,7 @@
 
 #include "async_state.hpp"
 #include "weft/cuda/device_guard.hpp"
-#include "kernels.hpp"
+#include "kernels/params.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_error.hpp"
@@ -34,7 +34,7 @@ struct BufferState {
   int32_t* block_counts = nullptr;
   int32_t* expert_counts = nullptr;
   int32_t* send_slot = nullptr;
-  int32_t* tokens_per_expert = nullptr;
+  int32_t* tokens_per_local_expert = nullptr;
   int32_t* rank_prefix_matrix = nullptr;  // [R][R] (DispatchParams::rank_prefix_matrix)
   // Expanded dispatch only (BufferConfig::expand_factor > 0), one cudaMalloc:
   // expand_info [E/R + 3] int64, expand_rows [max_tokens][top_k] int2 (ExpandDispatchParams),
@@ -47,6 +47,7 @@ struct BufferState {
   int32_t* host_count = nullptr;
   int32_t* host_tokens_required = nullptr;
   int64_t* host_rows_required = nullptr;
+  char** peers = nullptr;         // [kMaxRanks] CommParams::peers of this rank (device)
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable
@@ -63,6 +64,7 @@ struct BufferState {
     if (host_count != nullptr) cudaFreeHost(host_count);
     if (state != nullptr) cudaFree(state);
     if (expand_info != nullptr) cudaFree(expand_info);
+    if (peers != nullptr) cudaFree(peers);
     cudaSetDevice(previous);
   }
 };
@@ -88,9 +90,9 @@ const char* wait_name(int64_t what) {
   }
 }
 
-detail::CommParams comm_params(const detail::BufferGroup& group, std::size_t index, int rank,
+detail::CommParams comm_params(const detail::BufferGroup& group, int rank,
                                int num_ranks, detail::BufferState& state, double timeout_s) {
-  return {group.windows.window(index), group.layout, rank, num_ranks, state.state,
+  return {state.peers, group.layout, rank, num_ranks, state.state,
           state.error.device_record(), state.fatal.device_record(), uint64_t(timeout_s * 1e9)};
 }
 
@@ -290,7 +292,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   at += config.num_experts;
   state_->send_slot = at;
   at += config.max_tokens * int64_t(R);
-  state_->tokens_per_expert = at;
+  state_->tokens_per_local_expert = at;
   at += config.num_local_experts(num_ranks_);
   state_->rank_prefix_matrix = at;
   if (config.expand_factor > 0) {
@@ -311,6 +313,11 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   state_->host_tokens_required = static_cast<int32_t*>(host) + 1;
   state_->host_rows_required = static_cast<int64_t*>(host) + 1;
   WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
+  void* peers = nullptr;
+  WEFT_CUDA_CHECK(cudaMalloc(&peers, sizeof(char*) * detail::kMaxRanks));
+  state_->peers = static_cast<char**>(peers);
+  detail::launch_peer_table(group_->windows.window(index_), num_ranks_, state_->peers, nullptr);
+  WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   async_ = detail::make_async_state(device_, options.pipeline_depth);
 }
 
@@ -360,7 +367,7 @@ void Buffer::handshake(std::vector<Buffer*> buffers) {
     Buffer& b = *buffers[i];
     DeviceGuard guard(b.device_);
     detail::HandshakeParams params{};
-    params.comm = comm_params(*b.group_, b.index_, b.rank_, b.num_ranks_, *b.state_,
+    params.comm = comm_params(*b.group_, b.rank_, b.num_ranks_, *b.state_,
                               b.options_.timeout_s);
     detail::launch_handshake(params, streams[i]);
   }
@@ -507,7 +514,7 @@ DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) cons
   r.recv_expert_idx = reinterpret_cast<const int32_t*>(base + layout.recv_expert_idx);
   r.recv_weights = reinterpret_cast<const float*>(base + layout.recv_weights);
   r.recv_src = reinterpret_cast<const int32_t*>(base + layout.recv_src);
-  r.tokens_per_local_expert = state_->tokens_per_expert;
+  r.tokens_per_local_expert = state_->tokens_per_local_expert;
   r.num_recv_device = &state_->state->num_recv;
   r.tokens_required_device = &state_->state->tokens_required;
   r.capacity = handle.expand.enabled ? expand_capacity() : capacity();
@@ -549,7 +556,6 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     check_pointer(in.topk_idx.data, "topk_idx", home, dtype_size(in.topk_idx.dtype));
     check_pointer(in.topk_weights.data, "topk_weights", home, 4);
   }
-  const int num_blocks_of_call = num_blocks(T, in.num_sms);
   if (in.expand.enabled) {
     in.expand.validate();
     WEFT_CHECK(config_.expand_factor >= 1, "an expanded dispatch needs a Buffer built with ",
@@ -557,7 +563,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   }
   DeviceGuard guard(device_);
   detail::DispatchParams p{};
-  p.comm = comm_params(*group_, index_, rank_, num_ranks_, *state_, options_.timeout_s);
+  p.comm = comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.x = in.x.data;
   p.row_bytes = row_bytes;
   p.topk_idx = in.topk_idx.data;
@@ -565,14 +571,14 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.local_count = T <= detail::kLocalCountMaxTokens;
   p.topk_weights = static_cast<const float*>(in.topk_weights.data);
   p.num_tokens = T;
-  p.hidden = config_.hidden;
   p.max_tokens = config_.max_tokens;
   p.top_k = config_.top_k;
   p.num_experts = config_.num_experts;
+  p.num_blocks = num_blocks(T, in.num_sms);
   p.block_counts = state_->block_counts;
   p.expert_counts = state_->expert_counts;
   p.send_slot = state_->send_slot;
-  p.tokens_per_expert = state_->tokens_per_expert;
+  p.tokens_per_local_expert = state_->tokens_per_local_expert;
   p.rank_prefix_matrix = state_->rank_prefix_matrix;
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   p.layout_id = dispatch_sequence_ + 1;
@@ -586,9 +592,9 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     ep.expert_alignment = in.expand.expert_alignment;
     ep.zero_padding = in.expand.zero_padding;
     ep.expand_rows = state_->expand_rows;
-    detail::launch_expand_dispatch(ep, num_blocks_of_call, stream);
+    detail::launch_expand_dispatch(ep, stream);
   } else {
-    detail::launch_dispatch(p, num_blocks_of_call, stream);
+    detail::launch_dispatch(p, stream);
   }
   ++dispatch_sequence_;
   state_->layout = {id_, dispatch_sequence_, T, -1,
@@ -627,15 +633,15 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
              " tokens, the handle's layout ", h.num_tokens);
   WEFT_CHECK(mode == CountMode::kOnDevice, "cached dispatch: the count is the handle's ",
              "(num_recv_device, or handle.num_recv after wait_num_recv); use CountMode::kOnDevice");
-  const int num_blocks_of_call = num_blocks(h.num_tokens, in.num_sms);
   DeviceGuard guard(device_);
   detail::CachedDispatchParams p{};
-  p.comm = comm_params(*group_, index_, rank_, num_ranks_, *state_, options_.timeout_s);
+  p.comm = comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.x = in.x.data;
   p.row_bytes = row_bytes;
   p.num_tokens = h.num_tokens;
+  p.num_blocks = num_blocks(h.num_tokens, in.num_sms);
   p.send_slot = state_->send_slot;
-  p.tokens_per_expert = state_->tokens_per_expert;
+  p.tokens_per_local_expert = state_->tokens_per_local_expert;
   p.num_local_experts = config_.num_local_experts(num_ranks_);
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   if (h.expand.enabled) {
@@ -646,7 +652,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   }
   p.layout_id = h.sequence;
   p.max_tokens = config_.max_tokens;
-  detail::launch_cached_dispatch(p, num_blocks_of_call, stream);
+  detail::launch_cached_dispatch(p, stream);
   note_launched(stream);
   return make_result(row_bytes, *in.handle);
 }
@@ -724,7 +730,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   }
   DeviceGuard guard(device_);
   detail::CombineParams p{};
-  p.comm = comm_params(*group_, index_, rank_, num_ranks_, *state_, options_.timeout_s);
+  p.comm = comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.expert_out = static_cast<const uint16_t*>(in.expert_out.data);
   p.expert_out_rows = in.expert_out.rows;
   p.bias0 = static_cast<const uint16_t*>(in.bias0.data);
@@ -733,6 +739,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.num_tokens = T;
   p.hidden = config_.hidden;
   p.max_tokens = config_.max_tokens;
+  p.num_blocks = num_blocks(T, in.num_sms);
   p.send_slot = state_->send_slot;
   p.num_send_warps = options_.combine_send_warps;
   if (with_weights) {
@@ -749,7 +756,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     p.num_local_experts = config_.num_local_experts(num_ranks_);
     p.expand_capacity = expand_capacity();
   }
-  detail::launch_combine(p, num_blocks(T, in.num_sms), stream);
+  detail::launch_combine(p, stream);
   note_launched(stream);
 }
 

@@ -46,7 +46,7 @@ TEST_F(EpTest, RandomRoutingMatchesReference) {
   std::mt19937 rng(std::random_device{}());
   int trial = 0;
   for (double mask : {0.0, 0.25}) {
-    // Dispatch counts in local mode up to 1024 tokens and in grid mode above (kernels.hpp).
+    // Dispatch counts in local mode up to 1024 tokens and in grid mode above (kernels/params.hpp).
     for (int64_t T : {1, 128, 1000, 1025, 2500}) {
       for (int bias = 0; bias <= 2; ++bias) {
         RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = mask};

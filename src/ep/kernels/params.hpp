@@ -1,10 +1,11 @@
 // weft::ep kernels: parameter structs and launchers (internal). Kernels take raw pointers, one
-// params struct and a stream; nothing here knows Buffer.
+// params struct (which also holds the call's grid) and a stream; nothing here knows Buffer or
+// NCCL: a rank reaches its peers only through CommParams::peers. The kernels live in this folder,
+// one file per family; protocol.cuh holds what they share.
 #pragma once
 
 #include <cuda_runtime_api.h>
 #include "weft/cuda/nccl_include.hpp"
-
 #include <cstdint>
 
 #include "weft/cuda/device_error.hpp"
@@ -132,7 +133,10 @@ struct DeviceState {
 
 // What every kernel needs to talk to its peers.
 struct CommParams {
-  ncclWindow_t window;
+  // [num_ranks] (device memory): the base of rank r's window as this rank addresses it (NCCL's
+  // LSA pointers, filled once by launch_peer_table; or any other mapping of R windows, such as R
+  // allocations on one device). The only way a kernel reaches another rank.
+  char* const* peers;
   WindowLayout layout;
   int rank;
   int num_ranks;
@@ -154,20 +158,20 @@ struct DispatchParams {
   // May exceed max_tokens (the deduplicated dispatch, up to INT32_MAX): then no rank moves a row
   // (see dispatch_kernel), and nothing [max_tokens]-sized is indexed past max_tokens.
   int64_t num_tokens;
-  int64_t hidden;
   int64_t max_tokens;
   int top_k;
   int num_experts;
+  int num_blocks;              // the grid (<= the device's SMs: all blocks co-resident)
   int32_t* block_counts;       // grid mode: [kMaxBlocks][num_ranks] rows per (block, destination)
   int32_t* expert_counts;      // grid mode: [num_experts] scratch, zero between calls
   int32_t* send_slot;          // [max_tokens][num_ranks] out: row of token t at rank d, or -1
-  int32_t* tokens_per_expert;  // [num_experts / num_ranks] out
+  int32_t* tokens_per_local_expert;  // [num_experts / num_ranks] out
   // [num_ranks][num_ranks] out (DeepEP's rank_prefix_matrix): [i][j] = rows rank j receives from
   // ranks 0..i, from the exchanged count matrix (block 0; every rank computes the same matrix).
   int32_t* rank_prefix_matrix;
-  // Optional [num_experts / num_ranks] (device, caller-owned): tokens_per_expert is added to it
-  // (block 0 only, after the counts arrived; not atomic: one writer). Null: the kernel variant
-  // without it runs, so the default path does not pay.
+  // Optional [num_experts / num_ranks] (device, caller-owned): tokens_per_local_expert is added
+  // to it (block 0 only, after the counts arrived; not atomic: one writer). Null: the kernel
+  // variant without it runs, so the default path does not pay.
   uint32_t* cumulative_stats;
   uint64_t layout_id;          // this dispatch's layout number (DeviceState::layout_id)
   // A T above max_tokens at any rank is also a bad-data device error (kErrTokensOverflow), not
@@ -200,14 +204,16 @@ struct CachedDispatchParams {
   const void* x;               // [num_tokens, row_bytes], opaque
   int64_t row_bytes;           // a multiple of 16, <= 2 * hidden
   int64_t num_tokens;          // == the layout's
+  int num_blocks;              // the grid, as DispatchParams::num_blocks
   const int32_t* send_slot;    // [num_tokens][num_ranks] from the uncached dispatch
-  const int32_t* tokens_per_expert;  // [num_experts / num_ranks], for cumulative_stats
+  const int32_t* tokens_per_local_expert;  // [num_experts / num_ranks], for cumulative_stats
   int num_local_experts;
   uint32_t* cumulative_stats;  // optional, as in DispatchParams
   // An expanded layout (else null): its rows per selection (ExpandDispatchParams::expand_rows,
   // [num_tokens][top_k]) instead of send_slot; with zero_padding, this rank's padding rows
-  // ([segment_begin[e] + tokens_per_expert[e], segment_begin[e + 1]), expand_info's) are zeroed
-  // again, so that the call equals a fresh expanded dispatch even where recv_x was written since.
+  // ([segment_begin[e] + tokens_per_local_expert[e], segment_begin[e + 1]), expand_info's) are
+  // zeroed again, so that the call equals a fresh expanded dispatch even where recv_x was written
+  // since.
   const int2* expand_rows;
   int top_k;
   const int64_t* segment_begin;  // [num_local_experts + 1]
@@ -236,6 +242,7 @@ struct CombineParams {
   int64_t num_tokens;
   int64_t hidden;
   int64_t max_tokens;
+  int num_blocks;              // the grid, as DispatchParams::num_blocks
   const int32_t* send_slot;    // [num_tokens][num_ranks] from the dispatch
   int num_send_warps;          // warps per block that store back; the others reduce
   // Optional (deduplicated layout only; else null): [topk_weights_rows, num_weights] fp32 in the
@@ -258,17 +265,20 @@ struct HandshakeParams {
   CommParams comm;
 };
 
-// Cooperative launches (all blocks resident: the kernels wait on each other). num_blocks is the
-// caller's choice (Buffer: one block per BufferOptions::tokens_per_block tokens, up to num_sms).
-void launch_dispatch(const DispatchParams& params, int num_blocks, cudaStream_t stream);
-void launch_cached_dispatch(const CachedDispatchParams& params, int num_blocks,
-                            cudaStream_t stream);
-void launch_expand_dispatch(const ExpandDispatchParams& params, int num_blocks,
-                            cudaStream_t stream);
+// Cooperative launches (all blocks resident: the kernels wait on each other) of params.num_blocks
+// blocks, the caller's choice (Buffer: one block per BufferOptions::tokens_per_block tokens, up to
+// num_sms). Shared memory is sized by the kernel family's own layout type (dispatch.cu,
+// expand_dispatch.cu), the same one the kernel carves.
+void launch_dispatch(const DispatchParams& params, cudaStream_t stream);
+void launch_cached_dispatch(const CachedDispatchParams& params, cudaStream_t stream);
+void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t stream);
 // params.expand_info non-null: the combine of an expanded dispatch.
-void launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream);
-// An ordinary launch (no peer involved).
+void launch_combine(const CombineParams& params, cudaStream_t stream);
+// Ordinary launches (no peer involved).
 void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream);
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream);
+// out[r] = NCCL's LSA pointer of rank r's window (offset 0), for r < num_ranks: the
+// CommParams::peers of a Buffer on an NCCL window.
+void launch_peer_table(ncclWindow_t window, int num_ranks, char** out, cudaStream_t stream);
 
 }  // namespace weft::ep::detail

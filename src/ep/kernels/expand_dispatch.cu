@@ -1,0 +1,437 @@
+// weft::ep expanded dispatch (types.hpp ExpandOptions): one row per (token, distinct local
+// expert) at the expert's rank, in expert-major segments.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+
+#include "params.hpp"
+#include "protocol.cuh"
+
+namespace weft::ep::detail {
+namespace {
+
+// dispatch_kernel's three phases with the destination
+// redefined from rank to expert:
+//  1. count: a per-expert histogram (a token counts once per expert), in local or grid mode as
+//     dispatch_kernel (grid mode: per-block histograms in block_expert_counts, a grid barrier).
+//     s_hist ends as this block's prefix per expert; block 0's as the rank's totals (its prefix
+//     is 0).
+//  2. exchange: block 0 writes the histogram [E] into every rank's expand_matrix as tagged words
+//     (slot [seq parity][rank]); every block waits for all R x E words (so every peer has
+//     entered this call) and derives, for every rank d and its local expert e (g = d * E/R + e):
+//        total(g) = sum_s count[s][g]
+//        segment_begin_d[e] = sum_{e' < e} align_up(total(d * E/R + e'), expert_alignment)
+//        rows_required(d) = segment_begin_d[E/R]
+//     Every rank thus knows every destination's need: a destination over capacity is skipped by
+//     every source before any payload moves (it receives no row; its num_recv is 0). This
+//     block's next row for expert g is segment_begin_d[e] + sum_{s < rank} count[s][g] + prefix.
+//  3. scatter, kExpandSubChunkTokens tokens at a time: warp 0 assigns slots in token order (one
+//     token per step, lane k = selection k; a token's experts are distinct, so one lane per
+//     expert) and links a token's rows at one destination in ascending order (expand_chain, what
+//     the expanded combine sums); then one warp per (token, expert) pushes the row and its
+//     metadata. Each rank also writes the metadata of its own padding rows (source (-1, -1), no
+//     selection, chain {-1, 0}) and, with zero_padding, zeroes their payload. It ends as
+//     dispatch_kernel (done flags).
+static_assert(kExpandSubChunkTokens <= 128, "an item packs its token index in 7 bits");
+
+// The kernel's dynamic shared memory; the launcher sizes it with the same carve.
+struct ExpandSmem {
+  char** peer;           // [kMaxRanks] window bases
+  int64_t* required;     // [kMaxRanks] rows_required of every rank
+  int64_t* next;         // [E] this block's next row per expert
+  int64_t* seg;          // [E/R + 1] this rank's segment_begin
+  int32_t* hist;         // [E] this block's prefix per expert (block 0: the rank's totals)
+  int32_t* total;        // [E] rows per expert over all sources
+  int32_t* sel;          // [kSub][top_k] expert of selection k of token i, or -1 (none, out of
+                         // range, or repeated in the token)
+  int32_t* item;         // [kSub * top_k] head << 12 | token i << 5 | k
+  int32_t* row;          // [kSub * top_k]
+  int32_t* link;         // [kSub * top_k] the next row of the token there, or -1
+  uint32_t* overflowed;  // bit d: rank d's aligned rows exceed the capacity
+  int* num_items;
+  int* ok;
+  __host__ __device__ static ExpandSmem carve(SmemCarver& m, int num_experts, int num_ranks,
+                                              int top_k) {
+    const std::size_t E = std::size_t(num_experts);
+    const std::size_t per_sub = std::size_t(kExpandSubChunkTokens) * std::size_t(top_k);
+    ExpandSmem s;
+    s.peer = m.take<char*>(kMaxRanks);
+    s.required = m.take<int64_t>(kMaxRanks);
+    s.next = m.take<int64_t>(E);
+    s.seg = m.take<int64_t>(E / std::size_t(num_ranks) + 1);
+    s.hist = m.take<int32_t>(E);
+    s.total = m.take<int32_t>(E);
+    s.sel = m.take<int32_t>(per_sub);
+    s.item = m.take<int32_t>(per_sub);
+    s.row = m.take<int32_t>(per_sub);
+    s.link = m.take<int32_t>(per_sub);
+    s.overflowed = m.take<uint32_t>(1);
+    s.num_items = m.take<int>(1);
+    s.ok = m.take<int>(1);
+    return s;
+  }
+};
+
+struct ExpandCall {
+  uint64_t seq;
+  uint64_t tag;  // the high half of this call's tagged words
+  int parity;
+  int epr;  // experts per rank
+  TokenChunk chunk;
+};
+
+// 1. Histogram of tokens [begin, end) into s.hist. Bad expert ids are dropped, and reported by
+// the one block that counts the token's own chunk (grid mode) or by block 0 (local mode).
+__device__ void count_experts(const DispatchParams& p, const ExpandSmem& s, int64_t begin,
+                              int64_t end, bool report) {
+  const int K = p.top_k;
+  for (int64_t t = begin + threadIdx.x; t < end; t += blockDim.x) {
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = load_expert(p, t * K + k);
+      if (e == -1) continue;
+      if (e < 0 || e >= p.num_experts) {
+        if (report) raise_device_error(p.comm.error, kErrBadExpert, p.comm.rank, t, k, e);
+        continue;
+      }
+      bool repeated = false;
+      for (int k2 = 0; k2 < k; ++k2) repeated |= load_expert(p, t * K + k2) == e;
+      if (!repeated) atomicAdd(&s.hist[e], 1);
+    }
+  }
+  __syncthreads();
+}
+
+// 1. s.hist = this block's prefix per expert, or block 0's rank totals; false where the grid
+// barrier timed out.
+__device__ bool count_rows(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                           const ExpandCall& call) {
+  const DispatchParams& p = ep.dispatch;
+  const int E = p.num_experts;
+  if (p.local_count) {
+    count_experts(p, s, 0, blockIdx.x == 0 ? p.num_tokens : call.chunk.begin, blockIdx.x == 0);
+    return true;
+  }
+  count_experts(p, s, call.chunk.begin, call.chunk.end, true);
+  int32_t* mine = ep.block_expert_counts + int64_t(blockIdx.x) * E;
+  for (int g = threadIdx.x; g < E; g += blockDim.x) mine[g] = s.hist[g];
+  const bool ok = grid_barrier(p.comm, call.seq);
+  // Other blocks' rows are read past L1 (__ldcg): they were written on other SMs.
+  const int num_summed = blockIdx.x == 0 ? int(gridDim.x) : int(blockIdx.x);
+  for (int g = threadIdx.x; g < E; g += blockDim.x) {
+    int32_t n = 0;
+    for (int b = 0; b < num_summed; ++b) n += __ldcg(ep.block_expert_counts + int64_t(b) * E + g);
+    s.hist[g] = n;
+  }
+  __syncthreads();
+  return ok;
+}
+
+// 2. Block 0 publishes the histogram (a timed-out grid barrier publishes nothing: peers time
+// out); every block waits for all R x E words into s.total (all sources) and s.next (sources
+// below this rank, plus this block's prefix). False (every thread) on a timeout.
+__device__ bool exchange_counts(const DispatchParams& p, const ExpandSmem& s,
+                                const ExpandCall& call, bool ok) {
+  const CommParams& c = p.comm;
+  const int R = c.num_ranks;
+  const int E = p.num_experts;
+  if (blockIdx.x == 0 && ok) {
+    for (int i = threadIdx.x; i < R * E; i += blockDim.x) {
+      const int peer = i / E, g = i % E;
+      uint64_t* m = reinterpret_cast<uint64_t*>(s.peer[peer] + c.layout.expand_matrix);
+      st_relaxed_sys(m + (int64_t(call.parity) * R + c.rank) * E + g,
+                     call.tag | uint32_t(s.hist[g]));
+    }
+  }
+  if (threadIdx.x == 0) *s.ok = ok;
+  __syncthreads();
+  if (ok) {
+    const uint64_t* m = reinterpret_cast<const uint64_t*>(s.peer[c.rank] + c.layout.expand_matrix) +
+                        int64_t(call.parity) * R * E;
+    bool arrived = true;  // a thread reports (and waits out) at most one timeout
+    for (int g = threadIdx.x; arrived && g < E; g += blockDim.x) {
+      int32_t total = 0, before = 0;
+      for (int src = 0; src < R; ++src) {
+        const uint64_t* w = m + int64_t(src) * E + g;
+        uint64_t v = 0;
+        arrived = spin_wait([&] { return ((v = ld_acquire_sys(w)) & ~0xffffffffull) == call.tag; },
+                            c.timeout_ns);
+        if (!arrived) {
+          raise_timeout(c, kWaitCounts, src, call.seq);
+          *s.ok = 0;
+          break;
+        }
+        const auto n = int32_t(uint32_t(v));
+        total += n;
+        if (src < c.rank) before += n;
+      }
+      s.total[g] = total;
+      s.next[g] = before + (blockIdx.x == 0 ? 0 : s.hist[g]);
+    }
+  }
+  __syncthreads();
+  return *s.ok != 0;
+}
+
+// Warps d < R: destination d's segments, a warp scan of its aligned totals; s.next advances to
+// the rows' final indices, s.required[d] = its rows_required, s.seg = this rank's segment_begin.
+// Then s.overflowed.
+__device__ void lay_out_segments(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                                 const ExpandCall& call) {
+  const CommParams& c = ep.dispatch.comm;
+  const int R = c.num_ranks;
+  const int lane = threadIdx.x % 32;
+  const int d = int(threadIdx.x / 32);
+  if (d < R) {
+    int64_t running = 0;
+    for (int e0 = 0; e0 < call.epr; e0 += 32) {
+      const int e = e0 + lane;
+      const int64_t n = e < call.epr ? int64_t(s.total[d * call.epr + e]) : 0;
+      const int64_t aligned =
+          (n + ep.expert_alignment - 1) / ep.expert_alignment * ep.expert_alignment;
+      int64_t inclusive = aligned;
+      for (int o = 1; o < 32; o *= 2) {
+        const int64_t v = __shfl_up_sync(0xffffffffu, inclusive, o);
+        if (lane >= o) inclusive += v;
+      }
+      if (e < call.epr) {
+        const int64_t begin = running + inclusive - aligned;
+        s.next[d * call.epr + e] += begin;
+        if (d == c.rank) s.seg[e] = begin;
+      }
+      running += __shfl_sync(0xffffffffu, inclusive, 31);
+    }
+    if (lane == 0) {
+      s.required[d] = running;
+      if (d == c.rank) s.seg[call.epr] = running;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t overflowed = 0;
+    for (int r = 0; r < R; ++r) overflowed |= uint32_t(s.required[r] > ep.capacity) << r;
+    *s.overflowed = overflowed;
+  }
+  __syncthreads();
+}
+
+// Block 0: expand_info (segments, the lowest overflowed rank and its need), tokens per local
+// expert (and the cumulative stats), num_recv.
+__device__ void record_layout(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                              const ExpandCall& call, bool here_overflowed) {
+  const DispatchParams& p = ep.dispatch;
+  const CommParams& c = p.comm;
+  const int epr = call.epr;
+  for (int e = threadIdx.x; e <= epr; e += blockDim.x) ep.expand_info[e] = s.seg[e];
+  for (int e = threadIdx.x; e < epr; e += blockDim.x) {
+    const int32_t n = s.total[c.rank * epr + e];
+    p.tokens_per_local_expert[e] = n;
+    if (p.cumulative_stats != nullptr) p.cumulative_stats[e] += uint32_t(n);
+  }
+  if (threadIdx.x == 0) {
+    // rows_required <= capacity <= 2^31 - 1 (BufferConfig::validate) where nothing overflowed
+    c.state->num_recv = here_overflowed ? 0 : int32_t(s.seg[epr]);
+    const uint32_t overflowed = *s.overflowed;
+    const int first = overflowed == 0 ? -1 : __ffs(int(overflowed)) - 1;
+    ep.expand_info[epr + 1] = first;
+    ep.expand_info[epr + 2] = first < 0 ? 0 : s.required[first];
+  }
+}
+
+// This rank's padding rows: segment e's rows [segment_begin[e] + total[e], segment_begin[e + 1]),
+// segments over the blocks, rows over the warps: metadata of no row, and with zero_padding a
+// zero payload.
+__device__ void write_padding(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                              const ExpandCall& call) {
+  const DispatchParams& p = ep.dispatch;
+  const CommParams& c = p.comm;
+  const int K = p.top_k;
+  const int lane = threadIdx.x % 32;
+  const int64_t n16 = p.row_bytes / 16;
+  char* local = s.peer[c.rank];
+  auto* recv_x = reinterpret_cast<int4*>(local + c.layout.recv_x);
+  const int own = c.rank * call.epr;
+  for (int e = blockIdx.x; e < call.epr; e += gridDim.x) {
+    for (int64_t row = s.seg[e] + s.total[own + e] + threadIdx.x / 32; row < s.seg[e + 1];
+         row += kThreads / 32) {
+      if (ep.zero_padding) {
+        for (int64_t i = lane; i < n16; i += 32) recv_x[row * n16 + i] = make_int4(0, 0, 0, 0);
+      }
+      if (lane < K) {
+        reinterpret_cast<int32_t*>(local + c.layout.recv_expert_idx)[row * K + lane] = -1;
+        reinterpret_cast<float*>(local + c.layout.recv_weights)[row * K + lane] = 0.0f;
+      }
+      if (lane == 0) {
+        reinterpret_cast<int2*>(local + c.layout.recv_src)[row] = make_int2(-1, -1);
+        reinterpret_cast<int2*>(local + c.layout.expand_chain)[row] = make_int2(-1, 0);
+      }
+    }
+  }
+}
+
+// 3, every thread: s.sel of the sub-chunk's n tokens.
+__device__ void select_experts(const DispatchParams& p, const ExpandSmem& s, int64_t sub, int n) {
+  const int K = p.top_k;
+  for (int i = threadIdx.x; i < n * K; i += blockDim.x) {
+    const int64_t t = sub + i / K;
+    const int k = i % K;
+    const int64_t e = load_expert(p, t * K + k);
+    bool keep = e >= 0 && e < p.num_experts;
+    for (int k2 = 0; keep && k2 < k; ++k2) keep = load_expert(p, t * K + k2) != e;
+    s.sel[i] = keep ? int32_t(e) : -1;
+  }
+  __syncthreads();
+}
+
+// 3, warp 0: rows in token order (one token per step, lane k = selection k; a token's experts
+// are distinct, so one lane per expert), each token's rows at one destination linked in
+// ascending order, send_slot (the smallest) and expand_rows; the items to push.
+__device__ void assign_rows(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                            const ExpandCall& call, int64_t sub, int n) {
+  const DispatchParams& p = ep.dispatch;
+  const int R = p.comm.num_ranks;
+  const int K = p.top_k;
+  const int lane = threadIdx.x % 32;
+  const uint32_t overflowed = *s.overflowed;
+  int items = 0;
+  for (int i = 0; i < n; ++i) {
+    const int32_t g = lane < K ? s.sel[i * K + lane] : -1;
+    int d = g >= 0 ? g / call.epr : -1;
+    if (d >= 0 && (overflowed >> d & 1u) != 0) d = -1;
+    int32_t row = -1;
+    if (d >= 0) {
+      row = int32_t(s.next[g]);  // < capacity: d did not overflow
+      s.next[g] = row + 1;
+    }
+    // The token's rows at one destination ascend with the local expert (segments ascend): each
+    // links to the next larger one; the smallest is the head and the send slot.
+    int32_t next = INT32_MAX, slot = INT32_MAX;
+    bool head = true;
+    for (int k = 0; k < K; ++k) {
+      const int dk = __shfl_sync(0xffffffffu, d, k);
+      const int32_t rk = __shfl_sync(0xffffffffu, row, k);
+      if (dk < 0) continue;
+      if (dk == d) {
+        if (rk > row) next = min(next, rk);
+        if (rk < row) head = false;
+      }
+      if (dk == lane) slot = min(slot, rk);
+    }
+    if (lane < R) p.send_slot[(sub + i) * R + lane] = slot == INT32_MAX ? -1 : slot;
+    if (lane < K) {
+      ep.expand_rows[(sub + i) * K + lane] = d >= 0 ? make_int2(row, d) : make_int2(-1, -1);
+    }
+    const uint32_t ballot = __ballot_sync(0xffffffffu, d >= 0);
+    if (d >= 0) {
+      const int at = items + __popc(ballot & ((1u << lane) - 1u));
+      s.item[at] = int(head) << 12 | i << 5 | lane;
+      s.row[at] = row;
+      s.link[at] = next == INT32_MAX ? -1 : next;
+    }
+    items += __popc(ballot);
+    __syncwarp();  // this token's s.next updates before the next token's reads
+  }
+  if (lane == 0) *s.num_items = items;
+}
+
+// 3, every warp: one item (row of a (token, expert)) at a time, payload and metadata.
+__device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const ExpandCall& call,
+                          int64_t sub) {
+  const CommParams& c = p.comm;
+  const int K = p.top_k;
+  const int lane = threadIdx.x % 32;
+  const int64_t n16 = p.row_bytes / 16;
+  const int num_items = *s.num_items;
+  for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
+    const int item = s.item[it];
+    const int i = item >> 5 & 127;
+    const int k = item & 31;
+    const int64_t t = sub + i;
+    const int32_t g = s.sel[i * K + k];
+    const int d = g / call.epr;
+    const int64_t row = s.row[it];
+    char* base = s.peer[d];
+    warp_copy_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16,
+                  reinterpret_cast<const int4*>(p.x) + t * n16, n16, lane);
+    if (lane < K) {  // only the selections of this row's expert
+      const bool mine = load_expert(p, t * K + lane) == g;
+      reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * K + lane] =
+          mine ? g - d * call.epr : -1;
+      reinterpret_cast<float*>(base + c.layout.recv_weights)[row * K + lane] =
+          mine ? p.topk_weights[t * K + lane] : 0.0f;
+    }
+    if (lane == 0) {
+      reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
+      reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] =
+          make_int2(s.link[it], item >> 12);
+    }
+  }
+}
+
+// A block that timed out still records its rows as unsent, so combine (and a cached dispatch)
+// reads nothing stale; where block 0 timed out, this rank's count is 0 rather than the previous
+// layout's (a cached dispatch bounds its padding rows by it).
+__device__ void mark_unsent(const ExpandDispatchParams& ep, const ExpandCall& call) {
+  const DispatchParams& p = ep.dispatch;
+  const int R = p.comm.num_ranks;
+  const int K = p.top_k;
+  for (int64_t t = call.chunk.begin + threadIdx.x; t < call.chunk.end; t += blockDim.x) {
+    for (int d = 0; d < R; ++d) p.send_slot[t * R + d] = -1;
+    for (int k = 0; k < K; ++k) ep.expand_rows[t * K + k] = make_int2(-1, -1);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.comm.state->num_recv = 0;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    expand_dispatch_kernel(const ExpandDispatchParams ep) {
+  extern __shared__ __align__(16) char smem[];
+  const DispatchParams& p = ep.dispatch;
+  const CommParams& c = p.comm;
+  ExpandCall call;
+  call.seq = enter_call(c);
+  if (call.seq == 0) return;
+  call.parity = int(call.seq & 1);
+  call.tag = uint64_t(uint32_t(call.seq)) << 32;
+  call.epr = p.num_experts / c.num_ranks;
+  call.chunk = block_chunk(p.num_tokens);
+  SmemCarver carver{smem};
+  const ExpandSmem s = ExpandSmem::carve(carver, p.num_experts, c.num_ranks, p.top_k);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    c.state->layout_id = p.layout_id;
+    c.state->tokens_required = 0;  // T <= max_tokens: checked on the host
+  }
+  for (int g = threadIdx.x; g < p.num_experts; g += blockDim.x) s.hist[g] = 0;
+  load_peers(c, s.peer);
+
+  bool ok = count_rows(ep, s, call);
+  ok = exchange_counts(p, s, call, ok);
+  if (ok) {
+    lay_out_segments(ep, s, call);
+    const bool here_overflowed = (*s.overflowed >> c.rank & 1u) != 0;
+    if (blockIdx.x == 0) record_layout(ep, s, call, here_overflowed);
+    if (!here_overflowed) write_padding(ep, s, call);
+  }
+  for (int64_t sub = call.chunk.begin; ok && sub < call.chunk.end; sub += kExpandSubChunkTokens) {
+    const int n = int(min(int64_t(kExpandSubChunkTokens), call.chunk.end - sub));
+    select_experts(p, s, sub, n);
+    if (threadIdx.x < 32) assign_rows(ep, s, call, sub, n);
+    __syncthreads();
+    send_rows(p, s, call, sub);
+    __syncthreads();
+  }
+  if (!ok) mark_unsent(ep, call);
+
+  finish_dispatch(c, s.peer, call.seq);
+}
+
+}  // namespace
+
+void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t stream) {
+  const DispatchParams& p = params.dispatch;
+  SmemCarver sizer{nullptr};
+  ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k);
+  launch_cooperative(expand_dispatch_kernel, params, p.num_blocks, sizer.bytes, stream);
+}
+
+}  // namespace weft::ep::detail
