@@ -6,7 +6,8 @@
 Per API form: host us per call (the Python call's wall time while the GPU is busy, median over
 --iters back-to-back calls), the same for the bare extension call (weft's C++ host path), their
 difference (what the Python layer adds), and GPU us per call (CUDA events over the same calls).
-Bandwidth as weft-ep-bench defines it: logical GB/s = received rows x row bytes / GPU time.
+Bandwidth as weft-ep-bench defines it: logical GB/s = received rows x bf16 row bytes / GPU time
+(so an fp8 form's figure is what its bf16 equivalent would need).
 """
 
 import argparse
@@ -92,6 +93,10 @@ def main():
         out.data_ptr(), stream
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
+    # DeepEP's fp8 pair as its own test passes it: per-128 scales, column-major.
+    amax = x.float().view(T, H // 128, 128).abs().amax(dim=2).clamp(min=1e-4)
+    x_fp8 = ((x.float().view(T, H // 128, 128) * (448.0 / amax[..., None])).view(T, H)
+             .to(torch.float8_e4m3fn), (amax / 448.0).t().contiguous().t())
     forms = {
         "bare extension dispatch (C++ host path)": raw_dispatch,
         "native dispatch, zero-copy, count on device": lambda: native.dispatch(x, idx, w),
@@ -104,6 +109,13 @@ def main():
         "DeepEP dispatch, owned, num_worst_tokens (no sync)":
             lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                     num_worst_tokens=n, **layout),
+        "native dispatch, fp8 pair, zero-copy, count on device":
+            lambda: native.dispatch(x_fp8, idx, w),
+        "DeepEP dispatch, fp8 pair, owned tensors (host sync)":
+            lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config,
+                                    **layout),
+        "one copy of the received rows (torch clone): the floor's second pass":
+            lambda: y.clone(),
     }
     results = {}
     for name, fn in forms.items():

@@ -136,6 +136,11 @@ struct DispatchArgs {
   ep::DType x_dtype = ep::DType::kBFloat16;
   int64_t num_tokens = 0;
   int64_t x_cols = 0;
+  // With x the e4m3 payload [num_tokens, hidden] (uint8): the fp8 pair's scales, fp32
+  // [num_tokens, hidden / 128] at these strides (elements); packed by the kernel.
+  std::uintptr_t x_scales = 0;
+  int64_t x_scales_token_stride = 0;
+  int64_t x_scales_group_stride = 0;
   std::uintptr_t topk_idx = 0;  // [num_tokens, top_k] int32 / int64 (null for a cached dispatch)
   bool topk_idx_int64 = true;
   std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
@@ -151,6 +156,26 @@ struct DispatchArgs {
   std::uintptr_t stream = 0;
   std::uintptr_t comm_stream = 0;
   std::uintptr_t previous_event = 0;
+  bool async_finish = false;
+  // The call goes on with copy_out (owned results): `stream` is not ordered after it yet.
+  bool hold = false;
+};
+
+// Owned copies of the latest dispatch's results (ep::CopyOutTargets), on comm_stream (or
+// `stream` where comm_stream is 0), which then hands back to `stream` as DispatchArgs does.
+struct CopyOutArgs {
+  int64_t num_rows = 0;
+  std::uintptr_t x = 0;
+  std::uintptr_t x_scales = 0;
+  std::uintptr_t src = 0;
+  int32_t pad_token = 0;
+  std::uintptr_t topk_idx = 0;
+  bool topk_idx_int64 = false;
+  std::uintptr_t topk_weights = 0;
+  int num_topk = 0;
+  std::uintptr_t rank_prefix_matrix = 0;
+  std::uintptr_t stream = 0;
+  std::uintptr_t comm_stream = 0;
   bool async_finish = false;
 };
 
@@ -288,6 +313,8 @@ class PyBuffer {
     const int top_k = b.config().top_k;
     ep::DispatchInputs in;
     in.x = {as_ptr(a.x), a.x_dtype, a.num_tokens, a.x_cols};
+    in.x_scales = {reinterpret_cast<const float*>(a.x_scales), a.x_scales_token_stride,
+                   a.x_scales_group_stride};
     if (handle == nullptr) {
       in.topk_idx = {as_ptr(a.topk_idx), a.topk_idx_int64 ? ep::DType::kInt64 : ep::DType::kInt32,
                      a.num_tokens, top_k};
@@ -304,20 +331,27 @@ class PyBuffer {
     const cudaStream_t s = enter(a.stream, a.comm_stream, a.previous_event);
     ep::DispatchResult r =
         b.dispatch(in, s, a.read_counts ? ep::CountMode::kExact : ep::CountMode::kOnDevice);
+    const bool counts_published = a.read_counts && handle == nullptr && !a.expand;
     if (a.read_counts) {
       const int num_local = b.config().num_local_experts(b.num_ranks());
-      WEFT_CUDA_CHECK(cudaMemcpyAsync(core_->host_counts, r.tokens_per_local_expert,
-                                      sizeof(int32_t) * std::size_t(num_local),
-                                      cudaMemcpyDeviceToHost, s));
-      WEFT_CUDA_CHECK(cudaEventRecord(core_->counts_event, s));
-      leave(a.stream, a.comm_stream, a.async_finish);
+      if (!counts_published) {  // the counts come when the kernel ends
+        WEFT_CUDA_CHECK(cudaMemcpyAsync(core_->host_counts, r.tokens_per_local_expert,
+                                        sizeof(int32_t) * std::size_t(num_local),
+                                        cudaMemcpyDeviceToHost, s));
+        WEFT_CUDA_CHECK(cudaEventRecord(core_->counts_event, s));
+      }
+      if (!a.hold) leave(a.stream, a.comm_stream, a.async_finish);
       b.wait_num_recv(r);
-      WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
+      const int32_t* counts = r.tokens_per_local_expert_host;
+      if (counts == nullptr) {
+        WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
+        counts = core_->host_counts;
+      }
       out.num_recv = r.num_recv;
       out.rows_required = r.rows_required;
       out.tokens_required = r.tokens_required;
-      out.tokens_per_local_expert.assign(core_->host_counts, core_->host_counts + num_local);
-    } else {
+      out.tokens_per_local_expert.assign(counts, counts + num_local);
+    } else if (!a.hold) {
       leave(a.stream, a.comm_stream, a.async_finish);
     }
     out.handle = r.handle;
@@ -354,6 +388,27 @@ class PyBuffer {
     DeviceGuard guard(core_->device);
     const cudaStream_t s = enter(a.stream, a.comm_stream, a.previous_event);
     b.combine(in, handle, reinterpret_cast<void*>(a.out), s);
+    leave(a.stream, a.comm_stream, a.async_finish);
+  }
+
+  // The owned copies that end a dispatch made with hold (DeepEP's owned results), then the
+  // stream hand-off back to `stream`.
+  void copy_out(const CopyOutArgs& a) {
+    ep::Buffer& b = live();
+    ep::CopyOutTargets t;
+    t.num_rows = a.num_rows;
+    t.x = reinterpret_cast<void*>(a.x);
+    t.x_scales = reinterpret_cast<float*>(a.x_scales);
+    t.src = reinterpret_cast<int32_t*>(a.src);
+    t.pad_token = a.pad_token;
+    t.topk_idx = reinterpret_cast<void*>(a.topk_idx);
+    t.topk_idx_int64 = a.topk_idx_int64;
+    t.topk_weights = reinterpret_cast<float*>(a.topk_weights);
+    t.num_topk = a.num_topk;
+    t.rank_prefix_matrix = reinterpret_cast<int32_t*>(a.rank_prefix_matrix);
+    DeviceGuard guard(core_->device);
+    const cudaStream_t s = a.comm_stream != 0 ? as_stream(a.comm_stream) : as_stream(a.stream);
+    b.copy_out(t, s);
     leave(a.stream, a.comm_stream, a.async_finish);
   }
 
@@ -450,6 +505,10 @@ void bind_ep(nb::module_& m) {
       .def_rw("x_dtype", &DispatchArgs::x_dtype)
       .def_rw("num_tokens", &DispatchArgs::num_tokens)
       .def_rw("x_cols", &DispatchArgs::x_cols)
+      .def_rw("x_scales", &DispatchArgs::x_scales)
+      .def_rw("x_scales_token_stride", &DispatchArgs::x_scales_token_stride)
+      .def_rw("x_scales_group_stride", &DispatchArgs::x_scales_group_stride)
+      .def_rw("hold", &DispatchArgs::hold)
       .def_rw("topk_idx", &DispatchArgs::topk_idx)
       .def_rw("topk_idx_int64", &DispatchArgs::topk_idx_int64)
       .def_rw("topk_weights", &DispatchArgs::topk_weights)
@@ -463,6 +522,22 @@ void bind_ep(nb::module_& m) {
       .def_rw("comm_stream", &DispatchArgs::comm_stream)
       .def_rw("previous_event", &DispatchArgs::previous_event)
       .def_rw("async_finish", &DispatchArgs::async_finish);
+
+  nb::class_<CopyOutArgs>(m, "CopyOutArgs")
+      .def(nb::init<>())
+      .def_rw("num_rows", &CopyOutArgs::num_rows)
+      .def_rw("x", &CopyOutArgs::x)
+      .def_rw("x_scales", &CopyOutArgs::x_scales)
+      .def_rw("src", &CopyOutArgs::src)
+      .def_rw("pad_token", &CopyOutArgs::pad_token)
+      .def_rw("topk_idx", &CopyOutArgs::topk_idx)
+      .def_rw("topk_idx_int64", &CopyOutArgs::topk_idx_int64)
+      .def_rw("topk_weights", &CopyOutArgs::topk_weights)
+      .def_rw("num_topk", &CopyOutArgs::num_topk)
+      .def_rw("rank_prefix_matrix", &CopyOutArgs::rank_prefix_matrix)
+      .def_rw("stream", &CopyOutArgs::stream)
+      .def_rw("comm_stream", &CopyOutArgs::comm_stream)
+      .def_rw("async_finish", &CopyOutArgs::async_finish);
 
   nb::class_<CombineArgs>(m, "CombineArgs")
       .def(nb::init<>())
@@ -528,6 +603,7 @@ void bind_ep(nb::module_& m) {
       .def("window_bytes", &PyBuffer::window_bytes, nb::arg("data"), nb::arg("num_bytes"))
       .def("dispatch", &PyBuffer::dispatch, nb::arg("args"), nb::arg("handle").none())
       .def("combine", &PyBuffer::combine, nb::arg("args"), nb::arg("handle"))
+      .def("copy_out", &PyBuffer::copy_out, nb::arg("args"))
       .def("enter_comm", &PyBuffer::enter_comm, nb::arg("stream"), nb::arg("comm_stream"),
            nb::arg("previous_event"))
       .def("leave_comm", &PyBuffer::leave_comm, nb::arg("stream"), nb::arg("comm_stream"))

@@ -123,7 +123,7 @@ def test_the_runner_serves_a_script_and_the_processes_it_spawns(tmp_path):
 
 
 def _handle():
-    layout = ep_buffer._Layout(0, (128, 8, 8), None, 5, 3, 0, None, None,
+    layout = ep_buffer._Layout(0, (128, 8, 8), None, 5, 3, 0, None,
                                torch.tensor([[0, 4], [0, 1], [0, 0]], dtype=torch.int32))
     prefix = torch.tensor([[3]], dtype=torch.int32)
     in_rank = torch.ones((5, 1), dtype=torch.bool)

@@ -26,7 +26,9 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(weft.__file__))
 
 
 def dispatch(buf, x, idx, w, num_experts, **kw):
-    return buf.dispatch(x.cuda(), topk_idx=idx.cuda(), topk_weights=w.cuda(),
+    """buf.dispatch of CPU inputs (x: a tensor, or the fp8 pair already on the device)."""
+    x = x.cuda() if isinstance(x, torch.Tensor) else x
+    return buf.dispatch(x, topk_idx=idx.cuda(), topk_weights=w.cuda(),
                         **deepep_layout(buf, idx.cuda(), num_experts), **kw)
 
 
@@ -298,3 +300,78 @@ def test_a_handle_that_is_not_this_buffers_is_refused():
             buf.combine(y, handle)
         with pytest.raises(weft.Error, match=match):
             buf.dispatch(y, handle=handle)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
+def test_fp8_scales_are_read_where_they_are(layout):
+    """The kernel packs the fp8 pair on the way (no pack pass): every received payload byte and
+    scale equals the sender's, whatever the scales' strides; the native result's packed rows equal
+    pack_fp8's."""
+    num_tokens, hidden, experts = 300, 1024, 16
+    x, idx, w = inputs(num_tokens, hidden, experts, 4, 0.2, seed=21)
+    x8, scales = ref.per_token_cast_to_fp8(x)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    src = want.src[:, 1].long()
+    if layout == "column-major":
+        s = scales.t().contiguous().t().cuda()
+    elif layout == "strided":  # every other column of a wider tensor, and not contiguous rows
+        wide = torch.full((num_tokens, 2 * scales.shape[1]), float("nan"))
+        wide[:, ::2] = scales
+        s = wide.cuda()[:, ::2]
+    else:
+        s = scales.cuda()
+    buf = weft.ep.Buffer(None, int(1e9))
+    rx, _, _, _, _, _ = dispatch(buf, (x8.cuda(), s), idx, w, experts)
+    assert torch.equal(rx[0].cpu().view(torch.uint8), x8.view(torch.uint8)[src])
+    assert torch.equal(rx[1].cpu(), scales[src])
+    native = weft.ep.NativeBuffer(None, max_tokens=num_tokens, hidden=hidden, num_experts=experts,
+                                 top_k=4)
+    res = native.dispatch((x8.cuda(), s), idx.cuda(), w.cuda(), sync_count=True)
+    packed = weft.ep.pack_fp8(x8, scales, native.fp8_row_bytes)[src]
+    got = torch.cat([res.recv_x[0].view(torch.uint8), res.recv_x[1].view(torch.uint8)], 1)
+    assert torch.equal(got.cpu(), packed[:, :got.shape[1]])
+
+
+def test_a_thousand_owned_dispatches_back_to_back_each_match_the_reference():
+    """Counts read early (as soon as the count exchange ends), owned tensors filled by one copy
+    kernel: 1000 calls with fresh routing, every row, index, weight and count checked."""
+    num_tokens, hidden, experts, top_k = 96, 256, 16, 4
+    buf = weft.ep.Buffer(None, int(1e9))
+    g = torch.Generator().manual_seed(22)
+    for i in range(1000):
+        x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
+        idx = ref.random_routing(num_tokens, experts, top_k, g, 0.3)
+        w = torch.rand((num_tokens, top_k), generator=g)
+        (want,) = ref.dispatch([x], [idx], [w], experts)
+        rx, ridx, rw, counts, handle, _ = dispatch(buf, x, idx, w, experts)
+        assert torch.equal(rx.cpu(), want.x), i
+        assert torch.equal(ridx.cpu(), want.expert_idx.long()), i
+        assert torch.equal(rw.cpu(), want.weights), i
+        assert counts == [(idx == e).sum().item() for e in range(experts)], i
+        assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
+
+
+def test_an_older_handle_is_laid_out_again_from_is_token_in_rank_alone():
+    """The handle keeps no copy of the caller's selections: re-running an older layout needs only
+    is_token_in_rank, so overwriting topk_idx after the dispatch changes nothing."""
+    hidden, experts = 512, 16
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(120, hidden, experts, 4, 0.2, seed=23)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    idx_gpu = idx.cuda()
+    _, _, _, _, old, _ = dispatch_on(buf, x, idx_gpu, w, experts)
+    dispatch(buf, *inputs(80, hidden, experts, 4, 0.1, seed=24), experts)  # a newer layout
+    idx_gpu.fill_(0)  # the caller reuses its tensor
+    y = torch.randn((want.x.shape[0], hidden)).bfloat16()
+    out, _, _ = buf.combine(y.cuda(), old)
+    (want_out,) = ref.combine([want], [y], [120])
+    assert torch.equal(out.cpu(), want_out) and buf.num_relayouts == 1
+    cx, _, _, _, _, _ = buf.dispatch(x.cuda(), handle=old)
+    assert buf.num_relayouts == 1  # the layout is in place again
+    assert torch.equal(cx.cpu(), want.x)
+
+
+def dispatch_on(buf, x, idx_gpu, w, num_experts):
+    """dispatch() with the caller's own device selections (kept by the caller)."""
+    return buf.dispatch(x.cuda(), topk_idx=idx_gpu, topk_weights=w.cuda(),
+                        **deepep_layout(buf, idx_gpu, num_experts))

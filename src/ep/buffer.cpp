@@ -4,6 +4,8 @@
 #include <cstddef>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <thread>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -48,6 +50,12 @@ struct BufferState {
   int32_t* host_tokens_required = nullptr;
   int64_t* host_rows_required = nullptr;
   char** peers = nullptr;         // [kMaxRanks] CommParams::peers of this rank (device)
+  // Mapped pinned memory (kernels/params.hpp kPublishedHeaderWords): the counts an uncached
+  // deduplicated dispatch with CountMode::kExact publishes early; its device address.
+  int32_t* published = nullptr;
+  int32_t* published_device = nullptr;
+  bool count_published = false;   // the count_sequence dispatch publishes there
+  int64_t latest_row_bytes = 0;   // of the latest dispatch (copy_out)
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable
@@ -65,6 +73,7 @@ struct BufferState {
     if (state != nullptr) cudaFree(state);
     if (expand_info != nullptr) cudaFree(expand_info);
     if (peers != nullptr) cudaFree(peers);
+    if (published != nullptr) cudaFreeHost(published);
     cudaSetDevice(previous);
   }
 };
@@ -313,6 +322,15 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   state_->host_tokens_required = static_cast<int32_t*>(host) + 1;
   state_->host_rows_required = static_cast<int64_t*>(host) + 1;
   WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&state_->count_event, cudaEventDisableTiming));
+  void* published = nullptr;
+  const std::size_t published_words =
+      detail::kPublishedHeaderWords + std::size_t(config.num_local_experts(num_ranks_));
+  WEFT_CUDA_CHECK(cudaHostAlloc(&published, published_words * 4, cudaHostAllocMapped));
+  std::memset(published, 0, published_words * 4);
+  state_->published = static_cast<int32_t*>(published);
+  void* published_device = nullptr;
+  WEFT_CUDA_CHECK(cudaHostGetDevicePointer(&published_device, published, 0));
+  state_->published_device = static_cast<int32_t*>(published_device);
   void* peers = nullptr;
   WEFT_CUDA_CHECK(cudaMalloc(&peers, sizeof(char*) * detail::kMaxRanks));
   state_->peers = static_cast<char**>(peers);
@@ -485,8 +503,18 @@ void Buffer::refuse_overflowed_layout(const Handle& layout, const char* call) co
 
 namespace {
 
-// Bytes per row of dispatch's x: bf16 [T, hidden] or packed fp8 [T, fp8 row_bytes] uint8.
-int64_t dispatch_row_bytes(const TensorView& x, const BufferConfig& config) {
+// Bytes per received row of dispatch's x: bf16 [T, hidden], packed fp8 [T, fp8 row_bytes] uint8,
+// or the fp8 pair's payload [T, hidden] uint8 with x_scales (packed on the way).
+int64_t dispatch_row_bytes(const DispatchInputs& in, const BufferConfig& config) {
+  const TensorView& x = in.x;
+  if (in.x_scales.data != nullptr) {
+    const Fp8RowLayout l = fp8_row_layout(config.hidden);
+    check_view(x, "x (fp8 payload)", {DType::kUInt8}, x.rows, config.hidden);
+    WEFT_CHECK(in.x_scales.token_stride >= 0 && in.x_scales.group_stride >= 0,
+               "x_scales strides must not be negative, got (", in.x_scales.token_stride, ", ",
+               in.x_scales.group_stride, ")");
+    return l.row_bytes;
+  }
   if (x.dtype == DType::kUInt8) {
     const Fp8RowLayout l = fp8_row_layout(config.hidden);
     check_view(x, "x (packed fp8 rows)", {DType::kUInt8}, x.rows, l.row_bytes);
@@ -497,6 +525,11 @@ int64_t dispatch_row_bytes(const TensorView& x, const BufferConfig& config) {
   }
   check_view(x, "x", {DType::kBFloat16}, x.rows, config.hidden);
   return config.row_bytes();
+}
+
+detail::RowSource row_source(const DispatchInputs& in, int64_t row_bytes, int64_t hidden) {
+  return {in.x.data, row_bytes, in.x_scales.data, hidden, in.x_scales.token_stride,
+          in.x_scales.group_stride};
 }
 
 }  // namespace
@@ -544,9 +577,10 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
                " tokens, but the buffer was sized for at most ", config_.max_tokens,
                " (only the deduplicated dispatch reports tokens_required instead)");
   }
-  const int64_t row_bytes = dispatch_row_bytes(in.x, config_);
+  const int64_t row_bytes = dispatch_row_bytes(in, config_);
   const PointerHome home = pointer_home(*group_, index_, device_);
   check_pointer(T > 0 ? in.x.data : nullptr, "x", home, 16);
+  check_pointer(T > 0 ? in.x_scales.data : nullptr, "x_scales", home, 4);
   check_pointer(in.cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", home,
                 4);
   if (in.handle != nullptr) return dispatch_cached(in, row_bytes, stream, mode);
@@ -564,8 +598,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   DeviceGuard guard(device_);
   detail::DispatchParams p{};
   p.comm = comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
-  p.x = in.x.data;
-  p.row_bytes = row_bytes;
+  p.x = row_source(in, row_bytes, config_.hidden);
   p.topk_idx = in.topk_idx.data;
   p.topk_idx_int64 = in.topk_idx.dtype == DType::kInt64;
   p.local_count = T <= detail::kLocalCountMaxTokens;
@@ -583,6 +616,8 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.cumulative_stats = in.cumulative_local_expert_recv_stats;
   p.layout_id = dispatch_sequence_ + 1;
   p.report_overflow = mode == CountMode::kOnDevice;
+  const bool publish = mode == CountMode::kExact && !in.expand.enabled;
+  p.published = publish ? state_->published_device : nullptr;
   if (in.expand.enabled) {
     detail::ExpandDispatchParams ep{};
     ep.dispatch = p;
@@ -600,8 +635,13 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   state_->layout = {id_, dispatch_sequence_, T, -1,
                     in.expand.enabled ? in.expand : ExpandOptions{}};
 
+  state_->latest_row_bytes = row_bytes;
   DispatchResult r = make_result(row_bytes, state_->layout);
-  if (mode == CountMode::kExact) {
+  state_->count_published = publish;
+  if (publish) {
+    WEFT_CUDA_CHECK(cudaEventRecord(state_->count_event, stream));
+    state_->count_sequence = dispatch_sequence_;
+  } else if (mode == CountMode::kExact) {
     static_assert(offsetof(detail::DeviceState, tokens_required) ==
                       offsetof(detail::DeviceState, num_recv) + sizeof(int32_t),
                   "one copy gives the host num_recv and tokens_required");
@@ -636,8 +676,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   DeviceGuard guard(device_);
   detail::CachedDispatchParams p{};
   p.comm = comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
-  p.x = in.x.data;
-  p.row_bytes = row_bytes;
+  p.x = row_source(in, row_bytes, config_.hidden);
   p.num_tokens = h.num_tokens;
   p.num_blocks = num_blocks(h.num_tokens, in.num_sms);
   p.send_slot = state_->send_slot;
@@ -653,6 +692,7 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   p.layout_id = h.sequence;
   p.max_tokens = config_.max_tokens;
   detail::launch_cached_dispatch(p, stream);
+  state_->latest_row_bytes = row_bytes;
   note_launched(stream);
   return make_result(row_bytes, *in.handle);
 }
@@ -662,11 +702,15 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   WEFT_CHECK(result.handle.sequence == state_->count_sequence,
              "wait_num_recv needs the latest dispatch made with CountMode::kExact");
   DeviceGuard guard(device_);
-  WEFT_CUDA_CHECK(cudaEventSynchronize(state_->count_event));
-  throw_if_device_error();
-  result.num_recv = *state_->host_count;
+  if (state_->count_published) {
+    wait_published(result);
+  } else {
+    WEFT_CUDA_CHECK(cudaEventSynchronize(state_->count_event));
+    throw_if_device_error();
+    result.num_recv = *state_->host_count;
+    result.tokens_required = *state_->host_tokens_required;
+  }
   result.handle.num_recv = result.num_recv;
-  result.tokens_required = *state_->host_tokens_required;
   result.handle.tokens_required = result.tokens_required;
   if (state_->layout.sequence == result.handle.sequence) {
     state_->layout.num_recv = result.num_recv;
@@ -674,6 +718,85 @@ int64_t Buffer::wait_num_recv(DispatchResult& result) {
   }
   if (result.handle.expand.enabled) result.rows_required = *state_->host_rows_required;
   return result.num_recv;
+}
+
+// Waits on the host until the mapped counts carry this dispatch's layout id (published when its
+// count exchange ended). Where its kernel ended without publishing (a wait timed out there: a
+// fatal device error), throws that error.
+void Buffer::wait_published(DispatchResult& result) {
+  const auto* published_id = reinterpret_cast<const volatile uint64_t*>(state_->published);
+  const uint64_t want = result.handle.sequence;
+  // Between polls of the mapped word, now and then: has the kernel ended without publishing?
+  constexpr int kPollsPerEventQuery = 64;
+  for (int polls = 1; *published_id != want; ++polls) {
+    if (polls % kPollsPerEventQuery != 0) continue;
+    const cudaError_t status = cudaEventQuery(state_->count_event);
+    if (status == cudaErrorNotReady) {
+      std::this_thread::yield();
+      continue;
+    }
+    WEFT_CUDA_CHECK(status);
+    if (*published_id == want) break;
+    throw_if_device_error();
+    WEFT_FAIL("weft::ep dispatch ", want, " ended without publishing its counts");
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  throw_if_device_error();
+  const int32_t* words = state_->published;
+  result.num_recv = words[2];
+  result.tokens_required = words[3];
+  result.tokens_per_local_expert_host = words + detail::kPublishedHeaderWords;
+}
+
+void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
+  throw_if_device_error();
+  WEFT_CHECK(dispatch_sequence_ > 0, "copy_out: no dispatch has run on this Buffer");
+  const bool fp8 = t.x_scales != nullptr;
+  WEFT_CHECK(fp8 == (state_->latest_row_bytes != config_.row_bytes()),
+             "copy_out: x_scales must be given exactly when the latest dispatch moved fp8 rows");
+  WEFT_CHECK(t.num_rows >= 0, "copy_out: num_rows must not be negative, got ", t.num_rows);
+  WEFT_CHECK(t.num_topk >= 0 && t.num_topk <= config_.top_k, "copy_out: num_topk ", t.num_topk,
+             " is outside [0, top_k = ", config_.top_k, "]");
+  WEFT_CHECK(t.num_rows == 0 || t.x != nullptr, "copy_out: x is null");
+  const bool expanded = state_->layout.expand.enabled;
+  WEFT_CHECK(!expanded || t.rank_prefix_matrix == nullptr,
+             "copy_out: an expanded layout has no rank_prefix_matrix");
+  const PointerHome home = pointer_home(*group_, index_, device_);
+  if (t.num_rows > 0) {
+    check_pointer(t.x, "copy_out: x", home, 16);
+    check_pointer(t.x_scales, "copy_out: x_scales", home, 4);
+    check_pointer(t.src, "copy_out: src", home, 8);
+    check_pointer(t.topk_idx, "copy_out: topk_idx", home, t.topk_idx_int64 ? 8 : 4);
+    check_pointer(t.topk_weights, "copy_out: topk_weights", home, 4);
+  }
+  check_pointer(t.rank_prefix_matrix, "copy_out: rank_prefix_matrix", home, 4);
+  const auto& layout = group_->layout;
+  const char* base = static_cast<const char*>(group_->windows.local_ptr(index_));
+  detail::CopyOutParams p{};
+  p.recv_x = base + layout.recv_x;
+  p.row_bytes = state_->latest_row_bytes;
+  p.recv_src = reinterpret_cast<const int2*>(base + layout.recv_src);
+  p.recv_expert_idx = reinterpret_cast<const int32_t*>(base + layout.recv_expert_idx);
+  p.recv_weights = reinterpret_cast<const float*>(base + layout.recv_weights);
+  p.num_recv = &state_->state->num_recv;
+  p.top_k = config_.top_k;
+  p.hidden = config_.hidden;
+  p.num_rows = t.num_rows;
+  p.valid_rows = std::min(t.num_rows, expanded ? expand_capacity() : capacity());
+  p.x = t.x;
+  p.x_scales = t.x_scales;
+  p.src = reinterpret_cast<int2*>(t.src);
+  p.pad_token = t.pad_token;
+  p.topk_idx = t.topk_idx;
+  p.topk_idx_int64 = t.topk_idx_int64;
+  p.topk_weights = t.topk_weights;
+  p.num_topk = t.num_topk;
+  p.rank_prefix_matrix = state_->rank_prefix_matrix;
+  p.rank_prefix_out = t.rank_prefix_matrix;
+  p.num_ranks = num_ranks_;
+  p.max_blocks = device_num_sms_ * 8;
+  DeviceGuard guard(device_);
+  detail::launch_copy_out(p, stream);
 }
 
 void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,

@@ -97,8 +97,17 @@ constexpr int64_t kMaxDispatchTokens = INT32_MAX;
 
 struct DispatchInputs {
   // [T, hidden] bf16, or [T, fp8_row_layout(hidden).row_bytes] uint8 packed fp8 rows (types.hpp;
-  // cast_to_fp8 makes them from bf16; hidden must be a multiple of 128); 16-byte aligned.
+  // cast_to_fp8 makes them from bf16; hidden must be a multiple of 128); 16-byte aligned. With
+  // x_scales: [T, hidden] uint8, the e4m3 payload of DeepEP's fp8 pair.
   TensorView x;
+  // DeepEP's fp8 pair's scales, read where they are: fp32 [T, hidden / 128] at (token_stride,
+  // group_stride) elements (row-major: (hidden / 128, 1); column-major: (1, T)), 4-byte aligned.
+  // The rows are packed on the way (the received rows are packed fp8 rows, as with packed x).
+  struct Fp8Scales {
+    const float* data = nullptr;
+    int64_t token_stride = 0;
+    int64_t group_stride = 0;
+  } x_scales;
   // [T, top_k] int32 or int64, aligned to its element; -1 = no selection. Every pointer of a
   // call is device memory of this Buffer's device (checked; the Buffer's own window is too).
   TensorView topk_idx;
@@ -174,7 +183,27 @@ struct DispatchResult {
   //  tokens_required: set by wait_num_recv(): 0 or that T; -1 = not waited for.
   const int32_t* tokens_required_device = nullptr;
   int64_t tokens_required = -1;
+  // After wait_num_recv() of an uncached deduplicated dispatch: [num_local_experts] on the host,
+  // valid until the next dispatch is launched (else null).
+  const int32_t* tokens_per_local_expert_host = nullptr;
   Handle handle;
+};
+
+// Owned copies of the latest dispatch's results (Buffer::copy_out): the first num_rows rows of
+// each array given (null: not copied), device memory of the Buffer's device, contiguous. Rows at
+// or past the received count (a worst-case num_rows) are padding: payload not written, src
+// (0, pad_token), topk_idx -1, topk_weights 0.
+struct CopyOutTargets {
+  int64_t num_rows = 0;
+  void* x = nullptr;              // [num_rows, hidden] bf16, or the e4m3 bytes with x_scales
+  float* x_scales = nullptr;      // fp8 dispatch: [num_rows, hidden / 128] row-major
+  int32_t* src = nullptr;         // [num_rows, 2] (source rank, source token)
+  int32_t pad_token = 0;
+  void* topk_idx = nullptr;       // [num_rows, num_topk] int32 or int64 (local expert or -1)
+  bool topk_idx_int64 = false;
+  float* topk_weights = nullptr;  // [num_rows, num_topk]
+  int num_topk = 0;               // the first num_topk of the top_k selections
+  int32_t* rank_prefix_matrix = nullptr;  // [R, R] (deduplicated layout)
 };
 
 enum class CountMode {
@@ -268,11 +297,18 @@ class Buffer {
 
   DispatchResult dispatch(const DispatchInputs& inputs, cudaStream_t stream,
                           CountMode mode = CountMode::kOnDevice);
-  // kExact only: waits for this dispatch's count (host wait on its event), checks the device
-  // flag, stores and returns result.num_recv (also in result.handle) and result.tokens_required
-  // (also in result.handle; 0 unless a rank's T exceeded max_tokens); expanded, also stores
-  // result.rows_required.
+  // kExact only: waits for this dispatch's count, checks the device flag, stores and returns
+  // result.num_recv (also in result.handle) and result.tokens_required (also in result.handle;
+  // 0 unless a rank's T exceeded max_tokens); expanded, also stores result.rows_required. An
+  // uncached deduplicated dispatch publishes its counts to mapped host memory when its count
+  // exchange ends, so the wait returns while its rows still move (and also sets
+  // result.tokens_per_local_expert_host); the others are waited for to the kernel's end.
   int64_t wait_num_recv(DispatchResult& result);
+
+  // Owned copies of the latest dispatch's results (CopyOutTargets), in one kernel on stream
+  // (which must be ordered after that dispatch), before the next dispatch or combine is
+  // launched. fp8 (x_scales given) needs the latest dispatch to be an fp8 one.
+  void copy_out(const CopyOutTargets& targets, cudaStream_t stream);
 
   // out: [handle.num_tokens, hidden] bf16, fully written (not at all after an overflowed
   // expanded dispatch: see CombineInputs).
@@ -323,6 +359,7 @@ class Buffer {
   DispatchResult dispatch_cached(const DispatchInputs& inputs, int64_t row_bytes,
                                  cudaStream_t stream, CountMode mode);
   DispatchResult make_result(int64_t row_bytes, const Handle& handle) const;
+  void wait_published(DispatchResult& result);
   // pipeline_depth: the host wait before a launch, and the bookkeeping after it.
   void pace_host();
   void note_launched(cudaStream_t stream);

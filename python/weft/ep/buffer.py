@@ -18,6 +18,7 @@ DeepEP"). The Buffer is a thin layer on NativeBuffer's public API:
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -27,11 +28,11 @@ from .. import Error, _weft
 from . import _group
 from .communicator import Communicator
 from .config import Config, combine_config, dispatch_config
-from .copy_out import copy_rows, empty_rows, flat, rows_copy
+from .copy_out import flat
 from .event import EventHandle, EventOverlap
 from .layout import dispatch_layout
-from .native import (CommCall, NativeBuffer, check_stream_options, check_tensor, check_x,
-                     event_of)
+from .native import (_NO_EVENT, CommCall, NativeBuffer, _current_raw_stream, async_event,
+                     check_stream_options, check_tensor, check_x, event_of)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
@@ -48,19 +49,20 @@ class _Layout:
     a new native handle)."""
 
     __slots__ = ("buffer_serial", "window_shapes", "native", "num_tokens", "num_recv",
-                 "num_worst_tokens", "topk_idx", "topk_weights", "recv_src")
+                 "num_worst_tokens", "is_token_in_rank", "recv_src")
 
     def __init__(self, buffer_serial: int, window_shapes: Tuple[int, int, int], native,
-                 num_tokens: int, num_recv: Optional[int], num_worst_tokens: int, topk_idx,
-                 topk_weights, recv_src) -> None:
+                 num_tokens: int, num_recv: Optional[int], num_worst_tokens: int,
+                 is_token_in_rank: torch.Tensor, recv_src) -> None:
         self.buffer_serial = buffer_serial
         self.window_shapes = window_shapes  # (hidden, num_experts, top_k) of its window
         self.native = native
         self.num_tokens = num_tokens
         self.num_recv = num_recv  # None: only on the device (num_worst_tokens > 0)
         self.num_worst_tokens = num_worst_tokens
-        self.topk_idx = topk_idx  # [T, window top_k], kept to re-run the layout
-        self.topk_weights = topk_weights
+        # [T, R]: the caller's, as DeepEP's handle holds it. The rows a rank receives, and their
+        # order (source rank, then token), depend only on it: what re-running the layout needs.
+        self.is_token_in_rank = is_token_in_rank
         self.recv_src = recv_src  # owned [rows, 2]; padding rows of a worst-case layout: token T
 
     @property
@@ -378,34 +380,18 @@ class Buffer:
         check_x(x, hidden, device)
         native = self._window_for(hidden, top_k, num_experts)
         sync = num_worst_tokens == 0
-        with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
-            idx_in, w_in = self._selections(native, topk_idx, topk_weights, is_token_in_rank)
-            packed = native.packed_x(x)
-            res = native.launch_dispatch(packed, is_fp8, idx_in, w_in, None, None, num_sms,
-                                         None, sync)
-            while sync and res.tokens_required:
-                # Every rank saw the same count exchange: every rank grows here.
-                native = self._grow(res.tokens_required)
-                call.buffer = native
-                res = native.launch_dispatch(packed, is_fp8, idx_in, w_in, None, None, num_sms,
-                                             None, sync)
-            rows = res.num_recv if sync else num_worst_tokens
-            with call.allocating():
-                recv_x = empty_rows(res.recv_x, rows)
-                recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
-                prefix = torch.empty((self.group_size, self.group_size), dtype=torch.int32,
-                                     device=device)
-                recv_idx = recv_w = None
-                if topk_idx is not None:
-                    recv_idx = torch.empty((rows, top_k), dtype=topk_idx.dtype, device=device)
-                    recv_w = torch.empty((rows, top_k), dtype=torch.float32, device=device)
-            # The handle's own selections, to re-run the layout whatever the caller does later.
-            idx_keep, w_keep = (idx_in.clone(), w_in.clone()) if idx_in is topk_idx else \
-                (idx_in, w_in)
-            self._copy_out(native, res, rows, recv_x, recv_src, prefix, recv_idx, recv_w,
-                           num_tokens, num_worst_tokens)
-            call.keep(packed, *flat(x), idx_in, w_in, idx_keep, w_keep, topk_idx, topk_weights,
-                      *flat(recv_x), recv_src, prefix, recv_idx, recv_w)
+        if topk_idx is not None and top_k == native.top_k:
+            res, recv, event = self._dispatch_owned(native, x, is_fp8, topk_idx, topk_weights,
+                                                    num_sms, num_tokens, num_worst_tokens,
+                                                    previous_event, async_finish,
+                                                    allocate_on_comm_stream)
+        else:
+            res, recv, event = self._dispatch_widened(native, x, is_fp8, topk_idx, topk_weights,
+                                                      is_token_in_rank, num_sms, num_tokens,
+                                                      num_worst_tokens, previous_event,
+                                                      async_finish, allocate_on_comm_stream)
+        native = self._native
+        recv_x, recv_src, prefix, recv_idx, recv_w = recv
         if not sync:
             counts: List[int] = []
         elif topk_idx is not None:
@@ -415,9 +401,94 @@ class Buffer:
             counts = self._counts_without_topk(num_tokens_per_expert, expert_alignment)
         layout = _Layout(self._serial, (native.hidden, native.num_experts, native.top_k),
                          res.handle, num_tokens, res.num_recv if sync else None,
-                         num_worst_tokens, idx_keep, w_keep, recv_src)
-        return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, layout), \
-            call.event
+                         num_worst_tokens, is_token_in_rank, recv_src)
+        return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, layout), event
+
+    def _launch_grown(self, native: NativeBuffer, x, is_fp8: bool, idx, w, num_sms: int,
+                      sync: bool, **streams):
+        """The dispatch, and again on a grown window while some rank sent more tokens than the
+        window holds (every rank saw the same count exchange: every rank grows here)."""
+        res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
+                                     **streams)
+        while sync and res.tokens_required:
+            native = self._grow(res.tokens_required)
+            res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
+                                         **streams)
+        return native, res
+
+    def _owned_results(self, native: NativeBuffer, res, is_fp8: bool, rows: int, top_k: int,
+                       idx_dtype) -> tuple:
+        """Empty owned tensors for a dispatch's results (on the current stream)."""
+        device = native.device
+        if is_fp8:
+            recv_x = (torch.empty((rows, native.hidden), dtype=torch.float8_e4m3fn, device=device),
+                      torch.empty((rows, native.hidden // 128), dtype=torch.float32,
+                                  device=device))
+        else:
+            recv_x = torch.empty((rows, native.hidden), dtype=torch.bfloat16, device=device)
+        recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
+        prefix = torch.empty((self.group_size, self.group_size), dtype=torch.int32, device=device)
+        recv_idx = recv_w = None
+        if top_k:
+            recv_idx = torch.empty((rows, top_k), dtype=idx_dtype, device=device)
+            recv_w = torch.empty((rows, top_k), dtype=torch.float32, device=device)
+        return recv_x, recv_src, prefix, recv_idx, recv_w
+
+    def _dispatch_owned(self, native, x, is_fp8, topk_idx, topk_weights, num_sms, num_tokens,
+                        num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream):
+        """The common call (the caller's selections fit the window): the kernel on the comm
+        stream, the counts read as soon as its count exchange ends (host sync only without
+        num_worst_tokens), the owned tensors allocated meanwhile and filled by one copy kernel,
+        then the hand-off back (all stream work inside the extension)."""
+        sync = num_worst_tokens == 0
+        comm = native.comm_stream
+        streams = dict(stream=_current_raw_stream(native.device.index), comm_stream=comm.cuda_stream,
+                       previous_event=event_of(previous_event), async_finish=async_finish,
+                       hold=True)
+        native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
+                                         **streams)
+        rows = res.num_recv if sync else num_worst_tokens
+        if allocate_on_comm_stream:
+            with torch.cuda.stream(comm):
+                recv = self._owned_results(native, res, is_fp8, rows, topk_idx.shape[1],
+                                           topk_idx.dtype)
+        else:
+            recv = self._owned_results(native, res, is_fp8, rows, topk_idx.shape[1],
+                                       topk_idx.dtype)
+        recv_x, recv_src, prefix, recv_idx, recv_w = recv
+        native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
+                        topk_weights=recv_w, rank_prefix_matrix=prefix,
+                        stream=streams["stream"], comm_stream=comm.cuda_stream,
+                        async_finish=async_finish)
+        event = _NO_EVENT
+        if async_finish:
+            event = async_event(comm, [*flat(x), topk_idx, topk_weights, *flat(recv_x),
+                                       recv_src, prefix, recv_idx, recv_w])
+        return res, recv, event
+
+    def _dispatch_widened(self, native, x, is_fp8, topk_idx, topk_weights, is_token_in_rank,
+                          num_sms, num_tokens, num_worst_tokens, previous_event, async_finish,
+                          allocate_on_comm_stream):
+        """A call whose selections are widened to the window's top-k first (fewer columns than
+        the window's, or routing by is_token_in_rank alone): torch ops and the kernel on the
+        comm stream (CommCall)."""
+        sync = num_worst_tokens == 0
+        top_k = 0 if topk_idx is None else topk_idx.shape[1]
+        idx_dtype = None if topk_idx is None else topk_idx.dtype
+        with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
+            idx_in, w_in = self._selections(native, topk_idx, topk_weights, is_token_in_rank)
+            native, res = self._launch_grown(native, x, is_fp8, idx_in, w_in, num_sms, sync)
+            call.buffer = native
+            rows = res.num_recv if sync else num_worst_tokens
+            with call.allocating():
+                recv = self._owned_results(native, res, is_fp8, rows, top_k, idx_dtype)
+            recv_x, recv_src, prefix, recv_idx, recv_w = recv
+            native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
+                            topk_weights=recv_w, rank_prefix_matrix=prefix,
+                            stream=_current_raw_stream(native.device.index))
+            call.keep(*flat(x), idx_in, w_in, topk_idx, topk_weights, *flat(recv_x), recv_src,
+                      prefix, recv_idx, recv_w)
+        return res, recv, call.event
 
     def _num_sms(self, config: Optional[Config], default) -> int:
         """The most SMs (blocks) of the call: config.num_sms, even as in DeepEP; 0 = every SM."""
@@ -448,35 +519,6 @@ class Buffer:
             idx[:, :self.group_size].copy_(torch.where(is_token_in_rank, first, -1))
         return idx, w
 
-    def _copy_out(self, native: NativeBuffer, res, rows: int, recv_x, recv_src, prefix,
-                  recv_idx, recv_w, num_tokens: int, num_worst_tokens: int) -> None:
-        """Copies a dispatch's results out of the window into the owned tensors (on the current
-        stream, the comm stream): one copy kernel for every plain copy, torch ops for the
-        widening of indices and the padding of a worst-case layout."""
-        valid = min(rows, native.capacity)  # rows past the capacity are padding only
-        k = native.top_k
-        row_bytes = native.fp8_row_bytes if isinstance(recv_x, tuple) else native.hidden * 2
-        copies = [rows_copy(dst, src, row_bytes, valid)
-                  for dst, src in zip(flat(recv_x), flat(res.recv_x))]
-        copies.append(rows_copy(recv_src, res.recv_src, 8, valid))
-        copies.append(rows_copy(prefix, res.rank_prefix_matrix, 4 * self.group_size,
-                                 self.group_size))
-        if recv_w is not None:
-            copies.append(rows_copy(recv_w, res.recv_weights, 4 * k, valid))
-            if recv_idx.dtype == torch.int32:
-                copies.append(rows_copy(recv_idx, res.recv_expert_idx, 4 * k, valid))
-        copy_rows(copies, native.comm_stream, native.device)
-        if recv_idx is not None and recv_idx.dtype != torch.int32:
-            recv_idx[:valid].copy_(res.recv_expert_idx[:valid, :recv_idx.shape[1]])
-        if num_worst_tokens > 0:
-            invalid = torch.arange(rows, device=native.device, dtype=torch.int32) >= \
-                res.num_recv_device
-            recv_src[valid:].fill_(0)
-            recv_src[:, 1].masked_fill_(invalid, num_tokens)
-            if recv_idx is not None:
-                recv_idx.masked_fill_(invalid[:, None], -1)
-                recv_w.masked_fill_(invalid[:, None], 0)
-
     def _counts_without_topk(self, num_tokens_per_expert: torch.Tensor, alignment: int) -> list:
         total = num_tokens_per_expert.clone()
         if self.group is not None:
@@ -504,16 +546,18 @@ class Buffer:
                         f"layout cannot run on: dispatch again")
         return native
 
-    def _relayout(self, native: NativeBuffer, layout: _Layout, num_sms: int):
-        """Re-runs the layout of an older handle (one uncached dispatch of its selections, on the
-        current stream: the comm stream) so that the window holds it again."""
+    def _relayout(self, native: NativeBuffer, layout: _Layout, num_sms: int) -> tuple:
+        """Re-runs the layout of an older handle (one uncached dispatch, on the current stream:
+        the comm stream) so that the window holds it again: a selection of each rank's first
+        expert where is_token_in_rank says so, which sends every token to the same ranks, so
+        every rank receives the same rows in the same order. Returns what the call reads."""
         x = torch.zeros((layout.num_tokens, native.hidden), dtype=torch.bfloat16,
                         device=native.device)
-        res = native.launch_dispatch(x, False, layout.topk_idx, layout.topk_weights, None, None,
-                                     num_sms, None, False)
+        idx, w = self._selections(native, None, None, layout.is_token_in_rank)
+        res = native.launch_dispatch(x, False, idx, w, None, None, num_sms, None, False)
         layout.native = res.handle
         self.num_relayouts += 1
-        return x
+        return x, idx, w, layout.is_token_in_rank
 
     def _cached_dispatch(self, x, handle: Handle, num_sms: int, previous_event, async_finish,
                          allocate_on_comm_stream):
@@ -524,22 +568,40 @@ class Buffer:
             raise Error(f"cached dispatch: x has {num_tokens} tokens, the handle's layout "
                         f"{layout.num_tokens}")
         rows = layout.num_rows
+        comm = native.comm_stream
+        if native.holds_layout(layout.native):  # the common call: all stream work in the extension
+            stream = _current_raw_stream(native.device.index)
+            native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
+                                   False, stream, comm.cuda_stream, event_of(previous_event),
+                                   async_finish, hold=True)
+            recv_x = self._owned_x(native, is_fp8, rows, allocate_on_comm_stream)
+            native.copy_out(rows, recv_x, stream=stream, comm_stream=comm.cuda_stream,
+                            async_finish=async_finish)
+            event = async_event(comm, [*flat(recv_x), *flat(x)]) if async_finish else _NO_EVENT
+            return recv_x, None, None, None, None, event
         with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
-            if not native.holds_layout(layout.native):
-                call.keep(self._relayout(native, layout, num_sms), layout.topk_idx,
-                          layout.topk_weights)
-            packed = native.packed_x(x)
-            res = native.launch_dispatch(packed, is_fp8, None, None, layout.native, None,
-                                         num_sms, None, False)
+            call.keep(*self._relayout(native, layout, num_sms))
+            native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
+                                   False)
             with call.allocating():
-                recv_x = empty_rows(res.recv_x, rows)
-            valid = min(rows, native.capacity)
-            row_bytes = native.fp8_row_bytes if is_fp8 else native.hidden * 2
-            copy_rows([rows_copy(dst, src, row_bytes, valid)
-                       for dst, src in zip(flat(recv_x), flat(res.recv_x))],
-                      native.comm_stream, native.device)
-            call.keep(packed, *flat(recv_x), *flat(x))
+                recv_x = self._owned_x(native, is_fp8, rows, False)
+            native.copy_out(rows, recv_x, stream=_current_raw_stream(native.device.index))
+            call.keep(*flat(recv_x), *flat(x))
         return recv_x, None, None, None, None, call.event
+
+    @staticmethod
+    def _owned_x(native: NativeBuffer, is_fp8: bool, rows: int, on_comm_stream: bool):
+        """An empty owned recv_x (or fp8 pair) of rows rows, allocated on the current stream or
+        the comm stream."""
+        with torch.cuda.stream(native.comm_stream) if on_comm_stream else \
+                contextlib.nullcontext():
+            if not is_fp8:
+                return torch.empty((rows, native.hidden), dtype=torch.bfloat16,
+                                   device=native.device)
+            return (torch.empty((rows, native.hidden), dtype=torch.float8_e4m3fn,
+                                device=native.device),
+                    torch.empty((rows, native.hidden // 128), dtype=torch.float32,
+                                device=native.device))
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: Handle,
@@ -572,16 +634,32 @@ class Buffer:
         x = x[:native.capacity]
         if topk_weights is not None:
             topk_weights = topk_weights[:native.capacity]
+
+        def outputs():
+            out = torch.empty((layout.num_tokens, native.hidden), dtype=torch.bfloat16,
+                              device=native.device)
+            combined_w = None if topk_weights is None else torch.empty(
+                (layout.num_tokens, topk_weights.shape[1]), dtype=torch.float32,
+                device=native.device)
+            return out, combined_w
+
+        comm = native.comm_stream
+        if native.holds_layout(layout.native):  # the common call: all stream work in the extension
+            with torch.cuda.stream(comm) if allocate_on_comm_stream else \
+                    contextlib.nullcontext():
+                out, combined_w = outputs()
+            native.launch_combine(x, layout.native, biases, out, num_sms,
+                                  _current_raw_stream(native.device.index), comm.cuda_stream,
+                                  event_of(previous_event), async_finish,
+                                  topk_weights=topk_weights, combined_weights=combined_w)
+            event = _NO_EVENT
+            if async_finish:
+                event = async_event(comm, [x, *biases, out, topk_weights, combined_w])
+            return out, combined_w, event
         with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
-            if not native.holds_layout(layout.native):
-                call.keep(self._relayout(native, layout, num_sms), layout.topk_idx,
-                          layout.topk_weights)
+            call.keep(*self._relayout(native, layout, num_sms))
             with call.allocating():
-                out = torch.empty((layout.num_tokens, native.hidden), dtype=torch.bfloat16,
-                                  device=native.device)
-                combined_w = None if topk_weights is None else torch.empty(
-                    (layout.num_tokens, topk_weights.shape[1]), dtype=torch.float32,
-                    device=native.device)
+                out, combined_w = outputs()
             native.launch_combine(x, layout.native, biases, out, num_sms,
                                   topk_weights=topk_weights, combined_weights=combined_w)
             call.keep(x, *biases, out, topk_weights, combined_w, layout.recv_src)

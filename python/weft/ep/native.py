@@ -92,8 +92,8 @@ def check_x(x, hidden: int, device: torch.device) -> Tuple[int, bool]:
 
 def pack_fp8(x_e4m3: torch.Tensor, scales: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """weft's packed fp8 rows [T, row_bytes] uint8: the e4m3 payload, then the fp32 scales, then
-    zero padding (include/weft/ep/types.hpp). scales may have any strides (DeepEP's tests pass
-    a column-major one)."""
+    zero padding (include/weft/ep/types.hpp). scales may have any strides. (dispatch takes the
+    pair itself and packs on the way; this is for callers that keep packed rows.)"""
     num_tokens, hidden = x_e4m3.shape
     packed = torch.empty((num_tokens, row_bytes), dtype=torch.uint8, device=x_e4m3.device)
     packed[:, :hidden].copy_(x_e4m3.view(torch.uint8))
@@ -124,6 +124,17 @@ class NativeHandle(NamedTuple):
     expert_alignment: int
     zero_padding: bool
     tokens_required: int
+
+
+class DispatchCounts(NamedTuple):
+    """What a dispatch whose results are copied out needs of it (no views of the window):
+    handle, and with the counts read, num_recv, tokens_per_local_expert_list and
+    tokens_required (else None)."""
+
+    handle: NativeHandle
+    num_recv: Optional[int]
+    tokens_per_local_expert_list: Optional[list]
+    tokens_required: Optional[int]
 
 
 @dataclass
@@ -436,13 +447,6 @@ class NativeBuffer:
         check_tensor("topk_weights", topk_weights, (torch.float32,), self.device,
                      (num_tokens, self.top_k))
 
-    def packed_x(self, x) -> torch.Tensor:
-        """x as the kernel reads it (checked x): bf16 rows, or packed fp8 rows made from the fp8
-        pair on the current stream."""
-        if isinstance(x, (tuple, list)):
-            return pack_fp8(x[0], x[1], self.fp8_row_bytes)
-        return x
-
     def _results(self, out, handle: NativeHandle, is_fp8: bool, num_rows: int) -> DispatchResult:
         if self._window is None:
             self._window = _Window(self._native, out, self.device)
@@ -506,38 +510,40 @@ class NativeBuffer:
         check_stream_options(previous_event, async_finish, allocate_on_comm_stream,
                              on_current_stream)
         stats = cumulative_local_expert_recv_stats
-        if isinstance(x, (tuple, list)) and not on_current_stream:
-            # The packing runs on the comm stream, after previous_event like the kernel.
-            with CommCall(self, previous_event, async_finish) as call:
-                packed = self.packed_x(x)
-                result = self.launch_dispatch(packed, is_fp8, topk_idx, topk_weights, handle,
-                                              stats, num_sms, expand, sync_count)
-                call.keep(packed, *x, topk_idx, topk_weights, stats)
-            result.event = call.event
-            return result
-        packed = self.packed_x(x)
         current = _current_raw_stream(self.device.index)
         if on_current_stream:
-            return self.launch_dispatch(packed, is_fp8, topk_idx, topk_weights, handle, stats,
+            return self.launch_dispatch(x, is_fp8, topk_idx, topk_weights, handle, stats,
                                         num_sms, expand, sync_count, current)
-        result = self.launch_dispatch(packed, is_fp8, topk_idx, topk_weights, handle, stats,
+        result = self.launch_dispatch(x, is_fp8, topk_idx, topk_weights, handle, stats,
                                       num_sms, expand, sync_count, current,
                                       self.comm_stream.cuda_stream, event_of(previous_event),
                                       async_finish)
         if async_finish:
-            result.event = async_event(self.comm_stream, [packed, topk_idx, topk_weights, stats])
+            result.event = async_event(self.comm_stream, [*flat(x), topk_idx, topk_weights,
+                                                          stats])
         return result
 
-    def launch_dispatch(self, packed, is_fp8: bool, topk_idx, topk_weights, handle, stats,
+    def launch_dispatch(self, x, is_fp8: bool, topk_idx, topk_weights, handle, stats,
                         num_sms: int, expand: Optional[Expand], sync_count: bool,
                         stream: Optional[int] = None, comm_stream: int = 0,
-                        previous_event: int = 0, async_finish: bool = False) -> DispatchResult:
-        """The dispatch kernel of checked inputs on stream (default: the current one), or on
-        comm_stream handed off from stream (see DispatchArgs in the binding)."""
+                        previous_event: int = 0, async_finish: bool = False,
+                        hold: bool = False) -> Union[DispatchResult, DispatchCounts]:
+        """The dispatch kernel of checked inputs (x: bf16 rows, packed fp8 rows, or the fp8 pair,
+        whose scales the kernel reads at their strides) on stream (default: the current one), or
+        on comm_stream handed off from stream (see DispatchArgs in the binding); with hold, the
+        hand-off back to stream is left to copy_out, and the result is DispatchCounts (the
+        caller copies the rows out: no views of the window are made)."""
         a = _weft.ep.DispatchArgs()
-        a.x = packed.data_ptr()
+        if isinstance(x, (tuple, list)):
+            x_e4m3, scales = x
+            a.x = x_e4m3.data_ptr()
+            a.x_scales = scales.data_ptr()
+            a.x_scales_token_stride, a.x_scales_group_stride = scales.stride()
+            a.num_tokens, a.x_cols = x_e4m3.shape
+        else:
+            a.x = x.data_ptr()
+            a.num_tokens, a.x_cols = x.shape
         a.x_dtype = _UINT8 if is_fp8 else _BF16
-        a.num_tokens, a.x_cols = packed.shape
         if handle is None:
             a.topk_idx = topk_idx.data_ptr()
             a.topk_idx_int64 = topk_idx.dtype == torch.int64
@@ -554,13 +560,48 @@ class NativeBuffer:
         a.comm_stream = comm_stream
         a.previous_event = previous_event
         a.async_finish = async_finish
+        a.hold = hold
         out = self._native.dispatch(a, handle)
         result_handle = NativeHandle(*out.handle)
         if handle is None:
             self._layout_key = (result_handle.buffer_id, result_handle.sequence)
+        if hold:
+            if out.num_recv < 0:
+                return DispatchCounts(result_handle, None, None, None)
+            return DispatchCounts(result_handle, out.num_recv, list(out.tokens_per_local_expert),
+                                  out.tokens_required)
         num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv
         return self._results(out, result_handle, is_fp8,
                              num_recv if num_recv >= 0 else out.capacity)
+
+    def copy_out(self, num_rows: int, recv_x, *, src=None, pad_token: int = 0, topk_idx=None,
+                 topk_weights=None, rank_prefix_matrix=None, stream: int = 0,
+                 comm_stream: int = 0, async_finish: bool = False) -> None:
+        """Owned copies of the latest dispatch's first num_rows rows into the given tensors (one
+        kernel; rows past the count are padding, see ep::CopyOutTargets), on comm_stream (or
+        stream), then the hand-off back to stream that a dispatch with hold left out."""
+        a = _weft.ep.CopyOutArgs()
+        a.num_rows = num_rows
+        if isinstance(recv_x, tuple):
+            a.x, a.x_scales = recv_x[0].data_ptr(), recv_x[1].data_ptr()
+        else:
+            a.x = recv_x.data_ptr()
+        if src is not None:
+            a.src = src.data_ptr()
+        a.pad_token = pad_token
+        if topk_idx is not None:
+            a.topk_idx = topk_idx.data_ptr()
+            a.topk_idx_int64 = topk_idx.dtype == torch.int64
+            a.num_topk = topk_idx.shape[1]
+        if topk_weights is not None:
+            a.topk_weights = topk_weights.data_ptr()
+            a.num_topk = topk_weights.shape[1]
+        if rank_prefix_matrix is not None:
+            a.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
+        a.stream = stream
+        a.comm_stream = comm_stream
+        a.async_finish = async_finish
+        self._native.copy_out(a)
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle, *,

@@ -31,14 +31,14 @@ __device__ void send_expanded_rows(const CachedDispatchParams& p, char* const* p
                                    TokenChunk chunk) {
   const CommParams& c = p.comm;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.row_bytes / 16;
+  const int64_t n16 = p.x.row_bytes / 16;
   const int K = p.top_k;
   for (int64_t item = chunk.begin * K + threadIdx.x / 32; item < chunk.end * K;
        item += kThreads / 32) {
     const int2 at = p.expand_rows[item];
     if (at.y < 0) continue;
-    warp_copy_row(reinterpret_cast<int4*>(peer[at.y] + c.layout.recv_x) + int64_t(at.x) * n16,
-                  static_cast<const int4*>(p.x) + item / K * n16, n16, lane);
+    warp_send_row(reinterpret_cast<int4*>(peer[at.y] + c.layout.recv_x) + int64_t(at.x) * n16,
+                  p.x, item / K, lane);
   }
   if (!p.zero_padding) return;
   // Segments over blocks, rows over warps; none where this rank overflowed (num_recv is 0).
@@ -58,13 +58,13 @@ __device__ void send_rows(const CachedDispatchParams& p, char* const* peer, Toke
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.row_bytes / 16;
+  const int64_t n16 = p.x.row_bytes / 16;
   for (int64_t item = chunk.begin * R + threadIdx.x / 32; item < chunk.end * R;
        item += kThreads / 32) {
     const int64_t row = p.send_slot[item];
     if (row < 0) continue;
-    warp_copy_row(reinterpret_cast<int4*>(peer[item % R] + c.layout.recv_x) + row * n16,
-                  static_cast<const int4*>(p.x) + item / R * n16, n16, lane);
+    warp_send_row(reinterpret_cast<int4*>(peer[item % R] + c.layout.recv_x) + row * n16, p.x,
+                  item / R, lane);
   }
 }
 

@@ -252,11 +252,18 @@ __device__ void record_overflow(const DispatchParams& p, const DispatchCall& cal
     c.state->own_count = 0;
     c.state->tokens_required = o.required;
     c.state->overflow_rank = o.rank;
+    if (p.published != nullptr) {
+      p.published[2] = 0;
+      p.published[3] = o.required;
+    }
     if (p.report_overflow) {
       raise_device_error(c.error, kErrTokensOverflow, c.rank, o.rank, o.required, p.max_tokens);
     }
   }
-  for (int e = threadIdx.x; e < call.epr; e += blockDim.x) p.tokens_per_local_expert[e] = 0;
+  for (int e = threadIdx.x; e < call.epr; e += blockDim.x) {
+    p.tokens_per_local_expert[e] = 0;
+    if (p.published != nullptr) p.published[kPublishedHeaderWords + e] = 0;
+  }
   const int R = c.num_ranks;
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) p.rank_prefix_matrix[i] = 0;
 }
@@ -287,6 +294,10 @@ __device__ void record_layout(const DispatchParams& p, const DispatchSmem& s,
     for (int src = 0; src < R; ++src) n += s.matrix[src * R + c.rank];
     c.state->num_recv = n;
     c.state->tokens_required = 0;
+    if (p.published != nullptr) {
+      p.published[2] = n;
+      p.published[3] = 0;
+    }
     int32_t own_begin = 0;
     for (int src = 0; src < c.rank; ++src) own_begin += s.matrix[src * R + c.rank];
     c.state->own_begin = own_begin;
@@ -316,8 +327,18 @@ __device__ void record_layout(const DispatchParams& p, const DispatchSmem& s,
     int32_t n = 0;
     for (int src = 0; src < R; ++src) n += s.hist[src * epr + e];
     p.tokens_per_local_expert[e] = n;
+    if (p.published != nullptr) p.published[kPublishedHeaderWords + e] = n;
     if constexpr (kAccumulateStats) p.cumulative_stats[e] += uint32_t(n);
   }
+}
+
+// Block 0, thread 0, once the block's counts are in p.published (record_layout or
+// record_overflow, then a barrier): the layout id after them. bar.sync orders every thread's
+// stores before this thread's system fence, which is cumulative, so the host that sees the id
+// sees the counts.
+__device__ void publish_to_host(const DispatchParams& p) {
+  __threadfence_system();
+  *reinterpret_cast<volatile uint64_t*>(p.published) = p.layout_id;
 }
 
 // 3, warp 0: slots of the sub-chunk's n tokens in token order per destination (a ballot prefix,
@@ -366,7 +387,7 @@ __device__ void send_rows(const DispatchParams& p, const DispatchSmem& s, const 
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.row_bytes / 16;
+  const int64_t n16 = p.x.row_bytes / 16;
   const int num_items = *s.num_items;
   for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
     const int i = s.item[it] >> 8;
@@ -374,8 +395,7 @@ __device__ void send_rows(const DispatchParams& p, const DispatchSmem& s, const 
     const int64_t t = sub + i;
     const int64_t row = s.row[i * R + d];
     char* base = s.peer[d];
-    warp_copy_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16,
-                  reinterpret_cast<const int4*>(p.x) + t * n16, n16, lane);
+    warp_send_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16, p.x, t, lane);
     if (lane < p.top_k) {
       const int64_t e = load_expert(p, t * p.top_k + lane);
       const bool here = e >= 0 && e < p.num_experts && e / call.epr == d;
@@ -433,6 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   if (moves) add_lower_ranks(p, s);
   if (moves && blockIdx.x == 0) record_layout<kAccumulateStats>(p, s, call);
   __syncthreads();
+  if (ok && p.published != nullptr && blockIdx.x == 0 && threadIdx.x == 0) publish_to_host(p);
 
   for (int64_t sub = call.chunk.begin; moves && sub < call.chunk.end; sub += kSubChunkTokens) {
     const int n = int(min(int64_t(kSubChunkTokens), call.chunk.end - sub));

@@ -248,7 +248,7 @@ __device__ void write_padding(const ExpandDispatchParams& ep, const ExpandSmem& 
   const CommParams& c = p.comm;
   const int K = p.top_k;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.row_bytes / 16;
+  const int64_t n16 = p.x.row_bytes / 16;
   char* local = s.peer[c.rank];
   auto* recv_x = reinterpret_cast<int4*>(local + c.layout.recv_x);
   const int own = c.rank * call.epr;
@@ -341,7 +341,7 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
   const CommParams& c = p.comm;
   const int K = p.top_k;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.row_bytes / 16;
+  const int64_t n16 = p.x.row_bytes / 16;
   const int num_items = *s.num_items;
   for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
     const int item = s.item[it];
@@ -352,8 +352,7 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
     const int d = g / call.epr;
     const int64_t row = s.row[it];
     char* base = s.peer[d];
-    warp_copy_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16,
-                  reinterpret_cast<const int4*>(p.x) + t * n16, n16, lane);
+    warp_send_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16, p.x, t, lane);
     if (lane < K) {  // only the selections of this row's expert
       const bool mine = load_expert(p, t * K + lane) == g;
       reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * K + lane] =

@@ -146,11 +146,33 @@ struct CommParams {
   uint64_t timeout_ns;
 };
 
+// A dispatch's rows as the kernels read them: x [num_tokens, row_bytes], bf16 rows or packed fp8
+// rows moved as opaque bytes; or, with `scales`, DeepEP's fp8 pair packed on the way into the
+// receiver's row (Fp8RowLayout: payload, scales, zero padding up to row_bytes): x = e4m3
+// [num_tokens, hidden] (rows hidden bytes apart, 16-byte aligned) and scales fp32
+// [num_tokens, hidden / 128] at (scale_token_stride, scale_group_stride) elements, so that
+// row-major and column-major scales are read where they are.
+struct RowSource {
+  const void* x;
+  int64_t row_bytes;           // bytes per row at the destination, a multiple of 16 (<= 2 *
+                               // hidden: the window's recv_x region holds [cap][row_bytes])
+  const float* scales;         // null: rows copied as they are
+  int64_t hidden;              // with scales: payload bytes per row, a multiple of 128
+  int64_t scale_token_stride;
+  int64_t scale_group_stride;
+};
+
+// Pinned host memory mapped into the device, which an uncached deduplicated dispatch fills as
+// soon as its count exchange ends (before its rows move), so that the host can wait for the
+// count there instead of for the whole kernel: int32 words
+//   [0, 2) layout id (uint64, DispatchParams::layout_id), stored last, after a system fence
+//   [2] num_recv  [3] tokens_required  [4, 4 + num_experts / num_ranks) tokens per local expert
+// Not written where the call timed out (the host then finds the kernel ended without it).
+constexpr int kPublishedHeaderWords = 4;
+
 struct DispatchParams {
   CommParams comm;
-  const void* x;               // [num_tokens, row_bytes]: bf16 rows or packed fp8 rows, opaque
-  int64_t row_bytes;           // bytes per row, a multiple of 16 (<= 2 * hidden: the window's
-                               // recv_x region holds [cap][row_bytes] at this stride)
+  RowSource x;
   const void* topk_idx;        // [num_tokens, top_k] int32 or int64
   bool topk_idx_int64;
   bool local_count;            // count mode: local (no grid barrier) or grid; see dispatch_kernel
@@ -177,6 +199,7 @@ struct DispatchParams {
   // A T above max_tokens at any rank is also a bad-data device error (kErrTokensOverflow), not
   // only DeviceState::tokens_required (CountMode::kOnDevice; kExact reports it to the host).
   bool report_overflow;
+  int32_t* published;          // optional (deduplicated only): the mapped counts (above)
 };
 
 // The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
@@ -201,8 +224,7 @@ struct ExpandDispatchParams {
 // everything the receivers derived from them are still in place): only payload rows move.
 struct CachedDispatchParams {
   CommParams comm;
-  const void* x;               // [num_tokens, row_bytes], opaque
-  int64_t row_bytes;           // a multiple of 16, <= 2 * hidden
+  RowSource x;
   int64_t num_tokens;          // == the layout's
   int num_blocks;              // the grid, as DispatchParams::num_blocks
   const int32_t* send_slot;    // [num_tokens][num_ranks] from the uncached dispatch
@@ -261,6 +283,34 @@ struct CombineParams {
   uint64_t layout_id;          // the layout combined: must be DeviceState::layout_id
 };
 
+// Owned copies of the latest dispatch's results (the first num_rows rows of the window's
+// regions); rows at or past the received count (*num_recv, read on the device) are padding:
+// payload not written, src (0, pad_token), topk_idx -1, topk_weights 0.
+struct CopyOutParams {
+  const char* recv_x;          // window rows, row_bytes apart (bf16, or packed fp8 rows)
+  int64_t row_bytes;
+  const int2* recv_src;
+  const int32_t* recv_expert_idx;  // [cap][top_k]
+  const float* recv_weights;
+  const int32_t* num_recv;
+  int top_k;
+  int64_t hidden;
+  int64_t num_rows;
+  int64_t valid_rows;          // rows the window holds (min(num_rows, capacity))
+  void* x;                     // [num_rows, hidden]: bf16, or e4m3 bytes with x_scales
+  float* x_scales;             // fp8: [num_rows, hidden / 128] row-major; null: bf16
+  int2* src;                   // optional [num_rows]
+  int32_t pad_token;
+  void* topk_idx;              // optional [num_rows, num_topk] int32 or int64
+  bool topk_idx_int64;
+  float* topk_weights;         // optional [num_rows, num_topk]
+  int num_topk;                // <= top_k: the first num_topk selections
+  const int32_t* rank_prefix_matrix;  // optional, with rank_prefix_out: [R][R]
+  int32_t* rank_prefix_out;
+  int num_ranks;
+  int max_blocks;              // the grid's cap (it strides over the rows)
+};
+
 struct HandshakeParams {
   CommParams comm;
 };
@@ -276,6 +326,7 @@ void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t str
 void launch_combine(const CombineParams& params, cudaStream_t stream);
 // Ordinary launches (no peer involved).
 void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream);
+void launch_copy_out(const CopyOutParams& params, cudaStream_t stream);
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream);
 // out[r] = NCCL's LSA pointer of rank r's window (offset 0), for r < num_ranks: the
 // CommParams::peers of a Buffer on an NCCL window.

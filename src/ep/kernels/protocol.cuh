@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "params.hpp"
+#include "weft/ep/types.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_error.cuh"
 
@@ -243,6 +244,25 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
     for (int u = 0; u < kUnroll; ++u) dst[i + 32 * u] = v[u];
   }
   for (; i < n16; i += 32) dst[i] = ld_stream(src + i);
+}
+
+// One warp writes row t of `src` to dst (row_bytes at the destination): a plain copy, or the fp8
+// pair packed (payload, then the scales read at their strides, then zero padding).
+__device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowSource& src,
+                                              int64_t t, int lane) {
+  if (src.scales == nullptr) {
+    const int64_t n16 = src.row_bytes / 16;
+    warp_copy_row(dst, static_cast<const int4*>(src.x) + t * n16, n16, lane);
+    return;
+  }
+  warp_copy_row(dst, reinterpret_cast<const int4*>(static_cast<const char*>(src.x) + t * src.hidden),
+                src.hidden / 16, lane);
+  const int64_t num_groups = src.hidden / kFp8GroupElements;
+  auto* words = reinterpret_cast<uint32_t*>(dst) + src.hidden / 4;
+  const float* scales = src.scales + t * src.scale_token_stride;
+  for (int64_t g = lane; g < (src.row_bytes - src.hidden) / 4; g += 32) {
+    words[g] = g < num_groups ? __float_as_uint(scales[g * src.scale_group_stride]) : 0u;
+  }
 }
 
 // Tokens [begin, end) of block blockIdx.x when num_tokens are cut into gridDim.x equal chunks.
