@@ -7,17 +7,18 @@ backward: the dispatch's backward is a combine of the gradients, the combine's a
     y = layer(x)            # [T, hidden] bf16; autograd through dispatch, experts, combine
 
 The micro-batched step (step.py): serial_step (one stream) and PipelinedStep (weft.pipeline),
-with one dispatcher per live layout (slots.py).
+forward and backward cut into stages at every communication, with one dispatcher per live layout
+(slots.py).
 """
 
 from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher
 from .layer import MoELayer, combine, dispatch
 from .model import DenseBlock, MoEModel, train_step
 from .slots import LayoutSlots
-from .step import (PipelinedStep, moe_costs, moe_schedule, moe_thread_map, num_layout_slots,
-                   serial_step, stage_lookaheads)
+from .step import (STAGES, PipelinedStep, max_depth, moe_costs, moe_schedule, moe_thread_map,
+                   num_layout_slots, serial_step, stage_lookaheads)
 
 __all__ = ["AllToAllDispatcher", "DenseBlock", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
-           "MoELayer", "MoEModel", "PipelinedStep", "combine", "dispatch", "moe_costs",
-           "moe_schedule", "moe_thread_map", "num_layout_slots", "serial_step",
-           "stage_lookaheads", "train_step"]
+           "MoELayer", "MoEModel", "PipelinedStep", "STAGES", "combine", "dispatch",
+           "max_depth", "moe_costs", "moe_schedule", "moe_thread_map", "num_layout_slots",
+           "serial_step", "stage_lookaheads", "train_step"]
