@@ -329,3 +329,38 @@ def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
         torch.cuda.synchronize()
         assert torch.equal(a, c) and _same_bits(serial.parameters(), piped.parameters()), i
     step.close()
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dispatcher", ["weft.ep", "local"])
+def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
+    """torch's sync debug mode raises in every stage but the dispatch, which reads the layout's
+    counts to the host once (weft.ep's dispatch does so anyway); the experts take their group
+    offsets on the device."""
+    from weft.moe.experts import uses_grouped_mm
+    from weft.moe.step import _Stages, chain, micro_batches
+
+    T, M = 512, 4
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=8, **GPU_SHAPE)
+    if not uses_grouped_mm(torch.empty((1, 256), dtype=torch.bfloat16, device="cuda"),
+                           model.moe[0].w13):
+        pytest.skip("torch._grouped_mm is not available on this device: the experts read their "
+                    "group sizes to the host")
+    slots = _ep_slots([1, 1], T // M) if dispatcher == "weft.ep" else \
+        moe.LayoutSlots.shared(moe.LocalDispatcher(16), 2)
+    stages = _Stages(model, slots)
+    x, target = _inputs(0, tokens=T, hidden=256, device="cuda")
+    for mb in micro_batches(x, target, M, 2):
+        for name, stage, layer in chain(2):
+            torch.cuda.set_sync_debug_mode(0 if stage == "dispatch" else "error")
+            try:
+                stages.run(mb, stage, layer)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(p.grad is not None for p in model.parameters())
+    # The same step without the debug mode: the same gradients (the stages did their work).
+    ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=8, **GPU_SHAPE)
+    moe.serial_step(ref, x, target, 0.0, M, slots)
+    assert _same_bits(_grads(model), _grads(ref))
