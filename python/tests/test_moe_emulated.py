@@ -94,6 +94,42 @@ def test_pipelined_step_over_emulated_dispatchers_agrees_with_serial(depth):
     step.close()
 
 
+def _overlaps(a, b):
+    return a.begin_us < b.end_us and b.begin_us < a.end_us
+
+
+def _backward_comm_under_other_gemms(trace, spans):
+    """The backward communication tasks that, at least once, overlap a task with GEMMs (the
+    experts', the dense block's, forward or backward) of another micro-batch; and all the
+    backward communication tasks."""
+    names = trace.task_names
+    named = [(names[s.task], s) for s in spans]
+    comm = [(n, s) for n, s in named if n.startswith(("combine_bwd", "dispatch_bwd"))]
+    gemms = [s for n, s in named if n.startswith(("experts", "dense_router"))]
+    hits = {n for n, c in comm if any(c.batch != e.batch and _overlaps(c, e) for e in gemms)}
+    return hits, {n for n, _ in comm}
+
+
+def test_backward_communication_runs_beside_another_micro_batchs_experts_on_the_host():
+    """On the host backend, with each call's hold a 2 ms sleep on the comm thread: every backward
+    comm task's span overlaps another micro-batch's GEMM task on the compute thread."""
+    import time
+
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=4, **SMALL)
+    emulated = moe.EmulatedDispatcher(moe.LocalDispatcher(8), moe.EP_2XH200, 20,
+                                      hold=lambda num_sms, us, device: time.sleep(2e-3))
+    step = moe.PipelinedStep(model, moe.LayoutSlots.shared(emulated, 2), 8,
+                             depth=moe.max_depth(2), trace=True)
+    g = torch.Generator().manual_seed(6)
+    step(torch.randn((256, 64), generator=g).bfloat16(),
+         torch.randn((256, 64), generator=g).bfloat16(), lr=0.0)
+    trace = step.engine.take_trace()
+    hits, comm = _backward_comm_under_other_gemms(trace, trace.host_spans)
+    assert comm == {f"{s}_{layer}" for s in ("combine_bwd", "dispatch_bwd") for layer in (0, 1)}
+    assert hits == comm
+    step.close()
+
+
 # -- on a GPU --------------------------------------------------------------------------------------
 
 GPU_SHAPE = dict(num_layers=2, hidden=256, num_experts=16, top_k=4, ffn=128, device="cuda")
@@ -153,10 +189,6 @@ def test_emulated_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit(depth):
     step.close()
 
 
-def _overlaps(a, b):
-    return a.begin_us < b.end_us and b.begin_us < a.end_us
-
-
 @needs_gpus(1)
 @pytest.mark.timeout(300)
 def test_trace_shows_backward_communication_under_another_micro_batchs_gemms():
@@ -172,14 +204,8 @@ def test_trace_shows_backward_communication_under_another_micro_batchs_gemms():
     step(x, torch.randn((T, 256), generator=g, device="cuda").bfloat16(), lr=0.0)
     step.engine.synchronize()
     trace = step.engine.take_trace()
-    names = trace.task_names
-    spans = [(names[s.task], s) for s in trace.gpu_spans]
-    backward_comm = [(n, s) for n, s in spans if n.startswith(("combine_bwd", "dispatch_bwd"))]
-    gemms = [(n, s) for n, s in spans if n.startswith("experts")]
-    assert backward_comm and gemms
-    hits = {n for n, c in backward_comm
-            if any(c.batch != e.batch and _overlaps(c, e) for _, e in gemms)}
-    # Every backward communication task runs under some other micro-batch's expert GEMMs
-    # (forward or backward) at least once in the step.
-    assert hits == {n for n, _ in backward_comm}, sorted(hits)
+    hits, comm = _backward_comm_under_other_gemms(trace, trace.gpu_spans)
+    # Every backward communication task runs under some other micro-batch's GEMMs (forward or
+    # backward) at least once in the step.
+    assert comm and hits == comm, sorted(hits)
     step.close()
