@@ -65,8 +65,9 @@ def expert_ffn(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tenso
                num_entries: Optional[int] = None) -> torch.Tensor:
     """w13 [local experts, 2 * ffn, hidden] (gate, then up), w2 [local experts, hidden, ffn].
     Per received row: sum over its local experts e of weight_e * FFN_e(row), in fp32, summed over
-    the top-k slots by a fixed-order reduction (deterministic), as bf16 [rows, hidden]. num_entries: the
-    received slots with a local expert (the dispatch's count; None: counted here, one sync)."""
+    the top-k slots by a fixed-order reduction (deterministic), in recv_x's dtype [rows, hidden].
+    num_entries: the received slots with a local expert (the dispatch's count; None: counted
+    here, one sync)."""
     rows, hidden = recv_x.shape
     top_k = recv_idx.shape[1]
     if num_entries is None:
