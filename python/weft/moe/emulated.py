@@ -11,7 +11,8 @@ taken with it is an emulated one.
 
 A call's time is CallCost.us(rows, hidden): affine in the rows it moves, the per-row part scaled
 by the row's bytes against the measured rows' (hidden 7168, bf16). The inner call's own time at
-one rank (a local copy) comes on top of the hold.
+one rank (a local copy) comes on top of the hold. comm_stage_us and predict_step_us give the
+planner's prediction of the step on the target from the same tables.
 """
 
 from __future__ import annotations
@@ -111,3 +112,26 @@ class EmulatedDispatcher:
         out = self.inner.dispatch_cached(x, handle)
         self._hold("dispatch_cached", x)
         return out
+
+
+def comm_stage_us(costs: Mapping[str, CallCost], tokens: int, hidden: int) -> dict:
+    """The four comm stages' times for one micro-batch of `tokens` tokens at one rank of the
+    target (costs: a table above), as moe_costs takes them: dispatch and combine_bwd (a cached
+    dispatch) move the tokens' rows out, combine and dispatch_bwd (a combine) bring them back."""
+    return {"dispatch": costs["dispatch"].us(tokens, hidden),
+            "combine": costs["combine"].us(tokens, hidden),
+            "combine_bwd": costs["dispatch_cached"].us(tokens, hidden),
+            "dispatch_bwd": costs["combine"].us(tokens, hidden)}
+
+
+def predict_step_us(num_layers: int, depths, compute_us: Mapping[str, float],
+                    comm_us: Mapping[str, float], host_us: float = 20.0) -> dict:
+    """Depth -> the planner's steady-state time of one micro-batch (weft.plan.simulate over
+    moe_schedule with moe_costs): compute_us the compute stages' times (measured without
+    communication), comm_us the comm stages' (comm_stage_us)."""
+    from weft import plan
+    from .step import moe_costs, moe_schedule, moe_thread_map
+
+    costs = moe_costs(num_layers, {**compute_us, **comm_us}, host_us)
+    return {d: plan.simulate(moe_schedule(num_layers, d), moe_thread_map(num_layers),
+                             costs).timeline.step_us for d in depths}
