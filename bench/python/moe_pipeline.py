@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import weft.moe as moe
 from weft import plan
+from weft.moe.step import COMM_STAGES
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768), "tiny": (64, 16, 4, 32)}
 OUT_DIR = "bench-out"
@@ -209,6 +210,10 @@ def main():
                     traced = True
                 if depth is not None:
                     piped.close()
+                if cname == "no comm" and emu:
+                    compute_us = {k: v for k, v in stage_costs_us(model, slots, x, target, M,
+                                                                  device).items()
+                                  if k not in COMM_STAGES}
                 del model, slots
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -216,6 +221,8 @@ def main():
             same = all(torch.equal(first, v) for v in losses.values())
             out(f"{shape:6s} {T:6d} losses identical across schedules: {same}", flush=True)
             _print_hidden(out, shape, T, times, emu)
+            if emu and "no comm" in times:
+                _print_prediction(out, a, shape, T, hidden, compute_us, depths, times)
     if group:
         dist.destroy_process_group()
 
@@ -247,6 +254,25 @@ def _print_hidden(out, shape, T, times, emu):
             if not emu:
                 line += f"; goal <= 1.02x: {'met' if v <= 1.02 * med[serial] else 'NOT met'}"
             out(line + " (medians)", flush=True)
+
+
+def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
+    """The planner's step on the target from the compute stages measured without communication
+    and the target's call table, beside the emulated measurement (medians)."""
+    tokens = -(-T // a.micro_batches)
+    for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
+        comm_us = moe.emulated.comm_stage_us(moe.emulated.TARGETS[a.target][kind], tokens,
+                                             hidden)
+        predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us)
+        serial = f"(a) emu {kind}"
+        parts = [f"serial {predicted[0] * a.micro_batches / 1e3:.2f} vs "
+                 f"{_median(times[serial]):.2f}"]
+        for d in depths:
+            name = f"{prefix} emu pipe+{kind} d{d}"
+            parts.append(f"d{d} {predicted[d] * a.micro_batches / 1e3:.2f} vs "
+                         f"{_median(times[name]):.2f}")
+        out(f"{shape:6s} {T:6d} planner on {a.target} {kind} (ms per step, {a.micro_batches} x "
+            f"a steady-state micro-batch) vs emulated: " + ", ".join(parts), flush=True)
 
 
 def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, measured_ms):
