@@ -295,7 +295,7 @@ GPU_SHAPE = dict(num_layers=2, hidden=256, num_experts=16, top_k=4, ffn=128, dev
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("depth", [1, 4, 8])
+@pytest.mark.parametrize("depth", range(moe.max_depth(2) + 1))
 def test_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
     torch.manual_seed(4)
     T, M = 512, 4
