@@ -48,7 +48,8 @@ STAGES = FORWARD_STAGES + ("loss",) + BACKWARD_STAGES
 class MicroBatch:
     """One micro-batch's state through the stages (an engine batch of PipelinedStep): its
     inputs and every tensor its stages made, kept until the micro-batch is done (on weft.pipeline
-    until its streams have finished with them). Per layer l:"""
+    until its streams have finished with them). The per-layer lists hold layer l's tensors; the
+    backward stages read the forward's graphs and leaves from them."""
 
     def __init__(self, index: int, x: torch.Tensor, target: torch.Tensor, num_layers: int,
                  denominator: int) -> None:
