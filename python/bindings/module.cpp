@@ -23,6 +23,7 @@
 namespace nb = nanobind;
 
 namespace weft::python {
+void bind_cuda_util(nb::module_& cuda);
 void bind_ep(nb::module_& ep);
 void bind_pipeline(nb::module_& pipeline);
 void bind_plan(nb::module_& plan);
@@ -115,7 +116,9 @@ NB_MODULE(_weft, m) {
   nb::module_ plan = m.def_submodule("plan", "weft::plan's simulator, report and trace reader");
   weft::python::bind_plan(plan);
   nb::module_ ep = m.def_submodule("ep", "weft::ep (needs a CUDA build)");
+  nb::module_ cuda = m.def_submodule("cuda", "CUDA utilities (need a CUDA build)");
 #ifdef WEFT_PYTHON_WITH_CUDA
   weft::python::bind_ep(ep);
+  weft::python::bind_cuda_util(cuda);
 #endif
 }

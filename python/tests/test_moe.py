@@ -83,3 +83,46 @@ def test_weft_ep_dispatcher_agrees_with_the_local_one_bit_for_bit():
         assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2]), step
     for pe, pl, pa in zip(ep.parameters(), local.parameters(), a2a.parameters()):
         assert torch.equal(pe, pl) and torch.equal(pe, pa)
+
+
+def _expert_reference(recv_x, recv_idx, recv_w, w13, w2):
+    """Row by row, slot by slot in fp32: sum over the slots with a local expert."""
+    out = torch.zeros(recv_x.shape, dtype=torch.float32)
+    for r in range(recv_x.shape[0]):
+        for k in range(recv_idx.shape[1]):
+            e = int(recv_idx[r, k])
+            if e < 0:
+                continue
+            gate, up = (w13[e].float() @ recv_x[r].float()).chunk(2)
+            out[r] += recv_w[r, k] * (w2[e].float() @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_ffn_with_slots_elsewhere_matches_the_per_row_reference(dtype):
+    from weft.moe.experts import expert_entries, expert_ffn
+
+    g = torch.Generator().manual_seed(11)
+    rows, hidden, ffn, num_local, top_k = 37, 32, 16, 5, 4
+    recv_x = torch.randn((rows, hidden), generator=g).to(dtype)
+    # Each row's experts distinct, about a third of the slots on other ranks (-1), one expert
+    # (3) that no row picks: an empty group.
+    perm = torch.stack([torch.tensor([0, 1, 2, 4])[torch.randperm(4, generator=g)]
+                        for _ in range(rows)])
+    recv_idx = torch.where(torch.rand((rows, top_k), generator=g) < 0.35, -1, perm)
+    recv_idx[0] = -1  # a row with no local expert at all
+    recv_w = torch.rand((rows, top_k), generator=g)
+    w13 = (torch.randn((num_local, 2 * ffn, hidden), generator=g) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn((num_local, hidden, ffn), generator=g) / ffn ** 0.5).to(dtype)
+    num_entries = int((recv_idx >= 0).sum())
+    entries, ends = expert_entries(recv_idx, num_local)
+    flat = recv_idx.flatten()
+    assert ends.tolist() == [int((flat <= e).sum() - (flat < 0).sum()) for e in range(num_local)]
+    assert torch.equal(flat[entries[:num_entries]].sort().values, flat[flat >= 0].sort().values)
+    assert torch.all(flat[entries[num_entries:]] == -1)
+    y = expert_ffn(recv_x, recv_idx, recv_w, w13, w2, num_entries)
+    assert torch.equal(y, expert_ffn(recv_x, recv_idx, recv_w, w13, w2))  # counted here
+    want = _expert_reference(recv_x, recv_idx, recv_w, w13, w2)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(y.float(), want, rtol=tol, atol=tol)
+    assert torch.equal(y[0], torch.zeros_like(y[0]))

@@ -1,7 +1,8 @@
 """The micro-batched MoE step: serial (a), on weft.pipeline with weft.ep (b) and with the
-all_to_all dispatcher (c). (a) and (b)/(c) agree bit for bit; both agree with the full-batch
-step of the same layers on one device (no micro-batches, LocalDispatcher) within the bf16
-tolerance below; and with one Buffer per live layout no layout is ever re-run."""
+all_to_all dispatcher (c), forward and backward as stages of their own. (a) and (b)/(c) agree
+bit for bit at every depth; both agree with the full-batch step of the same layers on one device
+(no micro-batches, LocalDispatcher, autograd through the whole model) within the bf16 tolerance
+below; and with one Buffer per live layout no layout is ever re-run."""
 
 import copy
 
@@ -86,10 +87,11 @@ class OneLayoutBuffer:
         if handle is not None:
             self._use(handle)
             return self._local.dispatch_cached(x, handle[0]), None, None, None, None, None
-        recv_x, recv_idx, recv_w, local = self._local.dispatch(x, topk_idx, topk_weights)
+        recv_x, recv_idx, recv_w, local, _ = self._local.dispatch(x, topk_idx, topk_weights)
         handle = (local,)
         self._latest = handle
-        return recv_x, recv_idx, recv_w, [], handle, None
+        per_expert = [int((recv_idx == e).sum()) for e in range(self._local.num_local_experts)]
+        return recv_x, recv_idx, recv_w, per_expert, handle, None
 
     def combine(self, y, handle, topk_weights=None):
         self._use(handle)
@@ -115,7 +117,7 @@ def test_serial_micro_batched_step_matches_the_full_batch_reference():
         _assert_close_to_reference(loss, ref_loss, _grads(model), _grads(ref))
 
 
-@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+@pytest.mark.parametrize("depth", range(moe.max_depth(2) + 1))
 def test_pipelined_step_agrees_with_the_serial_one_bit_for_bit(depth):
     serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=7, **SMALL)
     piped = copy.deepcopy(serial)
@@ -141,7 +143,7 @@ def test_one_buffer_per_live_layout_means_no_layout_is_re_run():
     assert torch.equal(moe.serial_step(m, x, target, 0.05, 4, slots), want_loss)
     assert _same_bits(m.parameters(), want.parameters())
     assert _relayouts(slots) == 0
-    for depth in (1, 2, 4):
+    for depth in (1, 2, 4, 8):
         need = moe.num_layout_slots(2, depth)
         m = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
         slots = _one_layout_slots(need)
@@ -166,17 +168,32 @@ def test_one_buffer_per_live_layout_means_no_layout_is_re_run():
 def test_lookaheads_layout_slots_and_bad_arguments():
     assert moe.stage_lookaheads(2, 1) == {
         "dense_router_0": 1, "dispatch_0": 1, "experts_0": 0, "combine_0": 0,
-        "dense_router_1": 0, "dispatch_1": 0, "experts_1": 0, "combine_1": 0, "loss_backward": 0}
-    assert moe.stage_lookaheads(2, 4)["dispatch_1"] == 2
-    assert moe.stage_lookaheads(2, 4)["combine_1"] == 1
+        "dense_router_1": 0, "dispatch_1": 0, "experts_1": 0, "combine_1": 0, "loss": 0,
+        "combine_bwd_1": 0, "experts_bwd_1": 0, "dispatch_bwd_1": 0, "dense_router_bwd_1": 0,
+        "combine_bwd_0": 0, "experts_bwd_0": 0, "dispatch_bwd_0": 0, "dense_router_bwd_0": 0}
+    la = moe.stage_lookaheads(2, 8)
+    # Each comm task shares the lookahead of the compute task before it; its consumer is one less.
+    assert [la[n] for n in ("dense_router_0", "dispatch_0", "experts_0", "combine_0",
+                            "dense_router_1", "dispatch_1", "experts_1", "combine_1", "loss",
+                            "combine_bwd_1", "experts_bwd_1", "dispatch_bwd_1",
+                            "dense_router_bwd_1", "combine_bwd_0", "experts_bwd_0",
+                            "dispatch_bwd_0", "dense_router_bwd_0")] == \
+        [8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0]
+    assert moe.stage_lookaheads(2, 4)["combine_bwd_1"] == 0
+    assert moe.stage_lookaheads(2, 5)["combine_bwd_1"] == 1
     assert moe.num_layout_slots(2, 0) == [1, 1]
     assert moe.num_layout_slots(2, 1) == [2, 1]
     assert moe.num_layout_slots(2, 4) == [5, 3]
+    assert moe.num_layout_slots(2, 8) == [8, 4]
     assert moe.num_layout_slots(1, 2) == [3]
-    assert moe.moe_schedule(2, 4).run_order()[:4] == ["dense_router_0", "dispatch_0", "experts_0",
-                                                      "combine_0"]
+    assert moe.num_layout_slots(1, 4) == [4]
+    assert moe.moe_schedule(2, 8).run_order() == list(la)
+    threads = moe.moe_thread_map(2)
+    assert sorted(threads["comm"]) == sorted(n for n in la if n.rsplit("_", 1)[0] in (
+        "dispatch", "combine", "combine_bwd", "dispatch_bwd"))
+    assert sorted(threads["comm"] + threads["compute"]) == sorted(la)
     with pytest.raises(ValueError, match="depth"):
-        moe.stage_lookaheads(2, 5)
+        moe.stage_lookaheads(2, 9)
     m = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
     slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
     with pytest.raises(ValueError, match="num_micro_batches"):
@@ -187,19 +204,34 @@ def test_lookaheads_layout_slots_and_bad_arguments():
         moe.LayoutSlots(lambda layer, s: None, [1, 0])
 
 
+STAGE_US = {"dense_router": 300, "dispatch": 400, "experts": 900, "combine": 400, "loss": 200,
+            "combine_bwd": 400, "experts_bwd": 1800, "dispatch_bwd": 400,
+            "dense_router_bwd": 600}
+
+
 def test_the_planner_draws_what_overlaps_what():
-    costs = moe.moe_costs(2, {"dense_router": 300, "dispatch": 400, "experts": 900,
-                              "combine": 400, "loss_backward": 4000})
+    costs = moe.moe_costs(2, STAGE_US)
+    comm = {"dispatch", "combine", "combine_bwd", "dispatch_bwd"}
+    compute_us = sum(2 * v if k != "loss" else v for k, v in STAGE_US.items() if k not in comm)
+    comm_us = sum(2 * STAGE_US[k] for k in comm)
     step_us = {}
-    for depth in range(5):
+    for depth in range(moe.max_depth(2) + 1):
         v = plan.simulate(moe.moe_schedule(2, depth), moe.moe_thread_map(2), costs)
         step_us[depth] = v.timeline.step_us
-        gpu = {s.task: (s.start_us, s.end_us) for s in v.timeline.gpu}
+        spans = v.timeline.gpu
         if depth == 1:  # the next micro-batch's first dispatch under this one's experts
+            gpu = {s.task: (s.start_us, s.end_us) for s in spans}
             (a0, a1), (b0, b1) = gpu["dispatch_0"], gpu["experts_0"]
             assert a0 < b1 and b0 < a1
-    # Compute alone is 6400 us a micro-batch; each comm stage that runs ahead hides 400 us.
-    assert step_us == {0: 8000, 1: 7600, 2: 7300, 3: 6800, 4: 6400}
+        if depth == moe.max_depth(2):  # every backward comm under some compute span
+            for name in ("combine_bwd_1", "dispatch_bwd_1", "combine_bwd_0", "dispatch_bwd_0"):
+                for c in (s for s in spans if s.task == name):
+                    assert any(o.task.rsplit("_", 1)[0] not in comm and o.start_us < c.end_us
+                               and c.start_us < o.end_us for o in spans), name
+    # Serial at depth 0; at full depth the compute alone (each comm fits under compute).
+    assert step_us[0] == compute_us + comm_us
+    assert step_us[moe.max_depth(2)] == compute_us
+    assert all(step_us[d + 1] < step_us[d] for d in range(moe.max_depth(2)))
 
 
 def _is_expert(name):
@@ -215,7 +247,7 @@ def _gloo_rank(rank, world_size):
     serial = moe.MoEModel(dispatcher=d, seed=3, **SMALL)    # this rank's 4 experts
     piped = moe.MoEModel(dispatcher=d, seed=3, **SMALL)
     ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=3, **SMALL)  # all 8
-    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=3, depth=4)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=3, depth=8)
     for i in range(2):
         x, target = _inputs(i, rank, tokens=48)
         a = moe.serial_step(serial, x, target, lr=0.0, num_micro_batches=3)
@@ -263,7 +295,7 @@ GPU_SHAPE = dict(num_layers=2, hidden=256, num_experts=16, top_k=4, ffn=128, dev
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("depth", [1, 4])
+@pytest.mark.parametrize("depth", range(moe.max_depth(2) + 1))
 def test_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
     torch.manual_seed(4)
     T, M = 512, 4
@@ -288,7 +320,7 @@ def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
     d = moe.AllToAllDispatcher(None, 16)
     serial = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)
     piped = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)
-    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=M, depth=4,
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=M, depth=8,
                              backend="torch")
     for i in range(3):
         x, target = _inputs(i, tokens=T, hidden=256, device="cuda")
@@ -297,3 +329,38 @@ def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
         torch.cuda.synchronize()
         assert torch.equal(a, c) and _same_bits(serial.parameters(), piped.parameters()), i
     step.close()
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dispatcher", ["weft.ep", "local"])
+def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
+    """torch's sync debug mode raises in every stage but the dispatch, which reads the layout's
+    counts to the host once (weft.ep's dispatch does so anyway); the experts take their group
+    offsets on the device."""
+    from weft.moe.experts import uses_grouped_mm
+    from weft.moe.step import _Stages, chain, micro_batches
+
+    T, M = 512, 4
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=8, **GPU_SHAPE)
+    if not uses_grouped_mm(torch.empty((1, 256), dtype=torch.bfloat16, device="cuda"),
+                           model.moe[0].w13):
+        pytest.skip("torch._grouped_mm is not available on this device: the experts read their "
+                    "group sizes to the host")
+    slots = _ep_slots([1, 1], T // M) if dispatcher == "weft.ep" else \
+        moe.LayoutSlots.shared(moe.LocalDispatcher(16), 2)
+    stages = _Stages(model, slots)
+    x, target = _inputs(0, tokens=T, hidden=256, device="cuda")
+    for mb in micro_batches(x, target, M, 2):
+        for name, stage, layer in chain(2):
+            torch.cuda.set_sync_debug_mode(0 if stage == "dispatch" else "error")
+            try:
+                stages.run(mb, stage, layer)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(p.grad is not None for p in model.parameters())
+    # The same step without the debug mode: the same gradients (the stages did their work).
+    ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=8, **GPU_SHAPE)
+    moe.serial_step(ref, x, target, 0.0, M, slots)
+    assert _same_bits(_grads(model), _grads(ref))

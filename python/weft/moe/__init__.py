@@ -7,17 +7,21 @@ backward: the dispatch's backward is a combine of the gradients, the combine's a
     y = layer(x)            # [T, hidden] bf16; autograd through dispatch, experts, combine
 
 The micro-batched step (step.py): serial_step (one stream) and PipelinedStep (weft.pipeline),
-with one dispatcher per live layout (slots.py).
+forward and backward cut into stages at every communication, with one dispatcher per live layout
+(slots.py). EmulatedDispatcher (emulated.py): on one GPU, a dispatcher that holds the SMs of a
+target machine's communication for the time it takes there.
 """
 
 from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher
+from .emulated import A2A_2XH200, EP_2XH200, CallCost, EmulatedDispatcher
 from .layer import MoELayer, combine, dispatch
 from .model import DenseBlock, MoEModel, train_step
 from .slots import LayoutSlots
-from .step import (PipelinedStep, moe_costs, moe_schedule, moe_thread_map, num_layout_slots,
-                   serial_step, stage_lookaheads)
+from .step import (STAGES, PipelinedStep, max_depth, moe_costs, moe_schedule, moe_thread_map,
+                   num_layout_slots, serial_step, stage_lookaheads)
 
-__all__ = ["AllToAllDispatcher", "DenseBlock", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
-           "MoELayer", "MoEModel", "PipelinedStep", "combine", "dispatch", "moe_costs",
-           "moe_schedule", "moe_thread_map", "num_layout_slots", "serial_step",
-           "stage_lookaheads", "train_step"]
+__all__ = ["A2A_2XH200", "AllToAllDispatcher", "CallCost", "DenseBlock", "EP_2XH200",
+           "EmulatedDispatcher", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
+           "MoELayer", "MoEModel", "PipelinedStep", "STAGES", "combine", "dispatch",
+           "max_depth", "moe_costs", "moe_schedule", "moe_thread_map", "num_layout_slots",
+           "serial_step", "stage_lookaheads", "train_step"]

@@ -2,19 +2,23 @@
 include/weft/ep/reference.hpp): a token goes once to every rank that hosts one of its experts;
 received rows are in (source rank, source token) order with local expert ids (-1 elsewhere) and
 their weights (0 elsewhere); combine sums a token's rows back in fp32 in ascending rank order and
-rounds once to bf16. So the three give the same bits.
+rounds once to bf16. So the three give the same bits. A dispatch also returns num_entries, the
+received (row, slot) pairs with a local expert, as a host int: the one number the experts need on
+the host, read there once per layout (weft.ep's dispatch reads its per-expert counts anyway).
 
-    recv_x, recv_idx, recv_w, handle = d.dispatch(x, topk_idx, topk_weights)
+    recv_x, recv_idx, recv_w, handle, num_entries = d.dispatch(x, topk_idx, topk_weights)
     out, combined_w = d.combine(y, handle, weights=None)
     recv_grad = d.dispatch_cached(grad_out, handle)
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from .experts import count_entries
 
 
 class LocalDispatcher:
@@ -32,7 +36,7 @@ class LocalDispatcher:
         tokens = valid.any(dim=1).nonzero().flatten()
         recv_idx = torch.where(valid, topk_idx, -1)[tokens]
         recv_w = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))[tokens]
-        return x[tokens], recv_idx, recv_w, (tokens, x.shape[0])
+        return x[tokens], recv_idx, recv_w, (tokens, x.shape[0]), count_entries(recv_idx)
 
     def combine(self, y, handle, weights=None):
         tokens, num_tokens = handle
@@ -64,10 +68,13 @@ class EpDispatcher:
     def dispatch(self, x, topk_idx, topk_weights):
         per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx,
                                                                               self.num_experts)
-        recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
+        recv_x, recv_idx, recv_w, per_local_expert, handle, _ = self.buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        return recv_x, recv_idx, recv_w, handle
+        # The counts are on the host once the dispatch has read its layout (an empty list only
+        # where it has not: a dispatch of worst-case size).
+        num_entries = sum(per_local_expert) if per_local_expert else count_entries(recv_idx)
+        return recv_x, recv_idx, recv_w, handle, num_entries
 
     def combine(self, y, handle, weights=None):
         out, combined_w, _ = self.buffer.combine(y.contiguous(), handle, topk_weights=weights)
@@ -123,7 +130,8 @@ class AllToAllDispatcher:
         recv_x = self._a2a(x[order], send_split, recv_split)
         recv_idx = self._a2a(send_idx, send_split, recv_split)
         recv_w = self._a2a(send_w, send_split, recv_split)
-        return recv_x, recv_idx, recv_w, (send_tokens, send_split, recv_split, x.shape[0])
+        return (recv_x, recv_idx, recv_w, (send_tokens, send_split, recv_split, x.shape[0]),
+                count_entries(recv_idx))
 
     def combine(self, y, handle, weights=None):
         send_tokens, send_split, recv_split, num_tokens = handle

@@ -17,13 +17,14 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, dispatcher):
-        recv_x, recv_idx, recv_w, handle = dispatcher.dispatch(x, topk_idx, topk_weights)
+        recv_x, recv_idx, recv_w, handle, num_entries = dispatcher.dispatch(x, topk_idx,
+                                                                            topk_weights)
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.mark_non_differentiable(recv_idx)
-        return recv_x, recv_w, recv_idx, handle
+        return recv_x, recv_w, recv_idx, handle, num_entries
 
     @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_w, _grad_idx, _grad_handle):
+    def backward(ctx, grad_recv_x, grad_recv_w, _grad_idx, _grad_handle, _grad_num_entries):
         grad_x, grad_w = ctx.dispatcher.combine(grad_recv_x, ctx.handle,
                                                 weights=grad_recv_w.contiguous())
         return grad_x, grad_w, None, None
@@ -45,7 +46,7 @@ class _Combine(torch.autograd.Function):
 
 
 def dispatch(x, topk_idx, topk_weights, dispatcher):
-    """Differentiable dispatch: (recv_x, recv_weights, recv_expert_idx, handle)."""
+    """Differentiable dispatch: (recv_x, recv_weights, recv_expert_idx, handle, num_entries)."""
     return _Dispatch.apply(x, topk_weights, topk_idx, dispatcher)
 
 
@@ -89,6 +90,6 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, x):
         idx, weights = self.route(x)
-        recv_x, recv_w, recv_idx, handle = dispatch(x, idx, weights, self.dispatcher)
-        y = expert_ffn(recv_x, recv_idx, recv_w, self.w13, self.w2)
+        recv_x, recv_w, recv_idx, handle, num_entries = dispatch(x, idx, weights, self.dispatcher)
+        y = expert_ffn(recv_x, recv_idx, recv_w, self.w13, self.w2, num_entries)
         return combine(y, handle, self.dispatcher)

@@ -2,12 +2,12 @@
 
 weft.ep's Buffer keeps one layout in its window (its latest uncached dispatch's); a combine or a
 cached dispatch of an older handle first re-runs that handle's layout (one extra dispatch). A
-micro-batch's layout of layer l is used from its forward dispatch until its backward (the
-combine's backward is a cached dispatch, the dispatch's backward a combine). So a step needs, per
-layer, one Buffer for every micro-batch whose layout of that layer is live at once: one in the
-serial step (a micro-batch's backward ends before the next one's forward), la + 1 on
-weft.pipeline, where la is the lookahead of the layer's dispatch task (moe_schedule). Micro-batch
-m of a step uses slot m % num_slots[layer].
+micro-batch's layout of layer l is used from its forward dispatch until its backward (combine_bwd
+is a cached dispatch, dispatch_bwd a combine). So a step needs, per layer, one Buffer for every
+micro-batch whose layout of that layer is live at once: one in the serial step (a micro-batch's
+backward ends before the next one's forward), on weft.pipeline the lookahead of the layer's
+dispatch task minus that of its dispatch_bwd task, plus one (num_layout_slots). Micro-batch m of
+a step uses slot m % num_slots[layer].
 
     slots = LayoutSlots.ep(group, num_experts=128, num_slots=[3, 1], max_tokens=1024)
     slots = LayoutSlots.shared(weft.moe.LocalDispatcher(128), num_layers=2)   # stateless

@@ -2,54 +2,75 @@
 
 A step splits its tokens into M micro-batches; each runs forward and backward, gradients
 accumulate over the micro-batches in micro-batch order, and one SGD step ends the step. A
-micro-batch's forward through layer l is four stages, cut at the communication:
+micro-batch is a chain of stages, cut at every communication, forward and backward:
 
-    dense_router_l   (l > 0: the residual of layer l-1) dense block, router top-k   compute
-    dispatch_l       the rows to their experts' ranks                                comm
-    experts_l        the grouped GEMMs                                               compute
-    combine_l        the expert outputs back, summed per token                       comm
+    dense_router_l     (l > 0: the residual of layer l-1) dense block, router top-k    compute
+    dispatch_l         the rows to their experts' ranks                                 comm
+    experts_l          the grouped GEMMs                                                compute
+    combine_l          the expert outputs back, summed per token                        comm
+    loss               residual, loss, its gradient at the last layer's output          compute
+    combine_bwd_l      the output gradient to the rows (a cached dispatch)              comm
+    experts_bwd_l      the experts' backward: row and weight gradients, expert wgrad    compute
+    dispatch_bwd_l     the row and weight gradients back to their tokens (a combine)    comm
+    dense_router_bwd_l the router's and dense block's backward, the residual            compute
 
-then loss_backward (the residual, the loss, backward through every layer: autograd runs each
-communication's backward on the stream of its forward, the comm stream). serial_step runs the
-stages in this order, micro-batch after micro-batch; PipelinedStep runs them as weft.pipeline
-tasks, one engine batch per micro-batch, with the first `depth` stages of that chain at
-decreasing lookaheads (moe_schedule), so that communication of one micro-batch is enqueued beside
-compute of another. Both run the same functions on the same tensors: the same bits.
+(forward for l = 0 .. L-1, then loss, then backward for l = L-1 .. 0). Each compute stage is an
+autograd graph of its own, rooted at leaves detached from the stage before it, and run backward
+by its own backward stage; the communication runs outside autograd (the dispatcher's calls, as
+the autograd Functions of layer.py make them). serial_step runs the chain micro-batch after
+micro-batch; PipelinedStep runs its stages as weft.pipeline tasks, one engine batch per
+micro-batch, the first stages of the chain at decreasing lookaheads (stage_lookaheads), so that
+the communication of one micro-batch, forward or backward, is enqueued beside compute of another.
+Both run the same functions on the same tensors, and each parameter's gradient gets its
+micro-batches' parts in micro-batch order (a layer's expert weights only in experts_bwd_l, its
+router and dense block only in dense_router_bwd_l): the same bits.
 
-    slots = LayoutSlots.ep(group, 128, num_layout_slots(2, depth=4), max_tokens=T // 4)
-    step = PipelinedStep(model, slots, num_micro_batches=4, depth=4, backend="torch")
+    slots = LayoutSlots.ep(group, 128, num_layout_slots(2, depth=8), max_tokens=T // 4)
+    step = PipelinedStep(model, slots, num_micro_batches=4, depth=8, backend="torch")
     loss = step(x, target, lr=1e-3)            # == serial_step(model, x, target, 1e-3, 4, ...)
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .experts import expert_ffn
-from .layer import combine, dispatch
 from .slots import LayoutSlots
 
-STAGES = ("dense_router", "dispatch", "experts", "combine")
-COMM_STAGES = ("dispatch", "combine")
+FORWARD_STAGES = ("dense_router", "dispatch", "experts", "combine")
+BACKWARD_STAGES = ("combine_bwd", "experts_bwd", "dispatch_bwd", "dense_router_bwd")
+COMM_STAGES = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
+STAGES = FORWARD_STAGES + ("loss",) + BACKWARD_STAGES
 
 
 class MicroBatch:
     """One micro-batch's state through the stages (an engine batch of PipelinedStep): its
     inputs and every tensor its stages made, kept until the micro-batch is done (on weft.pipeline
-    until its streams have finished with them)."""
+    until its streams have finished with them). The per-layer lists hold layer l's tensors; the
+    backward stages read the forward's graphs and leaves from them."""
 
     def __init__(self, index: int, x: torch.Tensor, target: torch.Tensor, num_layers: int,
                  denominator: int) -> None:
+        def per_layer():
+            return [None] * num_layers
+
         self.index = index               # within the step: picks the layout slot
         self.x, self.target = x, target
         self.denominator = denominator   # the step's element count: the loss is the step's mean
-        self.h: List[Optional[torch.Tensor]] = [None] * num_layers       # dense block output
-        self.route: List[Optional[tuple]] = [None] * num_layers          # (topk_idx, weights)
-        self.recv: List[Optional[tuple]] = [None] * num_layers           # dispatch's outputs
-        self.y: List[Optional[torch.Tensor]] = [None] * num_layers       # expert outputs
-        self.combined: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.loss: Optional[torch.Tensor] = None
+        self.x_in = per_layer()          # l > 0: the layer's input, a leaf (its .grad: backward)
+        self.h = per_layer()             # dense block output (graph from x_in)
+        self.route = per_layer()         # (topk_idx, topk_weights), the weights' graph from h
+        self.recv = per_layer()          # (recv_x, recv_idx, recv_w, handle, num_entries)
+        self.expert_in = per_layer()     # (recv_x, recv_w) as the experts' leaves
+        self.y = per_layer()             # expert outputs (graph from expert_in)
+        self.combined = per_layer()
+        self.grad_out = per_layer()      # gradient at h_l + combined_l (the next layer's input)
+        self.grad_y = per_layer()
+        self.grad_recv = per_layer()     # (grad recv_x, grad recv_w)
+        self.grad_h = per_layer()        # (grad h from the dispatch, grad topk_weights)
 
 
 def micro_batches(x: torch.Tensor, target: torch.Tensor, num_micro_batches: int,
@@ -65,36 +86,97 @@ def micro_batches(x: torch.Tensor, target: torch.Tensor, num_micro_batches: int,
                                              torch.tensor_split(target, num_micro_batches)))]
 
 
+def chain(num_layers: int) -> List[Tuple[str, str, Optional[int]]]:
+    """(task name, stage, layer) of a micro-batch's stages in run order (loss: layer None)."""
+    out = [(f"{s}_{layer}", s, layer) for layer in range(num_layers) for s in FORWARD_STAGES]
+    out.append(("loss", "loss", None))
+    out += [(f"{s}_{layer}", s, layer) for layer in reversed(range(num_layers))
+            for s in BACKWARD_STAGES]
+    return out
+
+
+def stage_task_names(num_layers: int) -> List[str]:
+    """The tasks in chain order: dense_router_0, dispatch_0, ..., loss, combine_bwd_{L-1}, ...,
+    dense_router_bwd_0."""
+    return [name for name, _, _ in chain(num_layers)]
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_()
+
+
 class _Stages:
-    """The stage functions of one model over one LayoutSlots."""
+    """The stage functions of one model over one LayoutSlots: stage(mb, layer)."""
 
     def __init__(self, model, slots) -> None:
         self.model, self.slots = model, slots
 
+    def run(self, mb: MicroBatch, stage: str, layer: Optional[int]) -> None:
+        if layer is None:
+            getattr(self, stage)(mb)
+        else:
+            getattr(self, stage)(mb, layer)
+
+    def _dispatcher(self, mb: MicroBatch, layer: int):
+        return self.slots.dispatcher(layer, mb.index)
+
     def dense_router(self, mb: MicroBatch, layer: int) -> None:
-        x = mb.x if layer == 0 else mb.h[layer - 1] + mb.combined[layer - 1]
+        if layer == 0:
+            x = mb.x
+        else:
+            with torch.no_grad():
+                x = _leaf(mb.h[layer - 1] + mb.combined[layer - 1])
+            mb.x_in[layer] = x
         mb.h[layer] = self.model.dense[layer](x)
         mb.route[layer] = self.model.moe[layer].route(mb.h[layer])
 
     def dispatch(self, mb: MicroBatch, layer: int) -> None:
         idx, weights = mb.route[layer]
-        mb.recv[layer] = dispatch(mb.h[layer], idx, weights,
-                                  self.slots.dispatcher(layer, mb.index))
+        with torch.no_grad():
+            mb.recv[layer] = self._dispatcher(mb, layer).dispatch(mb.h[layer].detach(), idx,
+                                                                  weights.detach())
 
     def experts(self, mb: MicroBatch, layer: int) -> None:
-        recv_x, recv_w, recv_idx, _ = mb.recv[layer]
+        recv_x, recv_idx, recv_w, _, num_entries = mb.recv[layer]
         moe = self.model.moe[layer]
-        mb.y[layer] = expert_ffn(recv_x, recv_idx, recv_w, moe.w13, moe.w2)
+        recv_x, recv_w = mb.expert_in[layer] = (_leaf(recv_x), _leaf(recv_w))
+        mb.y[layer] = expert_ffn(recv_x, recv_idx, recv_w, moe.w13, moe.w2, num_entries)
 
     def combine(self, mb: MicroBatch, layer: int) -> None:
-        mb.combined[layer] = combine(mb.y[layer], mb.recv[layer][3],
-                                     self.slots.dispatcher(layer, mb.index))
+        with torch.no_grad():
+            mb.combined[layer], _ = self._dispatcher(mb, layer).combine(mb.y[layer].detach(),
+                                                                        mb.recv[layer][3])
 
-    def loss_backward(self, mb: MicroBatch) -> torch.Tensor:
-        out = mb.h[-1] + mb.combined[-1]
+    def loss(self, mb: MicroBatch) -> None:
+        with torch.no_grad():
+            out = _leaf(mb.h[-1] + mb.combined[-1])
         loss = (out.float() - mb.target.float()).pow(2).sum() / mb.denominator
-        loss.backward()
-        return loss.detach()
+        mb.grad_out[-1], = torch.autograd.grad(loss, out)
+        mb.loss = loss.detach()
+
+    def combine_bwd(self, mb: MicroBatch, layer: int) -> None:
+        with torch.no_grad():
+            mb.grad_y[layer] = self._dispatcher(mb, layer).dispatch_cached(
+                mb.grad_out[layer].contiguous(), mb.recv[layer][3])
+
+    def experts_bwd(self, mb: MicroBatch, layer: int) -> None:
+        torch.autograd.backward(mb.y[layer], mb.grad_y[layer])
+        recv_x, recv_w = mb.expert_in[layer]
+        mb.grad_recv[layer] = (recv_x.grad, recv_w.grad)
+
+    def dispatch_bwd(self, mb: MicroBatch, layer: int) -> None:
+        grad_x, grad_w = mb.grad_recv[layer]
+        with torch.no_grad():
+            mb.grad_h[layer] = self._dispatcher(mb, layer).combine(
+                grad_x.contiguous(), mb.recv[layer][3], weights=grad_w.contiguous())
+
+    def dense_router_bwd(self, mb: MicroBatch, layer: int) -> None:
+        grad_h, grad_w = mb.grad_h[layer]
+        # h_l feeds the dispatch, the router and the residual h_l + combined_l.
+        torch.autograd.backward([mb.h[layer], mb.route[layer][1]],
+                                [grad_h + mb.grad_out[layer], grad_w])
+        if layer > 0:
+            mb.grad_out[layer - 1] = mb.x_in[layer].grad
 
 
 def _zero_grads(model) -> None:
@@ -111,10 +193,10 @@ def _sgd(model, lr: float) -> None:
 def serial_step(model, x: torch.Tensor, target: torch.Tensor, lr: float,
                 num_micro_batches: int = 1, slots=None) -> torch.Tensor:
     """Schedule (a): the step's micro-batches one after another on the current stream, each
-    forward then backward, gradients accumulated, one SGD step. slots: a LayoutSlots (one
-    layout per layer is live at once; default: the layers' own dispatchers). Returns the loss
-    (the step's mean squared error, fp32, on the device: the sum of the micro-batches' parts in
-    micro-batch order)."""
+    micro-batch's chain of stages in order, gradients accumulated, one SGD step. slots: a
+    LayoutSlots (one layout per layer is live at once; default: the layers' own dispatchers).
+    Returns the loss (the step's mean squared error, fp32, on the device: the sum of the
+    micro-batches' parts in micro-batch order)."""
     num_layers = len(model.moe)
     if slots is None:
         slots = LayoutSlots(lambda layer, s: model.moe[layer].dispatcher, [1] * num_layers)
@@ -123,91 +205,95 @@ def serial_step(model, x: torch.Tensor, target: torch.Tensor, lr: float,
     _zero_grads(model)
     total = None
     for mb in micro_batches(x, target, num_micro_batches, num_layers):
-        for layer in range(num_layers):
-            for stage in STAGES:
-                getattr(stages, stage)(mb, layer)
-        loss = stages.loss_backward(mb)
-        total = loss if total is None else total + loss
+        for _, stage, layer in chain(num_layers):
+            stages.run(mb, stage, layer)
+        total = mb.loss if total is None else total + mb.loss
     _sgd(model, lr)
     return total
 
 
-def stage_lookaheads(num_layers: int, depth: int) -> Dict[str, int]:
-    """Task -> lookahead. Stage k of the chain (dense_router_0 + dispatch_0 = 0, experts_0 +
-    combine_0 = 1, ..., loss_backward = 2 * num_layers) runs at lookahead max(0, depth - k):
-    a comm task's consumer then runs in the next progress(), after compute of other
-    micro-batches. depth 0: every task at lookahead 0 (the serial order on the engine); 1: only
-    layer 0's first dispatch runs ahead (under the experts of the micro-batch before);
-    2 * num_layers: every forward communication runs beside another micro-batch's compute."""
-    if not 0 <= depth <= 2 * num_layers:
-        raise ValueError(f"depth must be in [0, {2 * num_layers}] for {num_layers} layers, got "
-                         f"{depth}")
-    out = {}
-    for layer in range(num_layers):
-        for i, stage in enumerate(STAGES):
-            out[f"{stage}_{layer}"] = max(0, depth - (2 * layer + i // 2))
-    out["loss_backward"] = 0
+def _chain_positions(num_layers: int) -> Dict[str, int]:
+    """Task -> its position k in the chain of (compute, comm) pairs: a comm task shares the
+    position of the compute task before it, so that at lookahead depth - k its consumer, one
+    position on, runs in a later progress() than it."""
+    out, k = {}, -1
+    for name, stage, _ in chain(num_layers):
+        if stage not in COMM_STAGES:
+            k += 1
+        out[name] = k
     return out
 
 
+def max_depth(num_layers: int) -> int:
+    """The deepest schedule: every communication's consumer runs in a later progress()."""
+    return 4 * num_layers
+
+
+def stage_lookaheads(num_layers: int, depth: int) -> Dict[str, int]:
+    """Task -> lookahead. Position k of the chain (dense_router_0 + dispatch_0 = 0, experts_0 +
+    combine_0 = 1, ..., loss + combine_bwd_{L-1} = 2L, experts_bwd_{L-1} + dispatch_bwd_{L-1} =
+    2L + 1, dense_router_bwd_{L-1} + combine_bwd_{L-2} = 2L + 2, ..., dense_router_bwd_0 = 4L)
+    runs at lookahead max(0, depth - k): a comm task at k < depth has its consumer in the next
+    progress(), after compute of other micro-batches. depth 0: every task at lookahead 0 (the
+    serial order on the engine); 2L: every forward communication runs beside another
+    micro-batch's compute; 4L (max_depth): every backward one too."""
+    if not 0 <= depth <= max_depth(num_layers):
+        raise ValueError(f"depth must be in [0, {max_depth(num_layers)}] for {num_layers} "
+                         f"layers, got {depth}")
+    return {name: max(0, depth - k) for name, k in _chain_positions(num_layers).items()}
+
+
 def num_layout_slots(num_layers: int, depth: int) -> List[int]:
-    """Per layer, the layouts live at once on weft.pipeline at this depth: the lookahead of the
-    layer's dispatch + 1 (a micro-batch's layout lives from its dispatch, that many progress()
-    calls ahead, to its backward at lookahead 0)."""
+    """Per layer, the layouts live at once on weft.pipeline at this depth: a micro-batch's layout
+    of layer l lives from its dispatch_l to its dispatch_bwd_l (the layout's last use), so
+    lookahead(dispatch_l) - lookahead(dispatch_bwd_l) + 1 micro-batches hold one."""
     la = stage_lookaheads(num_layers, depth)
-    return [la[f"dispatch_{layer}"] + 1 for layer in range(num_layers)]
-
-
-def stage_task_names(num_layers: int) -> List[str]:
-    """The stage tasks in chain order: dense_router_0, dispatch_0, experts_0, combine_0,
-    dense_router_1, ... (loss_backward follows them)."""
-    return [f"{s}_{layer}" for layer in range(num_layers) for s in STAGES]
+    return [la[f"dispatch_{layer}"] - la[f"dispatch_bwd_{layer}"] + 1
+            for layer in range(num_layers)]
 
 
 def moe_schedule(num_layers: int, depth: int,
                  bodies: Optional[Mapping[str, Callable]] = None):
-    """The weft.pipeline Schedule of the step: the stage tasks in chain order (the run order),
-    compute on stream "default", dispatch and combine collective tasks on stream "comm";
-    each task reads its predecessor's slot and writes its own (the MicroBatch), loss_backward
-    writes step_result. bodies: task name -> fn(ctx) (None: no bodies, for the planner)."""
+    """The weft.pipeline Schedule of the step: the tasks in chain order (the run order), compute
+    on stream "default", the communication, forward and backward, as collective tasks on stream
+    "comm"; each task reads its predecessor's slot and writes its own (the MicroBatch), the last
+    (dense_router_bwd_0) writes step_result. bodies: task name -> fn(ctx) (None: no bodies, for
+    the planner)."""
     from weft.pipeline import Schedule, Task
 
     la = stage_lookaheads(num_layers, depth)
     bodies = bodies or {}
     tasks, previous = [], "micro_batch"
-    names = stage_task_names(num_layers) + ["loss_backward"]
-    for name in names:
-        comm = name.rsplit("_", 1)[0] in COMM_STAGES
-        writes = "step_result" if name == "loss_backward" else name
-        tasks.append(Task.from_fn(name, bodies.get(name, _no_body), stream="comm" if comm else
-                                  "default", lookahead=la[name], reads=[previous],
-                                  writes=[writes], collective=comm or name == "loss_backward"))
+    names = stage_task_names(num_layers)
+    for name, stage, _ in chain(num_layers):
+        comm = stage in COMM_STAGES
+        writes = "step_result" if name == names[-1] else name
+        tasks.append(Task.from_fn(name, bodies.get(name, _no_body),
+                                  stream="comm" if comm else "default", lookahead=la[name],
+                                  reads=[previous], writes=[writes], collective=comm))
         previous = name
     return Schedule(tasks, streams={"comm": 1}, inputs=["micro_batch"])
 
 
 def moe_thread_map(num_layers: int) -> Dict[str, List[str]]:
-    """Two engine threads: compute (dense, router, experts, loss and backward) and comm (the
-    dispatches and combines, whose host waits, a count read by weft.ep's dispatch or the
-    all_to_all dispatcher's sizes, then block only that thread)."""
-    comm = [f"{s}_{layer}" for layer in range(num_layers) for s in COMM_STAGES]
-    compute = [f"{s}_{layer}" for layer in range(num_layers) for s in ("dense_router", "experts")]
-    return {"compute": compute + ["loss_backward"], "comm": comm}
+    """Two engine threads: compute (dense, router, experts, loss, their backward) and comm (the
+    dispatches and combines, forward and backward, whose host waits, a count read by weft.ep's
+    dispatch or the all_to_all dispatcher's sizes, then block only that thread)."""
+    threads: Dict[str, List[str]] = {"compute": [], "comm": []}
+    for name, stage, _ in chain(num_layers):
+        threads["comm" if stage in COMM_STAGES else "compute"].append(name)
+    return threads
 
 
 def moe_costs(num_layers: int, gpu_us: Mapping[str, float], host_us: float = 20.0) -> dict:
     """A planner cost file (docs/planner.md "Cost files") for moe_schedule: gpu_us gives each
-    stage's GPU time per micro-batch ("dense_router", "dispatch", "experts", "combine",
-    "loss_backward"; the same for every layer), each task host_us on its thread."""
+    stage's GPU time per micro-batch (every name of STAGES; the same for every layer), each task
+    host_us on its thread."""
     tasks = {}
-    for layer in range(num_layers):
-        for stage in STAGES:
-            tasks[f"{stage}_{layer}"] = {
-                "host_us": host_us,
-                "gpu": [{"stream": "comm" if stage in COMM_STAGES else "default",
-                         "us": float(gpu_us[stage])}]}
-    tasks["loss_backward"] = {"host_us": host_us,
-                              "gpu": [{"stream": "default", "us": float(gpu_us["loss_backward"])}]}
+    for name, stage, _ in chain(num_layers):
+        tasks[name] = {"host_us": host_us,
+                       "gpu": [{"stream": "comm" if stage in COMM_STAGES else "default",
+                                "us": float(gpu_us[stage])}]}
     return {"default_host_us": host_us, "tasks": tasks}
 
 
@@ -249,19 +335,15 @@ class PipelinedStep:
     def _bodies(self, stages: _Stages) -> Dict[str, Callable]:
         names = stage_task_names(self.num_layers)
         bodies = {}
-        for previous, name in zip(["micro_batch"] + names[:-1], names):
-            stage, layer = name.rsplit("_", 1)
+        for previous, (name, stage, layer) in zip(["micro_batch"] + names[:-1],
+                                                  chain(self.num_layers)):
+            last = name == names[-1]
 
-            def body(ctx, fn=getattr(stages, stage), layer=int(layer), name=name,
-                     previous=previous):
+            def body(ctx, stage=stage, layer=layer, name=name, previous=previous, last=last):
                 mb = ctx.get(previous)
-                fn(mb, layer)
-                ctx.set(name, mb)
+                stages.run(mb, stage, layer)
+                ctx.set("step_result" if last else name, mb.loss if last else mb)
             bodies[name] = body
-
-        def loss_backward(ctx):
-            ctx.set("step_result", stages.loss_backward(ctx.get(names[-1])))
-        bodies["loss_backward"] = loss_backward
         return bodies
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor, lr: float) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""Emulated communication on one GPU: a dispatcher that moves the data as its inner dispatcher
+does at one rank (weft.ep's real data path, or the all_to_all dispatcher's) and then, on the
+current stream (the comm stream in a pipelined step), holds the SMs the communication would use
+for the time the call takes on a target machine. So the compute of a one-GPU step meets
+communication of the target's length on the target's SMs, without the second GPU. Every figure
+taken with it is an emulated one.
+
+    d = EmulatedDispatcher(EpDispatcher(weft.ep.Buffer(None, 0, max_tokens=1024), 128),
+                           EP_2XH200, num_sms=weft.ep.Buffer.num_sms)
+    slots = LayoutSlots(lambda layer, s: EmulatedDispatcher(...), num_slots)
+
+A call's time is CallCost.us(rows, hidden): affine in the rows it moves, the per-row part scaled
+by the row's bytes against the measured rows' (hidden 7168, bf16). The inner call's own time at
+one rank (a local copy) comes on top of the hold. comm_stage_us and predict_step_us give the
+planner's prediction of the step on the target from the same tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+
+REFERENCE_HIDDEN = 7168  # the rows the tables below were measured with: bf16 [T, 7168]
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """fixed_us + us_per_row x rows x hidden / REFERENCE_HIDDEN."""
+
+    fixed_us: float
+    us_per_row: float
+
+    def us(self, rows: int, hidden: int) -> float:
+        return self.fixed_us + self.us_per_row * rows * hidden / REFERENCE_HIDDEN
+
+
+def _affine(rows_a: int, us_a: float, rows_b: int, us_b: float) -> CallCost:
+    slope = (us_b - us_a) / (rows_b - rows_a)
+    return CallCost(us_a - slope * rows_a, slope)
+
+
+# weft.ep on 2x H200 (docs/perf-ep.md, current kernels, T tokens per rank, bf16 hidden 7168,
+# top-8 of 256; mid-range of the measured runs): dispatch 16.5-17.0 us at T=128, 342.2-344.2 at
+# T=8192; combine 18.7-18.9 and 344.6-345.1; cached dispatch 12.8-12.9 and 331.9-332.2.
+EP_2XH200: Mapping[str, CallCost] = {
+    "dispatch": _affine(128, 16.75, 8192, 343.2),
+    "combine": _affine(128, 18.8, 8192, 344.85),
+    "dispatch_cached": _affine(128, 12.85, 8192, 332.05),
+}
+
+# The NCCL all_to_all dispatcher on 2x H200 (DESIGN.md's anchors at T=8192, bf16 hidden 7168:
+# dispatch 890-905 us, combine 1712-1717 us), proportional to the rows (no small-T figure);
+# its cached dispatch is one all_to_all of rows, taken as the dispatch's time.
+A2A_2XH200: Mapping[str, CallCost] = {
+    "dispatch": CallCost(0.0, 897.5 / 8192),
+    "combine": CallCost(0.0, 1714.5 / 8192),
+    "dispatch_cached": CallCost(0.0, 897.5 / 8192),
+}
+
+TARGETS = {"2xh200": {"weft.ep": EP_2XH200, "a2a": A2A_2XH200}}
+
+
+def hold_on_current_stream(num_sms: int, duration_us: float, device: torch.device) -> None:
+    """weft's hold_sms kernel on torch's current stream of device."""
+    from weft import _weft
+
+    if not hasattr(_weft, "cuda") or not hasattr(_weft.cuda, "hold_sms"):
+        raise RuntimeError("emulated communication needs weft built with CUDA (weft._weft.cuda)")
+    stream = torch.cuda.current_stream(device)
+    _weft.cuda.hold_sms(num_sms, duration_us, stream.cuda_stream, device.index)
+
+
+class EmulatedDispatcher:
+    """inner's calls (same results, same bits), each followed by a hold of num_sms SMs for
+    costs[call].us(rows, hidden) on the current stream, rows x hidden the shape of the call's
+    input (a dispatch's tokens, a combine's received rows). hold(num_sms, us, device) replaces
+    the kernel (a test's recorder). held_us sums the holds so far (emulated communication time,
+    for one thread's calls: a step's comm thread)."""
+
+    def __init__(self, inner, costs: Mapping[str, CallCost], num_sms: int,
+                 hold: Optional[Callable[[int, float, torch.device], None]] = None) -> None:
+        missing = {"dispatch", "combine", "dispatch_cached"} - set(costs)
+        if missing:
+            raise ValueError(f"costs lack {sorted(missing)}")
+        if not isinstance(num_sms, int) or num_sms < 1:
+            raise ValueError(f"num_sms must be an int >= 1, got {num_sms!r}")
+        self.inner, self.costs, self.num_sms = inner, dict(costs), num_sms
+        self.hold = hold or hold_on_current_stream
+        self.held_us = 0.0
+        self.keeps_layouts = inner.keeps_layouts
+        self.num_ranks, self.rank = inner.num_ranks, inner.rank
+        self.num_local_experts = inner.num_local_experts
+
+    def _hold(self, call: str, rows_of: torch.Tensor) -> None:
+        us = self.costs[call].us(rows_of.shape[0], rows_of.shape[1])
+        self.held_us += us
+        self.hold(self.num_sms, us, rows_of.device)
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        out = self.inner.dispatch(x, topk_idx, topk_weights)
+        self._hold("dispatch", x)
+        return out
+
+    def combine(self, y, handle, weights=None):
+        out = self.inner.combine(y, handle, weights)
+        self._hold("combine", y)
+        return out
+
+    def dispatch_cached(self, x, handle):
+        out = self.inner.dispatch_cached(x, handle)
+        self._hold("dispatch_cached", x)
+        return out
+
+
+def comm_stage_us(costs: Mapping[str, CallCost], tokens: int, hidden: int) -> dict:
+    """The four comm stages' times for one micro-batch of `tokens` tokens at one rank of the
+    target (costs: a table above), as moe_costs takes them: dispatch and combine_bwd (a cached
+    dispatch) move the tokens' rows out, combine and dispatch_bwd (a combine) bring them back."""
+    return {"dispatch": costs["dispatch"].us(tokens, hidden),
+            "combine": costs["combine"].us(tokens, hidden),
+            "combine_bwd": costs["dispatch_cached"].us(tokens, hidden),
+            "dispatch_bwd": costs["combine"].us(tokens, hidden)}
+
+
+def predict_step_us(num_layers: int, depths, compute_us: Mapping[str, float],
+                    comm_us: Mapping[str, float], host_us: float = 20.0) -> dict:
+    """Depth -> the planner's steady-state time of one micro-batch (weft.plan.simulate over
+    moe_schedule with moe_costs): compute_us the compute stages' times (measured without
+    communication), comm_us the comm stages' (comm_stage_us)."""
+    from weft import plan
+    from .step import moe_costs, moe_schedule, moe_thread_map
+
+    costs = moe_costs(num_layers, {**compute_us, **comm_us}, host_us)
+    return {d: plan.simulate(moe_schedule(num_layers, d), moe_thread_map(num_layers),
+                             costs).timeline.step_us for d in depths}
