@@ -387,26 +387,12 @@ __device__ void send_rows(const DispatchParams& p, const DispatchSmem& s, const 
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.x.row_bytes / 16;
   const int num_items = *s.num_items;
   for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
     const int i = s.item[it] >> 8;
     const int d = s.item[it] & 0xff;
-    const int64_t t = sub + i;
-    const int64_t row = s.row[i * R + d];
-    char* base = s.peer[d];
-    warp_send_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16, p.x, t, lane);
-    if (lane < p.top_k) {
-      const int64_t e = load_expert(p, t * p.top_k + lane);
-      const bool here = e >= 0 && e < p.num_experts && e / call.epr == d;
-      reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * p.top_k + lane] =
-          here ? int32_t(e - int64_t(d) * call.epr) : -1;
-      reinterpret_cast<float*>(base + c.layout.recv_weights)[row * p.top_k + lane] =
-          here ? p.topk_weights[t * p.top_k + lane] : 0.0f;
-    }
-    if (lane == 0) {
-      reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
-    }
+    warp_send_token(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane,
+                    [&](int64_t e) { return e / call.epr == d; });
   }
 }
 

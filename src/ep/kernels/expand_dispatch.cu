@@ -341,7 +341,6 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
   const CommParams& c = p.comm;
   const int K = p.top_k;
   const int lane = threadIdx.x % 32;
-  const int64_t n16 = p.x.row_bytes / 16;
   const int num_items = *s.num_items;
   for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
     const int item = s.item[it];
@@ -352,16 +351,9 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
     const int d = g / call.epr;
     const int64_t row = s.row[it];
     char* base = s.peer[d];
-    warp_send_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16, p.x, t, lane);
-    if (lane < K) {  // only the selections of this row's expert
-      const bool mine = load_expert(p, t * K + lane) == g;
-      reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * K + lane] =
-          mine ? g - d * call.epr : -1;
-      reinterpret_cast<float*>(base + c.layout.recv_weights)[row * K + lane] =
-          mine ? p.topk_weights[t * K + lane] : 0.0f;
-    }
+    // Only the selections of this row's expert.
+    warp_send_token(p, base, row, t, d, call.epr, lane, [&](int64_t e) { return e == g; });
     if (lane == 0) {
-      reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
       reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] =
           make_int2(s.link[it], item >> 12);
     }

@@ -23,9 +23,9 @@
 #include <cstdint>
 
 #include "params.hpp"
-#include "weft/ep/types.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_error.cuh"
+#include "weft/ep/types.hpp"
 
 namespace weft::ep::detail {
 
@@ -255,7 +255,8 @@ __device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowS
     warp_copy_row(dst, static_cast<const int4*>(src.x) + t * n16, n16, lane);
     return;
   }
-  warp_copy_row(dst, reinterpret_cast<const int4*>(static_cast<const char*>(src.x) + t * src.hidden),
+  warp_copy_row(dst,
+                reinterpret_cast<const int4*>(static_cast<const char*>(src.x) + t * src.hidden),
                 src.hidden / 16, lane);
   const int64_t num_groups = src.hidden / kFp8GroupElements;
   auto* words = reinterpret_cast<uint32_t*>(dst) + src.hidden / 4;
@@ -263,6 +264,29 @@ __device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowS
   for (int64_t g = lane; g < (src.row_bytes - src.hidden) / 4; g += 32) {
     words[g] = g < num_groups ? __float_as_uint(scales[g * src.scale_group_stride]) : 0u;
   }
+}
+
+// One warp pushes token t's row to row `row` of the window at `base` (rank dest's): the payload,
+// then (lanes k < top_k) selection k's local expert and weight where in_row(e) says selection k's
+// expert e (valid, in [0, num_experts)) belongs to this row (else -1 and 0), and (lane 0) the
+// row's source (this rank, t).
+template <typename InRow>
+__device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* base, int64_t row,
+                                                int64_t t, int dest, int epr, int lane,
+                                                InRow&& in_row) {
+  const CommParams& c = p.comm;
+  warp_send_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * (p.x.row_bytes / 16), p.x,
+                t, lane);
+  const int K = p.top_k;
+  if (lane < K) {
+    const int64_t e = load_expert(p, t * K + lane);
+    const bool mine = e >= 0 && e < p.num_experts && in_row(e);
+    reinterpret_cast<int32_t*>(base + c.layout.recv_expert_idx)[row * K + lane] =
+        mine ? int32_t(e - int64_t(dest) * epr) : -1;
+    reinterpret_cast<float*>(base + c.layout.recv_weights)[row * K + lane] =
+        mine ? p.topk_weights[t * K + lane] : 0.0f;
+  }
+  if (lane == 0) reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
 }
 
 // Tokens [begin, end) of block blockIdx.x when num_tokens are cut into gridDim.x equal chunks.
