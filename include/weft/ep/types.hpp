@@ -92,9 +92,8 @@ struct ExpandOptions {
 constexpr int64_t kFp8GroupElements = 128;
 constexpr float kFp8E4M3Max = 448.0f;
 constexpr float kFp8MinAmax = 1e-4f;
-// The 512-byte rule's threshold, measured on 2x H200 (docs/perf-ep.md): 512-byte padding adds
-// 13.1% to a T=8192 dispatch at hidden 2048 (+21.2% bytes), 7.4% at 4096 (+9.1%), 1.6% at 7168
-// (+3.9%), and never makes it faster; at most 5% more bytes keeps its time cost under 2%.
+// The 512-byte rule's threshold: the padding never makes a dispatch faster, and at most 5% more
+// bytes keeps its time cost small (the measurements: docs/perf-ep.md, "fp8 row padding").
 constexpr double kFp8Row512MaxPaddingFraction = 0.05;
 
 struct Fp8RowLayout {
