@@ -27,7 +27,6 @@
 #include "dlpack_capsule.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
-#include "weft/cuda/copy_rows.hpp"
 #include "weft/cuda/device_guard.hpp"
 #include "weft/cuda/nccl.hpp"
 #include "weft/ep/buffer.hpp"
@@ -42,25 +41,6 @@ namespace {
 cudaStream_t as_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 const void* as_ptr(std::uintptr_t p) { return reinterpret_cast<const void*>(p); }
 std::uintptr_t as_int(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
-
-// One (dst, dst_pitch, src, src_pitch, width, rows) device-to-device copy per entry, enqueued on
-// stream (a stream of device) in as few kernel launches as weft::cuda::copy_rows allows: the
-// copy-out of a dispatch's results (pitches and width in bytes). The device comes from the caller
-// because the stream may be capturing a CUDA graph, where it cannot be asked.
-using Copy2d = std::tuple<std::uintptr_t, int64_t, std::uintptr_t, int64_t, int64_t, int64_t>;
-
-void copy_rows(const std::vector<Copy2d>& copies, std::uintptr_t stream, int device) {
-  DeviceGuard guard(device);
-  weft::cuda::CopyRowsParams params;
-  for (const auto& [dst, dst_pitch, src, src_pitch, width, rows] : copies) {
-    if (params.num_copies == weft::cuda::CopyRowsParams::kMaxCopies) {
-      weft::cuda::copy_rows(params, as_stream(stream));
-      params = {};
-    }
-    params.add({reinterpret_cast<void*>(dst), dst_pitch, as_ptr(src), src_pitch, width, rows});
-  }
-  weft::cuda::copy_rows(params, as_stream(stream));
-}
 
 nb::bytes unique_id() {
   ncclUniqueId id;
@@ -475,9 +455,6 @@ class PyBuffer {
 }  // namespace
 
 void bind_ep(nb::module_& m) {
-  m.def("copy_rows", &copy_rows, nb::arg("copies"), nb::arg("stream"), nb::arg("device"),
-        "Device-to-device pitched copies (dst, dst_pitch, src, src_pitch, width, rows), in bytes, "
-        "in one kernel per 8 copies on stream, a stream of device.");
   m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for a Communicator.");
   m.def(
       "window_bytes",

@@ -28,11 +28,10 @@ from .. import Error, _weft
 from . import _group
 from .communicator import Communicator
 from .config import Config, combine_config, dispatch_config
-from .copy_out import flat
 from .event import EventHandle, EventOverlap
 from .layout import dispatch_layout
 from .native import (_NO_EVENT, CommCall, NativeBuffer, _current_raw_stream, async_event,
-                     check_stream_options, check_tensor, check_x, event_of)
+                     check_stream_options, check_tensor, check_x, event_of, flat)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections

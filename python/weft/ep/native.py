@@ -29,12 +29,18 @@ import torch.distributed as dist
 from .. import Error, _weft
 from . import lifetime
 from .communicator import Communicator
-from .copy_out import copy_rows, flat, rows_copy
 from .event import EventHandle, EventOverlap
 
 _FP8_GROUP = 128
 _BF16 = _weft.ep.DType.bfloat16 if hasattr(_weft.ep, "DType") else None
 _UINT8 = _weft.ep.DType.uint8 if hasattr(_weft.ep, "DType") else None
+
+
+def flat(x):
+    """A tensor or the fp8 pair as a tuple of tensors (None: empty)."""
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _describe(t: torch.Tensor) -> str:
@@ -178,26 +184,31 @@ class DispatchResult:
     tokens_required: Optional[int]
     handle: object
     event: EventOverlap
+    buffer: object = None  # the NativeBuffer whose window the views are of
 
     def copy(self, num_rows: Optional[int] = None) -> "DispatchResult":
         """Owned copies of the first num_rows rows (default: num_recv, which must be known) of
-        every array, on the current stream: what a caller keeps across later calls."""
+        every array, on the current stream, in one kernel: what a caller keeps across later
+        calls. Rows past the received count are padding (see NativeBuffer.copy_out). Only the
+        latest dispatch's result is in the window."""
         n = self.num_recv if num_rows is None else num_rows
         if n is None:
             raise Error("DispatchResult.copy: the count is on the device; pass num_rows "
                         "(e.g. num_worst_tokens) or dispatch with sync_count=True")
-        views = [*flat(self.recv_x), self.recv_expert_idx, self.recv_weights, self.recv_src]
-        owned = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device) for v in views]
-        copy_rows([rows_copy(o, v, v.stride(0) * v.element_size(), n)
-                   for o, v in zip(owned, views)], torch.cuda.current_stream(), views[0].device)
+        owned = [torch.empty((n, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                 for v in (*flat(self.recv_x), self.recv_expert_idx, self.recv_weights,
+                           self.recv_src)]
         recv_x = tuple(owned[:2]) if isinstance(self.recv_x, tuple) else owned[0]
+        idx, w, src = owned[-3:]
+        self.buffer.copy_out(n, recv_x, src=src, topk_idx=idx, topk_weights=w,
+                             stream=_current_raw_stream(idx.device.index))
         return DispatchResult(
-            recv_x, *owned[-3:], self.tokens_per_local_expert.clone(),
+            recv_x, idx, w, src, self.tokens_per_local_expert.clone(),
             self.num_recv_device.clone(), self.num_recv, self.tokens_per_local_expert_list,
             None if self.segment_begin is None else self.segment_begin.clone(),
             self.rows_required,
             None if self.rank_prefix_matrix is None else self.rank_prefix_matrix.clone(),
-            self.tokens_required, self.handle, self.event)
+            self.tokens_required, self.handle, self.event, self.buffer)
 
 
 class _Window:
@@ -473,7 +484,7 @@ class NativeBuffer:
             out.rows_required if expanded and out.rows_required >= 0 else None,
             None if expanded else self._window.rank_prefix_matrix,
             out.tokens_required if out.num_recv >= 0 else None,
-            handle, _NO_EVENT)
+            handle, _NO_EVENT, self)
 
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, handle=None,
