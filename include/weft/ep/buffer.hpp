@@ -12,6 +12,10 @@
 //   for (r...) res[r] = eps[r]->dispatch(in[r], streams[r], weft::ep::CountMode::kExact);
 //   for (r...) eps[r]->wait_num_recv(res[r]);       // host waits only after all launches
 //
+// A virtual team (tests, benchmarks, debugging on one GPU; docs/ep.md "Virtual team"): the same,
+// with R simulated ranks on the current device instead of R GPUs:
+//   auto eps = weft::ep::Buffer::create_virtual_team(8, config);  // each rank: SMs / 8 blocks
+//
 // Contracts
 //  - Collective: every rank makes the same sequence of dispatch/combine calls on its Buffer. The
 //    calls of one Buffer must be ordered on the device (one stream, or ordered by events).
@@ -262,6 +266,21 @@ class Buffer {
   static std::vector<std::unique_ptr<Buffer>> create_local(int num_devices,
                                                            const BufferConfig& config,
                                                            const BufferOptions& options = {});
+  // A virtual team: num_ranks (1..32) simulated ranks on the current device, element r rank r,
+  // each with its own window (a plain allocation on the device: no NCCL, no NVLink), device
+  // state, streams and rank id; every rank's peer table holds the num_ranks windows' addresses.
+  // The Buffer logic and the kernels are those of the NCCL path. Driven as create_local's
+  // Buffers (launch every rank's call before any host wait, on one stream per rank: each rank's
+  // kernel waits on device for its peers'). Residency: every rank's kernels must be resident at
+  // once, so each rank gets at most virtual_team_num_sms(num_ranks) blocks per kernel
+  // (options.num_sms: 0 = that share, more throws; a call's num_sms at most the Buffer's), one
+  // block per SM (1024 threads): the R grids fit the device together as long as no other work
+  // holds its SMs. A cooperative launch checks only its own grid's residency, not the sum.
+  static std::vector<std::unique_ptr<Buffer>> create_virtual_team(int num_ranks,
+                                                                  const BufferConfig& config,
+                                                                  const BufferOptions& options = {});
+  // A virtual team rank's share of `device`'s SMs: min(SMs, 1024) / num_ranks (throws below 1).
+  static int virtual_team_num_sms(int num_ranks, int device);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -341,6 +360,7 @@ class Buffer {
   int device_ = 0;
   int num_blocks_ = 0;
   int device_num_sms_ = 0;
+  int call_sms_limit_ = 0;  // most blocks of one call: the device's SMs, a virtual rank's share
   uint64_t id_ = 0;
   uint64_t dispatch_sequence_ = 0;  // uncached dispatches launched: the current layout's number
 };
