@@ -31,7 +31,9 @@ using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
 using weft::ep::testing::error_of;
 using weft::ep::testing::make_inputs;
-using weft::ep::testing::num_gpus;
+using weft::ep::testing::make_team;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 using weft::ep::testing::RankDevice;
 using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
@@ -59,9 +61,9 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
   for (int r = 0; r < R; ++r) {
     auto in = inputs[std::size_t(r)];
     if (r == 0) in.topk_idx[5] = 8;  // out of range
-    rd[std::size_t(r)].x = upload(r, in.x);
-    rd[std::size_t(r)].idx = upload(r, in.topk_idx);
-    rd[std::size_t(r)].weights = upload(r, in.topk_weights);
+    rd[std::size_t(r)].x = upload(rank_device(r), in.x);
+    rd[std::size_t(r)].idx = upload(rank_device(r), in.topk_idx);
+    rd[std::size_t(r)].weights = upload(rank_device(r), in.topk_weights);
   }
   auto din = [&](int r, int64_t T) {
     return weft::ep::DispatchInputs{
@@ -88,7 +90,7 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
   bad = din(0, 64);
   bad.x.cols = 120;
   EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
-  EXPECT_THROW(weft::ep::Buffer::create_local(R, {.max_tokens = 8, .hidden = 12, .num_experts = 8, .top_k = 2}),
+  EXPECT_THROW(make_team({.max_tokens = 8, .hidden = 12, .num_experts = 8, .top_k = 2}),
                weft::Error);
 
   // Device-found error: rank 0's out-of-range expert is reported, the call still completes.
@@ -126,7 +128,7 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
 // Rank 0 dispatches alone: it times out waiting for a peer's counts, and says which.
 TEST_F(EpTest, AMissingPeerTimesOutWithRankAndReason) {
   REQUIRE_PEERS();
-  const int num_experts = 2 * num_gpus();
+  const int num_experts = 2 * team_size();
   make({.max_tokens = 16, .hidden = 64, .num_experts = num_experts, .top_k = 1},
        {.timeout_s = 0.2});
   std::vector<int64_t> idx(16);
@@ -287,7 +289,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   std::vector<cudaGraphExec_t> replay(std::size_t(R), nullptr);
   for (int r = 0; r < R; ++r) {
     const auto& rr = res1[std::size_t(r)];
-    out[std::size_t(r)] = DeviceArray(r, std::size_t(256 * H * 2));
+    out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(256 * H * 2));
     WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
     cudaStream_t s = ranks[std::size_t(r)].stream;
     WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
@@ -302,7 +304,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   put_inputs(second);
   const auto res2 = dispatch_all(second, weft::ep::CountMode::kExact);
   for (int r = 0; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaGraphLaunch(replay[std::size_t(r)], ranks[std::size_t(r)].stream));
   }
   wait_all();
@@ -312,7 +314,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
                                    " ran while the layout of dispatch " +
                                    std::to_string(res2[0].handle.sequence)))
         << what;
-    const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, std::size_t(256 * H));
+    const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, std::size_t(256 * H));
     EXPECT_EQ(std::count(got.begin(), got.end(), uint16_t(0xFFFF)), std::ptrdiff_t(got.size()))
         << "rank " << r << ": out was written";
     WEFT_CUDA_CHECK(cudaGraphExecDestroy(replay[std::size_t(r)]));
@@ -323,7 +325,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   for (const auto& L : layouts) expert_out.push_back(L.recv_x);
   for (int r = 0; r < R; ++r) {
     const auto& rr = res2[std::size_t(r)];
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
     eps[std::size_t(r)]->combine({.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}},
                                  rr.handle, out[std::size_t(r)].ptr, ranks[std::size_t(r)].stream);
@@ -332,7 +334,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   for (int r = 0; r < R; ++r) {
     eps[std::size_t(r)]->check();
     const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
-    EXPECT_EQ(download<uint16_t>(r, out[std::size_t(r)].ptr, want.size()), want) << "rank " << r;
+    EXPECT_EQ(download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size()), want) << "rank " << r;
   }
 }
 
@@ -363,8 +365,8 @@ TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
     // Rank 0's device array holds exactly its short_rows rows: a read past them is out of bounds.
     const int64_t given_elements = r == 0 ? short_rows * H : int64_t(e.size());
     const std::vector<uint16_t> given(e.begin(), e.begin() + given_elements);
-    expert_dev[std::size_t(r)] = upload(r, given);
-    out[std::size_t(r)] = DeviceArray(r, std::size_t(256 * H * 2));
+    expert_dev[std::size_t(r)] = upload(rank_device(r), given);
+    out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(256 * H * 2));
     WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -392,7 +394,7 @@ TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
       EXPECT_TRUE(contains(what, "rank 0 sent no rows")) << what;
     }
     const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
-    const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, want.size());
+    const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size());
     for (int64_t t = 0; t < L.num_tokens; ++t) {
       const bool written = r != 0 && L.send_slot[std::size_t(t * R)] < 0;
       for (int64_t h = 0; h < H; ++h) {
@@ -412,7 +414,7 @@ TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
 TEST_F(EpErrorsTest, ATimeoutMakesTheBufferRefuseEveryLaterCall) {
   REQUIRE_PEERS();
   const double timeout_s = 1.0;
-  make({.max_tokens = 2048, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+  make({.max_tokens = 2048, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = timeout_s});
   std::mt19937 rng(29);
   auto inputs = make_inputs(config, R, spec_of(2048), rng);
@@ -446,7 +448,7 @@ TEST_F(EpErrorsTest, ATimeoutMakesTheBufferRefuseEveryLaterCall) {
 // 0's failure in its done flags and report it, instead of returning rows rank 0 never wrote.
 TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
   REQUIRE_PEERS();
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = 0.5});
   std::mt19937 rng(31);
   const auto inputs = make_inputs(config, R, spec_of(64), rng);
@@ -472,14 +474,14 @@ TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
 TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
   REQUIRE_PEERS();
   const double timeout_s = 0.5;
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = timeout_s});
   std::mt19937 rng(41);
   const auto inputs = make_inputs(config, R, spec_of(64), rng);
   put_inputs(inputs);
   const auto res = dispatch_all(inputs, weft::ep::CountMode::kExact);
   std::vector<DeviceArray> out;
-  for (int r = 0; r < R; ++r) out.emplace_back(r, std::size_t(64 * config.hidden * 2));
+  for (int r = 0; r < R; ++r) out.emplace_back(rank_device(r), std::size_t(64 * config.hidden * 2));
   auto combine = [&](int r) {
     const auto& d = res[std::size_t(r)];
     eps[std::size_t(r)]->combine(
@@ -491,7 +493,7 @@ TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
   const auto start = Clock::now();
   for (int r = 1; r < R; ++r) combine(r);
   for (int r = 1; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
   }
   EXPECT_LT(seconds_since(start), 0.5 * timeout_s) << "a late peer waited out a timeout";
@@ -509,7 +511,7 @@ TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
 TEST_F(EpErrorsTest, ADeadPeerCostsCombineOneTimeout) {
   REQUIRE_PEERS();
   const double timeout_s = 0.5;
-  make({.max_tokens = 2048, .hidden = 2048, .num_experts = 2 * num_gpus(), .top_k = 4},
+  make({.max_tokens = 2048, .hidden = 2048, .num_experts = 2 * team_size(), .top_k = 4},
        {.num_sms = 4, .timeout_s = timeout_s});
   std::mt19937 rng(37);
   const auto inputs = make_inputs(config, R, spec_of(2048), rng);
