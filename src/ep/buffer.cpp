@@ -491,6 +491,21 @@ void Buffer::throw_if_device_error() {
 
 void Buffer::check() { throw_if_device_error(); }
 
+int Buffer::first_store_peer() {
+  throw_if_device_error();
+  DeviceGuard guard(device_);
+  int32_t peer = -1;
+  WEFT_CUDA_CHECK(cudaMemcpy(&peer, &state_->state->first_store_peer, sizeof(peer),
+                             cudaMemcpyDeviceToHost));
+  return peer;
+}
+
+int combine_send_warps(int send_warps_at_two_ranks, int num_ranks) {
+  if (num_ranks < 2) return send_warps_at_two_ranks;
+  const int scaled = (2 * send_warps_at_two_ranks * (num_ranks - 1) + num_ranks / 2) / num_ranks;
+  return std::clamp(scaled, 1, detail::kThreads / 32 - 1);
+}
+
 void Buffer::refuse_overflowed_layout(const Handle& layout, const char* call) const {
   // Known here from this rank's own T, or (any rank's) from wait_num_recv. A rank that does not
   // know launches the call, which its kernel skips without advancing the call number
@@ -758,9 +773,12 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.num_tokens = T;
   p.hidden = config_.hidden;
   p.max_tokens = config_.max_tokens;
-  p.num_blocks = num_blocks(T, in.num_sms);
+  // The grid follows the rows this rank stores back as well as its tokens (a rank with few
+  // tokens may have received many rows): num_recv where the host knows it (wait_num_recv), else
+  // T alone (CountMode::kOnDevice: the count is on the device).
+  p.num_blocks = num_blocks(std::max<int64_t>(T, layout.num_recv), in.num_sms);
   p.send_slot = state_->send_slot;
-  p.num_send_warps = options_.combine_send_warps;
+  p.num_send_warps = combine_send_warps(options_.combine_send_warps, num_ranks_);
   if (with_weights) {
     p.topk_weights = static_cast<const float*>(in.topk_weights.data);
     p.topk_weights_rows = in.topk_weights.rows;

@@ -69,7 +69,9 @@ struct BufferOptions {
   // small T fewer blocks make the launch and the in-kernel synchronisation cheaper.
   int tokens_per_block = 4;
   double timeout_s = 20.0;         // bound of every device-side wait
-  int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
+  // Of the 32 warps of a combine block at 2 ranks; the rest reduce. At R ranks the Buffer uses
+  // combine_send_warps(this, R) (below): scaled with the share of received rows that go to peers.
+  int combine_send_warps = 4;
   // The same for the combine of an expanded dispatch, whose store-back first sums each token's
   // rows here (several row reads per row sent), so it needs more of the block.
   int expanded_combine_send_warps = 16;
@@ -233,6 +235,17 @@ struct CombineInputs {
   float* combined_weights = nullptr;
 };
 
+// The send warps of a deduplicated combine block at num_ranks ranks, from BufferOptions::
+// combine_send_warps (the 2-rank value): round(send_warps_at_two_ranks * 2 (R - 1) / R), in
+// 1..31; unchanged at 1 rank. Why: the send warps store back only the rows received from peers,
+// (R - 1) / R of the rows under balanced routing (1/2 at 2 ranks, 7/8 at 8), while the reduce
+// warps read every token's rows wherever they came from, so at the same rows per rank the send
+// share of the work grows by 2 (R - 1) / R from the 2-rank point the default was tuned at
+// (docs/perf-ep.md). 4 at 2 ranks: 6 at 4, 7 at 8. The expanded combine's split
+// (expanded_combine_send_warps) does not change with R: its send warps sum every row, the own
+// rank's included.
+int combine_send_warps(int send_warps_at_two_ranks, int num_ranks);
+
 // Packs x [num_tokens, hidden] bf16 into fp8 rows out [num_tokens, fp8_row_layout(hidden).
 // row_bytes] (types.hpp), bit-identical to reference::cast_to_fp8; both device pointers on the
 // current device, 16-byte aligned; hidden a multiple of 128. Enqueued on stream, no host sync.
@@ -317,6 +330,12 @@ class Buffer {
 
   // Throws the recorded device error, if any. Call after the work has completed.
   void check();
+  // Debugging (the rotated store-back order, docs/ep.md "Store-back order"): the rank that the
+  // last deduplicated combine of this Buffer stored its first row back to, -1 where it stored
+  // none to a peer. Rank r starts at the rows of rank r + 1 (cyclically, the first rank it
+  // received rows from). Call after that combine completed (its stream synchronised); a host copy
+  // of 4 bytes.
+  int first_store_peer();
 
   int rank() const noexcept { return rank_; }
   int num_ranks() const noexcept { return num_ranks_; }

@@ -230,7 +230,11 @@ __device__ void send_rows(const CombineParams& p, const CombineCall& call) {
     r = (r + own_begin) % num_remote;
     return r < own_begin ? r : r + own_count;
   };
+  // The order record (DeviceState::first_store_peer): one store per call, by the warp that
+  // claims batch 0, or by block 0 where there is no batch (the two never both happen).
+  if (num_batches == 0 && blockIdx.x == 0 && threadIdx.x == 0) c.state->first_store_peer = -1;
   for (int64_t b = work_claim(c, lane); b < num_batches; b = work_claim(c, lane)) {
+    if (b == 0 && lane == 0) c.state->first_store_peer = call.recv_src[received_row(0)].x;
     const int64_t r0 = b * batch;
     const int64_t r1 = min(num_remote, r0 + batch);
     for (int64_t r = r0; r < r1; ++r) {
