@@ -197,6 +197,37 @@ TEST_F(EpTest, TopSixteenOfAThousandExperts) {
   }
 }
 
+// The routing extremes at any number of ranks: top-1 of 8 experts (one expert per rank at 8
+// ranks), top-16 of 512, and T = 16384 per rank (grid mode, every rank's share of the SMs), each
+// with a rank that has no tokens and one whose tokens all go to one rank.
+TEST_F(EpTest, RoutingExtremesAtAnyNumberOfRanks) {
+  REQUIRE_GPUS();
+  std::mt19937 rng(std::random_device{}());
+  struct Shape {
+    BufferConfig config;
+    int64_t T;
+  };
+  for (const Shape& shape :
+       {Shape{{.max_tokens = 1024, .hidden = 256, .num_experts = 8, .top_k = 1}, 1024},
+        Shape{{.max_tokens = 600, .hidden = 256, .num_experts = 512, .top_k = 16}, 600},
+        Shape{{.max_tokens = 16384, .hidden = 128, .num_experts = 64, .top_k = 8}, 16384}}) {
+    if (shape.config.num_experts % R != 0) continue;
+    make(shape.config);
+    SCOPED_TRACE(testing::Message() << "experts " << config.num_experts << " top_k "
+                                    << config.top_k << " T " << shape.T);
+    const std::vector<int64_t> full(std::size_t(R), shape.T);
+    std::vector<int64_t> one_empty = full;
+    one_empty[std::size_t(R / 2)] = 0;
+    std::vector<int64_t> one_token = full;
+    one_token[std::size_t(R - 1)] = 1;
+    round(make_inputs(config, R, {.tokens = one_empty, .mask_ratio = 0.1}, rng), true, 1, true,
+          true);
+    round(make_inputs(config, R, {.tokens = one_token, .only_rank = R - 1}, rng), false, 0, false,
+          false);
+    round(make_inputs(config, R, {.tokens = full, .avoid_rank = 0}, rng), true, 2, true, true);
+  }
+}
+
 // BufferOptions::tokens_per_block sizes every call's grid: one block per token, an odd share,
 // and 1000 tokens per block (one or two blocks, each with many sub-chunks).
 TEST_F(EpTest, TokensPerBlockOtherThanFour) {

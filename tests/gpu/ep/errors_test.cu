@@ -125,27 +125,45 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
                weft::Error);
 }
 
-// Rank 0 dispatches alone: it times out waiting for a peer's counts, and says which.
+// One rank never enters (rank 5 of 8, else the last): every other rank dispatches, times out
+// waiting for that rank's counts and names it (not some live peer), and the call costs each of
+// them one timeout, all at once. Every rank's tokens go to every rank (top-1 of two experts per
+// rank, expert t mod E), so every live rank has work that needs the missing one.
 TEST_F(EpTest, AMissingPeerTimesOutWithRankAndReason) {
   REQUIRE_PEERS();
+  const double timeout_s = 0.3;
   const int num_experts = 2 * team_size();
-  make({.max_tokens = 16, .hidden = 64, .num_experts = num_experts, .top_k = 1},
-       {.timeout_s = 0.2});
-  std::vector<int64_t> idx(16);
-  for (std::size_t t = 0; t < idx.size(); ++t) idx[t] = int64_t(t) % num_experts;  // every rank
-  std::vector<float> w(16, 1.0f);
-  std::vector<uint16_t> x(16 * 64, 0);
-  auto dx = upload(0, x);
-  auto di = upload(0, idx);
-  auto dw = upload(0, w);
-  auto res = eps[0]->dispatch({.x = {dx.ptr, DType::kBFloat16, 16, 64},
-                               .topk_idx = {di.ptr, DType::kInt64, 16, 1},
-                               .topk_weights = {dw.ptr, DType::kFloat32, 16, 1}},
-                              ranks[0].stream, weft::ep::CountMode::kExact);
-  const std::string what = error_of([&] { eps[0]->wait_num_recv(res); });  // no peer calls
-  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
-  EXPECT_TRUE(contains(what, "count vector")) << what;
-  EXPECT_TRUE(contains(what, "from rank ") && !contains(what, "from rank 0 ")) << what;
+  make({.max_tokens = 64, .hidden = 64, .num_experts = num_experts, .top_k = 1},
+       {.timeout_s = timeout_s});
+  const int missing = R > 5 ? 5 : R - 1;
+  std::vector<int64_t> idx(64);
+  for (std::size_t t = 0; t < idx.size(); ++t) idx[t] = int64_t(t) % num_experts;
+  std::vector<float> w(64, 1.0f);
+  std::vector<uint16_t> x(64 * 64, 0);
+  std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    auto& rd = ranks[std::size_t(r)];
+    rd.x = upload(rank_device(r), x);
+    rd.idx = upload(rank_device(r), idx);
+    rd.weights = upload(rank_device(r), w);
+  }
+  const auto start = Clock::now();
+  for (int r = 0; r < R; ++r) {
+    if (r == missing) continue;
+    res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
+        inputs_of(r, 64), ranks[std::size_t(r)].stream, weft::ep::CountMode::kExact);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (r == missing) continue;
+    SCOPED_TRACE(testing::Message() << "rank " << r << " of " << R << ", rank " << missing
+                                    << " missing");
+    const std::string what =
+        error_of([&] { eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]); });
+    EXPECT_TRUE(contains(what, "rank " + std::to_string(r) + " timed out")) << what;
+    EXPECT_TRUE(contains(what, "count vector")) << what;
+    EXPECT_TRUE(contains(what, "from rank " + std::to_string(missing) + " in call")) << what;
+  }
+  EXPECT_LT(seconds_since(start), 3 * timeout_s) << "more than one timeout per call";
 }
 
 // Pointers the kernels could not use are refused before any launch, naming the argument: topk_idx
