@@ -42,6 +42,7 @@
 #include <thread>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -603,5 +604,12 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A virtual team's ranks share one device's hardware work queues: ask for the most (read when
+  // the CUDA context is made, so before any CUDA call; virtual_team_bench.hpp).
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]).starts_with("--virtual-team")) {
+      setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+    }
+  }
   return weft::ep::bench::run_main("weft-ep-bench", [&] { return run(argc, argv); });
 }

@@ -16,6 +16,18 @@
 
 namespace weft::ep::testing {
 
+// On a virtual team the ranks' streams share one device's hardware work queues; a stream waiting
+// at the head of a shared queue holds back the launches behind it, a peer's kernel among them.
+// More queues (CUDA_DEVICE_MAX_CONNECTIONS, read when the CUDA context is made: set here during
+// static initialisation, before any CUDA call) give each of a test's streams its own. See
+// docs/ep.md "Virtual team" for the launch order that makes shared queues harmless.
+inline const bool kVirtualTeamQueuesSet = [] {
+  if (std::getenv("WEFT_EP_VIRTUAL_RANKS") != nullptr) {
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+  }
+  return true;
+}();
+
 // 0: real ranks (one per GPU); else the virtual team's size.
 inline int virtual_ranks() {
   const char* v = std::getenv("WEFT_EP_VIRTUAL_RANKS");
