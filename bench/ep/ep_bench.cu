@@ -255,13 +255,11 @@ int run(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
       WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
       WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
-      WEFT_CUDA_CHECK(cudaMalloc(&d.x, std::size_t(T * H * 2)));
-      WEFT_CUDA_CHECK(cudaMalloc(&d.idx, std::size_t(T * K * 8)));
-      WEFT_CUDA_CHECK(cudaMalloc(&d.w, std::size_t(T * K * 4)));
+      const auto up = weft::ep::bench::upload_inputs(in, H, K);
+      d.x = up.x;
+      d.idx = up.idx;
+      d.w = up.w;
       WEFT_CUDA_CHECK(cudaMalloc(&d.out, std::size_t(T * H * 2)));
-      WEFT_CUDA_CHECK(cudaMemcpy(d.x, in.x.data(), std::size_t(T * H * 2), cudaMemcpyHostToDevice));
-      WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), std::size_t(T * K * 8), cudaMemcpyHostToDevice));
-      WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
     }
     if (expand.enabled) {  // the smallest capacity this routing fits in
       const int64_t rows = expanded_rows_needed(config, R, inputs, expand.expert_alignment);

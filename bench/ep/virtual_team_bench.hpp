@@ -84,15 +84,11 @@ inline long run_virtual_team(const std::vector<int>& team_sizes,
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
         WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
         WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.x, std::size_t(T * H * 2)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.idx, std::size_t(T * K * 8)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.w, std::size_t(T * K * 4)));
+        const DeviceInputs up = upload_inputs(in, H, K);
+        d.x = up.x;
+        d.idx = up.idx;
+        d.w = up.w;
         WEFT_CUDA_CHECK(cudaMalloc(&d.out, std::size_t(T * H * 2)));
-        WEFT_CUDA_CHECK(cudaMemcpy(d.x, in.x.data(), std::size_t(T * H * 2), cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), std::size_t(T * K * 8),
-                                   cudaMemcpyHostToDevice));
-        WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4),
-                                   cudaMemcpyHostToDevice));
       }
       std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
       std::vector<weft::ep::Handle> handles(static_cast<std::size_t>(R));
