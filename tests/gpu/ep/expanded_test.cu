@@ -483,15 +483,17 @@ TEST_F(EpExpandedTest, CachedDispatchMatchesFresh) {
   }
 }
 
-// 2 ranks: rank 0 needs 4 rows per token of every rank (top-5, its 4 experts first): 512 rows
-// against a capacity of 1 x 2 x 64 = 128; rank 1 needs exactly its capacity. 1 rank: 5 rows per
-// token, 320 against 64. Rank 0 receives nothing and reports its need, nothing of its window is
-// written, rank 1 is complete; the combine is skipped on every rank with a clear error; then the
-// Buffer works as before.
+// R > 1 ranks, 4 experts each: rank 0 needs 4 rows per token of every rank (top-5, its 4
+// experts first): 256 R rows against a capacity of 1 x R x 64; at 2 ranks rank 1 needs exactly
+// its capacity, at more the fifth selections spread over R - 1 ranks fit theirs. 1 rank (8
+// experts): 5 rows per token, 320 against 64. Rank 0 receives nothing and reports its need,
+// nothing of its window is written, the other ranks are complete; the combine is skipped on every
+// rank with a clear error; then the Buffer works as before.
 TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 5, .expand_factor = 1});
-  if (R > 2) GTEST_SKIP() << "the routing is sized for 1 or 2 ranks";
-  const int64_t needed = R == 2 ? 512 : 320;
+  const int num_ranks = team_size();
+  make({.max_tokens = 64, .hidden = 128, .num_experts = num_ranks == 1 ? 8 : 4 * num_ranks,
+        .top_k = 5, .expand_factor = 1});
+  const int64_t needed = R == 1 ? 320 : 256 * R;
   std::mt19937 rng(std::random_device{}());
   for (int round = 0; round < 2; ++round) {
     SCOPED_TRACE(testing::Message() << "round " << round);
