@@ -289,6 +289,9 @@ class Buffer {
   // (options.num_sms: 0 = that share, more throws; a call's num_sms at most the Buffer's), one
   // block per SM (1024 threads): the R grids fit the device together as long as no other work
   // holds its SMs. A cooperative launch checks only its own grid's residency, not the sum.
+  // Launch order: every rank's call i before anything that waits for a call i (a host wait, a
+  // stream waiting on its event, a rank's call i + 1): the ranks' streams share the device's
+  // hardware queues, where a waiting command holds back the launches queued behind it.
   static std::vector<std::unique_ptr<Buffer>> create_virtual_team(int num_ranks,
                                                                   const BufferConfig& config,
                                                                   const BufferOptions& options = {});
