@@ -462,27 +462,33 @@ TEST_F(EpErrorsTest, ATimeoutMakesTheBufferRefuseEveryLaterCall) {
   }
 }
 
-// Rank 0 times out waiting for its peers, which call late (after its timeout): they find rank
-// 0's failure in its done flags and report it, instead of returning rows rank 0 never wrote.
+// One rank (5 of 8, else the last) times out waiting for its peers, which call late (after its
+// timeout): every one of them finds that rank's failure in its done flags and reports it,
+// instead of returning rows that rank never wrote.
 TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
   REQUIRE_PEERS();
   make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = 0.5});
+  const int failed = R > 5 ? 5 : R - 1;
   std::mt19937 rng(31);
   const auto inputs = make_inputs(config, R, spec_of(64), rng);
   put_inputs(inputs);
   std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
-  res[0] = eps[0]->dispatch(inputs_of(0, 64), ranks[0].stream, weft::ep::CountMode::kExact);
+  const auto f = std::size_t(failed);
+  res[f] = eps[f]->dispatch(inputs_of(failed, 64), ranks[f].stream, weft::ep::CountMode::kExact);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  for (int r = 1; r < R; ++r) {
+  for (int r = 0; r < R; ++r) {
+    if (r == failed) continue;
     res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
         inputs_of(r, 64), ranks[std::size_t(r)].stream, weft::ep::CountMode::kExact);
   }
-  std::string what = error_of([&] { eps[0]->wait_num_recv(res[0]); });
-  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
-  for (int r = 1; r < R; ++r) {
+  const std::string name = "rank " + std::to_string(failed);
+  std::string what = error_of([&] { eps[f]->wait_num_recv(res[f]); });
+  EXPECT_TRUE(contains(what, name + " timed out")) << what;
+  for (int r = 0; r < R; ++r) {
+    if (r == failed) continue;
     what = error_of([&] { eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]); });
-    EXPECT_TRUE(contains(what, "rank 0 failed call")) << "rank " << r << ": " << what;
+    EXPECT_TRUE(contains(what, name + " failed call")) << "rank " << r << ": " << what;
   }
 }
 
