@@ -27,6 +27,14 @@
 // ncclSend/ncclRecv), host sync, permute kernel, grouped ncclSend/ncclRecv of the rows; combine:
 // the reverse send/recv and an un-permute + fp32 reduce kernel. Exit status 1 on any wrong element
 // or error, 2 when fewer than 2 GPUs are found (or fewer than --gpus asks for).
+//
+//   weft-ep-bench --virtual-team 2,4,8 --tokens 128,8192 [--hidden/--topk/--experts/--mask-ratio
+//                 --warmup --iters]
+//
+// --virtual-team: R simulated ranks on GPU 0 instead of one rank per GPU (virtual_team_bench.hpp:
+// one GPU's memory standing in for NVLink, so the protocol's cost as R grows shows, not link
+// bandwidth); per (R, T) the device time of an uncached dispatch, a cached one, their difference
+// (the layout phase) and a combine; bf16, deduplicated layout, no NCCL baseline.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -34,6 +42,7 @@
 #include <thread>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -45,6 +54,7 @@
 #include "weft/ep/reference.hpp"
 #include "bench_inputs.hpp"
 #include "bench_main.hpp"
+#include "virtual_team_bench.hpp"
 
 namespace {
 
@@ -178,7 +188,34 @@ int run(int argc, char** argv) {
   app.add_option("--expert-alignment", expand.expert_alignment,
                  "--expand: rows per segment are rounded up to this");
   app.add_flag("--zero-padding", expand.zero_padding, "--expand: zero the padding rows");
+  std::vector<int> virtual_team;
+  app.add_option("--virtual-team", virtual_team,
+                 "ranks of a virtual team on GPU 0 (list, each 1..32): one GPU's memory stands in "
+                 "for NVLink")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 32));
   CLI11_PARSE(app, argc, argv);
+  if (!virtual_team.empty()) {
+    WEFT_CHECK(!fp8 && !cached && !stats && !expand.enabled && send_warps_option->count() == 0,
+               "--virtual-team times bf16 deduplicated dispatch, cached dispatch and combine with "
+               "the default options; --fp8, --cached, --stats, --expand and --send-warps do not "
+               "apply");
+    if (weft::cuda::device_count() < 1) {
+      std::fprintf(stderr, "weft-ep-bench --virtual-team needs a GPU, found none\n");
+      return weft::ep::bench::kExitTooFewGpus;
+    }
+    long wrong = 0;
+    for (int64_t H : hidden_list)
+    for (int K : topk_list)
+    for (int E : experts_list) {
+      wrong += weft::ep::bench::run_virtual_team(
+          virtual_team, tokens_list,
+          {.hidden = H, .top_k = K, .num_experts = E, .mask_ratio = mask_ratio, .warmup = warmup,
+           .iters = iters});
+    }
+    std::printf("# total wrong elements: %ld\n", wrong);
+    return wrong == 0 ? 0 : 1;
+  }
   if (expand.enabled && send_warps_option->count() == 0) {
     send_warps_list = {weft::ep::BufferOptions{}.expanded_combine_send_warps};
   }
@@ -218,13 +255,11 @@ int run(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
       WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
       WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
-      WEFT_CUDA_CHECK(cudaMalloc(&d.x, std::size_t(T * H * 2)));
-      WEFT_CUDA_CHECK(cudaMalloc(&d.idx, std::size_t(T * K * 8)));
-      WEFT_CUDA_CHECK(cudaMalloc(&d.w, std::size_t(T * K * 4)));
+      const auto up = weft::ep::bench::upload_inputs(in, H, K);
+      d.x = up.x;
+      d.idx = up.idx;
+      d.w = up.w;
       WEFT_CUDA_CHECK(cudaMalloc(&d.out, std::size_t(T * H * 2)));
-      WEFT_CUDA_CHECK(cudaMemcpy(d.x, in.x.data(), std::size_t(T * H * 2), cudaMemcpyHostToDevice));
-      WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), std::size_t(T * K * 8), cudaMemcpyHostToDevice));
-      WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
     }
     if (expand.enabled) {  // the smallest capacity this routing fits in
       const int64_t rows = expanded_rows_needed(config, R, inputs, expand.expert_alignment);
@@ -567,5 +602,12 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A virtual team's ranks share one device's hardware work queues: ask for the most (read when
+  // the CUDA context is made, so before any CUDA call; virtual_team_bench.hpp).
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]).starts_with("--virtual-team")) {
+      setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", /*overwrite=*/0);
+    }
+  }
   return weft::ep::bench::run_main("weft-ep-bench", [&] { return run(argc, argv); });
 }

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "async_state.hpp"
+#include "team.hpp"
 #include "weft/cuda/device_guard.hpp"
 #include "kernels/params.hpp"
 #include "weft/core/error.hpp"
@@ -21,11 +22,10 @@
 namespace weft::ep {
 namespace detail {
 
-// The NCCL objects shared by the Buffers of one process (one per local rank).
+// What the Buffers of one process (one per local rank) share: the team (team.hpp: the ranks,
+// their windows and peer pointers, NCCL's or a virtual team's) and the window layout.
 struct BufferGroup {
-  cuda::Communicators comms;
-  cuda::DevComms dev_comms;
-  cuda::SymmetricWindows windows;
+  std::unique_ptr<Team> team;
   WindowLayout layout;
 };
 
@@ -202,8 +202,7 @@ struct PointerHome {
 };
 
 PointerHome pointer_home(const detail::BufferGroup& group, std::size_t index, int device) {
-  return {device, static_cast<const char*>(group.windows.local_ptr(index)),
-          group.windows.num_bytes()};
+  return {device, group.team->window(index), group.team->window_bytes()};
 }
 
 // Throws unless p is null or memory the kernels may read and write as `name`: aligned to
@@ -261,9 +260,10 @@ int env_int(const char* a, const char* b, int fallback) {
 Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
                const BufferConfig& config, const BufferOptions& options)
     : group_(std::move(group)), index_(index), config_(config), options_(options) {
-  rank_ = group_->comms.rank(index);
-  num_ranks_ = group_->comms.num_ranks();
-  device_ = group_->comms.device(index);
+  const detail::Team& team = *group_->team;
+  rank_ = team.rank(index);
+  num_ranks_ = team.num_ranks();
+  device_ = team.device(index);
   id_ = g_next_buffer_id.fetch_add(1);
   WEFT_CHECK(options.timeout_s > 0, "timeout_s must be positive");
   WEFT_CHECK(options.tokens_per_block >= 1, "tokens_per_block must be at least 1");
@@ -282,6 +282,9 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   num_blocks_ = options.num_sms > 0 ? options.num_sms : device_num_sms_;
   WEFT_CHECK(num_blocks_ <= device_num_sms_, "num_sms ", options.num_sms, " exceeds the device's ",
              num_sms, " SMs");
+  // Ranks sharing the device (a virtual team) are resident at once only while each keeps to its
+  // share of the SMs, so a call may not take more blocks than the Buffer's num_sms.
+  call_sms_limit_ = team.ranks_share_device() ? num_blocks_ : device_num_sms_;
 
   state_ = std::make_unique<detail::BufferState>();
   state_->device = device_;
@@ -334,7 +337,7 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
   void* peers = nullptr;
   WEFT_CUDA_CHECK(cudaMalloc(&peers, sizeof(char*) * detail::kMaxRanks));
   state_->peers = static_cast<char**>(peers);
-  detail::launch_peer_table(group_->windows.window(index_), num_ranks_, state_->peers, nullptr);
+  team.fill_peers(index_, state_->peers);
   WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   async_ = detail::make_async_state(device_, options.pipeline_depth);
 }
@@ -342,48 +345,31 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
 Buffer::~Buffer() = default;
 
 namespace {
+detail::WindowLayout window_layout(const BufferConfig& config, int num_ranks) {
+  config.validate(num_ranks);
+  return detail::make_window_layout(num_ranks, config.max_tokens, config.hidden, config.top_k,
+                                    config.num_experts, config.expand_factor);
+}
+
 std::shared_ptr<detail::BufferGroup> make_group(cuda::Communicators comms,
                                                 const BufferConfig& config) {
-  cuda::check_nccl_runtime();
-  const int num_ranks = comms.num_ranks();
-  config.validate(num_ranks);
-  // The device communicator first: its creation checks that every rank is reachable by
-  // load/store, which ncclCommWindowRegister would not (it "succeeds" with a garbage window).
-  auto dev_comms = cuda::DevComms::create(comms, {.num_lsa_barriers = 1});
-  const auto layout =
-      detail::make_window_layout(num_ranks, config.max_tokens, config.hidden, config.top_k,
-                                 config.num_experts, config.expand_factor);
-  auto windows = cuda::SymmetricWindows::allocate(comms, layout.total_bytes);
-  for (std::size_t i = 0; i < comms.size(); ++i) {
-    DeviceGuard guard(comms.device(i));
-    WEFT_CUDA_CHECK(cudaMemset(windows.local_ptr(i), 0, windows.num_bytes()));
-    WEFT_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  return std::make_shared<detail::BufferGroup>(
-      detail::BufferGroup{std::move(comms), std::move(dev_comms), std::move(windows), layout});
+  const auto layout = window_layout(config, comms.num_ranks());
+  auto team = detail::make_nccl_team(std::move(comms), layout.total_bytes);
+  return std::make_shared<detail::BufferGroup>(detail::BufferGroup{std::move(team), layout});
 }
 }  // namespace
 
 void Buffer::handshake(std::vector<Buffer*> buffers) {
-  // A host barrier (an NCCL all-reduce) first: no peer may write a flag into a window whose owner
-  // is still zeroing it.
+  // The team's host barrier first (NCCL: an all-reduce): no peer may write a flag into a window
+  // whose owner is still zeroing it.
+  std::vector<int32_t*> scratch;
+  for (Buffer* b : buffers) scratch.push_back(b->state_->block_counts);
+  buffers.front()->group_->team->barrier(scratch);
   std::vector<cudaStream_t> streams(buffers.size());
-  WEFT_NCCL_CHECK(ncclGroupStart());
   for (std::size_t i = 0; i < buffers.size(); ++i) {
     Buffer& b = *buffers[i];
     DeviceGuard guard(b.device_);
     WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking));
-    WEFT_NCCL_CHECK(ncclAllReduce(b.state_->block_counts, b.state_->block_counts, 1, ncclInt32,
-                                  ncclSum, b.group_->comms[b.index_], streams[i]));
-  }
-  WEFT_NCCL_CHECK(ncclGroupEnd());
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    DeviceGuard guard(buffers[i]->device_);
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
-  }
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    Buffer& b = *buffers[i];
-    DeviceGuard guard(b.device_);
     detail::HandshakeParams params{};
     params.comm = comm_params(*b.group_, b.rank_, b.num_ranks_, *b.state_,
                               b.options_.timeout_s);
@@ -393,7 +379,6 @@ void Buffer::handshake(std::vector<Buffer*> buffers) {
     Buffer& b = *buffers[i];
     DeviceGuard guard(b.device_);
     WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
-    WEFT_CUDA_CHECK(cudaMemset(b.state_->block_counts, 0, sizeof(int32_t)));
     WEFT_CUDA_CHECK(cudaStreamDestroy(streams[i]));
     b.throw_if_device_error();
   }
@@ -438,11 +423,43 @@ std::vector<std::unique_ptr<Buffer>> Buffer::create_local(int num_devices,
   return buffers;
 }
 
+std::vector<std::unique_ptr<Buffer>> Buffer::create_virtual_team(int num_ranks,
+                                                                 const BufferConfig& config,
+                                                                 const BufferOptions& options) {
+  int device = 0;
+  WEFT_CUDA_CHECK(cudaGetDevice(&device));
+  const int share = virtual_team_num_sms(num_ranks, device);
+  WEFT_CHECK(options.num_sms >= 0 && options.num_sms <= share, "virtual team of ", num_ranks,
+             " ranks: num_sms ", options.num_sms, " exceeds a rank's share of the device's SMs (",
+             share, "); every rank's grid must be resident at once");
+  BufferOptions member = options;
+  if (member.num_sms == 0) member.num_sms = share;
+  const auto layout = window_layout(config, num_ranks);
+  auto group = std::make_shared<detail::BufferGroup>(detail::BufferGroup{
+      detail::make_virtual_team(device, num_ranks, layout.total_bytes), layout});
+  std::vector<std::unique_ptr<Buffer>> buffers;
+  std::vector<Buffer*> raw;
+  for (int i = 0; i < num_ranks; ++i) {
+    buffers.emplace_back(new Buffer(group, std::size_t(i), config, member));
+    raw.push_back(buffers.back().get());
+  }
+  handshake(raw);
+  return buffers;
+}
+
+int Buffer::virtual_team_num_sms(int num_ranks, int device) {
+  WEFT_CHECK(num_ranks >= 1 && num_ranks <= detail::kMaxRanks, "a virtual team has 1..",
+             detail::kMaxRanks, " ranks, got ", num_ranks);
+  int num_sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int share = std::min(num_sms, detail::kMaxBlocks) / num_ranks;
+  WEFT_CHECK(share >= 1, "a virtual team of ", num_ranks, " ranks needs at least ", num_ranks,
+             " SMs; device ", device, " has ", num_sms);
+  return share;
+}
+
 uint64_t Buffer::window_bytes(const BufferConfig& config, int num_ranks) {
-  config.validate(num_ranks);
-  return detail::make_window_layout(num_ranks, config.max_tokens, config.hidden, config.top_k,
-                                    config.num_experts, config.expand_factor)
-      .total_bytes;
+  return window_layout(config, num_ranks).total_bytes;
 }
 
 int Buffer::num_blocks(int64_t num_tokens) const noexcept {
@@ -451,8 +468,10 @@ int Buffer::num_blocks(int64_t num_tokens) const noexcept {
 }
 
 int Buffer::num_blocks(int64_t num_tokens, int num_sms) const {
-  WEFT_CHECK(num_sms >= 0 && num_sms <= device_num_sms_, "num_sms ", num_sms,
-             " is outside [0, ", device_num_sms_, "] (0: the Buffer's; at most the device's SMs)");
+  WEFT_CHECK(num_sms >= 0 && num_sms <= call_sms_limit_, "num_sms ", num_sms, " is outside [0, ",
+             call_sms_limit_, "] (0: the Buffer's; at most the device's SMs",
+             call_sms_limit_ < device_num_sms_ ? ", or a virtual team rank's share of them" : "",
+             ")");
   const int most = num_sms > 0 ? num_sms : num_blocks_;
   const int64_t wanted = (num_tokens + options_.tokens_per_block - 1) / options_.tokens_per_block;
   return int(std::clamp<int64_t>(wanted, 1, most));
@@ -489,6 +508,21 @@ void Buffer::throw_if_device_error() {
 }
 
 void Buffer::check() { throw_if_device_error(); }
+
+int Buffer::first_store_peer() {
+  throw_if_device_error();
+  DeviceGuard guard(device_);
+  int32_t peer = -1;
+  WEFT_CUDA_CHECK(cudaMemcpy(&peer, &state_->state->first_store_peer, sizeof(peer),
+                             cudaMemcpyDeviceToHost));
+  return peer;
+}
+
+int combine_send_warps(int send_warps_at_two_ranks, int num_ranks) {
+  if (num_ranks < 2) return send_warps_at_two_ranks;
+  const int scaled = (2 * send_warps_at_two_ranks * (num_ranks - 1) + num_ranks / 2) / num_ranks;
+  return std::clamp(scaled, 1, detail::kThreads / 32 - 1);
+}
 
 void Buffer::refuse_overflowed_layout(const Handle& layout, const char* call) const {
   // Known here from this rank's own T, or (any rank's) from wait_num_recv. A rank that does not
@@ -536,7 +570,7 @@ detail::RowSource row_source(const DispatchInputs& in, int64_t row_bytes, int64_
 
 DispatchResult Buffer::make_result(int64_t row_bytes, const Handle& handle) const {
   const auto& layout = group_->layout;
-  char* base = static_cast<char*>(group_->windows.local_ptr(index_));
+  char* base = group_->team->window(index_);
   DispatchResult r;
   if (row_bytes == config_.row_bytes()) {
     r.recv_x = reinterpret_cast<const uint16_t*>(base + layout.recv_x);
@@ -862,9 +896,12 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.num_tokens = T;
   p.hidden = config_.hidden;
   p.max_tokens = config_.max_tokens;
-  p.num_blocks = num_blocks(T, in.num_sms);
+  // The grid follows the rows this rank stores back as well as its tokens (a rank with few
+  // tokens may have received many rows): num_recv where the host knows it (wait_num_recv), else
+  // T alone (CountMode::kOnDevice: the count is on the device).
+  p.num_blocks = num_blocks(std::max<int64_t>(T, layout.num_recv), in.num_sms);
   p.send_slot = state_->send_slot;
-  p.num_send_warps = options_.combine_send_warps;
+  p.num_send_warps = combine_send_warps(options_.combine_send_warps, num_ranks_);
   if (with_weights) {
     p.topk_weights = static_cast<const float*>(in.topk_weights.data);
     p.topk_weights_rows = in.topk_weights.rows;

@@ -12,6 +12,10 @@
 //   for (r...) res[r] = eps[r]->dispatch(in[r], streams[r], weft::ep::CountMode::kExact);
 //   for (r...) eps[r]->wait_num_recv(res[r]);       // host waits only after all launches
 //
+// A virtual team (tests, benchmarks, debugging on one GPU; docs/ep.md "Virtual team"): the same,
+// with R simulated ranks on the current device instead of R GPUs:
+//   auto eps = weft::ep::Buffer::create_virtual_team(8, config);  // each rank: SMs / 8 blocks
+//
 // Contracts
 //  - Collective: every rank makes the same sequence of dispatch/combine calls on its Buffer. The
 //    calls of one Buffer must be ordered on the device (one stream, or ordered by events).
@@ -65,7 +69,9 @@ struct BufferOptions {
   // small T fewer blocks make the launch and the in-kernel synchronisation cheaper.
   int tokens_per_block = 4;
   double timeout_s = 20.0;         // bound of every device-side wait
-  int combine_send_warps = 4;      // of the 32 warps of a combine block; the rest reduce
+  // Of the 32 warps of a combine block at 2 ranks; the rest reduce. At R ranks the Buffer uses
+  // combine_send_warps(this, R) (below): scaled with the share of received rows that go to peers.
+  int combine_send_warps = 4;
   // The same for the combine of an expanded dispatch, whose store-back first sums each token's
   // rows here (several row reads per row sent), so it needs more of the block.
   int expanded_combine_send_warps = 16;
@@ -258,6 +264,17 @@ struct CombineInputs {
   float* combined_weights = nullptr;
 };
 
+// The send warps of a deduplicated combine block at num_ranks ranks, from BufferOptions::
+// combine_send_warps (the 2-rank value): round(send_warps_at_two_ranks * 2 (R - 1) / R), in
+// 1..31; unchanged at 1 rank. Why: the send warps store back only the rows received from peers,
+// (R - 1) / R of the rows under balanced routing (1/2 at 2 ranks, 7/8 at 8), while the reduce
+// warps read every token's rows wherever they came from, so at the same rows per rank the send
+// share of the work grows by 2 (R - 1) / R from the 2-rank point the default was tuned at
+// (docs/perf-ep.md). 4 at 2 ranks: 6 at 4, 7 at 8. The expanded combine's split
+// (expanded_combine_send_warps) does not change with R: its send warps sum every row, the own
+// rank's included.
+int combine_send_warps(int send_warps_at_two_ranks, int num_ranks);
+
 // Packs x [num_tokens, hidden] bf16 into fp8 rows out [num_tokens, fp8_row_layout(hidden).
 // row_bytes] (types.hpp), bit-identical to reference::cast_to_fp8; both device pointers on the
 // current device, 16-byte aligned; hidden a multiple of 128. Enqueued on stream, no host sync.
@@ -291,6 +308,24 @@ class Buffer {
   static std::vector<std::unique_ptr<Buffer>> create_local(int num_devices,
                                                            const BufferConfig& config,
                                                            const BufferOptions& options = {});
+  // A virtual team: num_ranks (1..32) simulated ranks on the current device, element r rank r,
+  // each with its own window (a plain allocation on the device: no NCCL, no NVLink), device
+  // state, streams and rank id; every rank's peer table holds the num_ranks windows' addresses.
+  // The Buffer logic and the kernels are those of the NCCL path. Driven as create_local's
+  // Buffers (launch every rank's call before any host wait, on one stream per rank: each rank's
+  // kernel waits on device for its peers'). Residency: every rank's kernels must be resident at
+  // once, so each rank gets at most virtual_team_num_sms(num_ranks) blocks per kernel
+  // (options.num_sms: 0 = that share, more throws; a call's num_sms at most the Buffer's), one
+  // block per SM (1024 threads): the R grids fit the device together as long as no other work
+  // holds its SMs. A cooperative launch checks only its own grid's residency, not the sum.
+  // Launch order: every rank's call i before anything that waits for a call i (a host wait, a
+  // stream waiting on its event, a rank's call i + 1): the ranks' streams share the device's
+  // hardware queues, where a waiting command holds back the launches queued behind it.
+  static std::vector<std::unique_ptr<Buffer>> create_virtual_team(int num_ranks,
+                                                                  const BufferConfig& config,
+                                                                  const BufferOptions& options = {});
+  // A virtual team rank's share of `device`'s SMs: min(SMs, 1024) / num_ranks (throws below 1).
+  static int virtual_team_num_sms(int num_ranks, int device);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -334,6 +369,12 @@ class Buffer {
 
   // Throws the recorded device error, if any. Call after the work has completed.
   void check();
+  // Debugging (the rotated store-back order, docs/ep.md "Store-back order"): the rank that the
+  // last deduplicated combine of this Buffer stored its first row back to, -1 where it stored
+  // none to a peer. Rank r starts at the rows of rank r + 1 (cyclically, the first rank it
+  // received rows from). Call after that combine completed (its stream synchronised); a host copy
+  // of 4 bytes.
+  int first_store_peer();
 
   int rank() const noexcept { return rank_; }
   int num_ranks() const noexcept { return num_ranks_; }
@@ -378,6 +419,7 @@ class Buffer {
   int device_ = 0;
   int num_blocks_ = 0;
   int device_num_sms_ = 0;
+  int call_sms_limit_ = 0;  // most blocks of one call: the device's SMs, a virtual rank's share
   uint64_t id_ = 0;
   uint64_t dispatch_sequence_ = 0;  // uncached dispatches launched: the current layout's number
 };

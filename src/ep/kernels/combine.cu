@@ -230,7 +230,11 @@ __device__ void send_rows(const CombineParams& p, const CombineCall& call) {
     r = (r + own_begin) % num_remote;
     return r < own_begin ? r : r + own_count;
   };
+  // The order record (DeviceState::first_store_peer): one store per call, by the warp that
+  // claims batch 0, or by block 0 where there is no batch (the two never both happen).
+  if (num_batches == 0 && blockIdx.x == 0 && threadIdx.x == 0) c.state->first_store_peer = -1;
   for (int64_t b = work_claim(c, lane); b < num_batches; b = work_claim(c, lane)) {
+    if (b == 0 && lane == 0) c.state->first_store_peer = call.recv_src[received_row(0)].x;
     const int64_t r0 = b * batch;
     const int64_t r1 = min(num_remote, r0 + batch);
     for (int64_t r = r0; r < r1; ++r) {
@@ -259,8 +263,10 @@ __device__ void send_rows(const CombineParams& p, const CombineCall& call) {
 }
 
 // Reduce warp: waits for the rows of token t from every contributing peer (bit d of the result:
-// rank d contributes). arrived = false where a peer timed out (once per call: a peer that timed
-// out in this call is not waited for again) or failed the call.
+// rank d contributes). arrived = false where a peer timed out or failed the call. A call costs
+// one timeout however many peers are missing: once a wait of this call timed out (this rank is
+// broken: the call has failed and every later one does nothing) no wait starts again, so with
+// R - 1 peers that never enter the reduce does not wait out one timeout per peer in turn.
 template <bool kExpanded>
 __device__ uint32_t wait_token_rows(const CombineParams& p, const CombineCall& call, int64_t t,
                                     bool& arrived) {
@@ -277,7 +283,7 @@ __device__ uint32_t wait_token_rows(const CombineParams& p, const CombineCall& c
     const uint64_t* f = comb_flags + int64_t(d) * p.max_tokens + t;
     uint64_t v = ld_acquire_sys(f);
     if (!flag_arrived(v, call.seq)) {
-      const bool dead = is_dead(c, d);
+      const bool dead = is_dead(c, d) || is_broken(c);
       auto poll = [&] {
         if (flag_arrived(v = ld_acquire_sys(f), call.seq)) return true;
         __nanosleep(32);  // leave issue slots and L2 to the senders

@@ -129,6 +129,10 @@ struct DeviceState {
   // The uncached dispatch whose layout is in place (its Handle::sequence): what combine and a
   // cached dispatch check their layout against.
   uint64_t layout_id;
+  // The rank the last deduplicated combine that stored back rows stored its first row to (the
+  // first claimed batch's; -1: it sent no row to a peer): a record of the rotated store-back
+  // order (combine.cu send_rows), read only by Buffer::first_store_peer.
+  int32_t first_store_peer;
 };
 
 // What every kernel needs to talk to its peers.

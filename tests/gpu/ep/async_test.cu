@@ -21,6 +21,7 @@
 #include "weft/ep/event.hpp"
 #include "weft/ep/reference.hpp"
 #include "device_array.hpp"
+#include "team.hpp"
 
 namespace {
 
@@ -33,7 +34,9 @@ using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
 using weft::ep::testing::upload;
 
-int num_gpus() { return weft::cuda::device_count(); }
+using weft::ep::testing::make_team;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 
 // Holds its stream for `ns` nanoseconds of the device's global timer (one thread).
 __global__ void sleep_kernel(uint64_t ns) {
@@ -92,17 +95,17 @@ struct Received {
 class EpAsyncTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
+    if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
   }
   void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
     config = c;
-    R = num_gpus();
-    eps = weft::ep::Buffer::create_local(R, c, o);
+    R = team_size();
+    eps = make_team(c, o);
     if (!compute.empty()) return;  // a test may make several Buffers in turn
     compute.resize(std::size_t(R));
     producer.resize(std::size_t(R));
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&compute[std::size_t(r)], cudaStreamNonBlocking));
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&producer[std::size_t(r)], cudaStreamNonBlocking));
     }
@@ -113,7 +116,7 @@ class EpAsyncTest : public ::testing::Test {
   }
   void sync_all() {
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
       eps[std::size_t(r)]->check();
     }
@@ -129,7 +132,7 @@ class EpAsyncTest : public ::testing::Test {
     std::vector<Inputs> d(static_cast<std::size_t>(R));
     for (int r = 0; r < R; ++r) {
       const auto& in = inputs[std::size_t(r)];
-      d[std::size_t(r)] = {upload(r, in.x), upload(r, in.topk_idx), upload(r, in.topk_weights),
+      d[std::size_t(r)] = {upload(rank_device(r), in.x), upload(rank_device(r), in.topk_idx), upload(rank_device(r), in.topk_weights),
                            in.num_tokens};
     }
     return d;
@@ -144,7 +147,7 @@ class EpAsyncTest : public ::testing::Test {
     const auto cap = std::size_t(capacity());
     const auto K = std::size_t(config.top_k);
     const auto poisoned = [r](std::size_t bytes) {
-      DeviceArray a(r, bytes);
+      DeviceArray a(rank_device(r), bytes);
       WEFT_CUDA_CHECK(cudaMemset(a.ptr, 0xFF, bytes));
       return a;
     };
@@ -178,24 +181,24 @@ class EpAsyncTest : public ::testing::Test {
     const auto& L = layouts[std::size_t(r)];
     const int64_t H = config.hidden;
     const auto K = std::size_t(config.top_k);
-    const auto n = download<int32_t>(r, d.num_recv.ptr, 1)[0];
+    const auto n = download<int32_t>(rank_device(r), d.num_recv.ptr, 1)[0];
     ASSERT_EQ(n, L.num_recv) << "rank " << r;
     const auto nn = std::size_t(n);
-    ASSERT_EQ(download<uint16_t>(r, d.recv_x.ptr, nn * std::size_t(H)), L.recv_x)
+    ASSERT_EQ(download<uint16_t>(rank_device(r), d.recv_x.ptr, nn * std::size_t(H)), L.recv_x)
         << "rank " << r << ": received rows differ";
-    const auto src = download<int32_t>(r, d.recv_src.ptr, nn * 2);
+    const auto src = download<int32_t>(rank_device(r), d.recv_src.ptr, nn * 2);
     for (std::size_t j = 0; j < nn; ++j) {
       ASSERT_EQ(src[2 * j], L.recv_src_rank[j]) << "rank " << r << " row " << j;
       ASSERT_EQ(src[2 * j + 1], L.recv_src_token[j]) << "rank " << r << " row " << j;
     }
-    ASSERT_EQ(download<int32_t>(r, d.recv_expert_idx.ptr, nn * K), L.recv_expert_idx);
-    ASSERT_EQ(download<float>(r, d.recv_weights.ptr, nn * K), L.recv_weights);
-    ASSERT_EQ(download<int32_t>(r, d.tokens_per_expert.ptr, L.tokens_per_local_expert.size()),
+    ASSERT_EQ(download<int32_t>(rank_device(r), d.recv_expert_idx.ptr, nn * K), L.recv_expert_idx);
+    ASSERT_EQ(download<float>(rank_device(r), d.recv_weights.ptr, nn * K), L.recv_weights);
+    ASSERT_EQ(download<int32_t>(rank_device(r), d.tokens_per_expert.ptr, L.tokens_per_local_expert.size()),
               L.tokens_per_local_expert);
     std::vector<std::vector<uint16_t>> expert_out;
     for (const auto& l : layouts) expert_out.push_back(l.recv_x);
     const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
-    const auto got = download<uint16_t>(r, d.out.ptr, want.size());
+    const auto got = download<uint16_t>(rank_device(r), d.out.ptr, want.size());
     std::size_t wrong = 0;
     for (std::size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
     ASSERT_EQ(wrong, 0u) << "rank " << r << ": combine output differs from the reference";
@@ -228,14 +231,14 @@ class EpAsyncTest : public ::testing::Test {
     }
     sync_all();
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       const auto& v = views[std::size_t(r)];
       WEFT_CUDA_CHECK(cudaMemset(const_cast<uint16_t*>(v.recv_x), 0xFF,
                                  std::size_t(capacity() * config.row_bytes())));
       WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(v.recv_src), 0x7F, std::size_t(capacity() * 8)));
       WEFT_CUDA_CHECK(cudaMemset(dev[std::size_t(r)].x.ptr, 0xFF,
                                  std::size_t(dev[std::size_t(r)].T * config.row_bytes())));
-      expert_out.emplace_back(r, std::size_t(capacity() * config.row_bytes()));
+      expert_out.emplace_back(rank_device(r), std::size_t(capacity() * config.row_bytes()));
       WEFT_CUDA_CHECK(cudaMemset(expert_out.back().ptr, 0xFF, std::size_t(capacity() * config.row_bytes())));
       got.push_back(make_received(r, inputs[std::size_t(r)].num_tokens));
     }
@@ -260,7 +263,7 @@ class EpAsyncTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       const cudaStream_t s = compute[std::size_t(r)];
       const cudaStream_t p = on_caller ? s : producer[std::size_t(r)];
-      sleep_on(r, p, 200.0);
+      sleep_on(rank_device(r), p, 200.0);
       const auto& src = good[std::size_t(r)];
       WEFT_CUDA_CHECK(cudaMemcpyAsync(dev[std::size_t(r)].x.ptr, src.x.ptr,
                                       std::size_t(src.T * config.row_bytes()),
@@ -284,7 +287,7 @@ class EpAsyncTest : public ::testing::Test {
       // The expert stand-in: the received rows, written late into expert_out. Its producer must
       // come after the dispatch (the window) on the producer stream too.
       if (!on_caller) Event::record(s).wait(p);
-      sleep_on(r, p, 100.0);
+      sleep_on(rank_device(r), p, 100.0);
       const auto& rr = res[std::size_t(r)];
       WEFT_CUDA_CHECK(cudaMemcpyAsync(expert_out[std::size_t(r)].ptr, rr.recv_x,
                                       std::size_t(capacity() * config.row_bytes()),
@@ -298,7 +301,7 @@ class EpAsyncTest : public ::testing::Test {
     }
     // Only the compute streams are synchronised: what they copied must already be complete.
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(compute[std::size_t(r)]));
       check(r, layouts, got[std::size_t(r)]);
     }
@@ -314,7 +317,7 @@ class EpAsyncTest : public ::testing::Test {
 TEST_F(EpAsyncTest, CommStreamHasTheDevicesGreatestPriority) {
   make({.max_tokens = 16, .hidden = 256, .num_experts = 8, .top_k = 2});
   for (int r = 0; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     int least = 0, greatest = 0, priority = 1, device = -1;
     unsigned flags = 0;
     WEFT_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -373,7 +376,7 @@ TEST_F(EpAsyncTest, EventAndScopeSemantics) {
   const auto slow_dispatch = [&](double ms) {
     std::vector<Event> done;
     for (int r = 0; r < R; ++r) {
-      sleep_on(r, producer[std::size_t(r)], ms);
+      sleep_on(rank_device(r), producer[std::size_t(r)], ms);
       Event event = eps[std::size_t(r)]->dispatch(
           dispatch_inputs(dev[std::size_t(r)]), compute[std::size_t(r)],
           {.previous_event = Event::record(producer[std::size_t(r)]), .async_finish = true}).event;
@@ -429,7 +432,7 @@ TEST_F(EpAsyncTest, EventAndScopeSemantics) {
     }
   }
   {  // dropping a pending Event orders nothing and frees it safely; later calls are unaffected
-    for (int r = 0; r < R; ++r) sleep_on(r, producer[std::size_t(r)], 300.0);
+    for (int r = 0; r < R; ++r) sleep_on(rank_device(r), producer[std::size_t(r)], 300.0);
     std::vector<Event> probes;
     for (int r = 0; r < R; ++r) {
       const Event event = eps[std::size_t(r)]->dispatch(
@@ -469,7 +472,7 @@ TEST_F(EpAsyncTest, EventAndScopeSemantics) {
     combined.wait();
   }
   for (int r = 0; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(compute[std::size_t(r)]));
     check(r, layouts, got[std::size_t(r)]);
   }
@@ -497,8 +500,8 @@ TEST_F(EpAsyncTest, PipelineDepthBoundsHostRunAhead) {
   const auto inputs = make_inputs(config, R, 3, rng);
   const auto dev = upload_inputs(inputs);
   std::vector<DeviceArray> out;
-  for (int r = 0; r < R; ++r) out.emplace_back(r, std::size_t(inputs[std::size_t(r)].num_tokens * config.hidden * 2));
-  for (int r = 0; r < R; ++r) sleep_on(r, compute[std::size_t(r)], 300.0);
+  for (int r = 0; r < R; ++r) out.emplace_back(rank_device(r), std::size_t(inputs[std::size_t(r)].num_tokens * config.hidden * 2));
+  for (int r = 0; r < R; ++r) sleep_on(rank_device(r), compute[std::size_t(r)], 300.0);
   std::vector<std::vector<Event>> done(kCalls);
   std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
   for (int i = 0; i < kCalls; ++i) {
@@ -534,7 +537,7 @@ TEST_F(EpAsyncTest, PipelineDepthZeroNeverWaits) {
   std::mt19937 rng(std::random_device{}());
   const auto inputs = make_inputs(config, R, 4, rng);
   const auto dev = upload_inputs(inputs);
-  for (int r = 0; r < R; ++r) sleep_on(r, compute[std::size_t(r)], 300.0);
+  for (int r = 0; r < R; ++r) sleep_on(rank_device(r), compute[std::size_t(r)], 300.0);
   std::vector<Event> first;
   for (int i = 0; i < 8; ++i) {
     for (int r = 0; r < R; ++r) {
@@ -608,7 +611,7 @@ TEST_F(EpAsyncTest, ThousandsOfBackToBackAsyncRounds) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(compute[std::size_t(r)]));
     }
     for (int i = 0; i < kRoundsPerBatch; ++i) {

@@ -31,7 +31,8 @@ using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
 using weft::ep::testing::make_inputs;
-using weft::ep::testing::num_gpus;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
 
@@ -80,21 +81,21 @@ class EpCombineWeightsTest : public EpTest {
         e.resize(std::size_t(n * H));
         const int salt = int(rng() % 1000);
         for (int64_t i = 0; i < n * H; ++i) e[std::size_t(i)] = ref::identity_bf16(50 + salt, i / H, i % H);
-        rd.expert_out = upload(r, e);
+        rd.expert_out = upload(rank_device(r), e);
         auto& w = weights[std::size_t(r)];
         w.resize(std::size_t(n * K));
         for (auto& v : w) v = std::ldexp(mantissa(rng), exponent(rng));
       }
-      d_weights.push_back(upload(r, weights[std::size_t(r)]));
+      d_weights.push_back(upload(rank_device(r), weights[std::size_t(r)]));
       if (num_bias > 0) {
         auto& b = bias0[std::size_t(r)];
         b.resize(std::size_t(T * H));
         for (int64_t i = 0; i < T * H; ++i) b[std::size_t(i)] = ref::identity_bf16(90 + r, i / H, i % H);
-        rd.bias0 = upload(r, b);
+        rd.bias0 = upload(rank_device(r), b);
       }
-      rd.out = DeviceArray(r, std::size_t(T * H * 2));
+      rd.out = DeviceArray(rank_device(r), std::size_t(T * H * 2));
       WEFT_CUDA_CHECK(cudaMemset(rd.out.ptr, 0xFF, std::size_t(T * H * 2)));
-      d_combined.emplace_back(r, std::size_t(T * K) * sizeof(float));
+      d_combined.emplace_back(rank_device(r), std::size_t(T * K) * sizeof(float));
       WEFT_CUDA_CHECK(cudaMemset(d_combined.back().ptr, 0xFF, std::size_t(T * K) * sizeof(float)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     }
@@ -120,11 +121,11 @@ class EpCombineWeightsTest : public EpTest {
       eps[std::size_t(r)]->check();
       const int64_t T = inputs[std::size_t(r)].num_tokens;
       const auto want = ref::combine(config, r, layouts, expert_out, bias0[std::size_t(r)], {});
-      const auto got = download<uint16_t>(r, ranks[std::size_t(r)].out.ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), ranks[std::size_t(r)].out.ptr, want.size());
       ASSERT_EQ(count_differences(got, want), 0u) << "rank " << r << ": out differs";
       const int num_weights = from_window ? config.top_k : K;
       const auto want_w = ref::combine_weights(config, r, layouts, weights, num_weights);
-      const auto got_w = download<float>(r, d_combined[std::size_t(r)].ptr, std::size_t(T * num_weights));
+      const auto got_w = download<float>(rank_device(r), d_combined[std::size_t(r)].ptr, std::size_t(T * num_weights));
       ASSERT_EQ(count_bit_differences(got_w, want_w), 0u)
           << "rank " << r << ": combined_weights differ (K " << num_weights << ")";
       if (from_window) {  // the token's own weights back, 0 where masked
@@ -145,7 +146,7 @@ class EpCombineWeightsTest : public EpTest {
 
 TEST_F(EpCombineWeightsTest, MatchesTheReferenceBitForBitForEveryK) {
   REQUIRE_GPUS();
-  make({.max_tokens = 256, .hidden = 256, .num_experts = 8 * num_gpus(), .top_k = 6});
+  make({.max_tokens = 256, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 6});
   std::mt19937 rng(31);
   for (int trial = 0; trial < 6; ++trial) {
     const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.2}, rng);
@@ -157,7 +158,7 @@ TEST_F(EpCombineWeightsTest, MatchesTheReferenceBitForBitForEveryK) {
 
 TEST_F(EpCombineWeightsTest, CombiningRecvWeightsRestoresTheTokensWeights) {
   REQUIRE_GPUS();
-  make({.max_tokens = 300, .hidden = 128, .num_experts = 4 * num_gpus(), .top_k = 4});
+  make({.max_tokens = 300, .hidden = 128, .num_experts = 4 * team_size(), .top_k = 4});
   std::mt19937 rng(32);
   for (int trial = 0; trial < 3; ++trial) {
     const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.3}, rng);
@@ -171,7 +172,7 @@ TEST_F(EpCombineWeightsTest, CombiningRecvWeightsRestoresTheTokensWeights) {
 // T up to 2000 (grid count mode above 1024).
 TEST_F(EpCombineWeightsTest, HundredsOfBackToBackCalls) {
   REQUIRE_GPUS();
-  make({.max_tokens = 2000, .hidden = 128, .num_experts = 16 * num_gpus(), .top_k = 8});
+  make({.max_tokens = 2000, .hidden = 128, .num_experts = 16 * team_size(), .top_k = 8});
   std::mt19937 rng(33);
   for (int layout = 0; layout < 6; ++layout) {
     const auto inputs = make_inputs(config, R, {.tokens = random_tokens(rng), .mask_ratio = 0.1}, rng);
@@ -188,7 +189,7 @@ TEST_F(EpCombineWeightsTest, HundredsOfBackToBackCalls) {
 // own weights and outputs (comb_x / comb_w reused by every call), all checked at the end.
 TEST_F(EpCombineWeightsTest, CallsQueuedWithoutAHostWaitAreEachCorrect) {
   REQUIRE_GPUS();
-  make({.max_tokens = 256, .hidden = 128, .num_experts = 8 * num_gpus(), .top_k = 4});
+  make({.max_tokens = 256, .hidden = 128, .num_experts = 8 * team_size(), .top_k = 4});
   std::mt19937 rng(36);
   constexpr int kCalls = 200;
   const int K = 3;
@@ -202,7 +203,7 @@ TEST_F(EpCombineWeightsTest, CallsQueuedWithoutAHostWaitAreEachCorrect) {
     const int64_t n = layouts[std::size_t(r)].num_recv;
     auto& e = expert_out[std::size_t(r)];
     for (int64_t i = 0; i < n * H; ++i) e.push_back(ref::identity_bf16(60 + r, i / H, i % H));
-    d_expert_out.push_back(upload(r, e));
+    d_expert_out.push_back(upload(rank_device(r), e));
   }
   std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
   std::uniform_int_distribution<int> exponent(-24, 24);
@@ -215,15 +216,15 @@ TEST_F(EpCombineWeightsTest, CallsQueuedWithoutAHostWaitAreEachCorrect) {
       const int64_t T = inputs[std::size_t(r)].num_tokens;
       auto& w = weights[std::size_t(i)].emplace_back(std::size_t(n * K));
       for (auto& v : w) v = std::ldexp(mantissa(rng), exponent(rng));
-      d_weights[std::size_t(i)].push_back(upload(r, w));
-      d_combined[std::size_t(i)].emplace_back(r, std::size_t(T * K) * sizeof(float));
+      d_weights[std::size_t(i)].push_back(upload(rank_device(r), w));
+      d_combined[std::size_t(i)].emplace_back(rank_device(r), std::size_t(T * K) * sizeof(float));
       WEFT_CUDA_CHECK(cudaMemset(d_combined[std::size_t(i)].back().ptr, 0xFF,
                                  std::size_t(T * K) * sizeof(float)));
-      d_out[std::size_t(i)].emplace_back(r, std::size_t(T * H * 2));
+      d_out[std::size_t(i)].emplace_back(rank_device(r), std::size_t(T * H * 2));
     }
   }
   for (int r = 0; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
   for (int i = 0; i < kCalls; ++i) {
@@ -244,10 +245,10 @@ TEST_F(EpCombineWeightsTest, CallsQueuedWithoutAHostWaitAreEachCorrect) {
     const int64_t T = inputs[std::size_t(r)].num_tokens;
     const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
     for (int i = 0; i < kCalls; ++i) {
-      const auto got = download<uint16_t>(r, d_out[std::size_t(i)][std::size_t(r)].ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), d_out[std::size_t(i)][std::size_t(r)].ptr, want.size());
       ASSERT_EQ(count_differences(got, want), 0u) << "rank " << r << " call " << i;
       const auto want_w = ref::combine_weights(config, r, layouts, weights[std::size_t(i)], K);
-      const auto got_w = download<float>(r, d_combined[std::size_t(i)][std::size_t(r)].ptr,
+      const auto got_w = download<float>(rank_device(r), d_combined[std::size_t(i)][std::size_t(r)].ptr,
                                          std::size_t(T * K));
       ASSERT_EQ(count_bit_differences(got_w, want_w), 0u) << "rank " << r << " call " << i;
     }
@@ -258,7 +259,7 @@ TEST_F(EpCombineWeightsTest, CallsQueuedWithoutAHostWaitAreEachCorrect) {
 // back from a peer; then none on rank 0, so rank 0 sends everything back.
 TEST_F(EpCombineWeightsTest, WeightsComeBackFromPeers) {
   REQUIRE_PEERS();
-  make({.max_tokens = 512, .hidden = 256, .num_experts = 8 * num_gpus(), .top_k = 5});
+  make({.max_tokens = 512, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 5});
   std::mt19937 rng(34);
   for (const RoutingSpec& spec :
        {RoutingSpec{.tokens = std::vector<int64_t>(std::size_t(R), 512), .only_rank = R - 1},
@@ -278,7 +279,7 @@ TEST_F(EpCombineWeightsTest, WeightsComeBackFromPeers) {
 // an expanded layout.
 TEST_F(EpCombineWeightsTest, BadArgumentsAreRefusedOnTheHost) {
   REQUIRE_GPUS();
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 4 * num_gpus(), .top_k = 2,
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 4 * team_size(), .top_k = 2,
         .expand_factor = 2});
   std::mt19937 rng(35);
   const int64_t H = config.hidden;
@@ -289,8 +290,8 @@ TEST_F(EpCombineWeightsTest, BadArgumentsAreRefusedOnTheHost) {
   for (int r = 0; r < R; ++r) {
     const auto& rr = res[std::size_t(r)];
     auto& rd = ranks[std::size_t(r)];
-    rd.out = DeviceArray(r, std::size_t(64 * H * 2));
-    combined.emplace_back(r, std::size_t(64 * 4) * sizeof(float));
+    rd.out = DeviceArray(rank_device(r), std::size_t(64 * H * 2));
+    combined.emplace_back(rank_device(r), std::size_t(64 * 4) * sizeof(float));
     auto* cw = static_cast<float*>(combined.back().ptr);
     const weft::ep::CombineInputs good{
         .expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H},

@@ -1,6 +1,6 @@
-// The fixture of weft::ep's dispatch/combine GPU tests: every visible GPU is one rank
-// (Buffer::create_local), routings drawn per rank, and round(): one dispatch + combine on every
-// rank, checked element by element against the CPU reference (weft::ep::reference) with poisoned
+// The fixture of weft::ep's dispatch/combine GPU tests: every rank of the team (team.hpp: every
+// visible GPU, or a virtual team on one), routings drawn per rank, and round(): one dispatch +
+// combine on every rank, checked element by element against the CPU reference (weft::ep::reference) with poisoned
 // outputs. Every payload element is a hash of (source rank, source token, column), so a misrouted
 // row cannot look plausible.
 #pragma once
@@ -20,6 +20,7 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
 #include "device_array.hpp"
+#include "team.hpp"
 
 namespace weft::ep::testing {
 
@@ -27,7 +28,6 @@ using weft::ep::BufferConfig;
 using weft::ep::DType;
 namespace ref = weft::ep::reference;
 
-inline int num_gpus() { return weft::cuda::device_count(); }
 
 // The message of the weft::Error that f() throws; a test failure (and "") if it throws none.
 template <typename F>
@@ -46,15 +46,19 @@ inline bool contains(const std::string& s, const std::string& part) {
 }
 
 
-// Every test runs on all visible GPUs (one rank each, create_local): one GPU is one rank, every
-// row local. REQUIRE_PEERS: the behaviour tested needs a peer (a rank that is late or missing).
+// Every test runs on the team of team.hpp: all visible GPUs (one rank each, create_local; one
+// GPU is one rank, every row local), or a virtual team of WEFT_EP_VIRTUAL_RANKS ranks on GPU 0.
+// REQUIRE_PEERS: the behaviour tested needs a peer (a rank that is late or missing).
 #define REQUIRE_GPUS()                                                                   \
   do {                                                                                   \
-    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";                                   \
+    if (team_size() < 1) GTEST_SKIP() << "needs a GPU";                                  \
   } while (0)
 #define REQUIRE_PEERS()                                                                  \
   do {                                                                                   \
-    if (num_gpus() < 2) GTEST_SKIP() << "needs 2 GPUs, found " << num_gpus();           \
+    if (team_size() < 2) {                                                               \
+      GTEST_SKIP() << "needs 2 ranks (2 GPUs, or WEFT_EP_VIRTUAL_RANKS=2 or more), found " \
+                   << team_size();                                                       \
+    }                                                                                    \
   } while (0)
 
 struct RoutingSpec {
@@ -127,14 +131,14 @@ class EpTest : public ::testing::Test {
   // The options default to BufferOptions{} (combine_send_warps, tokens_per_block as shipped).
   void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
     config = c;
-    R = num_gpus();
+    R = team_size();
     poison_ptr_.clear();  // views of the previous Buffer's window (a test may make several)
     eps.clear();
-    eps = weft::ep::Buffer::create_local(R, c, o);
+    eps = make_team(c, o);
     ranks.resize(static_cast<std::size_t>(R));
     for (int r = 0; r < R; ++r) {
       if (ranks[static_cast<std::size_t>(r)].stream != nullptr) continue;
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&ranks[static_cast<std::size_t>(r)].stream,
                                                 cudaStreamNonBlocking));
     }
@@ -149,9 +153,9 @@ class EpTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       auto& rd = ranks[std::size_t(r)];
       const auto& in = inputs[std::size_t(r)];
-      rd.x = upload(r, in.x);
-      rd.idx = upload(r, in.topk_idx);
-      rd.weights = upload(r, in.topk_weights);
+      rd.x = upload(rank_device(r), in.x);
+      rd.idx = upload(rank_device(r), in.topk_idx);
+      rd.weights = upload(rank_device(r), in.topk_weights);
     }
   }
   weft::ep::DispatchInputs inputs_of(int r, int64_t T) const {
@@ -176,13 +180,13 @@ class EpTest : public ::testing::Test {
   // Waits for every rank's stream without checking the Buffers' errors.
   void wait_all() {
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
     }
   }
   void sync_all() {
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[static_cast<std::size_t>(r)].stream));
     }
   }
@@ -198,20 +202,20 @@ class EpTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       auto& rd = ranks[static_cast<std::size_t>(r)];
       const auto& in = inputs[static_cast<std::size_t>(r)];
-      rd.x = upload(r, in.x);
+      rd.x = upload(rank_device(r), in.x);
       if (idx64) {
-        rd.idx = upload(r, in.topk_idx);
+        rd.idx = upload(rank_device(r), in.topk_idx);
       } else {
         std::vector<int32_t> v(in.topk_idx.begin(), in.topk_idx.end());
-        rd.idx = upload(r, v);
+        rd.idx = upload(rank_device(r), v);
       }
-      rd.weights = upload(r, in.topk_weights);
+      rd.weights = upload(rank_device(r), in.topk_weights);
     }
     // Poison the (zero-copy) outputs of every rank before any rank starts.
     for (int r = 0; r < R; ++r) {
       auto* b = eps[static_cast<std::size_t>(r)].get();
       if (poison_ptr_.size() == static_cast<std::size_t>(R)) {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         const auto& pp = poison_ptr_[static_cast<std::size_t>(r)];
         WEFT_CUDA_CHECK(cudaMemset(const_cast<uint16_t*>(pp.recv_x), 0xFF, b->capacity() * H * 2));
         WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(pp.recv_expert_idx), 0x7F, b->capacity() * K * 4));
@@ -242,10 +246,10 @@ class EpTest : public ::testing::Test {
       if (exact) {
         num_recv[static_cast<std::size_t>(r)] = eps[static_cast<std::size_t>(r)]->wait_num_recv(res_r);
       } else {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[static_cast<std::size_t>(r)].stream));
         eps[static_cast<std::size_t>(r)]->check();
-        num_recv[static_cast<std::size_t>(r)] = download<int32_t>(r, res_r.num_recv_device, 1)[0];
+        num_recv[static_cast<std::size_t>(r)] = download<int32_t>(rank_device(r), res_r.num_recv_device, 1)[0];
       }
     }
     poison_ptr_ = res;
@@ -254,7 +258,7 @@ class EpTest : public ::testing::Test {
       const auto& rr = res[static_cast<std::size_t>(r)];
       const auto n = num_recv[static_cast<std::size_t>(r)];
       ASSERT_EQ(n, L.num_recv) << "rank " << r;
-      const auto rx = download<uint16_t>(r, rr.recv_x, std::size_t(n * H));
+      const auto rx = download<uint16_t>(rank_device(r), rr.recv_x, std::size_t(n * H));
       ASSERT_EQ(rx, L.recv_x) << "rank " << r << ": received rows differ";
       check_metadata(r, rr, L);
     }
@@ -271,7 +275,7 @@ class EpTest : public ::testing::Test {
         auto& e = expert_out[static_cast<std::size_t>(r)];
         e.resize(std::size_t(n * H));
         for (auto& v : e) v = ref::identity_bf16(7 + r, int64_t(rng() % 100000), 3);
-        rd.expert_out = upload(r, e);
+        rd.expert_out = upload(rank_device(r), e);
       } else {
         expert_out[static_cast<std::size_t>(r)] = layouts[static_cast<std::size_t>(r)].recv_x;
       }
@@ -279,13 +283,13 @@ class EpTest : public ::testing::Test {
         auto& bias = b == 0 ? bias0[static_cast<std::size_t>(r)] : bias1[static_cast<std::size_t>(r)];
         bias.resize(std::size_t(T * H));
         for (int64_t i = 0; i < T * H; ++i) bias[std::size_t(i)] = ref::identity_bf16(20 + b, i / H, i % H);
-        (b == 0 ? rd.bias0 : rd.bias1) = upload(r, bias);
+        (b == 0 ? rd.bias0 : rd.bias1) = upload(rank_device(r), bias);
       }
-      rd.out = DeviceArray(r, std::size_t(T * H * 2));
+      rd.out = DeviceArray(rank_device(r), std::size_t(T * H * 2));
       WEFT_CUDA_CHECK(cudaMemset(rd.out.ptr, 0xFF, std::size_t(T * H * 2)));
     }
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     }
     for (int r = 0; r < R; ++r) {
@@ -306,7 +310,7 @@ class EpTest : public ::testing::Test {
       eps[static_cast<std::size_t>(r)]->check();
       const auto want = ref::combine(config, r, layouts, expert_out, bias0[std::size_t(r)],
                                      bias1[std::size_t(r)]);
-      const auto got = download<uint16_t>(r, ranks[std::size_t(r)].out.ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), ranks[std::size_t(r)].out.ptr, want.size());
       ASSERT_EQ(count_differences(got, want), 0u)
           << "rank " << r << ": combine output differs from the reference";
     }
@@ -317,16 +321,16 @@ class EpTest : public ::testing::Test {
   void check_metadata(int r, const weft::ep::DispatchResult& rr, const ref::RankLayout& L) {
     const int64_t n = L.num_recv;
     const int K = config.top_k;
-    check_sources(download<int32_t>(r, rr.recv_src, std::size_t(n * 2)), L);
-    EXPECT_EQ(download<int32_t>(r, rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
-    EXPECT_EQ(download<float>(r, rr.recv_weights, std::size_t(n * K)), L.recv_weights);
-    EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert,
+    check_sources(download<int32_t>(rank_device(r), rr.recv_src, std::size_t(n * 2)), L);
+    EXPECT_EQ(download<int32_t>(rank_device(r), rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
+    EXPECT_EQ(download<float>(rank_device(r), rr.recv_weights, std::size_t(n * K)), L.recv_weights);
+    EXPECT_EQ(download<int32_t>(rank_device(r), rr.tokens_per_local_expert,
                                 std::size_t(config.num_local_experts(R))),
               L.tokens_per_local_expert);
     // DeepEP's rank_prefix_matrix: the deduplicated layout's (the expanded one has none).
     ASSERT_EQ(rr.rank_prefix_matrix == nullptr, L.rank_prefix_matrix.empty()) << "rank " << r;
     if (rr.rank_prefix_matrix != nullptr) {
-      EXPECT_EQ(download<int32_t>(r, rr.rank_prefix_matrix, std::size_t(R) * std::size_t(R)),
+      EXPECT_EQ(download<int32_t>(rank_device(r), rr.rank_prefix_matrix, std::size_t(R) * std::size_t(R)),
                 L.rank_prefix_matrix)
           << "rank " << r;
     }

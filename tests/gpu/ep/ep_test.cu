@@ -35,7 +35,8 @@ using weft::ep::testing::DeviceArray;
 using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
 using weft::ep::testing::make_inputs;
-using weft::ep::testing::num_gpus;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 using weft::ep::testing::RankDevice;
 using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
@@ -109,10 +110,10 @@ TEST_F(EpTest, ThousandsOfBackToBackCalls) {
     for (int r = 0; r < R; ++r) {
       auto& d = dev[std::size_t(i)][std::size_t(r)];
       const auto& in = routings[std::size_t(i)][std::size_t(r)];
-      d.x = upload(r, in.x);
-      d.idx = upload(r, in.topk_idx);
-      d.weights = upload(r, in.topk_weights);
-      d.out = DeviceArray(r, std::size_t(in.num_tokens * H * 2));
+      d.x = upload(rank_device(r), in.x);
+      d.idx = upload(rank_device(r), in.topk_idx);
+      d.weights = upload(rank_device(r), in.topk_weights);
+      d.out = DeviceArray(rank_device(r), std::size_t(in.num_tokens * H * 2));
     }
   }
   constexpr int kRounds = 2000;
@@ -124,7 +125,7 @@ TEST_F(EpTest, ThousandsOfBackToBackCalls) {
       auto& d = dev[std::size_t(i)][std::size_t(r)];
       const auto T = routings[std::size_t(i)][std::size_t(r)].num_tokens;
       if (checked) {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         WEFT_CUDA_CHECK(cudaMemsetAsync(d.out.ptr, 0xFF, std::size_t(T * H * 2), ranks[std::size_t(r)].stream));
       }
       res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
@@ -146,10 +147,10 @@ TEST_F(EpTest, ThousandsOfBackToBackCalls) {
     for (const auto& L : layouts) eo.push_back(L.recv_x);
     for (int r = 0; r < R; ++r) {
       eps[std::size_t(r)]->check();
-      const auto n = download<int32_t>(r, res[std::size_t(r)].num_recv_device, 1)[0];
+      const auto n = download<int32_t>(rank_device(r), res[std::size_t(r)].num_recv_device, 1)[0];
       ASSERT_EQ(n, layouts[std::size_t(r)].num_recv) << "round " << it << " rank " << r;
       const auto want = ref::combine(config, r, layouts, eo, {}, {});
-      const auto got = download<uint16_t>(r, dev[std::size_t(i)][std::size_t(r)].out.ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), dev[std::size_t(i)][std::size_t(r)].out.ptr, want.size());
       ASSERT_EQ(got, want) << "round " << it << " rank " << r;
     }
   }
@@ -196,6 +197,37 @@ TEST_F(EpTest, TopSixteenOfAThousandExperts) {
   }
 }
 
+// The routing extremes at any number of ranks: top-1 of 8 experts (one expert per rank at 8
+// ranks), top-16 of 512, and T = 16384 per rank (grid mode, every rank's share of the SMs), each
+// with a rank that has no tokens and one whose tokens all go to one rank.
+TEST_F(EpTest, RoutingExtremesAtAnyNumberOfRanks) {
+  REQUIRE_GPUS();
+  std::mt19937 rng(std::random_device{}());
+  struct Shape {
+    BufferConfig config;
+    int64_t T;
+  };
+  for (const Shape& shape :
+       {Shape{{.max_tokens = 1024, .hidden = 256, .num_experts = 8, .top_k = 1}, 1024},
+        Shape{{.max_tokens = 600, .hidden = 256, .num_experts = 512, .top_k = 16}, 600},
+        Shape{{.max_tokens = 16384, .hidden = 128, .num_experts = 64, .top_k = 8}, 16384}}) {
+    if (shape.config.num_experts % R != 0) continue;
+    make(shape.config);
+    SCOPED_TRACE(testing::Message() << "experts " << config.num_experts << " top_k "
+                                    << config.top_k << " T " << shape.T);
+    const std::vector<int64_t> full(std::size_t(R), shape.T);
+    std::vector<int64_t> one_empty = full;
+    one_empty[std::size_t(R / 2)] = 0;
+    std::vector<int64_t> one_token = full;
+    one_token[std::size_t(R - 1)] = 1;
+    round(make_inputs(config, R, {.tokens = one_empty, .mask_ratio = 0.1}, rng), true, 1, true,
+          true);
+    round(make_inputs(config, R, {.tokens = one_token, .only_rank = R - 1}, rng), false, 0, false,
+          false);
+    round(make_inputs(config, R, {.tokens = full, .avoid_rank = 0}, rng), true, 2, true, true);
+  }
+}
+
 // BufferOptions::tokens_per_block sizes every call's grid: one block per token, an odd share,
 // and 1000 tokens per block (one or two blocks, each with many sub-chunks).
 TEST_F(EpTest, TokensPerBlockOtherThanFour) {
@@ -217,8 +249,8 @@ TEST_F(EpTest, TokensPerBlockOtherThanFour) {
 // and of 33 (a partial last round of every per-row loop) match the reference.
 TEST_F(EpTest, RowsOfFewOrOddNumbersOfVectors) {
   REQUIRE_GPUS();
-  EXPECT_THROW(weft::ep::Buffer::create_local(
-                   num_gpus(), {.max_tokens = 8, .hidden = 100, .num_experts = 16, .top_k = 2}),
+  EXPECT_THROW(weft::ep::testing::make_team({.max_tokens = 8, .hidden = 100, .num_experts = 16,
+                                             .top_k = 2}),
                weft::Error);  // 200 bytes: 12.5 vectors
   std::mt19937 rng(std::random_device{}());
   for (int64_t hidden : {8, 72, 264}) {
@@ -262,35 +294,35 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
   std::vector<std::vector<uint16_t>> e1(num), e2(num);
   for (int r = 0; r < R; ++r) {
     auto& p = d[std::size_t(r)];
-    p.a_x = upload(r, a_in[std::size_t(r)].x);
-    p.a_idx = upload(r, a_in[std::size_t(r)].topk_idx);
-    p.a_w = upload(r, a_in[std::size_t(r)].topk_weights);
-    p.b_x = upload(r, b_in[std::size_t(r)].x);
-    p.b_idx = upload(r, b_in[std::size_t(r)].topk_idx);
-    p.b_w = upload(r, b_in[std::size_t(r)].topk_weights);
-    p.x2 = upload(r, b_x2[std::size_t(r)].x);
-    p.x3 = upload(r, b_x3[std::size_t(r)].x);
+    p.a_x = upload(rank_device(r), a_in[std::size_t(r)].x);
+    p.a_idx = upload(rank_device(r), a_in[std::size_t(r)].topk_idx);
+    p.a_w = upload(rank_device(r), a_in[std::size_t(r)].topk_weights);
+    p.b_x = upload(rank_device(r), b_in[std::size_t(r)].x);
+    p.b_idx = upload(rank_device(r), b_in[std::size_t(r)].topk_idx);
+    p.b_w = upload(rank_device(r), b_in[std::size_t(r)].topk_weights);
+    p.x2 = upload(rank_device(r), b_x2[std::size_t(r)].x);
+    p.x3 = upload(rank_device(r), b_x3[std::size_t(r)].x);
     const int64_t n = b_layouts[std::size_t(r)].num_recv;
     for (auto* e : {&e1[std::size_t(r)], &e2[std::size_t(r)]}) {
       e->resize(std::size_t(n * H));
       for (auto& v : *e) v = weft::ep::testing::identity_value(30 + r, int64_t(rng() % 100000), 7);
     }
-    p.e1 = upload(r, e1[std::size_t(r)]);
-    p.e2 = upload(r, e2[std::size_t(r)]);
+    p.e1 = upload(rank_device(r), e1[std::size_t(r)]);
+    p.e2 = upload(rank_device(r), e2[std::size_t(r)]);
     const int64_t T = b_in[std::size_t(r)].num_tokens;
-    p.out1 = DeviceArray(r, std::size_t(T * H * 2));
-    p.out2 = DeviceArray(r, std::size_t(T * H * 2));
+    p.out1 = DeviceArray(rank_device(r), std::size_t(T * H * 2));
+    p.out2 = DeviceArray(rank_device(r), std::size_t(T * H * 2));
     WEFT_CUDA_CHECK(cudaMemset(p.out1.ptr, 0xFF, std::size_t(T * H * 2)));
     WEFT_CUDA_CHECK(cudaMemset(p.out2.ptr, 0xFF, std::size_t(T * H * 2)));
     const int64_t cap = eps[std::size_t(r)]->capacity();
-    p.a_rows = DeviceArray(r, std::size_t(cap * H * 2));
-    p.a_src = DeviceArray(r, std::size_t(cap * 8));
-    p.a_count = DeviceArray(r, 4);
-    p.x2_rows = DeviceArray(r, std::size_t(cap * H * 2));
+    p.a_rows = DeviceArray(rank_device(r), std::size_t(cap * H * 2));
+    p.a_src = DeviceArray(rank_device(r), std::size_t(cap * 8));
+    p.a_count = DeviceArray(rank_device(r), 4);
+    p.x2_rows = DeviceArray(rank_device(r), std::size_t(cap * H * 2));
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
   auto copy = [&](int r, void* dst, const void* src, int64_t bytes) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaMemcpyAsync(dst, src, std::size_t(bytes), cudaMemcpyDeviceToDevice,
                                     ranks[std::size_t(r)].stream));
   };
@@ -349,23 +381,23 @@ TEST_F(EpTest, BackToBackPairsWithoutHostSyncs) {
     eps[std::size_t(r)]->check();
     const auto& p = d[std::size_t(r)];
     const auto& A = a_layouts[std::size_t(r)];
-    const int64_t na = download<int32_t>(r, p.a_count.ptr, 1)[0];
+    const int64_t na = download<int32_t>(rank_device(r), p.a_count.ptr, 1)[0];
     ASSERT_EQ(na, A.num_recv) << "the first dispatch";
-    ASSERT_EQ(download<uint16_t>(r, p.a_rows.ptr, std::size_t(na * H)), A.recv_x)
+    ASSERT_EQ(download<uint16_t>(rank_device(r), p.a_rows.ptr, std::size_t(na * H)), A.recv_x)
         << "the first dispatch";
-    weft::ep::testing::check_sources(download<int32_t>(r, p.a_src.ptr, std::size_t(na * 2)), A);
+    weft::ep::testing::check_sources(download<int32_t>(rank_device(r), p.a_src.ptr, std::size_t(na * 2)), A);
     const auto& br = b[std::size_t(r)];
     const auto& B = b_layouts[std::size_t(r)];
-    const int64_t nb = download<int32_t>(r, br.num_recv_device, 1)[0];
+    const int64_t nb = download<int32_t>(rank_device(r), br.num_recv_device, 1)[0];
     ASSERT_EQ(nb, B.num_recv);
     check_metadata(r, br, B);
-    ASSERT_EQ(download<uint16_t>(r, p.x2_rows.ptr, std::size_t(nb * H)),
+    ASSERT_EQ(download<uint16_t>(rank_device(r), p.x2_rows.ptr, std::size_t(nb * H)),
               x2_layouts[std::size_t(r)].recv_x) << "the first cached dispatch";
-    ASSERT_EQ(download<uint16_t>(r, br.recv_x, std::size_t(nb * H)),
+    ASSERT_EQ(download<uint16_t>(rank_device(r), br.recv_x, std::size_t(nb * H)),
               x3_layouts[std::size_t(r)].recv_x) << "the second cached dispatch";
     for (int i = 0; i < 2; ++i) {
       const auto want = ref::combine(config, r, b_layouts, i == 0 ? e1 : e2, {}, {});
-      const auto got = download<uint16_t>(r, (i == 0 ? p.out1 : p.out2).ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), (i == 0 ? p.out1 : p.out2).ptr, want.size());
       ASSERT_EQ(weft::ep::testing::count_differences(got, want), 0u)
           << "combine " << i + 1 << " differs from the reference";
     }
@@ -484,7 +516,10 @@ TEST(EpOneProcessPerGpu, Child) {
 // Starts one child per visible GPU (one rank each) in `mode` and waits (at most 120 s) for every
 // one to exit 0.
 void run_one_process_per_gpu(const char* mode) {
-  const int num_ranks = num_gpus();
+  if (weft::ep::testing::is_virtual_team()) {
+    GTEST_SKIP() << "one process per GPU: real ranks only (not on a virtual team)";
+  }
+  const int num_ranks = weft::cuda::device_count();
   const int port = free_tcp_port();
   ASSERT_GT(port, 0) << "no free TCP port on 127.0.0.1";
   std::vector<pid_t> pids;

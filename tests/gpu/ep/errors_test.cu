@@ -31,7 +31,9 @@ using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
 using weft::ep::testing::error_of;
 using weft::ep::testing::make_inputs;
-using weft::ep::testing::num_gpus;
+using weft::ep::testing::make_team;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 using weft::ep::testing::RankDevice;
 using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
@@ -59,9 +61,9 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
   for (int r = 0; r < R; ++r) {
     auto in = inputs[std::size_t(r)];
     if (r == 0) in.topk_idx[5] = 8;  // out of range
-    rd[std::size_t(r)].x = upload(r, in.x);
-    rd[std::size_t(r)].idx = upload(r, in.topk_idx);
-    rd[std::size_t(r)].weights = upload(r, in.topk_weights);
+    rd[std::size_t(r)].x = upload(rank_device(r), in.x);
+    rd[std::size_t(r)].idx = upload(rank_device(r), in.topk_idx);
+    rd[std::size_t(r)].weights = upload(rank_device(r), in.topk_weights);
   }
   auto din = [&](int r, int64_t T) {
     return weft::ep::DispatchInputs{
@@ -88,7 +90,7 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
   bad = din(0, 64);
   bad.x.cols = 120;
   EXPECT_THROW(ep0.dispatch(bad, rd[0].stream), weft::Error);
-  EXPECT_THROW(weft::ep::Buffer::create_local(R, {.max_tokens = 8, .hidden = 12, .num_experts = 8, .top_k = 2}),
+  EXPECT_THROW(make_team({.max_tokens = 8, .hidden = 12, .num_experts = 8, .top_k = 2}),
                weft::Error);
 
   // Device-found error: rank 0's out-of-range expert is reported, the call still completes.
@@ -123,27 +125,45 @@ TEST_F(EpTest, BadInputIsAClearErrorAndTheBufferStaysUsable) {
                weft::Error);
 }
 
-// Rank 0 dispatches alone: it times out waiting for a peer's counts, and says which.
+// One rank never enters (rank 5 of 8, else the last): every other rank dispatches, times out
+// waiting for that rank's counts and names it (not some live peer), and the call costs each of
+// them one timeout, all at once. Every rank's tokens go to every rank (top-1 of two experts per
+// rank, expert t mod E), so every live rank has work that needs the missing one.
 TEST_F(EpTest, AMissingPeerTimesOutWithRankAndReason) {
   REQUIRE_PEERS();
-  const int num_experts = 2 * num_gpus();
-  make({.max_tokens = 16, .hidden = 64, .num_experts = num_experts, .top_k = 1},
-       {.timeout_s = 0.2});
-  std::vector<int64_t> idx(16);
-  for (std::size_t t = 0; t < idx.size(); ++t) idx[t] = int64_t(t) % num_experts;  // every rank
-  std::vector<float> w(16, 1.0f);
-  std::vector<uint16_t> x(16 * 64, 0);
-  auto dx = upload(0, x);
-  auto di = upload(0, idx);
-  auto dw = upload(0, w);
-  auto res = eps[0]->dispatch({.x = {dx.ptr, DType::kBFloat16, 16, 64},
-                               .topk_idx = {di.ptr, DType::kInt64, 16, 1},
-                               .topk_weights = {dw.ptr, DType::kFloat32, 16, 1}},
-                              ranks[0].stream, weft::ep::CountMode::kExact);
-  const std::string what = error_of([&] { eps[0]->wait_num_recv(res); });  // no peer calls
-  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
-  EXPECT_TRUE(contains(what, "count vector")) << what;
-  EXPECT_TRUE(contains(what, "from rank ") && !contains(what, "from rank 0 ")) << what;
+  const double timeout_s = 0.3;
+  const int num_experts = 2 * team_size();
+  make({.max_tokens = 64, .hidden = 64, .num_experts = num_experts, .top_k = 1},
+       {.timeout_s = timeout_s});
+  const int missing = R > 5 ? 5 : R - 1;
+  std::vector<int64_t> idx(64);
+  for (std::size_t t = 0; t < idx.size(); ++t) idx[t] = int64_t(t) % num_experts;
+  std::vector<float> w(64, 1.0f);
+  std::vector<uint16_t> x(64 * 64, 0);
+  std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    auto& rd = ranks[std::size_t(r)];
+    rd.x = upload(rank_device(r), x);
+    rd.idx = upload(rank_device(r), idx);
+    rd.weights = upload(rank_device(r), w);
+  }
+  const auto start = Clock::now();
+  for (int r = 0; r < R; ++r) {
+    if (r == missing) continue;
+    res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
+        inputs_of(r, 64), ranks[std::size_t(r)].stream, weft::ep::CountMode::kExact);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (r == missing) continue;
+    SCOPED_TRACE(testing::Message() << "rank " << r << " of " << R << ", rank " << missing
+                                    << " missing");
+    const std::string what =
+        error_of([&] { eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]); });
+    EXPECT_TRUE(contains(what, "rank " + std::to_string(r) + " timed out")) << what;
+    EXPECT_TRUE(contains(what, "count vector")) << what;
+    EXPECT_TRUE(contains(what, "from rank " + std::to_string(missing) + " in call")) << what;
+  }
+  EXPECT_LT(seconds_since(start), 3 * timeout_s) << "more than one timeout per call";
 }
 
 // Pointers the kernels could not use are refused before any launch, naming the argument: topk_idx
@@ -190,7 +210,7 @@ TEST_F(EpErrorsTest, MisalignedOrForeignPointersAreClearErrors) {
   in.x.data = pinned;
   what = dispatch_error(in);
   EXPECT_TRUE(contains(what, "x (") && contains(what, "pinned host memory")) << what;
-  if (R > 1) {
+  if (weft::cuda::device_count() > 1) {  // another GPU (on a virtual team: besides rank 0's)
     DeviceArray other(1, std::size_t(T * config.top_k * 8));
     in = inputs_of(0, T);
     in.topk_idx.data = other.ptr;
@@ -287,7 +307,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   std::vector<cudaGraphExec_t> replay(std::size_t(R), nullptr);
   for (int r = 0; r < R; ++r) {
     const auto& rr = res1[std::size_t(r)];
-    out[std::size_t(r)] = DeviceArray(r, std::size_t(256 * H * 2));
+    out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(256 * H * 2));
     WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
     cudaStream_t s = ranks[std::size_t(r)].stream;
     WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
@@ -302,7 +322,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   put_inputs(second);
   const auto res2 = dispatch_all(second, weft::ep::CountMode::kExact);
   for (int r = 0; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaGraphLaunch(replay[std::size_t(r)], ranks[std::size_t(r)].stream));
   }
   wait_all();
@@ -312,7 +332,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
                                    " ran while the layout of dispatch " +
                                    std::to_string(res2[0].handle.sequence)))
         << what;
-    const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, std::size_t(256 * H));
+    const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, std::size_t(256 * H));
     EXPECT_EQ(std::count(got.begin(), got.end(), uint16_t(0xFFFF)), std::ptrdiff_t(got.size()))
         << "rank " << r << ": out was written";
     WEFT_CUDA_CHECK(cudaGraphExecDestroy(replay[std::size_t(r)]));
@@ -323,7 +343,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   for (const auto& L : layouts) expert_out.push_back(L.recv_x);
   for (int r = 0; r < R; ++r) {
     const auto& rr = res2[std::size_t(r)];
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
     eps[std::size_t(r)]->combine({.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}},
                                  rr.handle, out[std::size_t(r)].ptr, ranks[std::size_t(r)].stream);
@@ -332,7 +352,7 @@ TEST_F(EpErrorsTest, AGraphReplayedOverAnotherLayoutIsSkipped) {
   for (int r = 0; r < R; ++r) {
     eps[std::size_t(r)]->check();
     const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
-    EXPECT_EQ(download<uint16_t>(r, out[std::size_t(r)].ptr, want.size()), want) << "rank " << r;
+    EXPECT_EQ(download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size()), want) << "rank " << r;
   }
 }
 
@@ -363,8 +383,8 @@ TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
     // Rank 0's device array holds exactly its short_rows rows: a read past them is out of bounds.
     const int64_t given_elements = r == 0 ? short_rows * H : int64_t(e.size());
     const std::vector<uint16_t> given(e.begin(), e.begin() + given_elements);
-    expert_dev[std::size_t(r)] = upload(r, given);
-    out[std::size_t(r)] = DeviceArray(r, std::size_t(256 * H * 2));
+    expert_dev[std::size_t(r)] = upload(rank_device(r), given);
+    out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(256 * H * 2));
     WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(256 * H * 2)));
     WEFT_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -392,7 +412,7 @@ TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
       EXPECT_TRUE(contains(what, "rank 0 sent no rows")) << what;
     }
     const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
-    const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, want.size());
+    const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size());
     for (int64_t t = 0; t < L.num_tokens; ++t) {
       const bool written = r != 0 && L.send_slot[std::size_t(t * R)] < 0;
       for (int64_t h = 0; h < H; ++h) {
@@ -412,7 +432,7 @@ TEST_F(EpErrorsTest, CombineWithTooFewExpertOutRowsIsOneClearError) {
 TEST_F(EpErrorsTest, ATimeoutMakesTheBufferRefuseEveryLaterCall) {
   REQUIRE_PEERS();
   const double timeout_s = 1.0;
-  make({.max_tokens = 2048, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+  make({.max_tokens = 2048, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = timeout_s});
   std::mt19937 rng(29);
   auto inputs = make_inputs(config, R, spec_of(2048), rng);
@@ -442,27 +462,33 @@ TEST_F(EpErrorsTest, ATimeoutMakesTheBufferRefuseEveryLaterCall) {
   }
 }
 
-// Rank 0 times out waiting for its peers, which call late (after its timeout): they find rank
-// 0's failure in its done flags and report it, instead of returning rows rank 0 never wrote.
+// One rank (5 of 8, else the last) times out waiting for its peers, which call late (after its
+// timeout): every one of them finds that rank's failure in its done flags and reports it,
+// instead of returning rows that rank never wrote.
 TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
   REQUIRE_PEERS();
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = 0.5});
+  const int failed = R > 5 ? 5 : R - 1;
   std::mt19937 rng(31);
   const auto inputs = make_inputs(config, R, spec_of(64), rng);
   put_inputs(inputs);
   std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
-  res[0] = eps[0]->dispatch(inputs_of(0, 64), ranks[0].stream, weft::ep::CountMode::kExact);
+  const auto f = std::size_t(failed);
+  res[f] = eps[f]->dispatch(inputs_of(failed, 64), ranks[f].stream, weft::ep::CountMode::kExact);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  for (int r = 1; r < R; ++r) {
+  for (int r = 0; r < R; ++r) {
+    if (r == failed) continue;
     res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
         inputs_of(r, 64), ranks[std::size_t(r)].stream, weft::ep::CountMode::kExact);
   }
-  std::string what = error_of([&] { eps[0]->wait_num_recv(res[0]); });
-  EXPECT_TRUE(contains(what, "rank 0 timed out")) << what;
-  for (int r = 1; r < R; ++r) {
+  const std::string name = "rank " + std::to_string(failed);
+  std::string what = error_of([&] { eps[f]->wait_num_recv(res[f]); });
+  EXPECT_TRUE(contains(what, name + " timed out")) << what;
+  for (int r = 0; r < R; ++r) {
+    if (r == failed) continue;
     what = error_of([&] { eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]); });
-    EXPECT_TRUE(contains(what, "rank 0 failed call")) << "rank " << r << ": " << what;
+    EXPECT_TRUE(contains(what, name + " failed call")) << "rank " << r << ": " << what;
   }
 }
 
@@ -472,14 +498,14 @@ TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
 TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
   REQUIRE_PEERS();
   const double timeout_s = 0.5;
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * num_gpus(), .top_k = 2},
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 2 * team_size(), .top_k = 2},
        {.timeout_s = timeout_s});
   std::mt19937 rng(41);
   const auto inputs = make_inputs(config, R, spec_of(64), rng);
   put_inputs(inputs);
   const auto res = dispatch_all(inputs, weft::ep::CountMode::kExact);
   std::vector<DeviceArray> out;
-  for (int r = 0; r < R; ++r) out.emplace_back(r, std::size_t(64 * config.hidden * 2));
+  for (int r = 0; r < R; ++r) out.emplace_back(rank_device(r), std::size_t(64 * config.hidden * 2));
   auto combine = [&](int r) {
     const auto& d = res[std::size_t(r)];
     eps[std::size_t(r)]->combine(
@@ -491,7 +517,7 @@ TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
   const auto start = Clock::now();
   for (int r = 1; r < R; ++r) combine(r);
   for (int r = 1; r < R; ++r) {
-    WEFT_CUDA_CHECK(cudaSetDevice(r));
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
     WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
   }
   EXPECT_LT(seconds_since(start), 0.5 * timeout_s) << "a late peer waited out a timeout";
@@ -504,12 +530,13 @@ TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
 }
 
 // Only rank 0 combines: its peers never store back. With 4 blocks, 2048 tokens of 2 pieces each
-// are about 37 rounds of reduce units per warp; the first wait for a peer that times out marks
-// it dead for the rest of the call, so the call costs one timeout, not one per round.
+// are about 37 rounds of reduce units per warp; the first wait that times out breaks the rank for
+// the rest of the call, so the call costs one timeout, not one per round nor one per missing peer
+// (R - 1 of them here).
 TEST_F(EpErrorsTest, ADeadPeerCostsCombineOneTimeout) {
   REQUIRE_PEERS();
   const double timeout_s = 0.5;
-  make({.max_tokens = 2048, .hidden = 2048, .num_experts = 2 * num_gpus(), .top_k = 4},
+  make({.max_tokens = 2048, .hidden = 2048, .num_experts = 2 * team_size(), .top_k = 4},
        {.num_sms = 4, .timeout_s = timeout_s});
   std::mt19937 rng(37);
   const auto inputs = make_inputs(config, R, spec_of(2048), rng);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "device_array.hpp"
+#include "team.hpp"
 #include "payload.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
@@ -30,7 +31,9 @@ using weft::ep::testing::identity_value;
 using weft::ep::testing::refill_x;
 using weft::ep::testing::upload;
 
-int num_gpus() { return weft::cuda::device_count(); }
+using weft::ep::testing::make_team;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 
 struct RoutingSpec {
   std::vector<int64_t> tokens;  // per rank
@@ -88,28 +91,28 @@ struct Call {
 class EpExpandedTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
+    if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
   }
   void TearDown() override {
     for (auto s : streams) cudaStreamDestroy(s);
   }
   void make(const BufferConfig& c) {
     config = c;
-    R = num_gpus();
-    eps = weft::ep::Buffer::create_local(R, c);
+    R = team_size();
+    eps = make_team(c);
     x.resize(std::size_t(R));
     idx.resize(std::size_t(R));
     weights.resize(std::size_t(R));
     views.clear();
     stats.clear();
     for (int r = 0; r < R; ++r) {
-      stats.push_back(upload(r, std::vector<uint32_t>(std::size_t(epr()), 0u)));
+      stats.push_back(upload(rank_device(r), std::vector<uint32_t>(std::size_t(epr()), 0u)));
     }
     want_stats.assign(std::size_t(R), std::vector<uint32_t>(std::size_t(epr()), 0u));
     if (streams.empty()) {
       streams.resize(std::size_t(R));
       for (int r = 0; r < R; ++r) {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[std::size_t(r)], cudaStreamNonBlocking));
       }
     }
@@ -128,7 +131,7 @@ class EpExpandedTest : public ::testing::Test {
   }
   void sync_all() {
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[std::size_t(r)]));
       eps[std::size_t(r)]->check();
     }
@@ -142,7 +145,7 @@ class EpExpandedTest : public ::testing::Test {
       const auto& v = views[std::size_t(r)];
       const auto cap = std::size_t(v.capacity);
       const auto K = std::size_t(config.top_k);
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaMemset(rows_of(v), 0xFF, cap * std::size_t(config.row_bytes())));
       if (!metadata) continue;
       WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(v.recv_src), 0x7F, cap * 8));
@@ -182,14 +185,14 @@ class EpExpandedTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       const auto& in = inputs[std::size_t(r)];
       const int64_t T = in.num_tokens;
-      x[std::size_t(r)] = call.fp8 ? upload(r, in.x_fp8) : upload(r, in.x);
+      x[std::size_t(r)] = call.fp8 ? upload(rank_device(r), in.x_fp8) : upload(rank_device(r), in.x);
       if (call.idx64) {
-        idx[std::size_t(r)] = upload(r, in.topk_idx);
+        idx[std::size_t(r)] = upload(rank_device(r), in.topk_idx);
       } else {
         idx[std::size_t(r)] =
-            upload(r, std::vector<int32_t>(in.topk_idx.begin(), in.topk_idx.end()));
+            upload(rank_device(r), std::vector<int32_t>(in.topk_idx.begin(), in.topk_idx.end()));
       }
-      weights[std::size_t(r)] = upload(r, in.topk_weights);
+      weights[std::size_t(r)] = upload(rank_device(r), in.topk_weights);
       weft::ep::DispatchInputs din;
       din.x = call.fp8
                   ? weft::ep::TensorView{x[std::size_t(r)].ptr, DType::kUInt8, T, fp8_row_bytes}
@@ -224,11 +227,11 @@ class EpExpandedTest : public ::testing::Test {
       ASSERT_EQ(rr.handle.expand, call.expand);
       ASSERT_EQ(rr.capacity, eps[std::size_t(r)]->expand_capacity());
       ASSERT_EQ(rr.rows_required_device, rr.segment_begin + epr());
-      EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert, std::size_t(epr())),
+      EXPECT_EQ(download<int32_t>(rank_device(r), rr.tokens_per_local_expert, std::size_t(epr())),
                 L.tokens_per_local_expert);
-      EXPECT_EQ(download<int64_t>(r, rr.segment_begin, std::size_t(epr() + 1)), L.segment_begin);
-      EXPECT_EQ(download<int64_t>(r, rr.rows_required_device, 1)[0], L.rows_required);
-      const auto n = download<int32_t>(r, rr.num_recv_device, 1)[0];
+      EXPECT_EQ(download<int64_t>(rank_device(r), rr.segment_begin, std::size_t(epr() + 1)), L.segment_begin);
+      EXPECT_EQ(download<int64_t>(rank_device(r), rr.rows_required_device, 1)[0], L.rows_required);
+      const auto n = download<int32_t>(rank_device(r), rr.num_recv_device, 1)[0];
       ASSERT_EQ(n, L.num_recv);
       if (call.mode == weft::ep::CountMode::kExact) {
         EXPECT_EQ(rr.num_recv, L.num_recv);
@@ -236,15 +239,15 @@ class EpExpandedTest : public ::testing::Test {
       }
       if (call.stats) {
         ref::accumulate_local_expert_recv_stats(L, want_stats[std::size_t(r)]);
-        EXPECT_EQ(download<uint32_t>(r, stats[std::size_t(r)].ptr, std::size_t(epr())),
+        EXPECT_EQ(download<uint32_t>(rank_device(r), stats[std::size_t(r)].ptr, std::size_t(epr())),
                   want_stats[std::size_t(r)]);
       }
       const auto cap = std::size_t(rr.capacity);
       if (L.overflowed) {  // nothing was written: the whole receive region is still poison
-        const auto rows = download<uint8_t>(r, rows_of(rr), cap * std::size_t(config.row_bytes()));
+        const auto rows = download<uint8_t>(rank_device(r), rows_of(rr), cap * std::size_t(config.row_bytes()));
         EXPECT_EQ(std::count(rows.begin(), rows.end(), uint8_t(0xFF)), std::ptrdiff_t(rows.size()))
             << "an overflowed rank's rows were written";
-        const auto src = download<int32_t>(r, rr.recv_src, cap * 2);
+        const auto src = download<int32_t>(rank_device(r), rr.recv_src, cap * 2);
         EXPECT_EQ(std::count(src.begin(), src.end(), int32_t(0x7F7F7F7F)),
                   std::ptrdiff_t(src.size()))
             << "an overflowed rank's sources were written";
@@ -252,17 +255,17 @@ class EpExpandedTest : public ::testing::Test {
       }
       // Sources in the reference's order: per segment exactly its (source rank, source token)
       // set in (rank, token) order, then padding (-1, -1).
-      const auto src = download<int32_t>(r, rr.recv_src, std::size_t(n * 2));
+      const auto src = download<int32_t>(rank_device(r), rr.recv_src, std::size_t(n * 2));
       for (int64_t j = 0; j < n; ++j) {
         ASSERT_EQ(src[std::size_t(2 * j)], L.recv_src_rank[std::size_t(j)]) << "row " << j;
         ASSERT_EQ(src[std::size_t(2 * j + 1)], L.recv_src_token[std::size_t(j)]) << "row " << j;
       }
-      EXPECT_EQ(download<int32_t>(r, rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
-      EXPECT_EQ(download<float>(r, rr.recv_weights, std::size_t(n * K)), L.recv_weights);
+      EXPECT_EQ(download<int32_t>(rank_device(r), rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
+      EXPECT_EQ(download<float>(rank_device(r), rr.recv_weights, std::size_t(n * K)), L.recv_weights);
       // Payload of every row: a real row is its source's; a padding row is zero with
       // zero_padding and untouched (still poison) without.
       const auto row_bytes = std::size_t(rr.row_bytes);
-      const auto got = download<uint8_t>(r, rows_of(rr), std::size_t(n) * row_bytes);
+      const auto got = download<uint8_t>(rank_device(r), rows_of(rr), std::size_t(n) * row_bytes);
       const auto* want =
           call.fp8 ? L.recv_x_fp8.data() : reinterpret_cast<const uint8_t*>(L.recv_x.data());
       ASSERT_EQ(call.fp8 ? L.recv_x_fp8.size() : L.recv_x.size() * 2, got.size());
@@ -297,14 +300,14 @@ class EpExpandedTest : public ::testing::Test {
       } else {
         e.resize(std::size_t(n * H));
         for (auto& v : e) v = identity_value(9 + r, int64_t(rng() % 100000), 5);
-        expert_dev[std::size_t(r)] = upload(r, e);
+        expert_dev[std::size_t(r)] = upload(rank_device(r), e);
       }
       for (int b = 0; b < num_bias; ++b) {
         auto& bias = b == 0 ? bias0[std::size_t(r)] : bias1[std::size_t(r)];
         for (int64_t i = 0; i < T * H; ++i) bias.push_back(identity_value(20 + b, i / H, i % H));
-        (b == 0 ? b0 : b1)[std::size_t(r)] = upload(r, bias);
+        (b == 0 ? b0 : b1)[std::size_t(r)] = upload(rank_device(r), bias);
       }
-      out[std::size_t(r)] = DeviceArray(r, std::size_t(T * H * 2));
+      out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(T * H * 2));
       WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(T * H * 2)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     }
@@ -325,7 +328,7 @@ class EpExpandedTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       const auto want = ref::combine(config, r, layouts, expert_out, bias0[std::size_t(r)],
                                      bias1[std::size_t(r)]);
-      const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size());
       std::size_t wrong = 0;
       for (std::size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
       ASSERT_EQ(wrong, 0u) << "rank " << r << ": combine output differs from the reference";
@@ -480,15 +483,17 @@ TEST_F(EpExpandedTest, CachedDispatchMatchesFresh) {
   }
 }
 
-// 2 ranks: rank 0 needs 4 rows per token of every rank (top-5, its 4 experts first): 512 rows
-// against a capacity of 1 x 2 x 64 = 128; rank 1 needs exactly its capacity. 1 rank: 5 rows per
-// token, 320 against 64. Rank 0 receives nothing and reports its need, nothing of its window is
-// written, rank 1 is complete; the combine is skipped on every rank with a clear error; then the
-// Buffer works as before.
+// R > 1 ranks, 4 experts each: rank 0 needs 4 rows per token of every rank (top-5, its 4
+// experts first): 256 R rows against a capacity of 1 x R x 64; at 2 ranks rank 1 needs exactly
+// its capacity, at more the fifth selections spread over R - 1 ranks fit theirs. 1 rank (8
+// experts): 5 rows per token, 320 against 64. Rank 0 receives nothing and reports its need,
+// nothing of its window is written, the other ranks are complete; the combine is skipped on every
+// rank with a clear error; then the Buffer works as before.
 TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 8, .top_k = 5, .expand_factor = 1});
-  if (R > 2) GTEST_SKIP() << "the routing is sized for 1 or 2 ranks";
-  const int64_t needed = R == 2 ? 512 : 320;
+  const int num_ranks = team_size();
+  make({.max_tokens = 64, .hidden = 128, .num_experts = num_ranks == 1 ? 8 : 4 * num_ranks,
+        .top_k = 5, .expand_factor = 1});
+  const int64_t needed = R == 1 ? 320 : 256 * R;
   std::mt19937 rng(std::random_device{}());
   for (int round = 0; round < 2; ++round) {
     SCOPED_TRACE(testing::Message() << "round " << round);
@@ -518,7 +523,7 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
 
     std::vector<DeviceArray> out;
     for (int r = 0; r < R; ++r) {
-      out.emplace_back(r, std::size_t(64 * config.hidden * 2));
+      out.emplace_back(rank_device(r), std::size_t(64 * config.hidden * 2));
       WEFT_CUDA_CHECK(cudaMemset(out.back().ptr, 0xFF, std::size_t(64 * config.hidden * 2)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     }
@@ -529,7 +534,7 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
           out[std::size_t(r)].ptr, streams[std::size_t(r)]);
     }
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[std::size_t(r)]));
       try {
         eps[std::size_t(r)]->check();
@@ -542,7 +547,7 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
             << what;
       }
       const auto got =
-          download<uint16_t>(r, out[std::size_t(r)].ptr, std::size_t(64 * config.hidden));
+          download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, std::size_t(64 * config.hidden));
       EXPECT_EQ(std::count(got.begin(), got.end(), uint16_t(0xFFFF)), std::ptrdiff_t(got.size()))
           << "rank " << r << ": out was written";
     }
@@ -579,10 +584,10 @@ TEST_F(EpExpandedTest, ThousandsOfBackToBackCalls) {
     routings.push_back(make_inputs(config, spec, rng, false));
     for (int r = 0; r < R; ++r) {
       const auto& in = routings.back()[std::size_t(r)];
-      dx[std::size_t(i)].push_back(upload(r, in.x));
-      didx[std::size_t(i)].push_back(upload(r, in.topk_idx));
-      dw[std::size_t(i)].push_back(upload(r, in.topk_weights));
-      dout[std::size_t(i)].emplace_back(r, std::size_t(in.num_tokens * H * 2));
+      dx[std::size_t(i)].push_back(upload(rank_device(r), in.x));
+      didx[std::size_t(i)].push_back(upload(rank_device(r), in.topk_idx));
+      dw[std::size_t(i)].push_back(upload(rank_device(r), in.topk_weights));
+      dout[std::size_t(i)].emplace_back(rank_device(r), std::size_t(in.num_tokens * H * 2));
     }
   }
   constexpr int kRounds = 2000;
@@ -593,7 +598,7 @@ TEST_F(EpExpandedTest, ThousandsOfBackToBackCalls) {
     for (int r = 0; r < R; ++r) {
       const auto T = routings[std::size_t(i)][std::size_t(r)].num_tokens;
       if (checked) {
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         WEFT_CUDA_CHECK(cudaMemsetAsync(dout[std::size_t(i)][std::size_t(r)].ptr, 0xFF,
                                         std::size_t(T * H * 2), streams[std::size_t(r)]));
       }
@@ -616,15 +621,15 @@ TEST_F(EpExpandedTest, ThousandsOfBackToBackCalls) {
     std::vector<std::vector<uint16_t>> eo;
     for (const auto& L : layouts) eo.push_back(L.recv_x);
     for (int r = 0; r < R; ++r) {
-      const auto n = download<int32_t>(r, res[std::size_t(r)].num_recv_device, 1)[0];
+      const auto n = download<int32_t>(rank_device(r), res[std::size_t(r)].num_recv_device, 1)[0];
       ASSERT_EQ(n, layouts[std::size_t(r)].num_recv) << "round " << it << " rank " << r;
       if (options(i).enabled) {
-        ASSERT_EQ(download<int64_t>(r, res[std::size_t(r)].segment_begin, std::size_t(epr() + 1)),
+        ASSERT_EQ(download<int64_t>(rank_device(r), res[std::size_t(r)].segment_begin, std::size_t(epr() + 1)),
                   layouts[std::size_t(r)].segment_begin)
             << "round " << it << " rank " << r;
       }
       const auto want = ref::combine(config, r, layouts, eo, {}, {});
-      const auto got = download<uint16_t>(r, dout[std::size_t(i)][std::size_t(r)].ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), dout[std::size_t(i)][std::size_t(r)].ptr, want.size());
       ASSERT_EQ(got, want) << "round " << it << " rank " << r;
     }
   }
@@ -659,7 +664,7 @@ TEST_F(EpExpandedTest, BadArgumentsAreClearErrors) {
                                     .expand = {.enabled = true, .expert_alignment = 8}};
     EXPECT_THROW(eps[std::size_t(r)]->dispatch(cached, streams[std::size_t(r)]), weft::Error);
     // expert_out rows beyond the expanded capacity.
-    DeviceArray out(r, std::size_t(32 * config.hidden * 2));
+    DeviceArray out(rank_device(r), std::size_t(32 * config.hidden * 2));
     EXPECT_THROW(eps[std::size_t(r)]->combine(
                      {.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity + 1, config.hidden}},
                      rr.handle, out.ptr, streams[std::size_t(r)]),

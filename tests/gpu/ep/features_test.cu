@@ -15,6 +15,7 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
 #include "device_array.hpp"
+#include "team.hpp"
 #include "payload.hpp"
 
 namespace {
@@ -28,7 +29,9 @@ using weft::ep::testing::identity_value;
 using weft::ep::testing::refill_x;
 using weft::ep::testing::upload;
 
-int num_gpus() { return weft::cuda::device_count(); }
+using weft::ep::testing::make_team;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 
 // Random distinct experts per token, each masked with probability mask_ratio; x filled with
 // identity values and, with fp8, its packed rows.
@@ -57,19 +60,19 @@ std::vector<ref::RankInput> make_inputs(const BufferConfig& c, int R, int64_t T,
 class EpFeaturesTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
+    if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
   }
   void make(const BufferConfig& c, const weft::ep::BufferOptions& o = {}) {
     config = c;
-    R = num_gpus();
-    eps = weft::ep::Buffer::create_local(R, c, o);
+    R = team_size();
+    eps = make_team(c, o);
     x.resize(std::size_t(R));
     idx.resize(std::size_t(R));
     weights.resize(std::size_t(R));
     if (!streams.empty()) return;  // a test may make several Buffers in turn
     streams.resize(std::size_t(R));
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[std::size_t(r)], cudaStreamNonBlocking));
     }
   }
@@ -78,7 +81,7 @@ class EpFeaturesTest : public ::testing::Test {
   }
   void sync_all() {
     for (int r = 0; r < R; ++r) {
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[std::size_t(r)]));
       eps[std::size_t(r)]->check();
     }
@@ -88,7 +91,7 @@ class EpFeaturesTest : public ::testing::Test {
   void poison(const std::vector<weft::ep::DispatchResult>& views, bool metadata = true) {
     for (int r = 0; r < R; ++r) {
       const auto& v = views[std::size_t(r)];
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       void* rows = v.recv_x != nullptr ? const_cast<uint16_t*>(v.recv_x)
                                        : static_cast<void*>(const_cast<uint8_t*>(v.recv_x_fp8));
       WEFT_CUDA_CHECK(cudaMemset(rows, 0xFF, std::size_t(v.capacity * config.row_bytes())));
@@ -109,15 +112,15 @@ class EpFeaturesTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       const auto& in = inputs[std::size_t(r)];
       const int64_t T = in.num_tokens;
-      x[std::size_t(r)] = fp8 ? upload(r, in.x_fp8) : upload(r, in.x);
+      x[std::size_t(r)] = fp8 ? upload(rank_device(r), in.x_fp8) : upload(rank_device(r), in.x);
       weft::ep::DispatchInputs din;
       din.x = fp8 ? weft::ep::TensorView{x[std::size_t(r)].ptr, DType::kUInt8, T, row_bytes}
                   : weft::ep::TensorView{x[std::size_t(r)].ptr, DType::kBFloat16, T, config.hidden};
       if (handles != nullptr) {
         din.handle = &handles[r];
       } else {
-        idx[std::size_t(r)] = upload(r, in.topk_idx);
-        weights[std::size_t(r)] = upload(r, in.topk_weights);
+        idx[std::size_t(r)] = upload(rank_device(r), in.topk_idx);
+        weights[std::size_t(r)] = upload(rank_device(r), in.topk_weights);
         din.topk_idx = {idx[std::size_t(r)].ptr, DType::kInt64, T, config.top_k};
         din.topk_weights = {weights[std::size_t(r)].ptr, DType::kFloat32, T, config.top_k};
       }
@@ -138,26 +141,26 @@ class EpFeaturesTest : public ::testing::Test {
     for (int r = 0; r < R; ++r) {
       const auto& L = layouts[std::size_t(r)];
       const auto& rr = res[std::size_t(r)];
-      const auto n = download<int32_t>(r, rr.num_recv_device, 1)[0];
+      const auto n = download<int32_t>(rank_device(r), rr.num_recv_device, 1)[0];
       ASSERT_EQ(n, L.num_recv) << "rank " << r;
       if (fp8) {
         ASSERT_EQ(rr.recv_x, nullptr);
         ASSERT_EQ(rr.row_bytes, weft::ep::fp8_row_layout(config.hidden).row_bytes);
-        ASSERT_EQ(download<uint8_t>(r, rr.recv_x_fp8, std::size_t(n * rr.row_bytes)), L.recv_x_fp8)
+        ASSERT_EQ(download<uint8_t>(rank_device(r), rr.recv_x_fp8, std::size_t(n * rr.row_bytes)), L.recv_x_fp8)
             << "rank " << r << ": received fp8 rows differ";
       } else {
         ASSERT_EQ(rr.recv_x_fp8, nullptr);
-        ASSERT_EQ(download<uint16_t>(r, rr.recv_x, std::size_t(n * config.hidden)), L.recv_x)
+        ASSERT_EQ(download<uint16_t>(rank_device(r), rr.recv_x, std::size_t(n * config.hidden)), L.recv_x)
             << "rank " << r << ": received rows differ";
       }
-      const auto src = download<int32_t>(r, rr.recv_src, std::size_t(n * 2));
+      const auto src = download<int32_t>(rank_device(r), rr.recv_src, std::size_t(n * 2));
       for (int64_t j = 0; j < n; ++j) {
         ASSERT_EQ(src[std::size_t(2 * j)], L.recv_src_rank[std::size_t(j)]) << "row " << j;
         ASSERT_EQ(src[std::size_t(2 * j + 1)], L.recv_src_token[std::size_t(j)]) << "row " << j;
       }
-      EXPECT_EQ(download<int32_t>(r, rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
-      EXPECT_EQ(download<float>(r, rr.recv_weights, std::size_t(n * K)), L.recv_weights);
-      EXPECT_EQ(download<int32_t>(r, rr.tokens_per_local_expert,
+      EXPECT_EQ(download<int32_t>(rank_device(r), rr.recv_expert_idx, std::size_t(n * K)), L.recv_expert_idx);
+      EXPECT_EQ(download<float>(rank_device(r), rr.recv_weights, std::size_t(n * K)), L.recv_weights);
+      EXPECT_EQ(download<int32_t>(rank_device(r), rr.tokens_per_local_expert,
                                   std::size_t(config.num_local_experts(R))),
                 L.tokens_per_local_expert);
     }
@@ -174,9 +177,9 @@ class EpFeaturesTest : public ::testing::Test {
       auto& e = expert_out[std::size_t(r)];
       e.resize(std::size_t(layouts[std::size_t(r)].num_recv * H));
       for (auto& v : e) v = identity_value(9 + r, int64_t(rng() % 100000), 5);
-      expert_dev[std::size_t(r)] = upload(r, e);
+      expert_dev[std::size_t(r)] = upload(rank_device(r), e);
       const int64_t T = layouts[std::size_t(r)].num_tokens;
-      out[std::size_t(r)] = DeviceArray(r, std::size_t(T * H * 2));
+      out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(T * H * 2));
       WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(T * H * 2)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
     }
@@ -190,7 +193,7 @@ class EpFeaturesTest : public ::testing::Test {
     sync_all();
     for (int r = 0; r < R; ++r) {
       const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
-      const auto got = download<uint16_t>(r, out[std::size_t(r)].ptr, want.size());
+      const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size());
       std::size_t wrong = 0;
       for (std::size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
       ASSERT_EQ(wrong, 0u) << "rank " << r << ": combine output differs from the reference";
@@ -205,7 +208,7 @@ class EpFeaturesTest : public ::testing::Test {
 };
 
 TEST(EpCast, CastToFp8MatchesReferenceBitForBit) {
-  if (num_gpus() < 1) GTEST_SKIP() << "needs a GPU";
+  if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
   for (int64_t hidden : {128, 384, 2048, 7168}) {
     for (int64_t T : {0, 1, 77}) {
       const auto l = weft::ep::fp8_row_layout(hidden);
@@ -250,18 +253,18 @@ TEST_F(EpFeaturesTest, CumulativeStatsAccumulateOnlyWhenAsked) {
   const int epr = config.num_local_experts(R);
   std::vector<DeviceArray> stats;
   std::vector<std::vector<uint32_t>> want(std::size_t(R), std::vector<uint32_t>(std::size_t(epr), 7u));
-  for (int r = 0; r < R; ++r) stats.push_back(upload(r, want[std::size_t(r)]));  // not zero: accumulates
+  for (int r = 0; r < R; ++r) stats.push_back(upload(rank_device(r), want[std::size_t(r)]));  // not zero: accumulates
   for (int64_t T : {100, 1500, 3}) {
     const auto inputs = make_inputs(config, R, T, 0.25, rng, false);
     const auto layouts = ref::dispatch(config, inputs);
     check_received(layouts, dispatch(inputs, false, nullptr, &stats), false);
     for (int r = 0; r < R; ++r) {
       ref::accumulate_local_expert_recv_stats(layouts[std::size_t(r)], want[std::size_t(r)]);
-      EXPECT_EQ(download<uint32_t>(r, stats[std::size_t(r)].ptr, std::size_t(epr)), want[std::size_t(r)]);
+      EXPECT_EQ(download<uint32_t>(rank_device(r), stats[std::size_t(r)].ptr, std::size_t(epr)), want[std::size_t(r)]);
     }
     dispatch(inputs, false, nullptr);  // without stats: unchanged
     for (int r = 0; r < R; ++r) {
-      EXPECT_EQ(download<uint32_t>(r, stats[std::size_t(r)].ptr, std::size_t(epr)), want[std::size_t(r)]);
+      EXPECT_EQ(download<uint32_t>(rank_device(r), stats[std::size_t(r)].ptr, std::size_t(epr)), want[std::size_t(r)]);
     }
   }
 }
@@ -281,7 +284,7 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
       // Twice, each time with new payload; stats accumulate the handle's counts.
       std::vector<DeviceArray> stats;
       for (int r = 0; r < R; ++r) {
-        stats.push_back(upload(r, std::vector<uint32_t>(std::size_t(config.num_local_experts(R)), 0u)));
+        stats.push_back(upload(rank_device(r), std::vector<uint32_t>(std::size_t(config.num_local_experts(R)), 0u)));
       }
       for (int round = 1; round <= 2; ++round) {
         refill_x(config, inputs, 10 * round);
@@ -295,7 +298,7 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
           for (int k = 0; k < round; ++k) {
             ref::accumulate_local_expert_recv_stats(want_layouts[std::size_t(r)], want);
           }
-          EXPECT_EQ(download<uint32_t>(r, stats[std::size_t(r)].ptr, want.size()), want);
+          EXPECT_EQ(download<uint32_t>(rank_device(r), stats[std::size_t(r)].ptr, want.size()), want);
         }
         // The handle stays valid for combine after cached dispatches.
         check_combine(want_layouts, cached, rng);
@@ -321,7 +324,7 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
       for (int r = 0; r < R; ++r) {
         EXPECT_THROW(eps[std::size_t(r)]->dispatch(cached_inputs(r), streams[std::size_t(r)]),
                      weft::Error);
-        DeviceArray out(r, std::size_t(inputs[std::size_t(r)].num_tokens * config.hidden * 2));
+        DeviceArray out(rank_device(r), std::size_t(inputs[std::size_t(r)].num_tokens * config.hidden * 2));
         weft::ep::CombineInputs cin;
         cin.expert_out = {nullptr, DType::kBFloat16, 0, config.hidden};
         EXPECT_THROW(eps[std::size_t(r)]->combine(cin, handles[std::size_t(r)], out.ptr,
@@ -332,20 +335,25 @@ TEST_F(EpFeaturesTest, CachedDispatchMatchesFreshAndRejectsStaleHandles) {
   }
 }
 
+// The most blocks of a call: every SM of the device, or on a virtual team a rank's share of them
+// (all ranks' grids are resident at once).
 TEST_F(EpFeaturesTest, NumSmsIsValidatedAndPerCall) {
-  int device_sms = 0;
-  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, 0));
-  EXPECT_THROW(weft::ep::Buffer::create_local(num_gpus(), {.max_tokens = 8, .hidden = 128,
-                                                           .num_experts = 4, .top_k = 2},
-                                              {.num_sms = device_sms + 1}),
+  if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
+  int most_sms = 0;
+  WEFT_CUDA_CHECK(cudaDeviceGetAttribute(&most_sms, cudaDevAttrMultiProcessorCount, 0));
+  if (weft::ep::testing::is_virtual_team()) {
+    most_sms = weft::ep::Buffer::virtual_team_num_sms(team_size(), 0);
+  }
+  EXPECT_THROW(make_team({.max_tokens = 8, .hidden = 128, .num_experts = 8 * team_size(), .top_k = 2},
+                         {.num_sms = most_sms + 1}),
                weft::Error);
   make({.max_tokens = 2000, .hidden = 1024, .num_experts = 16, .top_k = 4});
   std::mt19937 rng(std::random_device{}());
-  EXPECT_THROW((void)eps[0]->num_blocks(100, device_sms + 1), weft::Error);
+  EXPECT_THROW((void)eps[0]->num_blocks(100, most_sms + 1), weft::Error);
   EXPECT_THROW((void)eps[0]->num_blocks(100, -1), weft::Error);
   EXPECT_EQ(eps[0]->num_blocks(2000, 3), 3);
   EXPECT_EQ(eps[0]->num_blocks(2000, 0), eps[0]->num_blocks(2000));
-  for (int num_sms : {1, 7, device_sms}) {
+  for (int num_sms : {1, 7, most_sms}) {
     SCOPED_TRACE(testing::Message() << "num_sms " << num_sms);
     const auto inputs = make_inputs(config, R, 2000, 0.1, rng, false);
     const auto layouts = ref::dispatch(config, inputs);

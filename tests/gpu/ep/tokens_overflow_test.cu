@@ -31,7 +31,8 @@ using weft::ep::testing::download;
 using weft::ep::testing::EpTest;
 using weft::ep::testing::error_of;
 using weft::ep::testing::make_inputs;
-using weft::ep::testing::num_gpus;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::team_size;
 using weft::ep::testing::RoutingSpec;
 using weft::ep::testing::upload;
 
@@ -49,7 +50,7 @@ class EpTokensOverflowTest : public EpTest {
     for (int r = 0; r < R; ++r) {
       const auto& v = views[std::size_t(r)];
       const auto cap = std::size_t(v.capacity);
-      WEFT_CUDA_CHECK(cudaSetDevice(r));
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
       WEFT_CUDA_CHECK(cudaMemset(const_cast<uint16_t*>(v.recv_x), 0x5A, cap * std::size_t(config.hidden) * 2));
       WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(v.recv_src), 0x5A, cap * 8));
       WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(v.recv_expert_idx), 0x5A, cap * std::size_t(config.top_k) * 4));
@@ -61,8 +62,8 @@ class EpTokensOverflowTest : public EpTest {
     for (int r = 0; r < R; ++r) {
       const auto& v = views[std::size_t(r)];
       const auto cap = std::size_t(v.capacity);
-      const auto x = download<uint16_t>(r, v.recv_x, cap * std::size_t(config.hidden));
-      const auto src = download<int32_t>(r, v.recv_src, cap * 2);
+      const auto x = download<uint16_t>(rank_device(r), v.recv_x, cap * std::size_t(config.hidden));
+      const auto src = download<int32_t>(rank_device(r), v.recv_src, cap * 2);
       std::size_t written = 0;
       for (uint16_t e : x) written += e != 0x5A5A;
       for (int32_t e : src) written += e != 0x5A5A5A5A;
@@ -71,12 +72,12 @@ class EpTokensOverflowTest : public EpTest {
   }
   // The result of an overflowed dispatch at rank r: no row, the largest T everywhere.
   void expect_overflowed(int r, const weft::ep::DispatchResult& res, int64_t largest) {
-    EXPECT_EQ(download<int32_t>(r, res.num_recv_device, 1)[0], 0) << "rank " << r;
-    EXPECT_EQ(download<int32_t>(r, res.tokens_required_device, 1)[0], largest) << "rank " << r;
-    EXPECT_EQ(download<int32_t>(r, res.tokens_per_local_expert,
+    EXPECT_EQ(download<int32_t>(rank_device(r), res.num_recv_device, 1)[0], 0) << "rank " << r;
+    EXPECT_EQ(download<int32_t>(rank_device(r), res.tokens_required_device, 1)[0], largest) << "rank " << r;
+    EXPECT_EQ(download<int32_t>(rank_device(r), res.tokens_per_local_expert,
                                 std::size_t(config.num_local_experts(R))),
               std::vector<int32_t>(std::size_t(config.num_local_experts(R)), 0));
-    EXPECT_EQ(download<int32_t>(r, res.rank_prefix_matrix, std::size_t(R) * std::size_t(R)),
+    EXPECT_EQ(download<int32_t>(rank_device(r), res.rank_prefix_matrix, std::size_t(R) * std::size_t(R)),
               std::vector<int32_t>(std::size_t(R) * std::size_t(R), 0));
   }
   // A combine and a cached dispatch of an overflowed layout at every rank: refused on the host
@@ -89,7 +90,7 @@ class EpTokensOverflowTest : public EpTest {
     for (int r = 0; r < R; ++r) {
       const auto& rr = res[std::size_t(r)];
       auto& rd = ranks[std::size_t(r)];
-      outs.emplace_back(r, std::size_t(tokens[std::size_t(r)] * H * 2));
+      outs.emplace_back(rank_device(r), std::size_t(tokens[std::size_t(r)] * H * 2));
       WEFT_CUDA_CHECK(cudaMemset(outs.back().ptr, 0x5A, std::size_t(tokens[std::size_t(r)] * H * 2)));
       WEFT_CUDA_CHECK(cudaDeviceSynchronize());
       weft::ep::CombineInputs cin{.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}};
@@ -124,13 +125,13 @@ class EpTokensOverflowTest : public EpTest {
             {.x = {rd.x.ptr, DType::kBFloat16, tokens[std::size_t(r)], H},
              .handle = &res[std::size_t(r)].handle},
             rd.stream));
-        WEFT_CUDA_CHECK(cudaSetDevice(r));
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         WEFT_CUDA_CHECK(cudaStreamSynchronize(rd.stream));
         EXPECT_TRUE(contains(error_of([&] { eps[std::size_t(r)]->check(); }), "moved no rows"))
             << "rank " << r;
       }
       EXPECT_NO_THROW(eps[std::size_t(r)]->check()) << "rank " << r;
-      const auto out = download<uint16_t>(r, outs[std::size_t(r)].ptr,
+      const auto out = download<uint16_t>(rank_device(r), outs[std::size_t(r)].ptr,
                                           std::size_t(tokens[std::size_t(r)] * H));
       EXPECT_EQ(out, std::vector<uint16_t>(out.size(), 0x5A5A)) << "rank " << r << ": out written";
     }
@@ -145,7 +146,7 @@ TEST_F(EpTokensOverflowTest, ExactModeReportsTokensRequiredAndTheBufferStaysUsab
   std::mt19937 rng(41);
   // max_tokens 64: local count mode; 512 with T = 3000: grid count mode (T > 1024).
   for (const auto& [max_tokens, over_T] : {std::pair<int64_t, int64_t>{64, 100}, {512, 3000}}) {
-    make({.max_tokens = max_tokens, .hidden = 256, .num_experts = 8 * num_gpus(), .top_k = 4});
+    make({.max_tokens = max_tokens, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4});
     const RoutingSpec normal{.tokens = std::vector<int64_t>(std::size_t(R), max_tokens),
                              .mask_ratio = 0.1};
     round(make_inputs(config, R, normal, rng), false, 1, true, true);  // the window's views
@@ -175,14 +176,14 @@ TEST_F(EpTokensOverflowTest, ExactModeReportsTokensRequiredAndTheBufferStaysUsab
 // A dispatch without overflow reports tokens_required 0.
 TEST_F(EpTokensOverflowTest, NoOverflowReportsZero) {
   REQUIRE_GPUS();
-  make({.max_tokens = 64, .hidden = 128, .num_experts = 4 * num_gpus(), .top_k = 2});
+  make({.max_tokens = 64, .hidden = 128, .num_experts = 4 * team_size(), .top_k = 2});
   std::mt19937 rng(3);
   const auto res = upload_and_dispatch(
       make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), 64)}, rng),
       CountMode::kExact);
   for (int r = 0; r < R; ++r) {
     EXPECT_EQ(res[std::size_t(r)].tokens_required, 0);
-    EXPECT_EQ(download<int32_t>(r, res[std::size_t(r)].tokens_required_device, 1)[0], 0);
+    EXPECT_EQ(download<int32_t>(rank_device(r), res[std::size_t(r)].tokens_required_device, 1)[0], 0);
   }
   wait_all();
 }
@@ -192,7 +193,7 @@ TEST_F(EpTokensOverflowTest, NoOverflowReportsZero) {
 // know is skipped on the device with its own error, and the ranks stay in step.
 TEST_F(EpTokensOverflowTest, OnDeviceModeRecordsABadDataErrorAndTheBufferStaysUsable) {
   REQUIRE_GPUS();
-  make({.max_tokens = 64, .hidden = 256, .num_experts = 8 * num_gpus(), .top_k = 4});
+  make({.max_tokens = 64, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4});
   std::mt19937 rng(42);
   const RoutingSpec normal{.tokens = std::vector<int64_t>(std::size_t(R), 64), .mask_ratio = 0.1};
   round(make_inputs(config, R, normal, rng), false, 0, true, false);
@@ -224,7 +225,7 @@ TEST_F(EpTokensOverflowTest, OnDeviceModeRecordsABadDataErrorAndTheBufferStaysUs
 // rank's is refused on its host; the call numbers stay in step (the next round is correct).
 TEST_F(EpTokensOverflowTest, APeerOverMaxTokensIsSeenByEveryRank) {
   REQUIRE_PEERS();
-  make({.max_tokens = 128, .hidden = 256, .num_experts = 8 * num_gpus(), .top_k = 4});
+  make({.max_tokens = 128, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4});
   std::mt19937 rng(43);
   const RoutingSpec normal{.tokens = std::vector<int64_t>(std::size_t(R), 128), .mask_ratio = 0.2};
   round(make_inputs(config, R, normal, rng), false, 0, true, true);
