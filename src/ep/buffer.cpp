@@ -805,7 +805,7 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
   }
   check_pointer(t.rank_prefix_matrix, "copy_out: rank_prefix_matrix", home, 4);
   const auto& layout = group_->layout;
-  const char* base = static_cast<const char*>(group_->windows.local_ptr(index_));
+  const char* base = static_cast<const char*>(group_->team->window(index_));
   detail::CopyOutParams p{};
   p.recv_x = base + layout.recv_x;
   p.row_bytes = state_->latest_row_bytes;
