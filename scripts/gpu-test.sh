@@ -6,7 +6,8 @@
 # benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
 #   scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python]
-#                       [--only REGEX] [--bench-list FILE] [--sanitize-only]
+#                       [--only REGEX] [--exclude-label LABEL] [--bench-list FILE]
+#                       [--sanitize-only]
 #
 # OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, sanitizer-memcheck.log,
 # sanitizer-racecheck.log, sanitizer-synccheck.log, python-build.log, pytest.log, bench.log,
@@ -25,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--only REGEX] [--bench-list FILE] [--sanitize-only]}
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--only REGEX] [--exclude-label LABEL] [--bench-list FILE] [--sanitize-only]}
 shift
 run_bench=1
 run_cpp_tests=1
@@ -33,6 +34,7 @@ run_sanitize=1
 run_python=1
 sanitize_only=0
 only=""
+exclude_label=""  # e.g. ep-virtual: the EP tests again on virtual teams of 2, 4 and 8 ranks
 bench_lists=()
 while (($#)); do
   case "$1" in
@@ -41,6 +43,7 @@ while (($#)); do
     --no-sanitize) run_sanitize=0 ;;
     --no-python) run_python=0 ;;
     --only) only=$2; shift ;;
+    --exclude-label) exclude_label=$2; shift ;;
     --bench-list) bench_lists+=("$2"); shift ;;
     --sanitize-only) sanitize_only=1; run_bench=0; run_python=0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -91,6 +94,7 @@ status=0
 if ((run_cpp_tests && !sanitize_only)); then
   ctest_args=(--test-dir "$build_dir" -L gpu --output-on-failure --timeout 900)
   [[ -n "$only" ]] && ctest_args+=(-R "$only")
+  [[ -n "$exclude_label" ]] && ctest_args+=(-LE "$exclude_label")
   ctest "${ctest_args[@]}" >"$out/gpu-tests.log" 2>&1 || status=1
   note "gpu tests: $(grep -E 'tests passed|No tests were found' "$out/gpu-tests.log" | tail -1)"
   grep -E '\(Failed\)|\(Timeout\)|\(Subprocess' "$out/gpu-tests.log" | sed 's/^/  /' | tee -a "$summary"
