@@ -259,12 +259,13 @@ class PyBuffer {
     core_->device = communicator.device();
     nb::gil_scoped_release release;  // the window's creation waits for the other ranks
     DeviceGuard guard(core_->device);
-    core_->buffer = std::make_unique<ep::Buffer>(core_->comm->comm, config, options);
-    const int num_local = config.num_local_experts(communicator.num_ranks());
-    WEFT_CUDA_CHECK(cudaMallocHost(&core_->host_counts, sizeof(int32_t) * std::size_t(num_local)));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->counts_event, cudaEventDisableTiming));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->entry_event, cudaEventDisableTiming));
-    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->exit_event, cudaEventDisableTiming));
+    adopt(std::make_unique<ep::Buffer>(core_->comm->comm, config, options));
+  }
+  // A member of a virtual team (ep::Buffer::create_virtual_team): no communicator.
+  explicit PyBuffer(std::unique_ptr<ep::Buffer> buffer) : core_(std::make_shared<BufferCore>()) {
+    core_->device = buffer->device();
+    DeviceGuard guard(core_->device);
+    adopt(std::move(buffer));
   }
   ~PyBuffer() {
     nb::gil_scoped_release release;
@@ -449,13 +450,53 @@ class PyBuffer {
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), core_->exit_event, 0));
   }
 
+  // Takes the Buffer and makes the host-side objects of its calls (on its device).
+  void adopt(std::unique_ptr<ep::Buffer> buffer) {
+    const int num_local = buffer->config().num_local_experts(buffer->num_ranks());
+    core_->buffer = std::move(buffer);
+    WEFT_CUDA_CHECK(cudaMallocHost(&core_->host_counts, sizeof(int32_t) * std::size_t(num_local)));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->counts_event, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->entry_event, cudaEventDisableTiming));
+    WEFT_CUDA_CHECK(cudaEventCreateWithFlags(&core_->exit_event, cudaEventDisableTiming));
+  }
+
   std::shared_ptr<BufferCore> core_;
 };
+
+// num_ranks simulated ranks on the current device (docs/ep.md "Virtual team"), one Buffer each.
+std::vector<PyBuffer*> virtual_team(int num_ranks, const ep::BufferConfig& config,
+                                    const ep::BufferOptions& options) {
+  std::vector<std::unique_ptr<ep::Buffer>> buffers;
+  {
+    nb::gil_scoped_release release;
+    buffers = ep::Buffer::create_virtual_team(num_ranks, config, options);
+  }
+  std::vector<PyBuffer*> team;
+  for (auto& b : buffers) team.push_back(new PyBuffer(std::move(b)));
+  return team;
+}
 
 }  // namespace
 
 void bind_ep(nb::module_& m) {
   m.def("unique_id", &unique_id, "A new NCCL unique id (bytes) for a Communicator.");
+  m.def(
+      "virtual_team",
+      [](int num_ranks, int64_t max_tokens, int64_t hidden, int num_experts, int top_k,
+         int expand_factor, int num_sms, int tokens_per_block, double timeout_s) {
+        ep::BufferOptions options;
+        options.num_sms = num_sms;
+        options.tokens_per_block = tokens_per_block;
+        options.timeout_s = timeout_s;
+        return virtual_team(num_ranks, {max_tokens, hidden, num_experts, top_k, expand_factor},
+                            options);
+      },
+      nb::arg("num_ranks"), nb::kw_only(), nb::arg("max_tokens"), nb::arg("hidden"),
+      nb::arg("num_experts"), nb::arg("top_k"), nb::arg("expand_factor"), nb::arg("num_sms"),
+      nb::arg("tokens_per_block"), nb::arg("timeout_s"), nb::rv_policy::take_ownership,
+      "num_ranks Buffers of one virtual team on the current device (one process, one GPU).");
+  m.def("virtual_team_num_sms", &ep::Buffer::virtual_team_num_sms, nb::arg("num_ranks"),
+        nb::arg("device"), "The most blocks a virtual team member's kernel may take.");
   m.def(
       "window_bytes",
       [](int64_t max_tokens, int64_t hidden, int num_experts, int top_k, int expand_factor,

@@ -453,3 +453,49 @@ def test_deepep_dispatch_of_other_index_widths_and_top_k(idx_dtype, top_k):
     buf.dispatch(x2.cuda(), topk_idx=idx.to(idx_dtype).cuda(), topk_weights=w.cuda(), **layout)
     cx, *_ = buf.dispatch(x.cuda(), handle=handle)  # an old handle: its layout re-runs
     assert torch.equal(cx.cpu(), want.x)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_a_virtual_team_dispatches_and_combines_as_the_reference(num_ranks):
+    """R simulated ranks on one GPU (NativeBuffer.virtual_team), each driven on a stream of its
+    own: every rank's received rows, sources, selections and weights, and every combined token,
+    against the CPU reference of R ranks; ranks with different T, one with none."""
+    hidden, experts, top_k = 512, 32, 4
+    sizes = [max(0, 150 - 37 * r) for r in range(num_ranks)]
+    team = weft.ep.NativeBuffer.virtual_team(num_ranks, max_tokens=150, hidden=hidden,
+                                             num_experts=experts, top_k=top_k)
+    assert [b.rank for b in team] == list(range(num_ranks))
+    cpu = [inputs(t, hidden, experts, top_k, 0.2, seed=40 + r) for r, t in enumerate(sizes)]
+    wants = ref.dispatch(*[list(col) for col in zip(*cpu)], experts)
+    gpu = [tuple(t.cuda() for t in rank_inputs) for rank_inputs in cpu]
+    streams = [torch.cuda.Stream() for _ in team]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    results = []
+    for buf, s, (x, idx, w) in zip(team, streams, gpu):
+        with torch.cuda.stream(s):
+            results.append(buf.dispatch(x, idx, w, on_current_stream=True))
+    torch.cuda.synchronize()
+    ys = []
+    for res, want in zip(results, wants):
+        n = int(res.num_recv_device.item())
+        assert n == want.x.shape[0]
+        assert torch.equal(res.recv_x[:n].cpu(), want.x)
+        assert torch.equal(res.recv_src[:n].cpu(), want.src)
+        assert torch.equal(res.recv_expert_idx[:n].cpu(), want.expert_idx)
+        assert torch.equal(res.recv_weights[:n].cpu(), want.weights)
+        ys.append(torch.randn((n, hidden)).bfloat16())
+    ys_gpu = [y.cuda() for y in ys]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for buf, s, res, y in zip(team, streams, results, ys_gpu):
+        with torch.cuda.stream(s):
+            outs.append(buf.combine(y, res.handle, on_current_stream=True)[0])
+    torch.cuda.synchronize()
+    for out, want in zip(outs, ref.combine(wants, ys, sizes)):
+        assert torch.equal(out.cpu(), want)
+    with pytest.raises(weft.Error, match="virtual team"):
+        team[0].dispatch(*gpu[0], sync_count=True)
+    for buf in team:
+        buf.destroy()

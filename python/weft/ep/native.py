@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -382,13 +382,19 @@ class NativeBuffer:
             raise Error("NativeBuffer: the communicator was destroyed")
         self.group = group
         self.communicator = communicator
-        self.rank, self.num_ranks = communicator.rank, communicator.num_ranks
-        self.device = communicator.device
-        self._native = _weft.ep.Buffer(
+        native = _weft.ep.Buffer(
             communicator.native, max_tokens=sizes[0], hidden=sizes[1], num_experts=sizes[2],
             top_k=sizes[3], expand_factor=sizes[4], num_sms=num_sms,
             tokens_per_block=tokens_per_block, timeout_s=timeout_s,
             pipeline_depth=pipeline_depth)
+        self._adopt(native, sizes, comm_stream, virtual=False)
+
+    def _adopt(self, native, sizes: Tuple[int, ...], comm_stream: Optional[torch.cuda.Stream],
+               virtual: bool) -> None:
+        self._native = native
+        self.virtual = virtual
+        self.rank, self.num_ranks = native.rank, native.num_ranks
+        self.device = torch.device("cuda", native.device)
         lifetime.track_buffer(self)
         self.max_tokens, self.hidden, self.num_experts, self.top_k, self.expand_factor = sizes
         self.num_local_experts = self.num_experts // self.num_ranks
@@ -399,6 +405,32 @@ class NativeBuffer:
         self._views: dict = {}  # (rows, row_bytes, fp8, expanded) -> the result's views
         self.fp8_row_bytes = (_weft.ep.fp8_row_bytes(self.hidden)
                                if self.hidden % _FP8_GROUP == 0 else None)
+
+    @classmethod
+    def virtual_team(cls, num_ranks: int, *, max_tokens: int, hidden: int, num_experts: int,
+                     top_k: int, expand_factor: int = 0, num_sms: int = 0,
+                     tokens_per_block: int = 4, timeout_s: float = 20.0) -> List["NativeBuffer"]:
+        """num_ranks Buffers of one virtual team on the current device: simulated ranks in one
+        process, each with its own window in this GPU's memory, the kernels and the protocol of
+        the NCCL path (docs/ep.md "Virtual team"; one GPU's memory stands in for NVLink). Drive
+        it from one thread with every rank's call i launched before anything waits for a call i:
+        each rank on a stream of its own with on_current_stream=True (or with async_finish=True),
+        the count on the device (sync_count=True would wait for ranks not launched yet: refused).
+        num_sms: at most a rank's share of the SMs (0 = that share: SMs / num_ranks), so that
+        every rank's grid is resident at once."""
+        sizes = (int(max_tokens), int(hidden), int(num_experts), int(top_k), int(expand_factor))
+        natives = _weft.ep.virtual_team(
+            int(num_ranks), max_tokens=sizes[0], hidden=sizes[1], num_experts=sizes[2],
+            top_k=sizes[3], expand_factor=sizes[4], num_sms=num_sms,
+            tokens_per_block=tokens_per_block, timeout_s=timeout_s)
+        team = []
+        for native in natives:
+            buf = cls.__new__(cls)
+            buf.group = buf.communicator = None
+            buf._owns_communicator = False
+            buf._adopt(native, sizes, None, virtual=True)
+            team.append(buf)
+        return team
 
     # -- lifetime ---------------------------------------------------------------------------
     def destroy(self) -> None:
@@ -515,6 +547,10 @@ class NativeBuffer:
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
                          (torch.int32,), self.device, (self.num_local_experts,))
+        if sync_count and self.virtual:
+            raise Error("sync_count=True on a virtual team member would wait on the host for "
+                        "ranks not launched yet (one thread drives every rank): keep the count on "
+                        "the device (num_recv_device) and read it after every rank's call")
         if sync_count and _capturing():
             raise Error("sync_count=True waits on the host, which a CUDA graph capture cannot; "
                         "keep the count on the device")
