@@ -671,7 +671,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
 
   state_->latest_row_bytes = row_bytes;
   DispatchResult r = make_result(row_bytes, state_->layout);
-  state_->count_published = publish;
+  if (mode == CountMode::kExact) state_->count_published = publish;
   if (publish) {
     WEFT_CUDA_CHECK(cudaEventRecord(state_->count_event, stream));
     state_->count_sequence = dispatch_sequence_;

@@ -447,18 +447,20 @@ class Buffer:
         native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
                                          **streams)
         rows = res.num_recv if sync else num_worst_tokens
-        if allocate_on_comm_stream:
-            with torch.cuda.stream(comm):
+        try:
+            with torch.cuda.stream(comm) if allocate_on_comm_stream else \
+                    contextlib.nullcontext():
                 recv = self._owned_results(native, res, is_fp8, rows, topk_idx.shape[1],
                                            topk_idx.dtype)
-        else:
-            recv = self._owned_results(native, res, is_fp8, rows, topk_idx.shape[1],
-                                       topk_idx.dtype)
-        recv_x, recv_src, prefix, recv_idx, recv_w = recv
-        native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
-                        topk_weights=recv_w, rank_prefix_matrix=prefix,
-                        stream=streams["stream"], comm_stream=comm.cuda_stream,
-                        async_finish=async_finish)
+            recv_x, recv_src, prefix, recv_idx, recv_w = recv
+            native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
+                            topk_weights=recv_w, rank_prefix_matrix=prefix,
+                            stream=streams["stream"], comm_stream=comm.cuda_stream,
+                            async_finish=async_finish)
+        except BaseException:
+            # The kernel still reads the caller's inputs: the caller's stream must not run ahead.
+            native.hand_back(streams["stream"])
+            raise
         event = _NO_EVENT
         if async_finish:
             event = async_event(comm, [*flat(x), topk_idx, topk_weights, *flat(recv_x),
@@ -573,9 +575,13 @@ class Buffer:
             native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
                                    False, stream, comm.cuda_stream, event_of(previous_event),
                                    async_finish, hold=True)
-            recv_x = self._owned_x(native, is_fp8, rows, allocate_on_comm_stream)
-            native.copy_out(rows, recv_x, stream=stream, comm_stream=comm.cuda_stream,
-                            async_finish=async_finish)
+            try:
+                recv_x = self._owned_x(native, is_fp8, rows, allocate_on_comm_stream)
+                native.copy_out(rows, recv_x, stream=stream, comm_stream=comm.cuda_stream,
+                                async_finish=async_finish)
+            except BaseException:  # the kernel still reads x (see _dispatch_owned)
+                native.hand_back(stream)
+                raise
             event = async_event(comm, [*flat(recv_x), *flat(x)]) if async_finish else _NO_EVENT
             return recv_x, None, None, None, None, event
         with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:

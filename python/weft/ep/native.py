@@ -475,6 +475,11 @@ class NativeBuffer:
         """caller waits for the work queued so far on comm_stream."""
         self._native.leave_comm(caller.cuda_stream, self.comm_stream.cuda_stream)
 
+    def hand_back(self, stream: int) -> None:
+        """stream (a cudaStream_t) waits for the work queued so far on comm_stream: what a
+        dispatch made with hold leaves to copy_out, where the call cannot go on."""
+        self._native.leave_comm(stream, self.comm_stream.cuda_stream)
+
     def holds_layout(self, handle) -> bool:
         """Whether the window still holds handle's layout (no uncached dispatch since)."""
         return (handle.buffer_id, handle.sequence) == self._layout_key
