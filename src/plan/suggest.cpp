@@ -28,7 +28,8 @@ struct Candidate {
 };
 
 std::size_t num_threads_of(const Candidate& c) {
-  return c.thread.empty() ? 0 : std::size_t(*std::max_element(c.thread.begin(), c.thread.end())) + 1;
+  return c.thread.empty() ? 0
+                          : std::size_t(*std::max_element(c.thread.begin(), c.thread.end())) + 1;
 }
 
 // Relabels threads in order of first appearance (the canonical spelling of the partition).
@@ -46,6 +47,7 @@ void canonicalise(std::vector<std::uint8_t>& thread) {
 struct Score {
   long long step_ns = 0;
   long long host_ns = 0;
+  long long waited_ns = 0;  // cross-thread waits of the drawn progress(), summed
   std::size_t num_threads = 0;
   long long lookahead_sum = 0;
   auto operator<=>(const Score&) const = default;
@@ -114,12 +116,14 @@ class Search {
     if (const auto it = scores_.find(c); it != scores_.end()) return it->second;
     std::optional<Score> result;
     if (const CompiledSchedule* compiled = compiled_with(c.lookahead)) {
-      const Timeline t = simulate(*compiled, thread_map(c).assign(*compiled), costs_,
-                                  options_.simulation);
+      const Timeline t =
+          simulate(*compiled, thread_map(c).assign(*compiled), costs_, options_.simulation);
       long long sum = 0;
       for (int la : c.lookahead) sum += la;
+      double waited_us = 0;
+      for (const auto& w : t.waits) waited_us += w.waited_us;
       result = Score{std::llround(t.step_us * 1000), std::llround(t.host_step_us * 1000),
-                     num_threads_of(c), sum};
+                     std::llround(waited_us * 1000), num_threads_of(c), sum};
     } else {
     }
     scores_.emplace(c, result);
@@ -194,16 +198,17 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
              "suggest: min_lookahead must be in [0, ", pipeline::kMaxLookahead, "], got ",
              options.min_lookahead);
   const int lo = options.min_lookahead;
-  const int hi = options.max_lookahead < 0 ? std::max(lo, schedule.max_lookahead())
-                                           : options.max_lookahead;
-  WEFT_CHECK(hi >= lo && hi <= pipeline::kMaxLookahead, "suggest: max_lookahead must be in [",
-             lo, " (min_lookahead), ", pipeline::kMaxLookahead, "], got ", hi);
+  const int hi =
+      options.max_lookahead < 0 ? std::max(lo, schedule.max_lookahead()) : options.max_lookahead;
+  WEFT_CHECK(hi >= lo && hi <= pipeline::kMaxLookahead, "suggest: max_lookahead must be in [", lo,
+             " (min_lookahead), ", pipeline::kMaxLookahead, "], got ", hi);
   WEFT_CHECK(options.num_best >= 1, "suggest: num_best must be >= 1, got ", options.num_best);
   costs.check_against(schedule);
   const std::size_t k = std::min<std::size_t>(std::size_t(options.max_threads), n);
   const std::size_t num_maps = num_partitions(n, k);
   std::size_t num_lookaheads = 1;
-  for (std::size_t t = 0; t < n; ++t) num_lookaheads = mul_sat(num_lookaheads, std::size_t(hi - lo + 1));
+  for (std::size_t t = 0; t < n; ++t)
+    num_lookaheads = mul_sat(num_lookaheads, std::size_t(hi - lo + 1));
   WEFT_CHECK(mul_sat(num_maps, num_lookaheads) > 1,
              "suggest: the search cannot move this schedule: ",
              n == 1 ? "it has one task" : "max_threads is 1",
@@ -330,8 +335,10 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   for (const auto& [c, s] : search.scores()) {
     if (s) ranked.emplace_back(*s, &c);
   }
-  WEFT_CHECK(!ranked.empty(), "suggest: every candidate was refused by the schedule's rules "
-             "(the lookahead bounds [", lo, ", ", hi, "] admit no valid schedule)");
+  WEFT_CHECK(!ranked.empty(),
+             "suggest: every candidate was refused by the schedule's rules "
+             "(the lookahead bounds [",
+             lo, ", ", hi, "] admit no valid schedule)");
   std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
     return std::tie(a.first, *a.second) < std::tie(b.first, *b.second);
   });
@@ -343,29 +350,35 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
     const auto threads = map.assign(compiled);
     const Timeline t = simulate(compiled, threads, costs, options.simulation);
     s.config.thread_map = map;
-    for (TaskId id = 0; id < n; ++id) s.config.lookahead[schedule.task(id).name()] = c.lookahead[id];
+    for (TaskId id = 0; id < n; ++id)
+      s.config.lookahead[schedule.task(id).name()] = c.lookahead[id];
     s.placement = placement(compiled, threads);
     s.step_us = t.step_us;
     s.host_step_us = t.host_step_us;
     s.num_threads = threads.num_threads();
     s.waits = t.waits;
-    std::stable_sort(s.waits.begin(), s.waits.end(),
-                     [](const WaitEdge& a, const WaitEdge& b) { return a.waited_us > b.waited_us; });
+    std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
+      return a.waited_us > b.waited_us;
+    });
     // The busiest stream's work per step, from the costs (every task runs once per step).
     std::map<std::string, double> stream_busy;
     for (TaskId id = 0; id < n; ++id) {
-      for (const auto& seg : costs.cost_of(schedule.task(id).name()).gpu) stream_busy[seg.stream] += seg.us;
+      for (const auto& seg : costs.cost_of(schedule.task(id).name()).gpu)
+        stream_busy[seg.stream] += seg.us;
     }
-    const auto busiest = std::max_element(
-        stream_busy.begin(), stream_busy.end(),
-        [](const auto& a, const auto& b) { return a.second < b.second; });
+    const auto busiest =
+        std::max_element(stream_busy.begin(), stream_busy.end(),
+                         [](const auto& a, const auto& b) { return a.second < b.second; });
     // Within 1% of the step: that resource is busy all the step, nothing else could shorten it.
     if (busiest != stream_busy.end() && busiest->second >= 0.99 * t.step_us) {
       s.bound = "stream " + busiest->first;
     } else if (t.host_step_us >= 0.99 * t.step_us) {
       s.bound = "host";
     } else {
-      s.bound = "waits";
+      s.bound = "GPU waits across streams";
+      if (busiest != stream_busy.end()) {
+        s.bound += " (busiest: " + busiest->first + ", " + format_us(busiest->second) + " us)";
+      }
     }
     return s;
   };

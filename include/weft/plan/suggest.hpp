@@ -18,9 +18,9 @@
 // exact_limit of them, else steepest descent over moving one task to another or a new thread)
 // and lookaheads (every combination when there are at most exact_limit, else coordinate descent
 // over the tasks in declaration order). Candidates are ranked by step time (to the nanosecond),
-// then host time of one progress(), then fewer threads, then a smaller sum of lookaheads (fewer
-// batches in flight), then the partition and lookaheads in declaration order: the result depends
-// on the input only.
+// then host time of one progress(), then less time waiting across threads, then fewer threads,
+// then a smaller sum of lookaheads (fewer batches in flight), then the partition and lookaheads
+// in declaration order: the result depends on the input only.
 //
 //   const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = kD6}));
 //   SuggestResult r = suggest(compiled, CostModel::hstu_defaults(), {.max_threads = 4});
@@ -60,8 +60,9 @@ struct Suggestion {
   double step_us = 0;
   double host_step_us = 0;
   std::size_t num_threads = 0;
-  // What bounds the step: "host", "stream <name>" (the busiest stream is busy the whole step)
-  // or "waits" (neither: the step is set by waits between host and GPU).
+  // What bounds the step: "stream <name>" (the busiest stream is busy 99% of the step or more),
+  // "host" (one progress() takes 99% of the step or more) or "GPU waits across streams
+  // (busiest: <name>, <us> us)" (neither: streams wait for each other's work).
   std::string bound;
   // The cross-thread waits of the drawn progress(), longest first.
   std::vector<WaitEdge> waits;
@@ -73,8 +74,8 @@ struct SuggestResult {
   std::string method;                   // "exact" or "local"
   std::vector<std::string> searched;    // what the search covered, one line each
   std::vector<std::string> not_searched;
-  std::size_t num_evaluated = 0;        // distinct candidates simulated
-  std::size_t num_refused = 0;          // candidates the schedule's rules refused
+  std::size_t num_evaluated = 0;  // distinct candidates simulated
+  std::size_t num_refused = 0;    // candidates the schedule's rules refused
 };
 
 // Throws weft::Error for options out of range, costs the schedule lacks, or a space of one point

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `weft plan --suggest`: the printed table, the report and the schedule configs are written; the
+# same input twice gives byte-identical configs and JSON; a schedule the search cannot move is
+# refused with a clear error and leaves no file behind.
+#   suggest_cli_test.sh WEFT_BINARY DATA_DIR WORK_DIR
+set -uo pipefail
+weft=$1 data=$2 work=$3
+rm -rf "$work" && mkdir -p "$work/one" "$work/two" "$work/bad"
+passed=0 failures=0
+pass() { echo "ok $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1"; failures=$((failures + 1)); }
+
+for run in one two; do
+  if ! (cd "$work/$run" && "$weft" plan --suggest -o s.html --json s.json >out.txt 2>err.txt); then
+    fail "HSTU suggest ($run):"; cat "$work/$run/err.txt"
+  fi
+done
+if [[ -s "$work/one/s.html" && -s "$work/one/weft-suggest-3.json" ]] &&
+   grep -q '^#1  step' "$work/one/out.txt" && grep -q 'not searched: streams' "$work/one/out.txt"
+then
+  pass "HSTU suggest writes the report, three configs and the table"
+else
+  fail "HSTU suggest output:"; cat "$work/one/out.txt"
+fi
+identical=1
+for f in s.json weft-suggest-1.json weft-suggest-2.json weft-suggest-3.json out.txt; do
+  cmp -s "$work/one/$f" "$work/two/$f" || { identical=0; echo "differs: $f"; }
+done
+((identical)) && pass "the same input gives byte-identical output" || fail "determinism"
+
+# Cannot move: one task, lookaheads fixed.
+printf '%s\n' '{"tasks": [{"name": "only"}], "thread_maps": ["legacy"]}' >"$work/one_task.json"
+if (cd "$work/bad" && "$weft" plan --suggest --schedule ../one_task.json --max-lookahead 0 \
+      -o s.html >out.txt 2>err.txt); then
+  fail "a schedule the search cannot move: exit 0"
+elif ! grep -qF "the search cannot move this schedule: it has one task" "$work/bad/err.txt"; then
+  fail "a schedule the search cannot move: message:"; cat "$work/bad/err.txt"
+elif compgen -G "$work/bad/s.html*" >/dev/null || compgen -G "$work/bad/weft-suggest*" >/dev/null
+then
+  fail "a schedule the search cannot move: left a file behind"
+else
+  pass "a schedule the search cannot move: $(tail -1 "$work/bad/err.txt")"
+fi
+
+# A schedule file: its own costs, --config-out.
+if "$weft" plan --suggest --schedule "$data/schedule_ok.json" --max-threads 3 \
+     --config-out "$work/mine" -o "$work/mine.html" >"$work/mine.log" 2>&1 &&
+   [[ -s "$work/mine-1.json" ]] && grep -q '^search: exact' "$work/mine.log"; then
+  pass "a schedule file, searched exactly"
+else
+  fail "a schedule file:"; cat "$work/mine.log"
+fi
+
+echo "$passed passed, $failures failed"
+((failures == 0))
