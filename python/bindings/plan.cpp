@@ -88,6 +88,8 @@ void bind_suggest(nb::module_& m) {
       .def_ro("step_us", &plan::Suggestion::step_us)
       .def_ro("host_step_us", &plan::Suggestion::host_step_us)
       .def_ro("num_threads", &plan::Suggestion::num_threads)
+      .def_ro("busiest_thread", &plan::Suggestion::busiest_thread)
+      .def_ro("busiest_thread_busy_us", &plan::Suggestion::busiest_thread_busy_us)
       .def_ro("bound", &plan::Suggestion::bound)
       .def_ro("waits", &plan::Suggestion::waits);
   nb::class_<plan::SuggestResult>(m, "SuggestResult", "What weft::plan::suggest found.")

@@ -179,7 +179,8 @@ class Suggestion:
     """One schedule suggest() found: ``config`` (a weft.pipeline.ScheduleConfig: the thread map
     and every task's lookahead; ``config.apply(schedule)`` and ``Engine(schedule,
     config.thread_map)`` run it), and what the simulator predicts: step_us, host_step_us,
-    num_threads, bound ("host", "stream NAME" or "GPU waits across streams (...)"), waits (the
+    num_threads, busiest_thread and its busy_us in one progress(), bound ("host", "stream NAME"
+    or "GPU waits across streams (...)"), waits (the
     drawn progress()'s cross-thread waits, longest first) and placement."""
 
     def __init__(self, native) -> None:
@@ -188,6 +189,8 @@ class Suggestion:
         self.step_us = native.step_us
         self.host_step_us = native.host_step_us
         self.num_threads = native.num_threads
+        self.busiest_thread = native.busiest_thread
+        self.busiest_thread_busy_us = native.busiest_thread_busy_us
         self.bound = native.bound
         self.waits = list(native.waits)
         self.placement = list(native.placement)

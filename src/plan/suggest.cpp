@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <map>
 #include <optional>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -356,6 +357,12 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
     s.step_us = t.step_us;
     s.host_step_us = t.host_step_us;
     s.num_threads = threads.num_threads();
+    for (const ThreadLoad& load : thread_loads(t)) {
+      if (load.busy_us > s.busiest_thread_busy_us) {
+        s.busiest_thread = load.thread;
+        s.busiest_thread_busy_us = load.busy_us;
+      }
+    }
     s.waits = t.waits;
     std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
       return a.waited_us > b.waited_us;
@@ -382,8 +389,13 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
     }
     return s;
   };
-  for (std::size_t i = 0; i < ranked.size() && i < std::size_t(options.num_best); ++i) {
-    result.suggestions.push_back(describe_candidate(*ranked[i].second));
+  // The best few thread maps, each with its best lookaheads: variants of one map that differ
+  // only in a lookahead that changes nothing would say the same thing a few times.
+  std::set<std::vector<std::uint8_t>> maps_taken;
+  for (const auto& [score, c] : ranked) {
+    if (result.suggestions.size() == std::size_t(options.num_best)) break;
+    if (!maps_taken.insert(c->thread).second) continue;
+    result.suggestions.push_back(describe_candidate(*c));
   }
   Candidate start{std::vector<std::uint8_t>(n, 0), {}};
   for (TaskId t = 0; t < n; ++t) start.lookahead.push_back(schedule.task(t).lookahead());
@@ -442,7 +454,8 @@ std::string describe(const SuggestResult& result) {
   auto row = [&](const std::string& label, const Suggestion& s, const Suggestion* start) {
     text += label + "  step " + format_us(s.step_us) + " us  host " + format_us(s.host_step_us) +
             " us  " + std::to_string(s.num_threads) + " thread" + (s.num_threads == 1 ? "" : "s") +
-            "  bound: " + s.bound + "\n";
+            " (busiest: " + s.busiest_thread + ", " + format_us(s.busiest_thread_busy_us) +
+            " us busy)\n    bound: " + s.bound + "\n";
     std::string threads;
     if (s.config.thread_map->kind() == ThreadMap::Kind::kLegacy) {
       threads = "legacy (one thread)";

@@ -60,6 +60,8 @@ struct Suggestion {
   double step_us = 0;
   double host_step_us = 0;
   std::size_t num_threads = 0;
+  std::string busiest_thread;  // the thread whose task bodies take longest in one progress()
+  double busiest_thread_busy_us = 0;
   // What bounds the step: "stream <name>" (the busiest stream is busy 99% of the step or more),
   // "host" (one progress() takes 99% of the step or more) or "GPU waits across streams
   // (busiest: <name>, <us> us)" (neither: streams wait for each other's work).
@@ -69,10 +71,11 @@ struct Suggestion {
 };
 
 struct SuggestResult {
-  std::vector<Suggestion> suggestions;  // best first, at most num_best
-  Suggestion start;                     // the schedule as given, under the legacy map
-  std::string method;                   // "exact" or "local"
-  std::vector<std::string> searched;    // what the search covered, one line each
+  // Best first, at most num_best, one per thread map (with that map's best lookaheads).
+  std::vector<Suggestion> suggestions;
+  Suggestion start;                   // the schedule as given, under the legacy map
+  std::string method;                 // "exact" or "local"
+  std::vector<std::string> searched;  // what the search covered, one line each
   std::vector<std::string> not_searched;
   std::size_t num_evaluated = 0;  // distinct candidates simulated
   std::size_t num_refused = 0;    // candidates the schedule's rules refused
