@@ -221,7 +221,7 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   std::vector<int> own(n);
   for (TaskId t = 0; t < n; ++t) own[t] = std::clamp(schedule.task(t).lookahead(), lo, hi);
 
-  std::size_t start_maps_used = 0;
+  std::string start_names;  // the start maps of a local search
   const bool exact = mul_sat(num_maps, num_lookaheads) <= options.exact_limit;
   const bool exact_maps = num_maps <= options.exact_limit;
   const bool exact_lookaheads = num_lookaheads <= options.exact_limit;
@@ -295,30 +295,33 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
       return improved;
     };
 
+    // Start maps, each once, with the name of its first spelling; those over k threads are left
+    // out.
     std::vector<std::vector<std::uint8_t>> start_maps;
-    start_maps.emplace_back(n, 0);  // legacy
-    {
-      std::vector<std::uint8_t> by_stream(n);
-      for (TaskId t = 0; t < n; ++t) by_stream[t] = std::uint8_t(schedule.stream_of(t));
-      canonicalise(by_stream);
-      if (num_threads_of({by_stream, {}}) <= k) start_maps.push_back(by_stream);
+    auto add_start = [&](std::vector<std::uint8_t> thread, const std::string& name) {
+      canonicalise(thread);
+      if (num_threads_of({thread, {}}) > k ||
+          std::find(start_maps.begin(), start_maps.end(), thread) != start_maps.end()) {
+        return;
+      }
+      start_maps.push_back(std::move(thread));
+      start_names += (start_names.empty() ? "" : ", ") + name;
+    };
+    std::vector<std::uint8_t> by_stream(n), per_task(n);
+    for (TaskId t = 0; t < n; ++t) {
+      by_stream[t] = std::uint8_t(std::min<std::size_t>(schedule.stream_of(t), 255));
+      per_task[t] = std::uint8_t(std::min<std::size_t>(t, 255));
     }
-    if (n <= k) {
-      std::vector<std::uint8_t> per_task(n);
-      for (TaskId t = 0; t < n; ++t) per_task[t] = std::uint8_t(t);
-      start_maps.push_back(per_task);
-    }
+    add_start(std::vector<std::uint8_t>(n, 0), "legacy");
+    add_start(by_stream, "by_stream");
+    if (n <= k) add_start(per_task, "per_task");
     for (const ThreadMap& map : options.start_maps) {
       const auto threads = map.assign(schedule);
       if (threads.num_threads() > k) continue;
       std::vector<std::uint8_t> thread(n);
       for (TaskId t = 0; t < n; ++t) thread[t] = std::uint8_t(threads.thread_of_task[t]);
-      canonicalise(thread);
-      if (std::find(start_maps.begin(), start_maps.end(), thread) == start_maps.end()) {
-        start_maps.push_back(std::move(thread));
-      }
+      add_start(std::move(thread), map.name());
     }
-    start_maps_used = start_maps.size();
     for (const auto& lookaheads : {own, std::vector<int>(n, hi)}) {
       for (const auto& map : start_maps) {
         Candidate current{map, lookaheads};
@@ -420,11 +423,10 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
                            : ", steepest descent moving one task to another or a new thread"),
         las + (exact_lookaheads ? ", all of them for each map step"
                                 : ", coordinate descent one task at a time"),
-        "alternating the two steps until neither improves, from " +
-            std::to_string(start_maps_used) + " start maps (legacy, by_stream" +
-            std::string(n <= k ? ", per_task" : "") +
-            (options.start_maps.empty() ? "" : " and the given ones that fit") +
-            ") with the schedule's lookaheads and with every lookahead at " + std::to_string(hi)};
+        "alternating the two steps until neither improves, from the maps " + start_names +
+            " (the same partition once), each with the schedule's lookaheads and with every "
+            "lookahead at " +
+            std::to_string(hi)};
     result.not_searched.push_back(
         "the rest of the space: the result is a local optimum, not proven the best");
   }
