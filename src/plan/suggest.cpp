@@ -157,14 +157,15 @@ class Search {
     return it->second ? &*it->second : nullptr;
   }
 
-  // One thread: the legacy map; else one thread per part, named after its first task.
+  // One thread: the legacy map; else one thread per part, t0, t1, ... in order of their first
+  // tasks (a task's name would suggest the thread runs only that task).
   ThreadMap thread_map(const Candidate& c) const {
     const std::size_t k = num_threads_of(c);
     if (k == 1) return ThreadMap::legacy();
     std::vector<pipeline::ThreadGroup> groups(k);
     for (TaskId t = 0; t < schedule_.num_tasks(); ++t) {
       auto& g = groups[c.thread[t]];
-      if (g.tasks.empty()) g.name = schedule_.task(t).name();
+      if (g.tasks.empty()) g.name = "t" + std::to_string(c.thread[t]);
       g.tasks.push_back(schedule_.task(t).name());
     }
     return ThreadMap::groups(std::move(groups));

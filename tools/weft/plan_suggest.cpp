@@ -159,9 +159,13 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
                                              *s.config.thread_map, *costs,
                                              search_options.simulation));
   }
+  nlohmann::json given = nlohmann::json::array();
   for (const auto& [name, map] : given_maps) {
     reports.push_back(
         plan::simulate_variant(name, cascade, compiled, map, *costs, search_options.simulation));
+    given.push_back({{"name", name},
+                     {"step_us", reports.back().timeline.step_us},
+                     {"host_step_us", reports.back().timeline.host_step_us}});
   }
   for (auto& t : traces) reports.push_back(std::move(t));
 
@@ -170,6 +174,7 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
                          {"searched", result.searched},
                          {"not_searched", result.not_searched},
                          {"start", suggestion_json(result.start)},
+                         {"given", std::move(given)},
                          {"suggestions", nlohmann::json::array()}};
   for (std::size_t i = 0; i < result.suggestions.size(); ++i) {
     root["suggestions"].push_back(suggestion_json(result.suggestions[i]));

@@ -55,7 +55,9 @@ struct SuggestOptions {
 
 // One suggested schedule: its config and what the simulator predicts for it.
 struct Suggestion {
-  pipeline::ScheduleConfig config;  // thread_map (legacy or groups) and every task's lookahead
+  // thread_map (legacy, or groups t0, t1, ... in order of their first tasks) and every task's
+  // lookahead.
+  pipeline::ScheduleConfig config;
   std::vector<TaskPlacement> placement;
   double step_us = 0;
   double host_step_us = 0;

@@ -51,5 +51,23 @@ else
   fail "a schedule file:"; cat "$work/mine.log"
 fi
 
+# Host-bound HSTU costs: the suggestion is no slower than any preset map drawn beside it (each is
+# a start of the search) and the report draws them all.
+hb=$work/host_bound
+if "$weft" plan --suggest --costs "$data/costs_hstu_host_bound.json" --config-out "$hb" \
+     -o "$hb.html" --json "$hb.json" >"$hb.log" 2>&1 &&
+   python3 - "$hb.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+best = r["suggestions"][0]["step_us"]
+assert r["given"] and all(best <= g["step_us"] for g in r["given"]), (best, r["given"])
+assert best < r["start"]["step_us"] and r["suggestions"][0]["bound"] == "host", r["suggestions"][0]
+PY
+then
+  pass "host-bound HSTU: the suggestion beats the legacy map and is no slower than the presets"
+else
+  fail "host-bound HSTU:"; cat "$hb.log"
+fi
+
 echo "$passed passed, $failures failed"
 ((failures == 0))
