@@ -215,7 +215,7 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
              "suggest: the search cannot move this schedule: ",
              n == 1 ? "it has one task" : "max_threads is 1",
              " and every lookahead is fixed by the bounds [", lo, ", ", hi,
-             "] (widen the lookahead bounds or allow more threads)");
+             "] (widen the lookahead bounds", n == 1 ? ")" : " or allow more threads)");
 
   Search search(schedule, costs, options);
   SuggestResult result;
