@@ -49,6 +49,25 @@ def test_two_independent_host_heavy_tasks_go_on_different_threads():
     assert r.num_evaluated == 5  # Bell(3)
 
 
+def test_a_wake_up_cost_decides_whether_threads_pay():
+    # s feeds a and b (1000 us each), c joins them: on two threads b's thread blocks on s once
+    # (1020 us + one wake-up); one thread takes 2020 us, and wins past a 1000 us wake-up.
+    fork = Schedule([
+        Task.from_fn("s", lambda ctx: None, reads=["batch_cpu"], writes=["z"]),
+        Task.from_fn("a", lambda ctx: None, stream="s1", reads=["z"], writes=["x"]),
+        Task.from_fn("b", lambda ctx: None, stream="s2", reads=["z"], writes=["y"]),
+        Task.from_fn("c", lambda ctx: None, reads=["x", "y"]),
+    ])
+    costs = {"tasks": {"s": {"host_us": 10}, "a": {"host_us": 1000}, "b": {"host_us": 1000},
+                       "c": {"host_us": 10}}}
+    r = plan.suggest(fork, costs, max_threads=2, wake_up_us=500)
+    assert (r.suggestions[0].step_us, r.suggestions[0].num_threads) == (1520, 2)
+    r = plan.suggest(fork, costs, max_threads=2, wake_up_us=2000)
+    assert (r.suggestions[0].step_us, r.suggestions[0].num_threads) == (2020, 1)
+    with pytest.raises(weft.Error, match="thread_wake_up_us must be in"):
+        plan.suggest(fork, costs, wake_up_us=-1)
+
+
 def test_lookahead_that_overlaps_copy_and_compute():
     # The host may run one progress ahead: at equal lookaheads copy and compute of a batch are
     # serial (100 + 100 + 1000 + 1000 us); load one batch ahead hides the copy (1200 us).

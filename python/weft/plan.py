@@ -223,7 +223,7 @@ class SuggestResult:
 def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike = None, *,
             trace: Optional[Union[str, os.PathLike]] = None, max_threads: int = 4,
             min_lookahead: int = 0, max_lookahead: Optional[int] = None, num_best: int = 3,
-            num_steps: int = 12, max_host_runahead: int = 2,
+            num_steps: int = 12, max_host_runahead: int = 2, wake_up_us: float = 0.0,
             start_maps: Sequence[ThreadMapLike] = ()) -> SuggestResult:
     """Searches thread maps (at most ``max_threads`` threads) and lookaheads (each task's in
     [min_lookahead, max_lookahead]; None: up to the schedule's largest) for the lowest simulated
@@ -233,7 +233,8 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     whose thread map (with every preset) is a start. costs: as simulate() takes them; or
     ``trace``: a real run's Chrome trace, whose measured progress() gives the costs. The result
     is never worse than any start map (legacy, by_stream, per_task when it fits, start_maps)
-    under the schedule's own lookaheads. Bad input, or a schedule the search cannot move (one
+    under the schedule's own lookaheads. wake_up_us: the simulated cost of waking a thread that
+    blocked on another thread's task (0: instant; `weft plan --suggest --wake-up-us`). Bad input, or a schedule the search cannot move (one
     task and fixed lookaheads), raises weft.Error.
     """
     maps = [ThreadMap.of(m) for m in start_maps]
@@ -254,5 +255,6 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
         (-1 if max_lookahead is None else max_lookahead, "max_lookahead"),
         (num_best, "num_best"), (num_steps, "num_steps"),
         (max_host_runahead, "max_host_runahead"))]
+    wake_up_us = _checks.number(wake_up_us, "wake_up_us")
     return SuggestResult(_native.suggest(schedule._to_native(with_bodies=False), model, *args,
-                                          [m._native for m in maps]))
+                                         wake_up_us, [m._native for m in maps]))

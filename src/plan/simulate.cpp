@@ -60,6 +60,8 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
              options.num_progress);
   WEFT_CHECK(options.max_host_runahead >= 1, "max_host_runahead must be >= 1, got ",
              options.max_host_runahead);
+  WEFT_CHECK(options.thread_wake_up_us >= 0 && options.thread_wake_up_us <= CostModel::kMaxCostUs,
+             "thread_wake_up_us must be in [0, 1e9], got ", options.thread_wake_up_us);
   costs.check_against(schedule);
   const std::size_t num_tasks = schedule.num_tasks();
   const std::size_t num_threads = threads.num_threads();
@@ -164,6 +166,8 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
                        std::to_string(ticket_of[std::size_t(prev)])});
             }
           }
+          // Producers on this thread ended by thread_ready: a later start blocked on another.
+          if (at > thread_ready[th]) at += options.thread_wake_up_us;
           start[t] = at;
           end[t] = at + cost[t].host_us;
           thread_ready[th] = end[t];

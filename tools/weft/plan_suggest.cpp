@@ -44,6 +44,12 @@ void add_suggest_options(CLI::App& command, SuggestCliOptions& options) {
   add_int_option(command, "--num-suggestions", options.num_best, "--suggest: how many to keep", 1,
                  100);
   command
+      .add_option("--wake-up-us", options.wake_up_us,
+                  "--suggest: cost of waking a thread that blocked on another thread's task "
+                  "(simulated; 0: instant)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, plan::CostModel::kMaxCostUs));
+  command
       .add_option("--config-out", options.config_prefix,
                   "--suggest: write the schedule configs to PREFIX-1.json ... PREFIX-N.json")
       ->capture_default_str();
@@ -142,6 +148,7 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
                                       .max_lookahead = options.max_lookahead,
                                       .num_best = options.num_best};
   search_options.simulation.num_progress = inputs.num_progress;
+  search_options.simulation.thread_wake_up_us = options.wake_up_us;
   for (const auto& [name, map] : given_maps) search_options.start_maps.push_back(map);
   std::fprintf(stderr, "searching (costs: %s)\n", costs_source.c_str());
   const plan::SuggestResult result = plan::suggest(compiled, *costs, search_options);

@@ -19,6 +19,7 @@ struct SuggestCliOptions {
   int min_lookahead = 0;
   int max_lookahead = -1;  // -1: the schedule's largest
   int num_best = 3;
+  double wake_up_us = 0;                       // SimulationOptions::thread_wake_up_us
   std::string config_prefix = "weft-suggest";  // writes PREFIX-1.json ... PREFIX-N.json
 };
 

@@ -31,6 +31,10 @@ struct SimulationOptions {
   // The host may start progress p only when all GPU work of progress p - max_host_runahead has
   // finished (a training loop reads some result of an earlier step, e.g. its loss).
   int max_host_runahead = 2;
+  // A thread that blocked on a task of another thread (a host wait or a collective ticket)
+  // starts its task this long after the release: the cost of waking a sleeping thread. 0 (the
+  // default) models an instant wake-up; in [0, CostModel::kMaxCostUs].
+  double thread_wake_up_us = 0;
 };
 
 Timeline simulate(const pipeline::CompiledSchedule& schedule,

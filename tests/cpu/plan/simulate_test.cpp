@@ -137,6 +137,15 @@ TEST(Simulate, HandComputedTwoThreadSchedule) {
   EXPECT_EQ(t.waits[0].producer, "A");
   EXPECT_EQ(t.waits[0].rule, WaitRule::kSameLookahead);
   EXPECT_DOUBLE_EQ(t.waits[0].waited_us, 10);
+
+  // With a 5 us wake-up, B starts 5 us after A's release: host 10 + 5 + 5; the GPU still bounds.
+  const Timeline woken = weft::plan::simulate(compiled, threads, *file.costs,
+                                              {.thread_wake_up_us = 5});
+  EXPECT_DOUBLE_EQ(woken.host[1].start_us, 15);
+  EXPECT_DOUBLE_EQ(woken.host_step_us, 20);
+  EXPECT_DOUBLE_EQ(woken.step_us, 100);
+  EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs, {.thread_wake_up_us = -1}),
+               weft::Error);
 }
 
 // Collectives on two threads and two streams: the second in run order waits for nothing but

@@ -72,6 +72,36 @@ TEST(Suggest, TwoIndependentHostHeavyTasksGoOnDifferentThreads) {
   }
 }
 
+// s (10 us) feeds a and b (1000 us each, independent), c (10 us) joins them. On one thread:
+// 2020 us. On two ({s, a | b, c} at best), b's thread blocks on s once: 1020 us plus one wake-up
+// (c, after b on its thread, finds a done). A wake-up over 1000 us makes one thread win.
+constexpr const char* kFork = R"({
+  "streams": ["s1", "s2"],
+  "tasks": [
+    {"name": "s", "writes": ["z"]},
+    {"name": "a", "stream": "s1", "reads": ["z"], "writes": ["x"]},
+    {"name": "b", "stream": "s2", "reads": ["z"], "writes": ["y"]},
+    {"name": "c", "reads": ["x", "y"]}
+  ],
+  "costs": {"tasks": {"s": {"host_us": 10}, "a": {"host_us": 1000}, "b": {"host_us": 1000},
+                      "c": {"host_us": 10}}}
+})";
+
+TEST(Suggest, WakeUpCostDecidesWhetherThreadsPay) {
+  const auto [schedule, costs] = parse(kFork);
+  SuggestOptions options{.max_threads = 2};
+  for (double wake_up_us : {0.0, 500.0}) {
+    options.simulation.thread_wake_up_us = wake_up_us;
+    const SuggestResult r = weft::plan::suggest(schedule, costs, options);
+    EXPECT_DOUBLE_EQ(r.suggestions.at(0).step_us, 1020 + wake_up_us);
+    EXPECT_EQ(r.suggestions.at(0).num_threads, 2u);
+  }
+  options.simulation.thread_wake_up_us = 2000;
+  const SuggestResult r = weft::plan::suggest(schedule, costs, options);
+  EXPECT_DOUBLE_EQ(r.suggestions.at(0).step_us, 2020);
+  EXPECT_EQ(r.suggestions.at(0).num_threads, 1u);
+}
+
 TEST(Suggest, ExactSearchCountsBellNumbers) {
   const auto [schedule, costs] = parse(R"({
     "tasks": [{"name": "a"}, {"name": "b"}, {"name": "c"}, {"name": "d"}]
