@@ -194,6 +194,7 @@ std::string format_us(double us) {
 SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
                       const SuggestOptions& options) {
   const std::size_t n = schedule.num_tasks();
+  WEFT_CHECK(n >= 1, "suggest: the schedule has no task to place");
   WEFT_CHECK(options.max_threads >= 1 && options.max_threads <= 64,
              "suggest: max_threads must be in [1, 64], got ", options.max_threads);
   WEFT_CHECK(options.min_lookahead >= 0 && options.min_lookahead <= pipeline::kMaxLookahead,
