@@ -13,11 +13,10 @@
 // exact_limit points it is enumerated: the result is the optimum under the model. Otherwise,
 // from each start (the legacy map, by_stream, per_task and the caller's start_maps, those that
 // fit in max_threads, each with the schedule's own lookaheads and with every lookahead at its
-// upper bound) it alternates two
-// steps until neither improves the step: thread maps (every partition when there are at most
-// exact_limit of them, else steepest descent over moving one task to another or a new thread)
-// and lookaheads (every combination when there are at most exact_limit, else coordinate descent
-// over the tasks in declaration order). Candidates are ranked by step time (to the nanosecond),
+// upper bound) it alternates two steps until neither improves the step: thread maps (every
+// partition when there are at most exact_limit of them, else steepest descent over moving one
+// task to another or a new thread) and lookaheads (every combination when there are at most
+// exact_limit, else coordinate descent over the tasks in declaration order). Candidates are ranked by step time (to the nanosecond),
 // then host time of one progress(), then less time waiting across threads, then fewer threads,
 // then a smaller sum of lookaheads (fewer batches in flight), then the partition and lookaheads
 // in declaration order: the result depends on the input only.

@@ -69,5 +69,23 @@ else
   fail "host-bound HSTU:"; cat "$hb.log"
 fi
 
+# Costs from a real run's trace: a and b took 40 us each on one thread; apart, a step is 40 us.
+tr=$work/from_trace
+printf '%s\n' '{"streams": ["s1", "s2"], "tasks": [{"name": "a", "stream": "s1"},' \
+  '{"name": "b", "stream": "s2"}], "thread_maps": ["legacy"]}' >"$tr.schedule.json"
+if "$weft" plan --suggest --schedule "$tr.schedule.json" --trace "$data/trace_small.json" \
+     --config-out "$tr" -o "$tr.html" --json "$tr.json" >"$tr.log" 2>&1 &&
+   python3 - "$tr.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["start"]["step_us"] == 80 and r["suggestions"][0]["step_us"] == 40, r
+assert r["suggestions"][0]["num_threads"] == 2 and r["method"] == "exact", r
+PY
+then
+  pass "costs from a trace: the two 40 us tasks go on two threads"
+else
+  fail "costs from a trace:"; cat "$tr.log"
+fi
+
 echo "$passed passed, $failures failed"
 ((failures == 0))
