@@ -102,6 +102,17 @@ TEST(Suggest, WakeUpCostDecidesWhetherThreadsPay) {
   EXPECT_EQ(r.suggestions.at(0).num_threads, 1u);
 }
 
+// When every body holds the GIL, a second thread cannot run a and b together: one thread
+// (2010 us) is as fast and, with fewer threads, ranks first.
+TEST(Suggest, GilBodiesGainNothingFromThreads) {
+  const auto [schedule, costs] = parse(kTwoHeavyTasks);
+  SuggestOptions options{.max_threads = 2};
+  options.simulation.gil_tasks = {"a", "b", "c"};
+  const SuggestResult r = weft::plan::suggest(schedule, costs, options);
+  EXPECT_DOUBLE_EQ(r.suggestions.at(0).step_us, 2010);
+  EXPECT_EQ(r.suggestions.at(0).num_threads, 1u);
+}
+
 TEST(Suggest, ExactSearchCountsBellNumbers) {
   const auto [schedule, costs] = parse(R"({
     "tasks": [{"name": "a"}, {"name": "b"}, {"name": "c"}, {"name": "d"}]
