@@ -105,20 +105,23 @@ void bind_suggest(nb::module_& m) {
       "suggest",
       [](const pl::Schedule& schedule, const plan::CostModel& costs, int max_threads,
          int min_lookahead, int max_lookahead, int num_best, int num_progress,
-         int max_host_runahead, double wake_up_us, const std::vector<pl::ThreadMap>& start_maps) {
+         int max_host_runahead, double wake_up_us, const std::vector<std::string>& gil_tasks,
+         const std::vector<pl::ThreadMap>& start_maps) {
         plan::SuggestOptions options{.max_threads = max_threads,
                                      .min_lookahead = min_lookahead,
                                      .max_lookahead = max_lookahead,
                                      .num_best = num_best,
                                      .simulation = {.num_progress = num_progress,
                                                     .max_host_runahead = max_host_runahead,
-                                                    .thread_wake_up_us = wake_up_us},
+                                                    .thread_wake_up_us = wake_up_us,
+                                                    .gil_tasks = gil_tasks},
                                      .start_maps = start_maps};
         return plan::suggest(pl::CompiledSchedule(schedule), costs, options);
       },
       nb::arg("schedule"), nb::arg("costs"), nb::arg("max_threads"), nb::arg("min_lookahead"),
       nb::arg("max_lookahead"), nb::arg("num_best"), nb::arg("num_progress"),
-      nb::arg("max_host_runahead"), nb::arg("wake_up_us"), nb::arg("start_maps"),
+      nb::arg("max_host_runahead"), nb::arg("wake_up_us"), nb::arg("gil_tasks"),
+      nb::arg("start_maps"),
       "Searches thread maps and lookaheads (max_lookahead -1: the schedule's largest).");
   m.def("costs_from_trace", &plan::costs_from_trace, nb::arg("measured"));
 }

@@ -68,6 +68,19 @@ def test_a_wake_up_cost_decides_whether_threads_pay():
         plan.suggest(fork, costs, wake_up_us=-1)
 
 
+def test_gil_bodies_gain_nothing_from_threads():
+    # Every body holds the GIL: a and b cannot overlap, so one thread (2010 us) ranks first.
+    r = plan.suggest(heavy_pair(), HEAVY_COSTS, max_threads=2, gil="all")
+    assert (r.suggestions[0].step_us, r.suggestions[0].num_threads) == (2010, 1)
+    # Only a holds it: b still overlaps a on its own thread.
+    r = plan.suggest(heavy_pair(), HEAVY_COSTS, max_threads=2, gil=["a"])
+    assert (r.suggestions[0].step_us, r.suggestions[0].num_threads) == (1010, 2)
+    with pytest.raises(weft.Error, match="gil_tasks: the schedule has no task 'ghost'"):
+        plan.suggest(heavy_pair(), HEAVY_COSTS, gil=["ghost"])
+    with pytest.raises(TypeError, match="gil is 'all' or a list"):
+        plan.suggest(heavy_pair(), HEAVY_COSTS, gil="a")
+
+
 def test_lookahead_that_overlaps_copy_and_compute():
     # The host may run one progress ahead: at equal lookaheads copy and compute of a batch are
     # serial (100 + 100 + 1000 + 1000 us); load one batch ahead hides the copy (1200 us).

@@ -224,6 +224,7 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
             trace: Optional[Union[str, os.PathLike]] = None, max_threads: int = 4,
             min_lookahead: int = 0, max_lookahead: Optional[int] = None, num_best: int = 3,
             num_steps: int = 12, max_host_runahead: int = 2, wake_up_us: float = 0.0,
+            gil: Union[None, str, Iterable[str]] = None,
             start_maps: Sequence[ThreadMapLike] = ()) -> SuggestResult:
     """Searches thread maps (at most ``max_threads`` threads) and lookaheads (each task's in
     [min_lookahead, max_lookahead]; None: up to the schedule's largest) for the lowest simulated
@@ -234,7 +235,9 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     ``trace``: a real run's Chrome trace, whose measured progress() gives the costs. The result
     is never worse than any start map (legacy, by_stream, per_task when it fits, start_maps)
     under the schedule's own lookaheads. wake_up_us: the simulated cost of waking a thread that
-    blocked on another thread's task (0: instant; `weft plan --suggest --wake-up-us`). Bad input, or a schedule the search cannot move (one
+    blocked on another thread's task (0: instant; `weft plan --suggest --wake-up-us`). gil: the
+    tasks whose bodies hold the GIL for their whole host time, simulated as one lock shared by
+    every thread: "all" (what Python bodies do, at most), a list of task names, or None. Bad input, or a schedule the search cannot move (one
     task and fixed lookaheads), raises weft.Error.
     """
     maps = [ThreadMap.of(m) for m in start_maps]
@@ -256,5 +259,13 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
         (num_best, "num_best"), (num_steps, "num_steps"),
         (max_host_runahead, "max_host_runahead"))]
     wake_up_us = _checks.number(wake_up_us, "wake_up_us")
+    if gil is None:
+        gil_tasks = []
+    elif gil == "all":
+        gil_tasks = [t.name for t in schedule.tasks]
+    elif isinstance(gil, str):
+        raise TypeError(f"suggest: gil is 'all' or a list of task names, got the string {gil!r}")
+    else:
+        gil_tasks = [_checks.name(t, "gil task") for t in gil]
     return SuggestResult(_native.suggest(schedule._to_native(with_bodies=False), model, *args,
-                                         wake_up_us, [m._native for m in maps]))
+                                         wake_up_us, gil_tasks, [m._native for m in maps]))

@@ -49,6 +49,9 @@ void add_suggest_options(CLI::App& command, SuggestCliOptions& options) {
                   "(simulated; 0: instant)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, plan::CostModel::kMaxCostUs));
+  command.add_option("--gil", options.gil_tasks,
+                     "--suggest: a task whose body holds the GIL (Python bodies), simulated as "
+                     "one lock shared by every thread (repeatable; all: every task)");
   command
       .add_option("--config-out", options.config_prefix,
                   "--suggest: write the schedule configs to PREFIX-1.json ... PREFIX-N.json")
@@ -149,6 +152,14 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
                                       .num_best = options.num_best};
   search_options.simulation.num_progress = inputs.num_progress;
   search_options.simulation.thread_wake_up_us = options.wake_up_us;
+  for (const auto& name : options.gil_tasks) {
+    if (name != "all") {
+      search_options.simulation.gil_tasks.push_back(name);
+      continue;
+    }
+    for (const auto& task : compiled.tasks())
+      search_options.simulation.gil_tasks.push_back(task.name());
+  }
   for (const auto& [name, map] : given_maps) search_options.start_maps.push_back(map);
   std::fprintf(stderr, "searching (costs: %s)\n", costs_source.c_str());
   const plan::SuggestResult result = plan::suggest(compiled, *costs, search_options);

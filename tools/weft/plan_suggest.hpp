@@ -19,7 +19,9 @@ struct SuggestCliOptions {
   int min_lookahead = 0;
   int max_lookahead = -1;  // -1: the schedule's largest
   int num_best = 3;
-  double wake_up_us = 0;                       // SimulationOptions::thread_wake_up_us
+  double wake_up_us = 0;  // SimulationOptions::thread_wake_up_us
+  // SimulationOptions::gil_tasks; "all": every task of the schedule.
+  std::vector<std::string> gil_tasks;
   std::string config_prefix = "weft-suggest";  // writes PREFIX-1.json ... PREFIX-N.json
 };
 

@@ -87,5 +87,20 @@ else
   fail "costs from a trace:"; cat "$tr.log"
 fi
 
+# The same with every body holding the GIL: no overlap, one thread is as fast and ranks first.
+if "$weft" plan --suggest --schedule "$tr.schedule.json" --trace "$data/trace_small.json" \
+     --gil all --config-out "$tr-gil" -o "$tr-gil.html" --json "$tr-gil.json" \
+     >"$tr-gil.log" 2>&1 &&
+   python3 - "$tr-gil.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["suggestions"][0]["step_us"] == 80 and r["suggestions"][0]["num_threads"] == 1, r
+PY
+then
+  pass "--gil all: the two tasks stay on one thread"
+else
+  fail "--gil all:"; cat "$tr-gil.log"
+fi
+
 echo "$passed passed, $failures failed"
 ((failures == 0))
