@@ -14,6 +14,7 @@
 #include "weft/plan/cost_model.hpp"
 #include "weft/plan/report.hpp"
 #include "weft/plan/simulated_variant.hpp"
+#include "weft/plan/suggest.hpp"
 #include "weft/plan/trace_reader.hpp"
 
 namespace weft::python {
@@ -80,6 +81,51 @@ void bind_cost_model(nb::module_& m) {
       .def("__eq__", [](const plan::CostModel& a, const plan::CostModel& b) { return a == b; });
 }
 
+void bind_suggest(nb::module_& m) {
+  nb::class_<plan::Suggestion>(m, "Suggestion", "One suggested schedule (weft::plan::Suggestion).")
+      .def_ro("config", &plan::Suggestion::config)
+      .def_ro("placement", &plan::Suggestion::placement)
+      .def_ro("step_us", &plan::Suggestion::step_us)
+      .def_ro("host_step_us", &plan::Suggestion::host_step_us)
+      .def_ro("num_threads", &plan::Suggestion::num_threads)
+      .def_ro("busiest_thread", &plan::Suggestion::busiest_thread)
+      .def_ro("busiest_thread_busy_us", &plan::Suggestion::busiest_thread_busy_us)
+      .def_ro("bound", &plan::Suggestion::bound)
+      .def_ro("waits", &plan::Suggestion::waits);
+  nb::class_<plan::SuggestResult>(m, "SuggestResult", "What weft::plan::suggest found.")
+      .def_ro("suggestions", &plan::SuggestResult::suggestions)
+      .def_ro("start", &plan::SuggestResult::start)
+      .def_ro("method", &plan::SuggestResult::method)
+      .def_ro("searched", &plan::SuggestResult::searched)
+      .def_ro("not_searched", &plan::SuggestResult::not_searched)
+      .def_ro("num_evaluated", &plan::SuggestResult::num_evaluated)
+      .def_ro("num_refused", &plan::SuggestResult::num_refused)
+      .def("__str__", [](const plan::SuggestResult& r) { return plan::describe(r); });
+  m.def(
+      "suggest",
+      [](const pl::Schedule& schedule, const plan::CostModel& costs, int max_threads,
+         int min_lookahead, int max_lookahead, int num_best, int num_progress,
+         int max_host_runahead, double wake_up_us, const std::vector<std::string>& gil_tasks,
+         const std::vector<pl::ThreadMap>& start_maps) {
+        plan::SuggestOptions options{.max_threads = max_threads,
+                                     .min_lookahead = min_lookahead,
+                                     .max_lookahead = max_lookahead,
+                                     .num_best = num_best,
+                                     .simulation = {.num_progress = num_progress,
+                                                    .max_host_runahead = max_host_runahead,
+                                                    .thread_wake_up_us = wake_up_us,
+                                                    .gil_tasks = gil_tasks},
+                                     .start_maps = start_maps};
+        return plan::suggest(pl::CompiledSchedule(schedule), costs, options);
+      },
+      nb::arg("schedule"), nb::arg("costs"), nb::arg("max_threads"), nb::arg("min_lookahead"),
+      nb::arg("max_lookahead"), nb::arg("num_best"), nb::arg("num_progress"),
+      nb::arg("max_host_runahead"), nb::arg("wake_up_us"), nb::arg("gil_tasks"),
+      nb::arg("start_maps"),
+      "Searches thread maps and lookaheads (max_lookahead -1: the schedule's largest).");
+  m.def("costs_from_trace", &plan::costs_from_trace, nb::arg("measured"));
+}
+
 }  // namespace
 
 void bind_plan(nb::module_& m) {
@@ -113,6 +159,7 @@ void bind_plan(nb::module_& m) {
       "The report's HTML; the collective inventory is that of inventory_of (None: none).");
   m.def("read_chrome_trace", &plan::read_chrome_trace, nb::arg("path"));
   m.def("parse_chrome_trace", &plan::parse_chrome_trace, nb::arg("json_text"), nb::arg("name"));
+  bind_suggest(m);
 }
 
 }  // namespace weft::python

@@ -6,6 +6,8 @@
     v.timeline.step_us, v.timeline.host, v.timeline.waits    # what the simulator predicts
     plan.write_report("hstu.html")                           # the page `weft plan` writes
     plan.report_from_trace("run.trace.json", "run.html")    # a real run, drawn the same way
+    r = plan.suggest("full_split_d6", trace="run.trace.json")  # search maps and lookaheads
+    print(r); r.suggestions[0].config.to_json()              # a ScheduleConfig to load
 
 simulate() follows the engine's own wait rules in steady state (weft::plan::simulate); its
 result is a VariantReport: name, cascade, thread_map (described), source, placement (per task:
@@ -30,8 +32,8 @@ CostModel = _native.CostModel
 VariantReport = _native.VariantReport
 Timeline = _native.Timeline
 
-__all__ = ["CostModel", "Timeline", "VariantReport", "report_from_trace", "simulate",
-           "write_report"]
+__all__ = ["CostModel", "Suggestion", "SuggestResult", "Timeline", "VariantReport",
+           "report_from_trace", "simulate", "suggest", "write_report"]
 
 HSTU_TITLE = "weft plan: HSTU thread-map presets"
 
@@ -171,3 +173,99 @@ def report_from_trace(trace_path: Union[str, os.PathLike], html_path: Union[str,
     """Draws a real run's Chrome trace (what Engine's Trace.write_chrome_json writes) into the
     report page at html_path, as `weft plan --trace` does, and returns what was read."""
     return write_report(html_path, [], traces=[trace_path], title=title)[0]
+
+
+class Suggestion:
+    """One schedule suggest() found: ``config`` (a weft.pipeline.ScheduleConfig: the thread map
+    and every task's lookahead; ``config.apply(schedule)`` and ``Engine(schedule,
+    config.thread_map)`` run it), and what the simulator predicts: step_us, host_step_us,
+    num_threads, busiest_thread and its busy_us in one progress(), bound ("host", "stream NAME"
+    or "GPU waits across streams (...)"), waits (the
+    drawn progress()'s cross-thread waits, longest first) and placement."""
+
+    def __init__(self, native) -> None:
+        from .pipeline import ScheduleConfig
+        self.config = ScheduleConfig(native.config)
+        self.step_us = native.step_us
+        self.host_step_us = native.host_step_us
+        self.num_threads = native.num_threads
+        self.busiest_thread = native.busiest_thread
+        self.busiest_thread_busy_us = native.busiest_thread_busy_us
+        self.bound = native.bound
+        self.waits = list(native.waits)
+        self.placement = list(native.placement)
+
+    def write_config(self, path: Union[str, os.PathLike]) -> None:
+        """Writes the config as `weft plan --suggest --config-out` does."""
+        with open(os.fspath(path), "w", encoding="utf-8") as f:
+            f.write(self.config.to_json() + "\n")
+
+
+class SuggestResult:
+    """suggest()'s result: ``suggestions`` (best first), ``start`` (the schedule as given, on
+    one thread), ``method`` ("exact" or "local"), ``searched`` and ``not_searched`` (a line
+    each), ``num_evaluated``, ``num_refused``; str() is the table `weft plan --suggest` prints."""
+
+    def __init__(self, native) -> None:
+        self._native = native
+        self.suggestions = [Suggestion(s) for s in native.suggestions]
+        self.start = Suggestion(native.start)
+        self.method = native.method
+        self.searched = list(native.searched)
+        self.not_searched = list(native.not_searched)
+        self.num_evaluated = native.num_evaluated
+        self.num_refused = native.num_refused
+
+    def __str__(self) -> str:
+        return str(self._native)
+
+
+def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike = None, *,
+            trace: Optional[Union[str, os.PathLike]] = None, max_threads: int = 4,
+            min_lookahead: int = 0, max_lookahead: Optional[int] = None, num_best: int = 3,
+            num_steps: int = 12, max_host_runahead: int = 2, wake_up_us: float = 0.0,
+            gil: Union[None, str, Iterable[str]] = None,
+            start_maps: Sequence[ThreadMapLike] = ()) -> SuggestResult:
+    """Searches thread maps (at most ``max_threads`` threads) and lookaheads (each task's in
+    [min_lookahead, max_lookahead]; None: up to the schedule's largest) for the lowest simulated
+    step, as `weft plan --suggest` does (docs/planner.md "Suggesting a schedule").
+
+    schedule: a weft.pipeline.Schedule, or an HSTU variant name whose schedule is searched and
+    whose thread map (with every preset) is a start. costs: as simulate() takes them; or
+    ``trace``: a real run's Chrome trace, whose measured progress() gives the costs. The result
+    is never worse than any start map (legacy, by_stream, per_task when it fits, start_maps)
+    under the schedule's own lookaheads. wake_up_us: the simulated cost of waking a thread that
+    blocked on another thread's task (0: instant; `weft plan --suggest --wake-up-us`). gil: the
+    tasks whose bodies hold the GIL for their whole host time, simulated as one lock shared by
+    every thread: "all" (what Python bodies do, at most), a list of task names, or None. Bad input, or a schedule the search cannot move (one
+    task and fixed lookaheads), raises weft.Error.
+    """
+    maps = [ThreadMap.of(m) for m in start_maps]
+    if isinstance(schedule, str):
+        _, _, schedule, own = _resolve(schedule)
+        maps = [own] + [ThreadMap.preset(n) for n in ThreadMap.preset_names()] + maps
+    elif not isinstance(schedule, Schedule):
+        raise TypeError("suggest: the schedule is a weft.pipeline.Schedule or an HSTU variant "
+                        f"name, got {type(schedule).__name__}")
+    if trace is not None:
+        if costs is not None:
+            raise TypeError("suggest: give costs or a trace, not both")
+        model = _native.costs_from_trace(_native.read_chrome_trace(os.fspath(trace)))
+    else:
+        model = _cost_model(costs, schedule)
+    args = [_checks.integer(v, n, *_checks.INT32) for v, n in (
+        (max_threads, "max_threads"), (min_lookahead, "min_lookahead"),
+        (-1 if max_lookahead is None else max_lookahead, "max_lookahead"),
+        (num_best, "num_best"), (num_steps, "num_steps"),
+        (max_host_runahead, "max_host_runahead"))]
+    wake_up_us = _checks.number(wake_up_us, "wake_up_us")
+    if gil is None:
+        gil_tasks = []
+    elif gil == "all":
+        gil_tasks = [t.name for t in schedule.tasks]
+    elif isinstance(gil, str):
+        raise TypeError(f"suggest: gil is 'all' or a list of task names, got the string {gil!r}")
+    else:
+        gil_tasks = [_checks.name(t, "gil task") for t in gil]
+    return SuggestResult(_native.suggest(schedule._to_native(with_bodies=False), model, *args,
+                                         wake_up_us, gil_tasks, [m._native for m in maps]))

@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <set>
 
 #include "weft/core/error.hpp"
@@ -60,12 +61,21 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
              options.num_progress);
   WEFT_CHECK(options.max_host_runahead >= 1, "max_host_runahead must be >= 1, got ",
              options.max_host_runahead);
+  WEFT_CHECK(options.thread_wake_up_us >= 0 && options.thread_wake_up_us <= CostModel::kMaxCostUs,
+             "thread_wake_up_us must be in [0, 1e9], got ", options.thread_wake_up_us);
   costs.check_against(schedule);
   const std::size_t num_tasks = schedule.num_tasks();
   const std::size_t num_threads = threads.num_threads();
 
   std::vector<TaskCost> cost(num_tasks);
   for (TaskId t = 0; t < num_tasks; ++t) cost[t] = costs.cost_of(schedule.task(t).name());
+  std::vector<bool> holds_gil(num_tasks, false);
+  for (const auto& name : options.gil_tasks) {
+    const auto id = schedule.find_task(name);
+    WEFT_CHECK(id.has_value(), "gil_tasks: the schedule has no task '", name, "'");
+    holds_gil[*id] = true;
+  }
+  const bool any_gil = !options.gil_tasks.empty();
 
   // Host-wait edges into each consumer, and stream-wait edges into each consumer.
   const auto edges = pipeline::wait_edges(schedule, threads);
@@ -116,59 +126,93 @@ Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& thre
 
     std::vector<double> thread_ready(num_threads, begin);
     std::vector<std::size_t> next(num_threads, 0);
+    double gil_free = begin;  // the previous progress's bodies have all returned
     std::size_t num_placed = 0;
+    struct Start {
+      double at;         // when the task starts
+      double deps_done;  // when its host-wait producers were done (before its ticket)
+    };
+    // When the next task of thread th can start, or nothing while a producer has not run yet.
+    auto next_start = [&](std::size_t th) -> std::optional<Start> {
+      if (next[th] == threads.tasks_of_thread[th].size()) return std::nullopt;
+      const TaskId t = threads.tasks_of_thread[th][next[th]];
+      double at = thread_ready[th];
+      for (const auto* e : host_in[t]) {
+        if (end[e->producer] == kUnknown) return std::nullopt;
+        at = std::max(at, end[e->producer]);
+      }
+      const int prev = ticket_prev[t];
+      if (prev >= 0 && end[std::size_t(prev)] == kUnknown) return std::nullopt;
+      const double deps_done = at;
+      if (prev >= 0) at = std::max(at, end[std::size_t(prev)]);
+      if (holds_gil[t]) at = std::max(at, gil_free);
+      // Producers on this thread ended by thread_ready: a later start blocked on another.
+      if (at > thread_ready[th]) at += options.thread_wake_up_us;
+      return Start{at, deps_done};
+    };
+    auto place = [&](std::size_t th, const Start& s) {
+      const TaskId t = threads.tasks_of_thread[th][next[th]];
+      const int prev = ticket_prev[t];
+      if (p == drawn) {
+        for (const auto* e : host_in[t]) {
+          if (threads.thread_of_task[e->producer] == th) continue;
+          // Stream order between a pair already joined by a data or sync edge adds nothing.
+          if (e->rule == pipeline::WaitRule::kStreamOrder &&
+              std::any_of(host_in[t].begin(), host_in[t].end(), [&](const auto* other) {
+                return other->producer == e->producer &&
+                       other->rule != pipeline::WaitRule::kStreamOrder;
+              })) {
+            continue;
+          }
+          timeline.waits.push_back(
+              {schedule.task(e->producer).name(), schedule.task(t).name(),
+               threads.thread_names[threads.thread_of_task[e->producer]],
+               threads.thread_names[th], plan_rule(*e, schedule), end[e->producer] - begin,
+               std::max(0.0, end[e->producer] - thread_ready[th]), edge_cause(*e)});
+        }
+        if (prev >= 0 && threads.thread_of_task[std::size_t(prev)] != th &&
+            end[std::size_t(prev)] > s.deps_done) {
+          timeline.waits.push_back(
+              {schedule.task(std::size_t(prev)).name(), schedule.task(t).name(),
+               threads.thread_names[threads.thread_of_task[std::size_t(prev)]],
+               threads.thread_names[th], WaitRule::kTicket, end[std::size_t(prev)] - begin,
+               end[std::size_t(prev)] - s.deps_done,
+               "collective ticket " + std::to_string(ticket_of[t]) + " after ticket " +
+                   std::to_string(ticket_of[std::size_t(prev)])});
+        }
+      }
+      start[t] = s.at;
+      end[t] = s.at + cost[t].host_us;
+      if (holds_gil[t]) gil_free = end[t];
+      thread_ready[th] = end[t];
+      ++next[th];
+      ++num_placed;
+    };
     while (num_placed < num_tasks) {
       bool advanced = false;
-      for (std::size_t th = 0; th < num_threads; ++th) {
-        while (next[th] < threads.tasks_of_thread[th].size()) {
-          const TaskId t = threads.tasks_of_thread[th][next[th]];
-          double at = thread_ready[th];
-          bool ready = true;
-          for (const auto* e : host_in[t]) {
-            if (end[e->producer] == kUnknown) {
-              ready = false;
-              break;
-            }
-            at = std::max(at, end[e->producer]);
+      if (!any_gil) {
+        // Without a shared lock a start depends on its thread and producers only: each thread
+        // runs ahead as far as its producers allow.
+        for (std::size_t th = 0; th < num_threads; ++th) {
+          while (const auto s = next_start(th)) {
+            place(th, *s);
+            advanced = true;
           }
-          const int prev = ticket_prev[t];
-          if (ready && prev >= 0 && end[std::size_t(prev)] == kUnknown) ready = false;
-          if (!ready) break;
-          const double deps_done = at;
-          if (prev >= 0) at = std::max(at, end[std::size_t(prev)]);
-          if (p == drawn) {
-            for (const auto* e : host_in[t]) {
-              if (threads.thread_of_task[e->producer] == th) continue;
-              // Stream order between a pair already joined by a data or sync edge adds nothing.
-              if (e->rule == pipeline::WaitRule::kStreamOrder &&
-                  std::any_of(host_in[t].begin(), host_in[t].end(), [&](const auto* other) {
-                    return other->producer == e->producer &&
-                           other->rule != pipeline::WaitRule::kStreamOrder;
-                  })) {
-                continue;
-              }
-              timeline.waits.push_back(
-                  {schedule.task(e->producer).name(), schedule.task(t).name(),
-                   threads.thread_names[threads.thread_of_task[e->producer]],
-                   threads.thread_names[th], plan_rule(*e, schedule), end[e->producer] - begin,
-                   std::max(0.0, end[e->producer] - thread_ready[th]), edge_cause(*e)});
-            }
-            if (prev >= 0 && threads.thread_of_task[std::size_t(prev)] != th &&
-                end[std::size_t(prev)] > deps_done) {
-              timeline.waits.push_back(
-                  {schedule.task(std::size_t(prev)).name(), schedule.task(t).name(),
-                   threads.thread_names[threads.thread_of_task[std::size_t(prev)]],
-                   threads.thread_names[th], WaitRule::kTicket, end[std::size_t(prev)] - begin,
-                   end[std::size_t(prev)] - deps_done,
-                   "collective ticket " + std::to_string(ticket_of[t]) + " after ticket " +
-                       std::to_string(ticket_of[std::size_t(prev)])});
-            }
+        }
+      } else {
+        // The GIL goes to the task that can start first (ties: the lower thread), so tasks are
+        // placed in time order.
+        std::size_t first = num_threads;
+        std::optional<Start> first_start;
+        for (std::size_t th = 0; th < num_threads; ++th) {
+          const auto s = next_start(th);
+          if (s && (!first_start || s->at < first_start->at)) {
+            first = th;
+            first_start = s;
           }
-          start[t] = at;
-          end[t] = at + cost[t].host_us;
-          thread_ready[th] = end[t];
-          ++next[th];
-          ++num_placed;
+        }
+        if (first_start) {
+          place(first, *first_start);
           advanced = true;
         }
       }

@@ -15,6 +15,7 @@
 
 #include "command.hpp"
 #include "output_file.hpp"
+#include "plan_suggest.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/hstu.hpp"
@@ -197,7 +198,14 @@ void register_plan(CLI::App& app) {
                       "progress() calls to simulate; the second to last is drawn")
       ->capture_default_str()
       ->check(CLI::Range(4, 10000));
-  command->callback([options] { run_plan(*options); });
+  auto suggest = std::make_shared<SuggestCliOptions>();
+  add_suggest_options(*command, *suggest);
+  command->callback([options, suggest] {
+    if (!suggest->enabled) return run_plan(*options);
+    run_suggest(*suggest, {options->out, options->json_path, options->variants,
+                           options->costs_path, options->schedule_path, options->traces,
+                           options->num_progress});
+  });
 }
 
 }  // namespace weft::tools

@@ -19,6 +19,9 @@
 //   Timeline t = simulate(compiled, threads, CostModel::hstu_defaults());
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/thread_map.hpp"
 #include "weft/plan/cost_model.hpp"
@@ -31,6 +34,15 @@ struct SimulationOptions {
   // The host may start progress p only when all GPU work of progress p - max_host_runahead has
   // finished (a training loop reads some result of an earlier step, e.g. its loss).
   int max_host_runahead = 2;
+  // A thread that blocked on a task of another thread (a host wait or a collective ticket)
+  // starts its task this long after the release: the cost of waking a sleeping thread. 0 (the
+  // default) models an instant wake-up; in [0, CostModel::kMaxCostUs].
+  double thread_wake_up_us = 0;
+  // Tasks whose bodies hold one lock shared by every thread (the GIL of Python bodies) for their
+  // whole host time: such a body starts only when the lock is free, and the lock goes to the
+  // task that can start first. Empty (the default): no shared lock. Waiting for it is not drawn
+  // as a wait.
+  std::vector<std::string> gil_tasks;
 };
 
 Timeline simulate(const pipeline::CompiledSchedule& schedule,

@@ -137,6 +137,15 @@ TEST(Simulate, HandComputedTwoThreadSchedule) {
   EXPECT_EQ(t.waits[0].producer, "A");
   EXPECT_EQ(t.waits[0].rule, WaitRule::kSameLookahead);
   EXPECT_DOUBLE_EQ(t.waits[0].waited_us, 10);
+
+  // With a 5 us wake-up, B starts 5 us after A's release: host 10 + 5 + 5; the GPU still bounds.
+  const Timeline woken = weft::plan::simulate(compiled, threads, *file.costs,
+                                              {.thread_wake_up_us = 5});
+  EXPECT_DOUBLE_EQ(woken.host[1].start_us, 15);
+  EXPECT_DOUBLE_EQ(woken.host_step_us, 20);
+  EXPECT_DOUBLE_EQ(woken.step_us, 100);
+  EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs, {.thread_wake_up_us = -1}),
+               weft::Error);
 }
 
 // Collectives on two threads and two streams: the second in run order waits for nothing but
@@ -222,3 +231,31 @@ TEST(ScheduleFile, BadInputNamesThePath) {
 }
 
 }  // namespace
+
+// Two independent 100 us bodies on two threads: 100 us of host per progress() in parallel; when
+// both hold the GIL, t0's A (ready first, the lower thread on a tie) runs, then B: 200 us.
+TEST(Simulate, GilTasksShareOneLock) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["s1", "s2"],
+    "tasks": [{"name": "A", "stream": "s1"}, {"name": "B", "stream": "s2"}],
+    "thread_maps": [{"groups": {"t0": ["A"], "t1": ["B"]}}],
+    "costs": {"tasks": {"A": {"host_us": 100}, "B": {"host_us": 100}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  EXPECT_DOUBLE_EQ(weft::plan::simulate(compiled, threads, *file.costs).host_step_us, 100);
+  weft::plan::SimulationOptions options;
+  options.gil_tasks = {"A"};
+  EXPECT_DOUBLE_EQ(
+      weft::plan::simulate(compiled, threads, *file.costs, options).host_step_us, 100);
+  options.gil_tasks = {"A", "B"};
+  const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, options);
+  EXPECT_DOUBLE_EQ(t.host_step_us, 200);
+  EXPECT_DOUBLE_EQ(t.step_us, 200);
+  ASSERT_EQ(t.host.size(), 2u);
+  EXPECT_EQ(t.host[0].task, "A");
+  EXPECT_DOUBLE_EQ(t.host[0].start_us, 0);
+  EXPECT_DOUBLE_EQ(t.host[1].start_us, 100);
+  options.gil_tasks = {"ghost"};
+  EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs, options), weft::Error);
+}

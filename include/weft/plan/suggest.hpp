@@ -1,0 +1,98 @@
+// weft::plan::suggest: searches thread maps (which tasks share a host thread) and lookaheads for
+// the lowest simulated step time of a schedule under a cost model, and returns the best few as
+// ScheduleConfigs that weft::pipeline loads as they are.
+//
+// The search space. A thread map is a set partition of the tasks into at most max_threads
+// threads (one thread: the legacy map); each task's lookahead lies in [min_lookahead,
+// max_lookahead] (default: 0 to the schedule's own largest lookahead, so the search never keeps
+// more batches in flight than the schedule does), and a combination the schedule's rules refuse
+// (an ordering edge pointing forward in time) is skipped. Streams are not searched: a
+// ScheduleConfig has no field for a task's stream, so a moved stream could not be written.
+//
+// The search. When the whole space (partitions x lookahead combinations) has at most
+// exact_limit points it is enumerated: the result is the optimum under the model. Otherwise,
+// from each start (the legacy map, by_stream, per_task and the caller's start_maps, those that
+// fit in max_threads, each with the schedule's own lookaheads and with every lookahead at its
+// upper bound) it alternates two steps until neither improves the step: thread maps (every
+// partition when there are at most exact_limit of them, else steepest descent over moving one
+// task to another or a new thread) and lookaheads (every combination when there are at most
+// exact_limit, else coordinate descent over the tasks in declaration order). Candidates are ranked by step time (to the nanosecond),
+// then host time of one progress(), then less time waiting across threads, then fewer threads,
+// then a smaller sum of lookaheads (fewer batches in flight), then the partition and lookaheads
+// in declaration order: the result depends on the input only.
+//
+//   const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = kD6}));
+//   SuggestResult r = suggest(compiled, CostModel::hstu_defaults(), {.max_threads = 4});
+//   std::puts(r.suggestions[0].config.to_json().c_str());   // load with ScheduleConfig::parse
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "weft/pipeline/compiled_schedule.hpp"
+#include "weft/pipeline/schedule_config.hpp"
+#include "weft/pipeline/thread_map.hpp"
+#include "weft/plan/cost_model.hpp"
+#include "weft/plan/report.hpp"
+#include "weft/plan/simulate.hpp"
+
+namespace weft::plan {
+
+struct SuggestOptions {
+  int max_threads = 4;     // threads of a thread map, >= 1
+  int min_lookahead = 0;   // lower bound of every task's lookahead, >= 0
+  int max_lookahead = -1;  // upper bound; -1: the schedule's largest lookahead
+  int num_best = 3;        // suggestions returned, >= 1
+  // Spaces of at most this many points are enumerated rather than searched locally.
+  std::size_t exact_limit = 20000;
+  SimulationOptions simulation;
+  // More maps to start from (e.g. the presets); the result is never worse than any of them
+  // under the schedule's own lookaheads.
+  std::vector<pipeline::ThreadMap> start_maps;
+};
+
+// One suggested schedule: its config and what the simulator predicts for it.
+struct Suggestion {
+  // thread_map (legacy, or groups t0, t1, ... in order of their first tasks) and every task's
+  // lookahead.
+  pipeline::ScheduleConfig config;
+  std::vector<TaskPlacement> placement;
+  double step_us = 0;
+  double host_step_us = 0;
+  std::size_t num_threads = 0;
+  std::string busiest_thread;  // the thread whose task bodies take longest in one progress()
+  double busiest_thread_busy_us = 0;
+  // What bounds the step: "stream <name>" (the busiest stream is busy 99% of the step or more),
+  // "host" (one progress() takes 99% of the step or more) or "GPU waits across streams
+  // (busiest: <name>, <us> us)" (neither: streams wait for each other's work).
+  std::string bound;
+  // The cross-thread waits of the drawn progress(), longest first.
+  std::vector<WaitEdge> waits;
+};
+
+struct SuggestResult {
+  // Best first, at most num_best, one per thread map (with that map's best lookaheads).
+  std::vector<Suggestion> suggestions;
+  Suggestion start;                   // the schedule as given, under the legacy map
+  std::string method;                 // "exact" or "local"
+  std::vector<std::string> searched;  // what the search covered, one line each
+  std::vector<std::string> not_searched;
+  std::size_t num_evaluated = 0;  // distinct candidates simulated
+  std::size_t num_refused = 0;    // candidates the schedule's rules refused
+};
+
+// Throws weft::Error for options out of range, costs the schedule lacks, or a space of one point
+// (a schedule the search cannot move: one task and lookaheads fixed by the bounds).
+SuggestResult suggest(const pipeline::CompiledSchedule& schedule, const CostModel& costs,
+                      const SuggestOptions& options = {});
+
+// Task costs read off a measured progress() (read_chrome_trace): each task's host span, and its
+// GPU spans in time order as segments. A task the trace lacks gets default_host_us.
+CostModel costs_from_trace(const VariantReport& measured);
+
+// The printed table `weft plan --suggest` shows: one row per suggestion and the start, then what
+// was and was not searched.
+std::string describe(const SuggestResult& result);
+
+}  // namespace weft::plan
