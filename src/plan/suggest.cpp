@@ -22,8 +22,13 @@ using pipeline::ThreadMap;
 // A point of the search space: the thread of every task as a restricted growth string over the
 // tasks in declaration order (thread[0] = 0, thread[t] <= 1 + max of the earlier ones), so each
 // partition has exactly one spelling, and the lookahead of every task.
+// A task's thread in a candidate map (canonical labels 0, 1, ...; 255 marks a new thread while a
+// move is tried). Wider than a byte: ordered containers of byte vectors compare through memcmp,
+// which some compilers' bounds analysis misreads (-Wstringop-overread) at -O3.
+using ThreadLabel = std::uint16_t;
+
 struct Candidate {
-  std::vector<std::uint8_t> thread;
+  std::vector<ThreadLabel> thread;
   std::vector<int> lookahead;
   auto operator<=>(const Candidate&) const = default;
 };
@@ -34,12 +39,12 @@ std::size_t num_threads_of(const Candidate& c) {
 }
 
 // Relabels threads in order of first appearance (the canonical spelling of the partition).
-void canonicalise(std::vector<std::uint8_t>& thread) {
+void canonicalise(std::vector<ThreadLabel>& thread) {
   std::vector<int> label(256, -1);
-  std::uint8_t next = 0;
+  ThreadLabel next = 0;
   for (auto& t : thread) {
     if (label[t] < 0) label[t] = next++;
-    t = std::uint8_t(label[t]);
+    t = ThreadLabel(label[t]);
   }
 }
 
@@ -78,8 +83,8 @@ std::size_t num_partitions(std::size_t n, std::size_t k) {
 // lexicographic order.
 template <typename F>
 void for_each_partition(std::size_t n, std::size_t k, F&& f) {
-  std::vector<std::uint8_t> thread(n, 0);
-  std::vector<std::uint8_t> max_before(n, 0);  // max of thread[0..i-1]
+  std::vector<ThreadLabel> thread(n, 0);
+  std::vector<ThreadLabel> max_before(n, 0);  // max of thread[0..i-1]
   while (true) {
     f(thread);
     // Next string: increment the last position that can grow, reset the ones after it.
@@ -230,7 +235,7 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   if (exact) {
     for_each_lookahead(n, lo, hi, [&](const std::vector<int>& la) {
       if (!search.compiled_with(la)) return;
-      for_each_partition(n, k, [&](const std::vector<std::uint8_t>& thread) {
+      for_each_partition(n, k, [&](const std::vector<ThreadLabel>& thread) {
         search.score({thread, la});
       });
     });
@@ -240,7 +245,7 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
       bool improved = false;
       if (exact_maps) {
         Candidate best = current;
-        for_each_partition(n, k, [&](const std::vector<std::uint8_t>& thread) {
+        for_each_partition(n, k, [&](const std::vector<ThreadLabel>& thread) {
           Candidate c{thread, current.lookahead};
           if (search.better(c, best)) best = std::move(c);
         });
@@ -255,7 +260,7 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
           for (std::size_t to = 0; to <= std::min(used, k - 1); ++to) {
             if (to == current.thread[t]) continue;
             Candidate c = current;
-            c.thread[t] = std::uint8_t(to == used ? 255 : to);  // 255: a new thread
+            c.thread[t] = ThreadLabel(to == used ? 255 : to);  // 255: a new thread
             canonicalise(c.thread);
             if (search.better(c, best)) best = std::move(c);
           }
@@ -299,8 +304,8 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
 
     // Start maps, each once, with the name of its first spelling; those over k threads are left
     // out.
-    std::vector<std::vector<std::uint8_t>> start_maps;
-    auto add_start = [&](std::vector<std::uint8_t> thread, const std::string& name) {
+    std::vector<std::vector<ThreadLabel>> start_maps;
+    auto add_start = [&](std::vector<ThreadLabel> thread, const std::string& name) {
       canonicalise(thread);
       if (num_threads_of({thread, {}}) > k ||
           std::find(start_maps.begin(), start_maps.end(), thread) != start_maps.end()) {
@@ -309,19 +314,19 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
       start_maps.push_back(std::move(thread));
       start_names += (start_names.empty() ? "" : ", ") + name;
     };
-    std::vector<std::uint8_t> by_stream(n), per_task(n);
+    std::vector<ThreadLabel> by_stream(n), per_task(n);
     for (TaskId t = 0; t < n; ++t) {
-      by_stream[t] = std::uint8_t(std::min<std::size_t>(schedule.stream_of(t), 255));
-      per_task[t] = std::uint8_t(std::min<std::size_t>(t, 255));
+      by_stream[t] = ThreadLabel(std::min<std::size_t>(schedule.stream_of(t), 255));
+      per_task[t] = ThreadLabel(std::min<std::size_t>(t, 255));
     }
-    add_start(std::vector<std::uint8_t>(n, 0), "legacy");
+    add_start(std::vector<ThreadLabel>(n, 0), "legacy");
     add_start(by_stream, "by_stream");
     if (n <= k) add_start(per_task, "per_task");
     for (const ThreadMap& map : options.start_maps) {
       const auto threads = map.assign(schedule);
       if (threads.num_threads() > k) continue;
-      std::vector<std::uint8_t> thread(n);
-      for (TaskId t = 0; t < n; ++t) thread[t] = std::uint8_t(threads.thread_of_task[t]);
+      std::vector<ThreadLabel> thread(n);
+      for (TaskId t = 0; t < n; ++t) thread[t] = ThreadLabel(threads.thread_of_task[t]);
       add_start(std::move(thread), map.name());
     }
     for (const auto& lookaheads : {own, std::vector<int>(n, hi)}) {
@@ -396,13 +401,13 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   };
   // The best few thread maps, each with its best lookaheads: variants of one map that differ
   // only in a lookahead that changes nothing would say the same thing a few times.
-  std::set<std::vector<std::uint8_t>> maps_taken;
+  std::set<std::vector<ThreadLabel>> maps_taken;
   for (const auto& [score, c] : ranked) {
     if (result.suggestions.size() == std::size_t(options.num_best)) break;
     if (!maps_taken.insert(c->thread).second) continue;
     result.suggestions.push_back(describe_candidate(*c));
   }
-  Candidate start{std::vector<std::uint8_t>(n, 0), {}};
+  Candidate start{std::vector<ThreadLabel>(n, 0), {}};
   for (TaskId t = 0; t < n; ++t) start.lookahead.push_back(schedule.task(t).lookahead());
   result.start = describe_candidate(start);
   result.num_evaluated = ranked.size();
