@@ -6,8 +6,8 @@ over torch and torch.distributed.
     losses = drain(engine, ZipfLoader(num_batches))
     losses = list(step.sequential(ZipfLoader(num_batches)))   # the same bodies, no engine
 
-What each task does (the collectives are the seed's inventory, src/pipeline/hstu.cpp; "sync" is a
-read back to the host that waits for the task's stream):
+What each task does (the collectives are the HSTU benchmark's inventory, src/pipeline/hstu.cpp;
+"sync" is a read back to the host that waits for the task's stream):
 
   h2d                      collate() the batch on the host (numpy), copy it to the device
   start_shuffle            AllGather of the ranks' token counts; sync

@@ -272,19 +272,20 @@ void write_gantt(std::ostringstream& out, const VariantReport& variant) {
     }
     const Row& from = rows[host_row[wait.producer_thread]];
     const Row& to = rows[host_row[wait.consumer_thread]];
-    const bool seed_rule = wait.rule != WaitRule::kTicket && wait.rule != WaitRule::kStreamOrder;
+    const bool lookahead_rule = is_lookahead_rule(wait.rule);
     const double x0 = x_of(producer->end_us);
     const double x1 = x_of(consumer->start_us);
     const double y0 = from.y + kBarHeight / 2;
     const double y1 = to.y + kBarHeight / 2;
-    out << "<g><title>" << escape(wait.producer + " -> " + wait.consumer + " (" +
-                                  to_string(wait.rule) + ", waited " + fmt(wait.waited_us) +
-                                  " us) " + wait.cause)
+    out << "<g><title>"
+        << escape(wait.producer + " -> " + wait.consumer + " (" + to_string(wait.rule) +
+                  ", waited " + fmt(wait.waited_us) + " us) " + wait.cause)
         << "</title><path d='M" << fmt(x0) << "," << fmt(y0) << " C" << fmt(x0 + 18) << ","
         << fmt(y0) << " " << fmt(x1 - 18) << "," << fmt(y1) << " " << fmt(x1) << "," << fmt(y1)
-        << "' fill='none' stroke='" << (seed_rule ? "#d62728" : "#777") << "' stroke-width='"
-        << (seed_rule ? "2" : "1.5") << "' stroke-dasharray='" << (seed_rule ? "5,3" : "2,3")
-        << "'" << (seed_rule ? " marker-end='url(#arrow-" + escape(variant.name) + ")'" : "")
+        << "' fill='none' stroke='" << (lookahead_rule ? "#d62728" : "#777") << "' stroke-width='"
+        << (lookahead_rule ? "2" : "1.5") << "' stroke-dasharray='"
+        << (lookahead_rule ? "5,3" : "2,3") << "'"
+        << (lookahead_rule ? " marker-end='url(#arrow-" + escape(variant.name) + ")'" : "")
         << "/></g>\n";
   }
   out << "</svg>\n";
@@ -393,17 +394,16 @@ std::string render_html(const std::vector<VariantReport>& variants, const Report
 
   out << "<h2>Variants</h2>\n<table id=variants><tr><th>variant</th><th>cascade</th>"
          "<th>thread_map</th><th>#threads</th><th>step (us)</th><th>host per progress (us)</th>"
-         "<th>cross-thread waits</th><th>of them seed rules</th><th>source</th></tr>\n";
+         "<th>cross-thread waits</th><th>of them lookahead rules</th><th>source</th></tr>\n";
   for (const auto& v : variants) {
-    std::size_t seed_waits = 0;
-    for (const auto& w : v.timeline.waits) {
-      if (w.rule != WaitRule::kTicket && w.rule != WaitRule::kStreamOrder) ++seed_waits;
-    }
+    const auto num_lookahead_waits =
+        std::count_if(v.timeline.waits.begin(), v.timeline.waits.end(),
+                      [](const WaitEdge& w) { return is_lookahead_rule(w.rule); });
     out << "<tr><td><a href='#" << escape(v.name) << "'>" << escape(v.name) << "</a></td><td>"
         << escape(v.cascade) << "</td><td>" << escape(v.thread_map) << "</td><td class=num>"
         << v.timeline.threads.size() << "</td><td class=num>" << fmt(v.timeline.step_us)
         << "</td><td class=num>" << fmt(v.timeline.host_step_us) << "</td><td class=num>"
-        << v.timeline.waits.size() << "</td><td class=num>" << seed_waits << "</td><td>"
+        << v.timeline.waits.size() << "</td><td class=num>" << num_lookahead_waits << "</td><td>"
         << escape(v.source) << "</td></tr>\n";
   }
   out << "</table>\n";

@@ -1,7 +1,8 @@
 // `weft run hstu`: the HSTU-shaped training step (docs/hstu.md) on real GPUs, through the engine,
-// under the seed's variants. Per variant: step time (median, range), how busy the default stream
-// is, communication left exposed, the engine's host overhead, a Chrome trace; then the planner
-// calibrated on the legacy run predicts every variant, next to what was measured.
+// under the variants of the HSTU benchmark's preset schedule. Per variant: step time (median,
+// range), how busy the default stream is, communication left exposed, the engine's host overhead, a
+// Chrome trace; then the planner calibrated on the legacy run predicts every variant, next to what
+// was measured.
 //
 //   mpirun -np 2 --bind-to none weft run hstu --variant all --steps 200 --out-dir out
 //   RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NCCL_COMM_ID=127.0.0.1:29600 weft run hstu ... &  (rank 1 too)
@@ -407,7 +408,8 @@ void register_run(CLI::App& app) {
   auto options = std::make_shared<RunOptions>();
   auto* run = app.add_subcommand("run", "Run a preset workload on real GPUs through the engine");
   run->require_subcommand(1);
-  auto* hstu = run->add_subcommand("hstu", "The HSTU training step under the seed's variants");
+  auto* hstu = run->add_subcommand(
+      "hstu", "The HSTU training step under the HSTU benchmark's preset variants");
   hstu->add_option("--variant", options->variants, "variant name, or all (repeatable)")
       ->capture_default_str();
   hstu->add_option("--steps", options->num_steps, "training steps per variant")->capture_default_str();

@@ -1,6 +1,7 @@
-// The HSTU preset schedule (docs/pipeline.md, ../shared/DESIGN.md "HSTU presets"): 14 tasks on
-// the streams default, memcpy, data_dist and prefetch, in two lookahead cascades, and the seed's
-// nine variants (cascade + thread map). Bodies are the caller's; a task without one does nothing.
+// The HSTU preset schedule (docs/pipeline.md, "HSTU presets"): 14 tasks on
+// the streams default, memcpy, data_dist and prefetch, in two lookahead cascades, and the HSTU
+// benchmark's nine variants (cascade + thread map). Bodies are the caller's; a task without one
+// does nothing.
 //
 //   auto variant = hstu_variant("full_split_d6");
 //   Engine engine(hstu_schedule({.cascade = variant.cascade, .bodies = my_bodies}),

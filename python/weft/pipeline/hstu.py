@@ -1,12 +1,12 @@
-"""The HSTU preset schedule with Python bodies: the 14 tasks of the seed's training step.
+"""The HSTU preset schedule with Python bodies: the 14 tasks of the HSTU benchmark's training step.
 
     schedule = hstu_schedule({"forward": forward, "backward": backward}, cascade="d3")
     cascade, thread_map = hstu_variant("full_split_d6")      # ("d6", "full_split")
     engine = Engine(hstu_schedule(bodies, cascade=cascade), thread_map)
 
-The schedule is weft::pipeline::hstu_schedule (streams, slots, edges and the seed's collective
-inventory, docs/pipeline.md "HSTU presets"); a task without a body does nothing. The data
-iterator fills the input ``batch_cpu``; ``optimizer_step`` writes ``step_result``, what
+The schedule is weft::pipeline::hstu_schedule (streams, slots, edges and the HSTU benchmark's
+collective inventory, docs/pipeline.md "HSTU presets"); a task without a body does nothing. The
+data iterator fills the input ``batch_cpu``; ``optimizer_step`` writes ``step_result``, what
 ``Engine.progress()`` returns.
 """
 
@@ -37,7 +37,7 @@ def hstu_schedule(bodies: Optional[Mapping[str, Callable]] = None, *, cascade: s
 
 
 def hstu_variants() -> List[HstuVariant]:
-    """The seed's nine variants: legacy_none, default_d3, ..., full_split_d6."""
+    """The HSTU benchmark's nine variants: legacy_none, default_d3, ..., full_split_d6."""
     return [HstuVariant(*v) for v in _weft.pipeline.hstu_variants()]
 
 

@@ -1,4 +1,4 @@
-"""Tasks: one unit of a training step, declared as in the HSTU seed's engine.
+"""Tasks: one unit of a training step, declared as in the HSTU benchmark's engine.
 
 Two forms, the same fields::
 
@@ -19,7 +19,7 @@ Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``),
 ``cross_iter_depends_on`` (``"X"`` = ``("X", -1)``, or ``("X", -N)``), ``same_progress_sync``
 (``"X"``, ``("X", SyncSide.GPU)``, ``{"task": "X", "sides": "cpu"}``; default side BOTH),
 ``collective`` (True, or the inventory: ``CollectiveOp``\\ s or ``(kind, stream, num_bytes,
-count)`` tuples; ``nccl=True`` is the seed's spelling of ``collective=True``).
+count)`` tuples; ``nccl=True`` is the HSTU benchmark's spelling of ``collective=True``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class SyncSide(enum.IntFlag):
     BOTH = 3
 
 
-SameProgressSyncSide = SyncSide  # the seed's name
+SameProgressSyncSide = SyncSide  # the HSTU benchmark's name
 
 _SIDE_NAMES = {SyncSide.CPU: "cpu", SyncSide.GPU: "gpu", SyncSide.BOTH: "both"}
 _SIDES_BY_NAME = {v: k for k, v in _SIDE_NAMES.items()}
@@ -145,7 +145,8 @@ def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
 
 def _collective(collective, nccl) -> Tuple[bool, Tuple[CollectiveOp, ...]]:
     if nccl is not None and collective is not None and bool(nccl) != bool(collective):
-        raise ValueError("collective= and nccl= disagree (nccl is the seed's name for collective)")
+        raise ValueError("collective= and nccl= disagree "
+                         "(nccl is the HSTU benchmark's name for collective)")
     value = collective if collective is not None else nccl
     if value is None or value is False:
         return False, ()

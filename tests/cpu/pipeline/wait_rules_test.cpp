@@ -53,13 +53,13 @@ TEST(HstuPreset, FourteenTasksAndTheCascades) {
   for (const Task& t : d3.tasks()) {
     for (const CollectiveOp& op : t.collectives()) num_kernels += op.count;
   }
-  EXPECT_EQ(num_kernels, 11);  // the seed's NCCL inventory
+  EXPECT_EQ(num_kernels, 11);  // the HSTU benchmark's NCCL inventory
   EXPECT_EQ(hstu_variants().size(), 9u);
   testing::expect_error([] { hstu_variant("nope"); }, {"'nope'", "full_split_d6"});
   testing::expect_error([] { hstu_schedule({.bodies = {{"ghost", {}}}}); }, {"'ghost'"});
 }
 
-// The seed's consequence: no d3 variant waits from an io task on a non-io task inside a
+// The HSTU benchmark's consequence: no d3 variant waits from an io task on a non-io task inside a
 // progress; default_d6 and full_split_d6 do (finish_shuffle -> start_input_dist, both la 3).
 TEST(WaitRules, IoToComputeWaitsOnlyInTheD6Cascade) {
   for (const HstuVariant& v : hstu_variants()) {

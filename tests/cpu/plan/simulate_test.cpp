@@ -1,5 +1,5 @@
-// The seed's statements about the HSTU presets, as tests of the simulator (which uses the
-// engine's own wait rules), plus exact timings on small schedules computed by hand.
+// The HSTU benchmark's statements about its preset schedule, as tests of the simulator (which
+// uses the engine's own wait rules), plus exact timings on small schedules computed by hand.
 #include "weft/plan/simulate.hpp"
 
 #include <gtest/gtest.h>
@@ -26,8 +26,6 @@ Timeline simulate_variant(const weft::pipeline::HstuVariant& v) {
   return weft::plan::simulate(compiled, threads, CostModel::hstu_defaults());
 }
 
-bool seed_rule(WaitRule rule) { return rule != WaitRule::kTicket && rule != WaitRule::kStreamOrder; }
-
 const std::set<std::string> kIoTasks = {"h2d", "start_shuffle", "finish_shuffle"};
 
 TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
@@ -36,7 +34,7 @@ TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
     bool io_to_non_io = false;
     bool shuffle_to_input_dist = false;
     for (const auto& w : t.waits) {
-      if (!seed_rule(w.rule)) continue;
+      if (!weft::plan::is_lookahead_rule(w.rule)) continue;
       if (kIoTasks.count(w.producer) && !kIoTasks.count(w.consumer)) io_to_non_io = true;
       if (w.producer == "finish_shuffle" && w.consumer == "start_input_dist") {
         shuffle_to_input_dist = true;

@@ -138,7 +138,7 @@ TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
       EXPECT_TRUE(bit_equal(run[std::size_t(r)].losses, results[0][std::size_t(r)].losses));
     }
   }
-  // The inventory: 11 NCCL calls per step, as in the seed.
+  // The inventory: 11 NCCL calls per step, as in the HSTU benchmark.
   double calls = 0;
   for (const auto& e : results[0][0].inventory) calls += e.calls_per_run;
   EXPECT_DOUBLE_EQ(calls, 11.0);
