@@ -50,17 +50,17 @@ CostModel CostModel::parse(std::string_view json_text) {
       TaskCost cost;
       if (entry.contains("host_us")) cost.host_us = cost_at(entry["host_us"], path + ".host_us");
       if (entry.contains("gpu")) {
-        const json& gpu = entry["gpu"];
-        WEFT_CHECK(gpu.is_array(), path, ".gpu: expected an array of {stream, us}");
-        for (std::size_t i = 0; i < gpu.size(); ++i) {
-          const std::string seg_path = path + ".gpu[" + std::to_string(i) + "]";
-          only_keys(gpu[i], seg_path, {"stream", "us"});
-          WEFT_CHECK(gpu[i].contains("stream"), seg_path, ".stream: missing");
-          std::string stream = json_input::string_at(gpu[i]["stream"], seg_path + ".stream");
-          WEFT_CHECK(!stream.empty(), seg_path, ".stream: expected a stream name");
-          WEFT_CHECK(gpu[i].contains("us"), seg_path, ".us: missing");
-          cost.gpu.push_back({std::move(stream), cost_at(gpu[i]["us"], seg_path + ".us")});
-        }
+        json_input::for_each_element(
+            entry["gpu"], path + ".gpu", "{stream, us}",
+            [&](const json& segment, const std::string& p) {
+              only_keys(segment, p, {"stream", "us"});
+              std::string stream =
+                  json_input::name_at(json_input::required_member(segment, p, "stream"),
+                                      p + ".stream", "a stream name");
+              cost.gpu.push_back(
+                  {std::move(stream),
+                   cost_at(json_input::required_member(segment, p, "us"), p + ".us")});
+            });
       }
       model.tasks.emplace(name, std::move(cost));
     }

@@ -57,7 +57,10 @@ TEST(ScheduleConfigTest, SchemaErrorsSayWhere) {
   expect_error(parse(R"({"lookahead": {"h2d": "5"}})"), {"$.lookahead.h2d"});
   expect_error(parse(R"({"same_progress_sync": {}})"), {"$.same_progress_sync: expected an array"});
   expect_error(parse(R"({"same_progress_sync": [{"producer": "a"}]})"),
-               {"$.same_progress_sync[0]: needs"});
+               {"$.same_progress_sync[0].consumer: missing"});
+  expect_error(parse(R"({"thread_map": {"rest": "x"}})"), {"$.thread_map.groups: missing"});
+  expect_error(parse(R"({"thread_map": {"groups": {"io": "h2d"}}})"),
+               {"$.thread_map.groups.io: expected an array of task names"});
   expect_error(parse(R"({"same_progress_sync": [{"producer": "a", "consumer": "b", "side": "up"}]})"),
                {"$.same_progress_sync[0].side:", "'up'"});
   Schedule s = hstu_schedule();
