@@ -298,3 +298,19 @@ def test_torch_backend_without_a_gpu_says_so():
 def test_adopted_streams_need_the_torch_backend():
     with pytest.raises(ValueError, match="streams= needs backend='torch'"):
         Engine(two_stage(), "legacy", streams={"memcpy": object()})
+
+
+def test_sync_sides_cross_the_binding_as_the_bound_enum():
+    from weft import _weft
+    native_side = _weft.pipeline.SyncSide
+    assert {side.name for side in native_side} == {"CPU", "GPU", "BOTH"}
+    s = Schedule([Task.from_fn("a", None),
+                  Task.from_fn("b", None, same_progress_sync=[("a", SyncSide.GPU)])])
+    assert s._to_native(with_bodies=False).describe()["tasks"][1]["same_progress_sync"] == [
+        ("a", native_side.GPU)]
+    ScheduleConfig.from_dict({"same_progress_sync": [
+        {"producer": "a", "consumer": "b", "side": "cpu"}]}).apply(s)
+    assert s.task("b").same_progress_sync == (("a", SyncSide.CPU),)
+    assert ScheduleConfig.from_dict({"same_progress_sync": [
+        {"producer": "a", "consumer": "b", "side": "both"}]}).same_progress_sync == [
+        ("a", "b", SyncSide.BOTH)]

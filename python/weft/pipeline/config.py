@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _checks, _weft
 from .schedule import Schedule
-from .task import SyncSide, _SIDES_BY_NAME
+from .task import SyncSide, _SIDES_OF_NATIVE
 from .thread_map import ThreadMap
 
 __all__ = ["ScheduleConfig"]
@@ -53,7 +53,7 @@ class ScheduleConfig:
     @property
     def same_progress_sync(self) -> List[Tuple[str, str, SyncSide]]:
         """(producer, consumer, side) edges the config adds or changes."""
-        return [(p, c, _SIDES_BY_NAME[side]) for p, c, side in self._native.same_progress_sync]
+        return [(p, c, _SIDES_OF_NATIVE[side]) for p, c, side in self._native.same_progress_sync]
 
     def apply(self, schedule: Schedule) -> None:
         """Overrides lookaheads and adds (or re-sides) same_progress_sync edges, in place."""

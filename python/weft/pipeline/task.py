@@ -28,7 +28,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
-from .. import _checks
+from .. import _checks, _weft
 from .._weft.pipeline import MAX_LOOKAHEAD
 
 __all__ = ["CollectiveOp", "SameProgressSyncSide", "SyncSide", "Task"]
@@ -47,6 +47,9 @@ SameProgressSyncSide = SyncSide  # the HSTU benchmark's name
 
 _SIDE_NAMES = {SyncSide.CPU: "cpu", SyncSide.GPU: "gpu", SyncSide.BOTH: "both"}
 _SIDES_BY_NAME = {v: k for k, v in _SIDE_NAMES.items()}
+# The bound weft::pipeline::SyncSide of each side, and back: sides cross to C++ as the enum.
+_NATIVE_SIDES = {side: getattr(_weft.pipeline.SyncSide, side.name) for side in _SIDE_NAMES}
+_SIDES_OF_NATIVE = {native: side for side, native in _NATIVE_SIDES.items()}
 
 
 @dataclass(frozen=True)
