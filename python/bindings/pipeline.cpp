@@ -22,7 +22,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-
 #include <pthread.h>
 
 #include <any>
@@ -551,35 +550,6 @@ void bind_schedule(nb::module_& m) {
         }
         return lines;
       });
-
-  m.def(
-      "hstu_schedule",
-      [](const std::string& cascade, bool prefetch, const std::vector<std::string>& body_names) {
-        pl::HstuOptions options;
-        WEFT_CHECK(cascade == "d3" || cascade == "d6", "hstu_schedule: cascade '", cascade,
-                   "' is neither d3 nor d6");
-        options.cascade = cascade == "d3" ? pl::HstuCascade::kD3 : pl::HstuCascade::kD6;
-        options.prefetch = prefetch;
-        for (const std::string& name : body_names) options.bodies[name] = pl::TaskBody{};
-        return pl::hstu_schedule(options);
-      },
-      nb::arg("cascade"), nb::arg("prefetch"), nb::arg("body_names"));
-  m.def("hstu_task_names", [] {
-    std::vector<std::string> names;
-    for (std::string_view n : pl::hstu_task_names()) names.emplace_back(n);
-    return names;
-  });
-  m.def("hstu_variants", [] {
-    std::vector<std::tuple<std::string, std::string, std::string>> out;
-    for (const pl::HstuVariant& v : pl::hstu_variants()) {
-      out.emplace_back(v.name, std::string(pl::to_string(v.cascade)), v.thread_map);
-    }
-    return out;
-  });
-  m.def("hstu_variant", [](const std::string& name) {
-    const pl::HstuVariant& v = pl::hstu_variant(name);
-    return std::make_tuple(std::string(pl::to_string(v.cascade)), std::string(v.thread_map));
-  });
 }
 
 void bind_thread_map(nb::module_& m) {

@@ -75,8 +75,8 @@ struct VariantResult {
 
 // Median host time of one progress() of the variant's schedule with empty bodies on the CUDA
 // backend: what the engine itself costs per step (events, waits, tickets, thread hand-offs).
-double engine_overhead_us(const pipeline::HstuVariant& v, int device) {
-  pipeline::Engine engine(pipeline::hstu_schedule({.cascade = v.cascade}),
+double engine_overhead_us(const hstu::HstuVariant& v, int device) {
+  pipeline::Engine engine(hstu::hstu_schedule({.cascade = v.cascade}),
                           pipeline::ThreadMap::preset(v.thread_map), pipeline::CudaBackend(device));
   engine.set_source([](pipeline::Batch&) { return true; });
   for (int i = 0; i < 50; ++i) engine.progress();
@@ -118,12 +118,12 @@ std::string human_bytes(double bytes) {
 // One rank's whole run. Rank 0 prints and writes the files.
 void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t comm, int device) {
   const bool lead = config.rank == 0;
-  std::vector<const pipeline::HstuVariant*> chosen;
+  std::vector<const hstu::HstuVariant*> chosen;
   for (const auto& name : options.variants) {
     if (name == "all") {
-      for (const auto& v : pipeline::hstu_variants()) chosen.push_back(&v);
+      for (const auto& v : hstu::hstu_variants()) chosen.push_back(&v);
     } else {
-      chosen.push_back(&pipeline::hstu_variant(name));
+      chosen.push_back(&hstu::hstu_variant(name));
     }
   }
   if (lead) {
@@ -134,7 +134,7 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
                 config.num_layers, config.hidden);
     std::size_t max_num_threads = 1;
     for (const auto* v : chosen) {
-      const pipeline::CompiledSchedule schedule(pipeline::hstu_schedule({.cascade = v->cascade}));
+      const pipeline::CompiledSchedule schedule(hstu::hstu_schedule({.cascade = v->cascade}));
       max_num_threads = std::max(
           max_num_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
     }
@@ -250,12 +250,12 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
   // Calibrated planner: costs from one variant's trace, every variant simulated.
   std::vector<plan::VariantReport> reports;
   for (auto& r : results) {
-    const auto& v = pipeline::hstu_variant(r.name);
-    const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = v.cascade}));
+    const auto& v = hstu::hstu_variant(r.name);
+    const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = v.cascade}));
     const auto map = pipeline::ThreadMap::preset(v.thread_map);
     plan::VariantReport sim;
     sim.name = r.name + " (calibrated plan)";
-    sim.cascade = std::string(pipeline::to_string(v.cascade));
+    sim.cascade = std::string(hstu::to_string(v.cascade));
     sim.thread_map = std::string(v.thread_map);
     sim.source = "simulated, costs from " + calibrated_on;
     sim.placement = plan::placement(compiled, map.assign(compiled));
@@ -342,10 +342,10 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
 void check_arguments(const RunOptions& options) {
   WEFT_CHECK(options.num_steps >= 8, "--steps must be >= 8");
   for (const auto& name : options.variants) {
-    if (name != "all") pipeline::hstu_variant(name);
+    if (name != "all") hstu::hstu_variant(name);
   }
   try {
-    pipeline::hstu_variant(options.calibrate_from);
+    hstu::hstu_variant(options.calibrate_from);
   } catch (const Error& e) {
     WEFT_FAIL("--calibrate-from: ", e.message());
   }

@@ -20,7 +20,7 @@
 // Run order = topological order of the within-progress graph, declaration order breaking ties.
 // in_flight = max_lookahead + 1 ring slots.
 //
-//   CompiledSchedule c(hstu_schedule({.cascade = HstuCascade::kD3}));
+//   CompiledSchedule c(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
 //   for (auto id : c.run_order()) std::puts(c.task(id).name().c_str());
 #pragma once
 

@@ -2,7 +2,8 @@
 //
 //   {
 //     "thread_map": "full_split",              // or "legacy" | "by_stream" | "per_task" | a preset
-//                                              // or {"groups": {"io": ["h2d"], ...}, "rest": "compute"}
+//                                              // or {"groups": {"io": ["h2d"], ...}, "rest":
+//                                              "compute"}
 //     "lookahead": {"h2d": 5, "start_shuffle": 4},
 //     "same_progress_sync": [
 //       {"producer": "prefetch_embeddings", "consumer": "backward", "side": "gpu"}
@@ -16,7 +17,7 @@
 // refuses documents nested deeper than 64 levels, as parse() does.
 //
 //   auto config = ScheduleConfig::parse(read_file("hstu.json"));
-//   Schedule s = hstu_schedule();
+//   Schedule s = hstu::hstu_schedule();
 //   config.apply(s);
 //   Engine engine(std::move(s), config.thread_map.value_or(ThreadMap::legacy()));
 #pragma once

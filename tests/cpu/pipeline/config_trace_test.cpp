@@ -23,7 +23,7 @@ TEST(ScheduleConfigTest, RoundTripAndApply) {
   ASSERT_TRUE(config.thread_map.has_value());
   EXPECT_EQ(config.thread_map->thread_groups().size(), 2u);
 
-  Schedule s = hstu_schedule({.cascade = HstuCascade::kD3});
+  Schedule s = hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3});
   config.apply(s);
   CompiledSchedule c(std::move(s));
   EXPECT_EQ(c.in_flight(), 6);
@@ -63,7 +63,7 @@ TEST(ScheduleConfigTest, SchemaErrorsSayWhere) {
                {"$.thread_map.groups.io: expected an array of task names"});
   expect_error(parse(R"({"same_progress_sync": [{"producer": "a", "consumer": "b", "side": "up"}]})"),
                {"$.same_progress_sync[0].side:", "'up'"});
-  Schedule s = hstu_schedule();
+  Schedule s = hstu::hstu_schedule();
   expect_error([&] { ScheduleConfig::parse(R"({"lookahead": {"ghost": 1}})").apply(s); },
                {"$.lookahead.ghost", "no task 'ghost'"});
   expect_error([&] {
@@ -75,15 +75,15 @@ TEST(ScheduleConfigTest, SchemaErrorsSayWhere) {
 }
 
 TEST(TraceTest, SpansWaitsAndChromeJson) {
-  HstuOptions options{.cascade = HstuCascade::kD6};
-  for (auto name : hstu_task_names()) {
+  hstu::HstuOptions options{.cascade = hstu::HstuCascade::kD6};
+  for (auto name : hstu::hstu_task_names()) {
     options.bodies[std::string(name)] = [](TaskContext& c) {
       if (c.name() == "finish_shuffle" || c.name() == "forward") {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));  // make the consumer wait
       }
     };
   }
-  Engine engine(hstu_schedule(options), ThreadMap::preset("per_task"), HostBackend(),
+  Engine engine(hstu::hstu_schedule(options), ThreadMap::preset("per_task"), HostBackend(),
                 {.trace = true});
   engine.set_source([n = 0](Batch&) mutable { return n++ < 4; });
   while (engine.progress()) {

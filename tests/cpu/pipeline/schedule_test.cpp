@@ -244,7 +244,7 @@ TEST(ScheduleValidation, AllowedEdgeShapes) {
 }
 
 TEST(ThreadMapTest, PresetsAndErrors) {
-  CompiledSchedule c(hstu_schedule({.cascade = HstuCascade::kD3}));
+  CompiledSchedule c(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
   EXPECT_EQ(ThreadMap::preset("default").assign(c).thread_names,
             (std::vector<std::string>{"io", "compute"}));
   EXPECT_EQ(ThreadMap::preset("full_split").assign(c).thread_names,
@@ -256,7 +256,7 @@ TEST(ThreadMapTest, PresetsAndErrors) {
   EXPECT_EQ(ThreadMap::preset("per_task").assign(c).num_threads(), 14u);
   EXPECT_TRUE(ThreadMap::preset("legacy").assign(c).sequential);
   // Without prefetch_embeddings, the prefetch thread disappears.
-  CompiledSchedule no_prefetch(hstu_schedule({.prefetch = false}));
+  CompiledSchedule no_prefetch(hstu::hstu_schedule({.prefetch = false}));
   EXPECT_EQ(ThreadMap::preset("full_split").assign(no_prefetch).num_threads(), 3u);
 
   expect_error([] { ThreadMap::preset("nope"); }, {"'nope'", "full_split"});
