@@ -30,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -585,6 +586,11 @@ void bind_thread_map(nb::module_& m) {
       .def_static("load", &pl::ScheduleConfig::load)
       .def("to_json", &pl::ScheduleConfig::to_json)
       .def("apply", &pl::ScheduleConfig::apply)
+      .def("check_task_names",
+           [](const pl::ScheduleConfig& c, const std::vector<std::string>& names) {
+             const std::set<std::string, std::less<>> known(names.begin(), names.end());
+             c.check_task_names([&](std::string_view name) { return known.contains(name); });
+           })
       .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
       .def_prop_ro("lookahead",
                    [](const pl::ScheduleConfig& c) {

@@ -125,21 +125,24 @@ std::string ScheduleConfig::to_json() const {
   return root.dump(2);
 }
 
-void ScheduleConfig::apply(Schedule& schedule) const {
+void ScheduleConfig::check_task_names(const std::function<bool(std::string_view)>& has_task) const {
   const std::string file = source.empty() ? "" : source + ": ";
   auto check_task = [&](const std::string& task, const std::string& path) {
-    WEFT_CHECK(schedule.has_task(task), file, path, ": the schedule has no task '",
-               short_text(task), "'");
+    WEFT_CHECK(has_task(task), file, path, ": the schedule has no task '", short_text(task), "'");
   };
-  for (const auto& [task, la] : lookahead) {
-    check_task(task, member_path("$.lookahead", task));
-    schedule.task(task).lookahead(la);
-  }
+  for (const auto& [task, la] : lookahead) check_task(task, member_path("$.lookahead", task));
   for (std::size_t i = 0; i < same_progress_sync.size(); ++i) {
     const SyncEdgeConfig& e = same_progress_sync[i];
     const std::string path = json_input::element_path("$.same_progress_sync", i);
     check_task(e.consumer, path + ".consumer");
     check_task(e.producer, path + ".producer");
+  }
+}
+
+void ScheduleConfig::apply(Schedule& schedule) const {
+  check_task_names([&](std::string_view task) { return schedule.has_task(task); });
+  for (const auto& [task, la] : lookahead) schedule.task(task).lookahead(la);
+  for (const SyncEdgeConfig& e : same_progress_sync) {
     schedule.task(e.consumer).set_same_progress_sync(e.producer, e.side);
   }
 }

@@ -22,6 +22,7 @@
 //   Engine engine(std::move(s), config.thread_map.value_or(ThreadMap::legacy()));
 #pragma once
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -51,8 +52,11 @@ struct ScheduleConfig {
   static ScheduleConfig load(const std::string& path);
   // Pretty-printed JSON that parse() reads back to an equal config.
   std::string to_json() const;
-  // Overrides lookaheads and adds (or replaces) same_progress_sync edges. Throws weft::Error
-  // naming the source and the config entry for a task the schedule lacks.
+  // Throws weft::Error naming the source and the config entry for the first task the config
+  // names that `has_task` does not know (apply() checks this before changing anything).
+  void check_task_names(const std::function<bool(std::string_view)>& has_task) const;
+  // Overrides lookaheads and adds (or replaces) same_progress_sync edges; nothing changes when
+  // check_task_names() throws for the schedule.
   void apply(Schedule& schedule) const;
 
   // Equal when they tune a schedule alike; the source is not compared.

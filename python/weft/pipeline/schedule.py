@@ -137,13 +137,5 @@ class Schedule:
                             if t["collective"] and t["inventory"] else t["collective"])))
         return s
 
-    def _update_from_native(self, native) -> None:
-        # Lookaheads and syncs, as a ScheduleConfig changed them.
-        for t in native.describe()["tasks"]:
-            task = self.task(t["name"])
-            task.lookahead = t["lookahead"]
-            task.same_progress_sync = tuple((p, _SIDES_OF_NATIVE[side])
-                                            for p, side in t["same_progress_sync"])
-
     def __repr__(self) -> str:
         return f"Schedule({[t.name for t in self._tasks]}, inputs={self._inputs})"

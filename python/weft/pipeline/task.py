@@ -220,6 +220,15 @@ class Task:
     def _body(self) -> Optional[Callable]:
         return None if type(self).run is Task.run else self.run
 
+    def _set_same_progress_sync(self, producer: str, side: SyncSide) -> None:
+        # As weft::pipeline::Task::set_same_progress_sync: re-sides an edge from `producer` in
+        # place, else adds one (what a ScheduleConfig does).
+        if any(p == producer for p, _ in self.same_progress_sync):
+            self.same_progress_sync = tuple((p, side if p == producer else s)
+                                            for p, s in self.same_progress_sync)
+        else:
+            self.same_progress_sync += ((producer, side),)
+
     def _init(self) -> Optional[Callable]:
         return None if type(self).init is Task.init else self.init
 

@@ -9,6 +9,20 @@ namespace {
 
 using testing::expect_error;
 
+// A config naming a task the schedule lacks changes nothing, whichever entry names it.
+TEST(ScheduleConfigTest, ApplyChecksEveryNameBeforeChangingAnything) {
+  const ScheduleConfig config = ScheduleConfig::parse(R"({
+    "lookahead": {"h2d": 5},
+    "same_progress_sync": [{"producer": "ghost", "consumer": "forward", "side": "cpu"}]})");
+  Schedule s = hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3});
+  expect_error([&] { config.apply(s); }, {"$.same_progress_sync[0].producer", "'ghost'"});
+  EXPECT_EQ(s.task("h2d").lookahead(), 2);
+  EXPECT_TRUE(s.task("forward").same_progress_sync().empty());
+  expect_error([&] { config.check_task_names([](std::string_view n) { return n != "ghost"; }); },
+               {"$.same_progress_sync[0].producer"});
+  config.check_task_names([](std::string_view) { return true; });
+}
+
 TEST(ScheduleConfigTest, RoundTripAndApply) {
   const char* text = R"({
     "thread_map": {"groups": {"io": ["h2d", "start_shuffle", "finish_shuffle"],
