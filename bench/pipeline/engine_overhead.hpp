@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/pipeline.hpp"
 
 namespace weft::pipeline::bench {
@@ -18,25 +19,28 @@ namespace weft::pipeline::bench {
 inline void register_engine_overhead(
     const std::string& backend_name,
     std::function<std::unique_ptr<Backend>()> make_backend) {
-  for (const HstuVariant& variant : hstu_variants())
-  for (const bool spin : {true, false}) {
-    const std::string name = "progress/" + backend_name + "/" + std::string(variant.name) +
-                             (spin ? "" : "/nospin");
-    const EngineOptions options{.spin_us = spin ? -1.0 : 0.0};
-    benchmark::RegisterBenchmark(name.c_str(), [variant, make_backend, options](
-                                                   benchmark::State& state) {
-      Engine engine(hstu_schedule({.cascade = variant.cascade}),
-                    ThreadMap::preset(variant.thread_map), make_backend(), options);
-      engine.set_source([](Batch&) { return true; });  // endless: steady state only
-      for (int i = 0; i < 100; ++i) engine.progress();  // prefill and warm-up
-      for (auto _ : state) {
-        auto step = engine.progress();
-        benchmark::DoNotOptimize(step);
-      }
-      engine.synchronize();
-      state.counters["threads"] = static_cast<double>(engine.threads().num_threads());
-    })->UseRealTime()->Unit(benchmark::kMicrosecond);
-  }
+  for (const hstu::HstuVariant& variant : hstu::hstu_variants())
+    for (const bool spin : {true, false}) {
+      const std::string name =
+          "progress/" + backend_name + "/" + std::string(variant.name) + (spin ? "" : "/nospin");
+      const EngineOptions options{.spin_us = spin ? -1.0 : 0.0};
+      benchmark::RegisterBenchmark(
+          name.c_str(),
+          [variant, make_backend, options](benchmark::State& state) {
+            Engine engine(hstu::hstu_schedule({.cascade = variant.cascade}),
+                          ThreadMap::preset(variant.thread_map), make_backend(), options);
+            engine.set_source([](Batch&) { return true; });   // endless: steady state only
+            for (int i = 0; i < 100; ++i) engine.progress();  // prefill and warm-up
+            for (auto _ : state) {
+              auto step = engine.progress();
+              benchmark::DoNotOptimize(step);
+            }
+            engine.synchronize();
+            state.counters["threads"] = static_cast<double>(engine.threads().num_threads());
+          })
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
 }
 
 }  // namespace weft::pipeline::bench

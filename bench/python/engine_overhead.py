@@ -1,7 +1,7 @@
 """Host overhead of one progress() of the 14-task HSTU schedule with no-op Python bodies, under
 every variant: weft.pipeline's Engine (host backend) beside a pure-Python executor with the
-seed's mechanics (python_executor.py), in the same run. Prints the median microseconds per
-progress() of each and their ratio.
+mechanics of the HSTU benchmark's engine (python_executor.py), in the same run. Prints the median
+microseconds per progress() of each and their ratio.
 
     python3 bench/python/engine_overhead.py [--steps 2000] [--rounds 3]
 """

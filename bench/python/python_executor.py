@@ -1,6 +1,6 @@
-"""A pure-Python lookahead executor with the HSTU seed's mechanics, the baseline of
-engine_overhead.py: a threading.Event per task, collective tickets on a threading.Condition,
-and each thread's chain of tasks submitted to a ThreadPoolExecutor every step.
+"""A pure-Python lookahead executor with the mechanics of the HSTU benchmark's engine, the
+baseline of engine_overhead.py: a threading.Event per task, collective tickets on a
+threading.Condition, and each thread's chain of tasks submitted to a ThreadPoolExecutor every step.
 
 It runs a weft.pipeline.Schedule under a thread map with the engine's step rule (a task of
 lookahead k runs at iteration i on batch i - (L - k) while that batch exists) and its host waits

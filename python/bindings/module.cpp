@@ -26,6 +26,7 @@ namespace weft::python {
 void bind_cuda_util(nb::module_& cuda);
 void bind_ep(nb::module_& ep);
 void bind_pipeline(nb::module_& pipeline);
+void bind_hstu(nb::module_& hstu);
 void bind_plan(nb::module_& plan);
 }
 
@@ -113,6 +114,8 @@ NB_MODULE(_weft, m) {
 #endif
   nb::module_ pipeline = m.def_submodule("pipeline", "weft::pipeline's engine with Python bodies");
   weft::python::bind_pipeline(pipeline);
+  nb::module_ hstu = m.def_submodule("hstu", "weft::hstu's preset schedule");
+  weft::python::bind_hstu(hstu);
   nb::module_ plan = m.def_submodule("plan", "weft::plan's simulator, report and trace reader");
   weft::python::bind_plan(plan);
   nb::module_ ep = m.def_submodule("ep", "weft::ep (needs a CUDA build)");

@@ -22,7 +22,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-
 #include <pthread.h>
 
 #include <any>
@@ -31,6 +30,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -104,7 +104,7 @@ pl::TaskBody python_body(nb::handle borrowed_fn, nb::handle ctx) {
 }
 
 using CrossIter = std::pair<std::string, int>;
-using Sync = std::pair<std::string, std::string>;
+using Sync = std::pair<std::string, pl::SyncSide>;
 using Inventory = std::tuple<std::string, std::string, std::size_t, int>;
 
 void add_task(pl::Schedule& schedule, const std::string& name, const std::string& stream,
@@ -119,9 +119,7 @@ void add_task(pl::Schedule& schedule, const std::string& name, const std::string
   for (const auto& s : writes) task.writes(s);
   for (const auto& p : depends_on) task.depends_on(p);
   for (const auto& [producer, offset] : cross_iter) task.cross_iter_depends_on(producer, offset);
-  for (const auto& [producer, side] : syncs) {
-    task.same_progress_sync(producer, pl::parse_sync_side(side));
-  }
+  for (const auto& [producer, side] : syncs) task.same_progress_sync(producer, side);
   if (collective) {
     std::vector<pl::CollectiveOp> ops;
     for (const auto& [kind, on_stream, num_bytes, count] : inventory) {
@@ -158,7 +156,7 @@ nb::dict describe(const pl::Schedule& schedule) {
     d["cross_iter_depends_on"] = cross;
     nb::list syncs;
     for (const pl::SyncEdge& e : t.same_progress_sync()) {
-      syncs.append(nb::make_tuple(e.producer, std::string(pl::to_string(e.side))));
+      syncs.append(nb::make_tuple(e.producer, e.side));
     }
     d["same_progress_sync"] = syncs;
     d["collective"] = t.is_collective();
@@ -518,6 +516,11 @@ void bind_context(nb::module_& m) {
 }
 
 void bind_schedule(nb::module_& m) {
+  // weft.pipeline.SyncSide (an IntFlag) maps onto these one to one (task.py).
+  nb::enum_<pl::SyncSide>(m, "SyncSide", "weft::pipeline::SyncSide")
+      .value("CPU", pl::SyncSide::kCpu)
+      .value("GPU", pl::SyncSide::kGpu)
+      .value("BOTH", pl::SyncSide::kBoth);
   nb::class_<pl::Schedule>(m, "Schedule",
                            "weft::pipeline::Schedule (built by weft.pipeline.Schedule)")
       .def(nb::init<>())
@@ -548,35 +551,6 @@ void bind_schedule(nb::module_& m) {
         }
         return lines;
       });
-
-  m.def(
-      "hstu_schedule",
-      [](const std::string& cascade, bool prefetch, const std::vector<std::string>& body_names) {
-        pl::HstuOptions options;
-        WEFT_CHECK(cascade == "d3" || cascade == "d6", "hstu_schedule: cascade '", cascade,
-                   "' is neither d3 nor d6");
-        options.cascade = cascade == "d3" ? pl::HstuCascade::kD3 : pl::HstuCascade::kD6;
-        options.prefetch = prefetch;
-        for (const std::string& name : body_names) options.bodies[name] = pl::TaskBody{};
-        return pl::hstu_schedule(options);
-      },
-      nb::arg("cascade"), nb::arg("prefetch"), nb::arg("body_names"));
-  m.def("hstu_task_names", [] {
-    std::vector<std::string> names;
-    for (std::string_view n : pl::hstu_task_names()) names.emplace_back(n);
-    return names;
-  });
-  m.def("hstu_variants", [] {
-    std::vector<std::tuple<std::string, std::string, std::string>> out;
-    for (const pl::HstuVariant& v : pl::hstu_variants()) {
-      out.emplace_back(v.name, std::string(pl::to_string(v.cascade)), v.thread_map);
-    }
-    return out;
-  });
-  m.def("hstu_variant", [](const std::string& name) {
-    const pl::HstuVariant& v = pl::hstu_variant(name);
-    return std::make_tuple(std::string(pl::to_string(v.cascade)), std::string(v.thread_map));
-  });
 }
 
 void bind_thread_map(nb::module_& m) {
@@ -612,6 +586,11 @@ void bind_thread_map(nb::module_& m) {
       .def_static("load", &pl::ScheduleConfig::load)
       .def("to_json", &pl::ScheduleConfig::to_json)
       .def("apply", &pl::ScheduleConfig::apply)
+      .def("check_task_names",
+           [](const pl::ScheduleConfig& c, const std::vector<std::string>& names) {
+             const std::set<std::string, std::less<>> known(names.begin(), names.end());
+             c.check_task_names([&](std::string_view name) { return known.contains(name); });
+           })
       .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
       .def_prop_ro("lookahead",
                    [](const pl::ScheduleConfig& c) {
@@ -620,9 +599,9 @@ void bind_thread_map(nb::module_& m) {
                    })
       .def_prop_ro("same_progress_sync",
                    [](const pl::ScheduleConfig& c) {
-                     std::vector<std::tuple<std::string, std::string, std::string>> out;
+                     std::vector<std::tuple<std::string, std::string, pl::SyncSide>> out;
                      for (const pl::SyncEdgeConfig& e : c.same_progress_sync) {
-                       out.emplace_back(e.producer, e.consumer, std::string(pl::to_string(e.side)));
+                       out.emplace_back(e.producer, e.consumer, e.side);
                      }
                      return out;
                    })

@@ -1,18 +1,15 @@
-"""The HSTU training step of bench/python (hstu_tasks.py) under every HSTU variant of the engine
-(and loader_split_d6, hstu_variants.py) gives the plain loop's bits: every loss and every
+"""The HSTU training step of weft.hstu (weft.hstu.tasks) under every HSTU variant of the engine
+(and loader_split_d6, weft.hstu.variants) gives the plain loop's bits: every loss and every
 parameter (dense model and embedding shard) after a few steps, at world size 1 and 2 (gloo, CPU)
 and on one GPU (NCCL, torch backend)."""
 
 import os
-import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from conftest import needs_gpus, run_ranks  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "python"))
 
 NUM_BATCHES = 6
 
@@ -23,9 +20,9 @@ def check_variants(rank, world_size, device_type):
     import torch.distributed as dist
 
     from conftest import drain
-    from hstu_data import ZipfLoader
-    from hstu_tasks import HstuConfig, HstuStep
-    from hstu_variants import step_variants
+    from weft.hstu.data import ZipfLoader
+    from weft.hstu.tasks import HstuConfig, HstuStep
+    from weft.hstu.variants import step_variants
     from weft.pipeline import Engine
 
     torch.use_deterministic_algorithms(True)

@@ -298,3 +298,35 @@ def test_torch_backend_without_a_gpu_says_so():
 def test_adopted_streams_need_the_torch_backend():
     with pytest.raises(ValueError, match="streams= needs backend='torch'"):
         Engine(two_stage(), "legacy", streams={"memcpy": object()})
+
+
+def test_sync_sides_cross_the_binding_as_the_bound_enum():
+    from weft import _weft
+    native_side = _weft.pipeline.SyncSide
+    assert {side.name for side in native_side} == {"CPU", "GPU", "BOTH"}
+    s = Schedule([Task.from_fn("a", None),
+                  Task.from_fn("b", None, same_progress_sync=[("a", SyncSide.GPU)])])
+    assert s._to_native(with_bodies=False).describe()["tasks"][1]["same_progress_sync"] == [
+        ("a", native_side.GPU)]
+    ScheduleConfig.from_dict({"same_progress_sync": [
+        {"producer": "a", "consumer": "b", "side": "cpu"}]}).apply(s)
+    assert s.task("b").same_progress_sync == (("a", SyncSide.CPU),)
+    assert ScheduleConfig.from_dict({"same_progress_sync": [
+        {"producer": "a", "consumer": "b", "side": "both"}]}).same_progress_sync == [
+        ("a", "b", SyncSide.BOTH)]
+
+
+def test_a_config_changes_the_python_tasks_directly_and_nothing_on_a_bad_name():
+    s = Schedule([Task.from_fn("a", None, lookahead=1),
+                  Task.from_fn("b", None, same_progress_sync=[("a", SyncSide.GPU)])])
+    before = (s.task("a").lookahead, s.task("b").same_progress_sync)
+    with pytest.raises(weft.Error, match=r"\$\.same_progress_sync\[0\]\.producer.*'ghost'"):
+        ScheduleConfig.from_dict({"lookahead": {"a": 3}, "same_progress_sync": [
+            {"producer": "ghost", "consumer": "b"}]}).apply(s)
+    assert (s.task("a").lookahead, s.task("b").same_progress_sync) == before
+    ScheduleConfig.from_dict({"lookahead": {"b": 2}, "same_progress_sync": [
+        {"producer": "a", "consumer": "b", "side": "both"},
+        {"producer": "b", "consumer": "a", "side": "cpu"}]}).apply(s)
+    assert s.task("b").lookahead == 2
+    assert s.task("b").same_progress_sync == (("a", SyncSide.BOTH),)
+    assert s.task("a").same_progress_sync == (("b", SyncSide.CPU),)

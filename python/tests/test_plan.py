@@ -20,8 +20,8 @@ VARIANT_NAMES = [v.name for v in hstu_variants()]
 IO_TASKS = {"h2d", "start_shuffle", "finish_shuffle"}
 
 
-def seed_rule(rule):
-    """The seed's same-progress waits (tickets and stream order are the engine's own)."""
+def lookahead_rule(rule):
+    """Waits of the schedule's lookahead rules (tickets and stream order are the engine's own)."""
     return rule not in ("ticket", "stream_order")
 
 
@@ -29,7 +29,7 @@ def test_no_d3_variant_waits_from_io_to_non_io_but_default_and_full_split_d6_do(
     assert len(VARIANT_NAMES) == 9
     for v in hstu_variants():
         waits = plan.simulate(v.name).timeline.waits
-        io_to_non_io = [w for w in waits if seed_rule(w.rule) and w.producer in IO_TASKS
+        io_to_non_io = [w for w in waits if lookahead_rule(w.rule) and w.producer in IO_TASKS
                         and w.consumer not in IO_TASKS]
         if v.cascade == "d3":
             assert io_to_non_io == [], v.name

@@ -156,7 +156,7 @@ def write_report(path: Union[str, os.PathLike], variants: Optional[Sequence[Vari
     else "weft plan".
     """
     if variants is None:
-        variants = [] if traces else [v[0] for v in _weft.pipeline.hstu_variants()]
+        variants = [] if traces else [v[0] for v in _weft.hstu.hstu_variants()]
     resolved = [_resolve(v) for v in variants]
     reports = [_simulate(r, costs, num_steps, 2) for r in resolved]
     reports += [_native.read_chrome_trace(os.fspath(p)) for p in traces]

@@ -16,6 +16,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "weft/core/error.hpp"
 
@@ -93,6 +94,46 @@ inline void only_keys(const Json& object, const std::string& path,
     for (auto a : allowed) known = known || key == a;
     WEFT_CHECK(known, member_path(path, key), ": unknown key");
   }
+}
+
+// The path of element `index` of the array at `path`.
+inline std::string element_path(const std::string& path, std::size_t index) {
+  return path + "[" + std::to_string(index) + "]";
+}
+
+// Calls visit(element, its path) for each element of the array `value` at `path`, in order; a
+// value that is no array is an error "expected an array of <what>".
+template <typename Visit>
+void for_each_element(const Json& value, const std::string& path, std::string_view what,
+                      Visit&& visit) {
+  WEFT_CHECK(value.is_array(), path, ": expected an array of ", what, ", got ", excerpt(value));
+  for (std::size_t i = 0; i < value.size(); ++i) visit(value[i], element_path(path, i));
+}
+
+// The member `key` of the object at `path`; a missing one is an error "<path>.<key>: missing".
+inline const Json& required_member(const Json& object, const std::string& path,
+                                   std::string_view key) {
+  const auto it = object.find(std::string(key));
+  WEFT_CHECK(it != object.end(), member_path(path, key), ": missing");
+  return *it;
+}
+
+// A non-empty string (a name of a task, stream, slot or thread); `what` says which in the error.
+inline std::string name_at(const Json& value, const std::string& path,
+                           std::string_view what = "a non-empty string") {
+  WEFT_CHECK(value.is_string() && !value.get_ref<const std::string&>().empty(), path, ": expected ",
+             what, ", got ", excerpt(value));
+  return value.get<std::string>();
+}
+
+// A list of names; `what` names one element in the error for a non-array.
+inline std::vector<std::string> names_at(const Json& value, const std::string& path,
+                                         std::string_view what = "names") {
+  std::vector<std::string> names;
+  for_each_element(value, path, what, [&](const Json& element, const std::string& element_path) {
+    names.push_back(name_at(element, element_path));
+  });
+  return names;
 }
 
 inline std::string string_at(const Json& value, const std::string& path) {

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "weft/core/error.hpp"
+#include "weft/pipeline/schedule_error.hpp"
 
 namespace weft::pipeline {
 
@@ -27,46 +28,71 @@ constexpr TaskId kNoWriter = kInputWriter - 1;
 
 }  // namespace
 
+// Throws ScheduleError about (task, field) unless `condition`; the message is built only then.
+#define WEFT_RULE_CHECK(condition, task, field, ...)                         \
+  do {                                                                       \
+    if (!(condition)) [[unlikely]] {                                         \
+      throw ScheduleError(task, field, ::weft::detail::concat(__VA_ARGS__)); \
+    }                                                                        \
+  } while (0)
+
 CompiledSchedule::CompiledSchedule(Schedule schedule) : schedule_(std::move(schedule)) {
   tasks_ = schedule_.tasks();
   streams_ = schedule_.streams();
-  WEFT_CHECK(!tasks_.empty(), "schedule: no tasks (rule: a schedule has at least one task)");
-  const auto num = static_cast<TaskId>(tasks_.size());
-
-  for (StreamId s = 0; s < streams_.size(); ++s) {
-    WEFT_CHECK(!streams_[s].name.empty(), "schedule: a stream has an empty name");
-    const bool fresh = stream_ids_.emplace(streams_[s].name, s).second;
-    WEFT_CHECK(fresh, "schedule: stream '", streams_[s].name,
-               "' declared twice (rule: unique stream names)");
+  WEFT_RULE_CHECK(!tasks_.empty(), std::nullopt, "tasks",
+                  "schedule: no tasks (rule: a schedule has at least one task)");
+  index_streams();
+  check_task_fields();
+  const std::vector<TaskId> writer = resolve_slots();
+  for (TaskId c = 0; c < tasks_.size(); ++c) {
+    const std::size_t first = edges_.size();
+    add_edges_of(c, writer);
+    set_progress_distances(c, first);
   }
+  compute_run_order();
+}
 
-  // Names, lookaheads, streams.
-  for (TaskId t = 0; t < num; ++t) {
+void CompiledSchedule::index_streams() {
+  for (StreamId s = 0; s < streams_.size(); ++s) {
+    WEFT_RULE_CHECK(!streams_[s].name.empty(), std::nullopt, "streams",
+                    "schedule: a stream has an empty name");
+    const bool fresh = stream_ids_.emplace(streams_[s].name, s).second;
+    WEFT_RULE_CHECK(fresh, std::nullopt, "streams", "schedule: stream '", streams_[s].name,
+                    "' declared twice (rule: unique stream names)");
+  }
+}
+
+void CompiledSchedule::check_task_fields() {
+  for (TaskId t = 0; t < tasks_.size(); ++t) {
     const Task& task = tasks_[t];
-    WEFT_CHECK(!task.name().empty(), "schedule: task #", t,
-               " has an empty name (rule: every task has a name)");
+    WEFT_RULE_CHECK(!task.name().empty(), t, "name", "schedule: task #", t,
+                    " has an empty name (rule: every task has a name)");
     const bool fresh = task_ids_.emplace(task.name(), t).second;
-    WEFT_CHECK(fresh, "schedule: task '", task.name(), "' declared twice (rule: unique task names)");
-    WEFT_CHECK(task.lookahead() >= 0 && task.lookahead() <= kMaxLookahead, "schedule: task '",
-               task.name(), "' has lookahead ", task.lookahead(), " (rule: 0 <= lookahead <= ",
-               kMaxLookahead, ")");
+    WEFT_RULE_CHECK(fresh, t, "name", "schedule: task '", task.name(),
+                    "' declared twice (rule: unique task names)");
+    // Task::lookahead() refuses a lookahead outside [0, kMaxLookahead]; a Task always holds one
+    // within it.
     const auto stream = stream_ids_.find(task.stream());
-    WEFT_CHECK(stream != stream_ids_.end(), "schedule: task '", task.name(), "' uses stream '",
-               task.stream(), "' which is not declared (rule: known stream; add_stream() it)");
+    WEFT_RULE_CHECK(stream != stream_ids_.end(), t, "stream", "schedule: task '", task.name(),
+                    "' uses stream '", task.stream(),
+                    "' which is not declared (rule: known stream; add_stream() it)");
     for (const CollectiveOp& op : task.collectives()) {
-      WEFT_CHECK(!op.kind.empty(), "schedule: task '", task.name(),
-                 "': collective inventory: an op with no kind (rule: each op names its kind)");
-      WEFT_CHECK(op.count >= 1, "schedule: task '", task.name(), "': collective inventory: ",
-                 op.kind, " with count ", op.count, " (rule: count >= 1 call per run)");
-      WEFT_CHECK(stream_ids_.contains(op.stream), "schedule: task '", task.name(),
-                 "': collective inventory: ", op.kind, " on stream '", op.stream,
-                 "' which is not declared (rule: known stream; add_stream() it)");
+      WEFT_RULE_CHECK(!op.kind.empty(), t, "collective", "schedule: task '", task.name(),
+                      "': collective inventory: an op with no kind (rule: each op names its kind)");
+      WEFT_RULE_CHECK(op.count >= 1, t, "collective", "schedule: task '", task.name(),
+                      "': collective inventory: ", op.kind, " with count ", op.count,
+                      " (rule: count >= 1 call per run)");
+      WEFT_RULE_CHECK(stream_ids_.contains(op.stream), t, "collective", "schedule: task '",
+                      task.name(), "': collective inventory: ", op.kind, " on stream '", op.stream,
+                      "' which is not declared (rule: known stream; add_stream() it)");
     }
     stream_of_.push_back(stream->second);
     max_lookahead_ = std::max(max_lookahead_, task.lookahead());
   }
+}
 
-  // Slots: one writer each, the source's inputs count as a writer.
+std::vector<TaskId> CompiledSchedule::resolve_slots() {
+  // One writer per slot, the source's inputs count as a writer.
   std::vector<TaskId> writer;
   auto slot_of = [&](const std::string& name) {
     auto [it, fresh] = slot_ids_.emplace(name, static_cast<SlotId>(slot_names_.size()));
@@ -77,25 +103,26 @@ CompiledSchedule::CompiledSchedule(Schedule schedule) : schedule_(std::move(sche
     return it->second;
   };
   for (const std::string& input : schedule_.inputs()) {
-    WEFT_CHECK(!input.empty(), "schedule: an input slot has an empty name");
+    WEFT_RULE_CHECK(!input.empty(), std::nullopt, "inputs",
+                    "schedule: an input slot has an empty name");
     const SlotId s = slot_of(input);
-    WEFT_CHECK(writer[s] == kNoWriter, "schedule: input slot '", input,
-               "' declared twice (rule: one writer per slot)");
+    WEFT_RULE_CHECK(writer[s] == kNoWriter, std::nullopt, "inputs", "schedule: input slot '", input,
+                    "' declared twice (rule: one writer per slot)");
     writer[s] = kInputWriter;
   }
+  const auto num = static_cast<TaskId>(tasks_.size());
   writes_of_.resize(num);
   reads_of_.resize(num);
   for (TaskId t = 0; t < num; ++t) {
     for (const std::string& name : tasks_[t].writes()) {
-      WEFT_CHECK(!name.empty(), "schedule: task '", tasks_[t].name(), "' writes an empty slot name");
+      WEFT_RULE_CHECK(!name.empty(), t, "writes", "schedule: task '", tasks_[t].name(),
+                      "' writes an empty slot name");
       const SlotId s = slot_of(name);
-      if (writer[s] != kNoWriter) {
-        WEFT_FAIL("schedule: slot '", name, "' is written by task '", tasks_[t].name(),
-                  "' and by ",
-                  writer[s] == kInputWriter ? std::string("the source (an input)")
-                                            : "task '" + tasks_[writer[s]].name() + "'",
-                  " (rule: one writer per slot)");
-      }
+      WEFT_RULE_CHECK(writer[s] == kNoWriter, t, "writes", "schedule: slot '", name,
+                      "' is written by task '", tasks_[t].name(), "' and by ",
+                      writer[s] == kInputWriter ? std::string("the source (an input)")
+                                                : "task '" + tasks_[writer[s]].name() + "'",
+                      " (rule: one writer per slot)");
       writer[s] = t;
       writes_of_[t].push_back(s);
     }
@@ -103,106 +130,103 @@ CompiledSchedule::CompiledSchedule(Schedule schedule) : schedule_(std::move(sche
   for (TaskId t = 0; t < num; ++t) {
     for (const std::string& name : tasks_[t].reads()) {
       const auto it = slot_ids_.find(name);
-      WEFT_CHECK(it != slot_ids_.end(), "schedule: task '", tasks_[t].name(), "' reads slot '",
-                 name, "' which no task writes and is no input (rule: every read has a writer)");
-      WEFT_CHECK(writer[it->second] != t, "schedule: task '", tasks_[t].name(),
-                 "' reads slot '", name, "' which it writes itself (rule: no self edge)");
+      WEFT_RULE_CHECK(it != slot_ids_.end(), t, "reads", "schedule: task '", tasks_[t].name(),
+                      "' reads slot '", name,
+                      "' which no task writes and is no input (rule: every read has a writer)");
+      WEFT_RULE_CHECK(writer[it->second] != t, t, "reads", "schedule: task '", tasks_[t].name(),
+                      "' reads slot '", name, "' which it writes itself (rule: no self edge)");
       reads_of_[t].push_back(it->second);
     }
   }
+  return writer;
+}
 
-  // Edges, grouped by consumer.
-  auto producer_id = [&](TaskId consumer, const std::string& name, EdgeKind kind) {
+void CompiledSchedule::add_edges_of(TaskId c, const std::vector<TaskId>& writer) {
+  const Task& task = tasks_[c];
+  const std::size_t first = edges_.size();
+  auto producer_id = [&](const std::string& name, EdgeKind kind) {
+    const auto field = std::string(to_string(kind));
     const auto it = task_ids_.find(name);
-    WEFT_CHECK(it != task_ids_.end(), "schedule: task '", tasks_[consumer].name(), "' has a ",
-               to_string(kind), " edge to unknown task '", name,
-               "' (rule: every edge names a task)");
-    WEFT_CHECK(it->second != consumer || kind == EdgeKind::kCrossIter, "schedule: task '",
-               tasks_[consumer].name(), "' has a ", to_string(kind),
-               " edge to itself (rule: no self edge)");
+    WEFT_RULE_CHECK(it != task_ids_.end(), c, field, "schedule: task '", task.name(), "' has a ",
+                    field, " edge to unknown task '", name, "' (rule: every edge names a task)");
+    WEFT_RULE_CHECK(it->second != c || kind == EdgeKind::kCrossIter, c, field, "schedule: task '",
+                    task.name(), "' has a ", field, " edge to itself (rule: no self edge)");
     return it->second;
   };
-  for (TaskId c = 0; c < num; ++c) {
-    const Task& task = tasks_[c];
-    const std::size_t first = edges_.size();
-    auto find_edge = [&](TaskId p) -> Edge* {
-      for (std::size_t e = first; e < edges_.size(); ++e) {
-        if (edges_[e].producer == p) return &edges_[e];
-      }
-      return nullptr;
-    };
-    auto add_edge = [&](Edge edge) {
-      if (Edge* existing = find_edge(edge.producer)) {
-        if (existing->kind == EdgeKind::kSlot && edge.kind == EdgeKind::kSlot) {
-          existing->slots.push_back(edge.slots.front());
-          return;
-        }
-        WEFT_FAIL("schedule: task '", task.name(), "' names producer '",
-                  tasks_[edge.producer].name(), "' in a ", to_string(edge.kind), " edge and in a ",
-                  to_string(existing->kind),
-                  " edge (rule: a producer appears in at most one edge kind of a consumer)");
-      }
-      edges_.push_back(std::move(edge));
-    };
-    auto make_edge = [c](TaskId producer, EdgeKind kind) {
-      Edge edge;
-      edge.producer = producer;
-      edge.consumer = c;
-      edge.kind = kind;
-      return edge;
-    };
-    for (SlotId s : reads_of_[c]) {
-      if (writer[s] == kInputWriter) continue;
-      Edge edge = make_edge(writer[s], EdgeKind::kSlot);
-      edge.slots = {s};
-      add_edge(std::move(edge));
-    }
-    for (const std::string& name : task.depends_on()) {
-      add_edge(make_edge(producer_id(c, name, EdgeKind::kDependsOn), EdgeKind::kDependsOn));
-    }
-    for (const CrossIterEdge& x : task.cross_iter_depends_on()) {
-      WEFT_CHECK(x.offset < 0, "schedule: task '", task.name(), "' has cross_iter_depends_on '",
-                 x.producer, "' with offset ", x.offset,
-                 " (rule: cross_iter offsets are < 0; use depends_on for the same batch)");
-      Edge edge = make_edge(producer_id(c, x.producer, EdgeKind::kCrossIter), EdgeKind::kCrossIter);
-      edge.offset = x.offset;
-      add_edge(std::move(edge));
-    }
-    for (const SyncEdge& x : task.same_progress_sync()) {
-      Edge edge = make_edge(producer_id(c, x.producer, EdgeKind::kSameProgressSync),
-                            EdgeKind::kSameProgressSync);
-      edge.side = x.side;
-      add_edge(std::move(edge));
-    }
+  // A slot edge is about the task's reads, every other kind about the field of its name.
+  auto field_of = [](EdgeKind kind) {
+    return kind == EdgeKind::kSlot ? std::string("reads") : std::string(to_string(kind));
+  };
+  auto add_edge = [&](TaskId producer, EdgeKind kind) -> Edge& {
     for (std::size_t e = first; e < edges_.size(); ++e) {
-      Edge& edge = edges_[e];
-      const Task& producer = tasks_[edge.producer];
-      const int la_p = producer.lookahead();
-      const int la_c = task.lookahead();
-      if (!edge.is_ordering()) {
-        edge.progress_distance = 0;
-        edge.batch_offset = la_p - la_c;
-        continue;
-      }
-      edge.batch_offset = edge.offset;
-      edge.progress_distance = la_p - la_c - edge.offset;
-      WEFT_CHECK(edge.progress_distance >= 0, "schedule: task '", task.name(), "' (lookahead ",
-                 la_c, ") has a ", to_string(edge.kind), " edge from '", producer.name(),
-                 "' (lookahead ", la_p, edge.kind == EdgeKind::kCrossIter ? ", offset " : "",
-                 edge.kind == EdgeKind::kCrossIter ? std::to_string(edge.offset) : "",
-                 ") that would need the producer to run later than the consumer (rule: "
-                 "la(producer) - la(consumer) - offset >= 0)");
-      WEFT_CHECK(edge.progress_distance <= max_lookahead_ || stream_of_[edge.producer] ==
-                                                                 stream_of_[c],
-                 "schedule: task '", task.name(), "' waits on the event of '", producer.name(),
-                 "' from ", edge.progress_distance, " progresses back, but the ring keeps only ",
-                 max_lookahead_ + 1,
-                 " (rule: a cross-stream ordering edge reaches back at most max lookahead "
-                 "progresses; put both tasks on one stream or raise a lookahead)");
+      Edge& existing = edges_[e];
+      if (existing.producer != producer) continue;
+      if (existing.kind == EdgeKind::kSlot && kind == EdgeKind::kSlot) return existing;
+      WEFT_RULE_CHECK(false, c, field_of(kind), "schedule: task '", task.name(),
+                      "' names producer '", tasks_[producer].name(), "' in a ", to_string(kind),
+                      " edge and in a ", to_string(existing.kind),
+                      " edge (rule: a producer appears in at most one edge kind of a consumer)");
     }
+    Edge& edge = edges_.emplace_back();
+    edge.producer = producer;
+    edge.consumer = c;
+    edge.kind = kind;
+    return edge;
+  };
+  for (SlotId s : reads_of_[c]) {
+    if (writer[s] != kInputWriter) add_edge(writer[s], EdgeKind::kSlot).slots.push_back(s);
   }
+  for (const std::string& name : task.depends_on()) {
+    add_edge(producer_id(name, EdgeKind::kDependsOn), EdgeKind::kDependsOn);
+  }
+  for (const CrossIterEdge& x : task.cross_iter_depends_on()) {
+    WEFT_RULE_CHECK(x.offset < 0, c, "cross_iter_depends_on", "schedule: task '", task.name(),
+                    "' has cross_iter_depends_on '", x.producer, "' with offset ", x.offset,
+                    " (rule: cross_iter offsets are < 0; use depends_on for the same batch)");
+    add_edge(producer_id(x.producer, EdgeKind::kCrossIter), EdgeKind::kCrossIter).offset = x.offset;
+  }
+  for (const SyncEdge& x : task.same_progress_sync()) {
+    add_edge(producer_id(x.producer, EdgeKind::kSameProgressSync), EdgeKind::kSameProgressSync)
+        .side = x.side;
+  }
+}
 
-  // Run order: Kahn over the within-progress edges, declaration order breaking ties.
+void CompiledSchedule::set_progress_distances(TaskId c, std::size_t first) {
+  const Task& task = tasks_[c];
+  for (std::size_t e = first; e < edges_.size(); ++e) {
+    Edge& edge = edges_[e];
+    const Task& producer = tasks_[edge.producer];
+    const int la_p = producer.lookahead();
+    const int la_c = task.lookahead();
+    if (!edge.is_ordering()) {
+      edge.progress_distance = 0;
+      edge.batch_offset = la_p - la_c;
+      continue;
+    }
+    const std::string field =
+        edge.kind == EdgeKind::kSlot ? std::string("reads") : std::string(to_string(edge.kind));
+    edge.batch_offset = edge.offset;
+    edge.progress_distance = la_p - la_c - edge.offset;
+    WEFT_RULE_CHECK(edge.progress_distance >= 0, c, field, "schedule: task '", task.name(),
+                    "' (lookahead ", la_c, ") has a ", to_string(edge.kind), " edge from '",
+                    producer.name(), "' (lookahead ", la_p,
+                    edge.kind == EdgeKind::kCrossIter ? ", offset " : "",
+                    edge.kind == EdgeKind::kCrossIter ? std::to_string(edge.offset) : "",
+                    ") that would need the producer to run later than the consumer (rule: "
+                    "la(producer) - la(consumer) - offset >= 0)");
+    WEFT_RULE_CHECK(
+        edge.progress_distance <= max_lookahead_ || stream_of_[edge.producer] == stream_of_[c], c,
+        field, "schedule: task '", task.name(), "' waits on the event of '", producer.name(),
+        "' from ", edge.progress_distance, " progresses back, but the ring keeps only ",
+        max_lookahead_ + 1,
+        " (rule: a cross-stream ordering edge reaches back at most max lookahead "
+        "progresses; put both tasks on one stream or raise a lookahead)");
+  }
+}
+
+void CompiledSchedule::compute_run_order() {
+  // Kahn over the within-progress edges, declaration order breaking ties.
+  const auto num = static_cast<TaskId>(tasks_.size());
   std::vector<std::vector<TaskId>> successors(num);
   std::vector<std::uint32_t> num_preds(num, 0);
   for (const Edge& e : edges_) {
@@ -229,8 +253,9 @@ CompiledSchedule::CompiledSchedule(Schedule schedule) : schedule_(std::move(sche
       names += names.empty() ? "" : ", ";
       names += "'" + tasks_[t].name() + "'";
     }
-    WEFT_FAIL("schedule: cycle in the within-progress graph among tasks ", names,
-              " (rule: same-progress edges form no cycle)");
+    throw ScheduleError(std::nullopt, "tasks",
+                        detail::concat("schedule: cycle in the within-progress graph among tasks ",
+                                       names, " (rule: same-progress edges form no cycle)"));
   }
   run_position_.resize(num);
   for (std::uint32_t i = 0; i < num; ++i) run_position_[run_order_[i]] = i;
@@ -238,6 +263,8 @@ CompiledSchedule::CompiledSchedule(Schedule schedule) : schedule_(std::move(sche
     if (tasks_[t].is_collective()) collective_order_.push_back(t);
   }
 }
+
+#undef WEFT_RULE_CHECK
 
 std::optional<TaskId> CompiledSchedule::find_task(std::string_view name) const {
   const auto it = task_ids_.find(name);

@@ -7,15 +7,6 @@
 #include <string>
 #include <utility>
 
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sched.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <ctime>
-#endif
-
 #include "engine_core.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/host_backend.hpp"
@@ -23,73 +14,7 @@
 #include "weft/pipeline/task_context.hpp"
 
 namespace weft::pipeline {
-
-std::size_t usable_cpus() noexcept {
-#if defined(__linux__)
-  // The affinity mask, not the machine: a launcher such as mpirun binds each rank to one core
-  // by default, and spinners there would take the core of the thread they wait for.
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<std::size_t>(CPU_COUNT(&set));
-#endif
-  return std::thread::hardware_concurrency();
-}
-
 namespace detail {
-
-void wait_for_change(Signal& signal, std::uint32_t old, std::int64_t spin_ns) noexcept {
-  // Rounds of kNumPauses pauses (about 2 us), each followed by a yield: where another rank's
-  // threads or NCCL's share the cores, a spinner gives its core back every round instead of
-  // holding it for all of spin_ns. One round also when spin_ns == 0.
-  constexpr int kNumPauses = 32;
-  constexpr int kNumYields = 16;
-  const bool spin = spin_ns > 0;  // no clock reads on the sleeping configuration's path
-  const auto spin_end =
-      spin ? std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns)
-           : std::chrono::steady_clock::time_point{};
-  do {
-    for (int i = 0; i < kNumPauses; ++i) {
-      if (signal.value.load(std::memory_order_acquire) != old) return;
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
-    }
-    if (spin) std::this_thread::yield();
-  } while (spin && std::chrono::steady_clock::now() < spin_end);
-  for (int i = 0; i < kNumYields; ++i) {
-    if (signal.value.load(std::memory_order_acquire) != old) return;
-    std::this_thread::yield();
-  }
-  if (signal.value.load(std::memory_order_acquire) == old) {
-    signal.num_sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (signal.value.load(std::memory_order_seq_cst) == old) {
-#if defined(__linux__)
-      // The kernel re-checks value == old atomically before sleeping.
-      timespec timeout{0, 50'000'000};
-      syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&signal.value), FUTEX_WAIT_PRIVATE, old,
-              &timeout, nullptr, 0);
-#else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-#endif
-    }
-    signal.num_sleepers.fetch_sub(1, std::memory_order_relaxed);
-  }
-}
-
-void wake_all(Signal& signal) noexcept {
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (signal.num_sleepers.load(std::memory_order_seq_cst) == 0) return;
-#if defined(__linux__)
-  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&signal.value), FUTEX_WAKE_PRIVATE, INT_MAX,
-          nullptr, nullptr, 0);
-#endif
-}
-
-EngineCore::WorkerThreads::~WorkerThreads() {
-  if (threads.empty()) return;
-  stop();
-  for (std::thread& t : threads) t.join();
-}
 
 EngineCore::EngineCore(Schedule schedule, ThreadMap threads, std::unique_ptr<Backend> backend,
                        EngineOptions options)
@@ -197,121 +122,6 @@ void EngineCore::run_inits(std::uint32_t thread) {
     if (!task.init()) continue;
     TaskContext context(this, t, nullptr, -1, -1, thread);
     task.init()(context);
-  }
-}
-
-void EngineCore::start_workers() {
-  const auto num_threads = static_cast<std::uint32_t>(threads_.num_threads());
-  workers_.stop = [this] {
-    stopping_.store(true, std::memory_order_release);
-    go_.value.fetch_add(1, std::memory_order_release);
-    wake_all(go_);
-  };
-  remaining_.value.store(num_threads, std::memory_order_relaxed);
-  workers_.threads.reserve(num_threads);
-  for (std::uint32_t t = 0; t < num_threads; ++t) {
-    workers_.threads.emplace_back([this, t] { worker_main(t); });
-  }
-  wait_for_workers();
-}
-
-void EngineCore::wait_for_workers() {
-  bool reported = stall_reported_ || options_.stall_report_s <= 0;
-  // Once the hook has thrown, the step is aborted: no second check.
-  bool checking = options_.interrupt_check != nullptr;
-  auto next_check = std::chrono::steady_clock::now() + kInterruptCheckInterval;
-  std::uint32_t r;
-  while ((r = remaining_.value.load(std::memory_order_acquire)) != 0) {
-    wait_for_change(remaining_, r, spin_ns_);
-    if (reported && !checking) continue;
-    const auto now = std::chrono::steady_clock::now();
-    if (checking && now >= next_check) {
-      next_check = now + kInterruptCheckInterval;
-      try {
-        options_.interrupt_check();
-      } catch (...) {
-        checking = false;
-        fail(std::current_exception());
-      }
-    }
-    if (reported) continue;
-    const double seconds = std::chrono::duration<double>(now - call_start_).count();
-    if (seconds >= options_.stall_report_s) {
-      report_stall(seconds);
-      reported = stall_reported_ = true;
-    }
-  }
-}
-
-void EngineCore::report_stall(double seconds) const {
-  char header[160];
-  std::snprintf(header, sizeof(header),
-                "weft engine: progress() has run %.1f s (iteration %lld):\n", seconds,
-                static_cast<long long>(reported_iteration_.load(std::memory_order_relaxed)));
-  std::string text = header;
-  for (std::uint32_t t = 0; t < threads_.num_threads(); ++t) {
-    const ThreadProgress::State p = progress_by_thread_[t].get();
-    const auto& tasks = threads_.tasks_of_thread[t];
-    text += "  thread '" + threads_.thread_names[t] + "': ";
-    if (p.position >= tasks.size()) {
-      text += "done\n";
-      continue;
-    }
-    text += "in task '" + schedule_.task(tasks[p.position]).name() + "'";
-    switch (p.wait) {
-      case ThreadProgress::kTask:
-        text += ", waiting for task '" + schedule_.task(p.wait_target).name() + "'";
-        break;
-      case ThreadProgress::kTicket:
-        text += ", waiting for collective ticket " + std::to_string(p.wait_target - ticket_base_) +
-                " (now serving " +
-                std::to_string(ticket_.value.load(std::memory_order_relaxed) - ticket_base_) + ")";
-        break;
-      default:
-        text += ", running its body";
-    }
-    text += "\n";
-  }
-  std::fputs(text.c_str(), stderr);
-}
-
-void EngineCore::worker_main(std::uint32_t thread) {
-  std::uint32_t seen = 0;  // go_ is not bumped before every worker has reported below
-  auto report_done = [this] {
-    if (remaining_.value.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      wake_all(remaining_);
-    }
-  };
-  try {
-    backend_->on_thread_start();
-    run_inits(thread);
-  } catch (...) {
-    fail(std::current_exception());
-  }
-  report_done();
-  const std::vector<TaskId>& tasks = threads_.tasks_of_thread[thread];
-  while (true) {
-    std::uint32_t v;
-    while ((v = go_.value.load(std::memory_order_acquire)) == seen) {
-      wait_for_change(go_, seen, spin_ns_);
-    }
-    seen = v;
-    if (stopping_.load(std::memory_order_acquire)) return;
-    ThreadProgress& progress = progress_by_thread_[thread];
-    for (std::uint32_t i = 0; i < tasks.size(); ++i) {
-      const TaskId t = tasks[i];
-      progress.set(i);
-      try {
-        run_task(plans_[t], thread, true);
-      } catch (const AbortSignal&) {
-        break;
-      } catch (...) {
-        fail(std::current_exception());
-        break;
-      }
-    }
-    progress.set(static_cast<std::uint32_t>(tasks.size()));
-    report_done();
   }
 }
 
@@ -717,60 +527,6 @@ Trace EngineCore::take_trace() {
 }
 
 }  // namespace detail
-
-// TaskContext ---------------------------------------------------------------------------------
-
-const CompiledSchedule& TaskContext::schedule() const { return core_->schedule(); }
-const Task& TaskContext::task() const { return core_->schedule().task(task_); }
-std::string_view TaskContext::name() const { return task().name(); }
-int TaskContext::lookahead() const { return task().lookahead(); }
-StreamId TaskContext::stream_id() const { return core_->schedule().stream_of(task_); }
-void* TaskContext::stream_handle() const { return core_->stream_handle(stream_id()); }
-Backend& TaskContext::backend() const { return core_->backend(); }
-
-void* TaskContext::stream_handle(std::string_view stream) const {
-  const auto id = core_->schedule().find_stream(stream);
-  WEFT_CHECK(id.has_value(), "task '", name(), "': no stream '", stream, "' in the schedule");
-  return core_->stream_handle(*id);
-}
-
-void TaskContext::record_collective(std::string_view kind, std::string_view stream,
-                                    std::size_t num_bytes) {
-  WEFT_CHECK(task().is_collective(), "task '", name(), "' records a collective (", kind,
-             ") but is not marked collective(): its collectives would be enqueued outside the "
-             "ticket order, which can deadlock the ranks");
-  WEFT_CHECK(ticket_ >= 0, "task '", name(), "' records a collective (", kind,
-             ") outside its body's ticket (in init()?)");
-  core_->record_collective(task_, kind, stream, num_bytes);
-}
-
-Batch& TaskContext::batch() {
-  WEFT_CHECK(batch_ != nullptr, "task '", name(), "': no batch in init()");
-  return *batch_;
-}
-
-const std::any& TaskContext::readable(std::string_view slot) const {
-  WEFT_CHECK(batch_ != nullptr, "task '", name(), "': no batch in init()");
-  const CompiledSchedule& s = core_->schedule();
-  const auto id = s.find_slot(slot);
-  const bool declared =
-      id && (std::ranges::find(s.reads_of(task_), *id) != s.reads_of(task_).end() ||
-             std::ranges::find(s.writes_of(task_), *id) != s.writes_of(task_).end());
-  WEFT_CHECK(declared, "task '", name(), "' reads slot '", slot,
-             "' without declaring it in reads() or writes()");
-  return batch_->values_[*id];
-}
-
-std::any& TaskContext::writable(std::string_view slot) {
-  WEFT_CHECK(batch_ != nullptr, "task '", name(), "': no batch in init()");
-  const CompiledSchedule& s = core_->schedule();
-  const auto id = s.find_slot(slot);
-  const bool declared =
-      id && std::ranges::find(s.writes_of(task_), *id) != s.writes_of(task_).end();
-  WEFT_CHECK(declared, "task '", name(), "' writes slot '", slot,
-             "' without declaring it in writes()");
-  return batch_->values_[*id];
-}
 
 // Engine --------------------------------------------------------------------------------------
 

@@ -9,17 +9,15 @@ namespace {
 
 using json = json_input::Json;
 using json_input::excerpt;
+using json_input::for_each_element;
 using json_input::member_path;
+using json_input::name_at;
 using json_input::only_keys;
+using json_input::required_member;
 using json_input::short_text;
 
 // Schedule configs are a few lines; anything this large is not one.
 constexpr std::size_t kMaxConfigFileBytes = std::size_t(1) << 20;
-
-const std::string& name_at(const json& v, const std::string& path, const char* what) {
-  WEFT_CHECK(v.is_string(), path, ": expected ", what, " (a string), got ", excerpt(v));
-  return v.get_ref<const std::string&>();
-}
 
 ThreadMap parse_thread_map(const json& v, const std::string& path) {
   if (v.is_string()) {
@@ -32,21 +30,17 @@ ThreadMap parse_thread_map(const json& v, const std::string& path) {
   }
   WEFT_CHECK(v.is_object(), path, ": expected a preset name or an object, got ", excerpt(v));
   only_keys(v, path, {"groups", "rest"});
-  WEFT_CHECK(v.contains("groups"), path, ": an explicit thread map needs \"groups\"");
-  const json& groups = v.at("groups");
+  const json& groups = required_member(v, path, "groups");
   const std::string groups_path = path + ".groups";
   WEFT_CHECK(groups.is_object(), groups_path, ": expected an object {thread: [task, ...]}, got ",
              excerpt(groups));
   std::vector<ThreadGroup> out;
   for (const auto& [thread, tasks] : groups.items()) {
     const std::string thread_path = member_path(groups_path, thread);
-    WEFT_CHECK(tasks.is_array(), thread_path, ": expected an array of task names, got ",
-               excerpt(tasks));
     ThreadGroup group{thread, {}};
-    for (std::size_t i = 0; i < tasks.size(); ++i) {
-      group.tasks.push_back(
-          name_at(tasks[i], thread_path + "[" + std::to_string(i) + "]", "a task name"));
-    }
+    for_each_element(tasks, thread_path, "task names", [&](const json& task, const std::string& p) {
+      group.tasks.push_back(name_at(task, p, "a task name"));
+    });
     out.push_back(std::move(group));
   }
   std::string rest;
@@ -56,11 +50,9 @@ ThreadMap parse_thread_map(const json& v, const std::string& path) {
 
 SyncEdgeConfig parse_sync_edge(const json& e, const std::string& path) {
   only_keys(e, path, {"producer", "consumer", "side"});
-  WEFT_CHECK(e.contains("producer") && e.contains("consumer"), path,
-             ": needs \"producer\" and \"consumer\"");
   SyncEdgeConfig edge;
-  edge.producer = name_at(e.at("producer"), path + ".producer", "a task name");
-  edge.consumer = name_at(e.at("consumer"), path + ".consumer", "a task name");
+  edge.producer = name_at(required_member(e, path, "producer"), path + ".producer", "a task name");
+  edge.consumer = name_at(required_member(e, path, "consumer"), path + ".consumer", "a task name");
   if (e.contains("side")) {
     // As for presets: a long name, cut, is still no side.
     const std::string side = short_text(name_at(e.at("side"), path + ".side", "cpu|gpu|both"));
@@ -92,12 +84,10 @@ ScheduleConfig ScheduleConfig::parse(std::string_view json_text) {
     }
   }
   if (root.contains("same_progress_sync")) {
-    const json& edges = root.at("same_progress_sync");
-    WEFT_CHECK(edges.is_array(), "$.same_progress_sync: expected an array, got ", excerpt(edges));
-    for (std::size_t i = 0; i < edges.size(); ++i) {
-      config.same_progress_sync.push_back(
-          parse_sync_edge(edges[i], "$.same_progress_sync[" + std::to_string(i) + "]"));
-    }
+    for_each_element(root.at("same_progress_sync"), "$.same_progress_sync", "sync edges",
+                     [&](const json& edge, const std::string& path) {
+                       config.same_progress_sync.push_back(parse_sync_edge(edge, path));
+                     });
   }
   return config;
 }
@@ -135,21 +125,24 @@ std::string ScheduleConfig::to_json() const {
   return root.dump(2);
 }
 
-void ScheduleConfig::apply(Schedule& schedule) const {
+void ScheduleConfig::check_task_names(const std::function<bool(std::string_view)>& has_task) const {
   const std::string file = source.empty() ? "" : source + ": ";
   auto check_task = [&](const std::string& task, const std::string& path) {
-    WEFT_CHECK(schedule.has_task(task), file, path, ": the schedule has no task '",
-               short_text(task), "'");
+    WEFT_CHECK(has_task(task), file, path, ": the schedule has no task '", short_text(task), "'");
   };
-  for (const auto& [task, la] : lookahead) {
-    check_task(task, member_path("$.lookahead", task));
-    schedule.task(task).lookahead(la);
-  }
+  for (const auto& [task, la] : lookahead) check_task(task, member_path("$.lookahead", task));
   for (std::size_t i = 0; i < same_progress_sync.size(); ++i) {
     const SyncEdgeConfig& e = same_progress_sync[i];
-    const std::string path = "$.same_progress_sync[" + std::to_string(i) + "]";
+    const std::string path = json_input::element_path("$.same_progress_sync", i);
     check_task(e.consumer, path + ".consumer");
     check_task(e.producer, path + ".producer");
+  }
+}
+
+void ScheduleConfig::apply(Schedule& schedule) const {
+  check_task_names([&](std::string_view task) { return schedule.has_task(task); });
+  for (const auto& [task, la] : lookahead) schedule.task(task).lookahead(la);
+  for (const SyncEdgeConfig& e : same_progress_sync) {
     schedule.task(e.consumer).set_same_progress_sync(e.producer, e.side);
   }
 }

@@ -31,6 +31,8 @@ Task& Task::stream(std::string name) {
 }
 
 Task& Task::lookahead(int la) {
+  WEFT_CHECK(la >= 0 && la <= kMaxLookahead, "schedule: task '", name_, "' has lookahead ", la,
+             " (rule: 0 <= lookahead <= ", kMaxLookahead, ")");
   lookahead_ = la;
   return *this;
 }

@@ -50,17 +50,17 @@ CostModel CostModel::parse(std::string_view json_text) {
       TaskCost cost;
       if (entry.contains("host_us")) cost.host_us = cost_at(entry["host_us"], path + ".host_us");
       if (entry.contains("gpu")) {
-        const json& gpu = entry["gpu"];
-        WEFT_CHECK(gpu.is_array(), path, ".gpu: expected an array of {stream, us}");
-        for (std::size_t i = 0; i < gpu.size(); ++i) {
-          const std::string seg_path = path + ".gpu[" + std::to_string(i) + "]";
-          only_keys(gpu[i], seg_path, {"stream", "us"});
-          WEFT_CHECK(gpu[i].contains("stream"), seg_path, ".stream: missing");
-          std::string stream = json_input::string_at(gpu[i]["stream"], seg_path + ".stream");
-          WEFT_CHECK(!stream.empty(), seg_path, ".stream: expected a stream name");
-          WEFT_CHECK(gpu[i].contains("us"), seg_path, ".us: missing");
-          cost.gpu.push_back({std::move(stream), cost_at(gpu[i]["us"], seg_path + ".us")});
-        }
+        json_input::for_each_element(
+            entry["gpu"], path + ".gpu", "{stream, us}",
+            [&](const json& segment, const std::string& p) {
+              only_keys(segment, p, {"stream", "us"});
+              std::string stream =
+                  json_input::name_at(json_input::required_member(segment, p, "stream"),
+                                      p + ".stream", "a stream name");
+              cost.gpu.push_back(
+                  {std::move(stream),
+                   cost_at(json_input::required_member(segment, p, "us"), p + ".us")});
+            });
       }
       model.tasks.emplace(name, std::move(cost));
     }
@@ -106,10 +106,11 @@ void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const 
 }
 
 CostModel CostModel::hstu_defaults() {
-  // Host figures: the relative CPU widths of the seed's Gantt page (HSTU on one 8xH100 node,
-  // prefetch on), scaled so forward's host time is about 4 ms. GPU figures: forward and backward
-  // about 25 ms each on the default stream (the seed's measurement); collectives estimated from
-  // the seed's NCCL inventory payloads at intranode NVLink rates; copies at pinned PCIe rates.
+  // Host figures: the relative CPU widths of the HSTU benchmark's Gantt page (HSTU on one 8xH100
+  // node, prefetch on), scaled so forward's host time is about 4 ms. GPU figures: forward and
+  // backward about 25 ms each on the default stream (the HSTU benchmark's measurement); collectives
+  // estimated from the HSTU benchmark's NCCL inventory payloads at intranode NVLink rates; copies
+  // at pinned PCIe rates.
   CostModel model;
   model.default_host_us = 20;
   auto add = [&](const char* task, double host_us, std::vector<GpuSegment> gpu) {

@@ -144,96 +144,105 @@ void write_legend(std::ostringstream& out, const std::vector<std::string>& strea
       << " &nbsp; labels: task@lookahead</div>\n";
 }
 
-void write_gantt(std::ostringstream& out, const VariantReport& variant) {
+// The Gantt of one variant laid out: a row per host thread, then a row per GPU stream, each bar
+// placed on the time axis (x_of) and its label in a lane.
+struct GanttLayout {
+  std::vector<Row> rows;
+  std::map<std::string, std::size_t> host_row;  // thread -> its row
+  double extent = 1;                            // the drawn time span, us
+  double scale = 1;                             // px per us
+  double height = 0;
+  double width = kLabelWidth + kPlotWidth + 190;  // room for labels of the last bars
+  bool has_gpu_rows = false;
+
+  double x_of(double t) const { return kLabelWidth + t * scale; }
+};
+
+GanttLayout lay_out_gantt(const VariantReport& variant) {
   const Timeline& tl = variant.timeline;
+  GanttLayout g;
   std::map<std::string, int> lookahead;
-  for (const auto& p : variant.placement) lookahead[p.task] = p.lookahead;
+  std::map<std::string, std::string> stream_of;
+  for (const auto& p : variant.placement) {
+    lookahead[p.task] = p.lookahead;
+    stream_of[p.task] = p.stream;
+  }
   auto label_of = [&](const std::string& task) {
     auto it = lookahead.find(task);
     return it == lookahead.end() ? task : task + "@" + std::to_string(it->second);
   };
+  for (const auto& s : tl.host) g.extent = std::max(g.extent, s.end_us);
+  for (const auto& s : tl.gpu) g.extent = std::max(g.extent, s.end_us);
+  g.scale = kPlotWidth / g.extent;
 
-  double extent = 1;
-  for (const auto& s : tl.host) extent = std::max(extent, s.end_us);
-  for (const auto& s : tl.gpu) extent = std::max(extent, s.end_us);
-  const double scale = kPlotWidth / extent;
-  auto x_of = [&](double t) { return kLabelWidth + t * scale; };
-
-  std::vector<Row> rows;
-  std::map<std::string, std::size_t> host_row;
-  std::map<std::string, std::string> stream_of;
-  for (const auto& p : variant.placement) stream_of[p.task] = p.stream;
   for (const auto& thread : tl.threads) {
-    host_row[thread] = rows.size();
-    rows.push_back(make_row(thread, thread_colour(thread), false));
+    g.host_row[thread] = g.rows.size();
+    g.rows.push_back(make_row(thread, thread_colour(thread), false));
   }
   for (const auto& span : tl.host) {
-    auto it = host_row.find(span.thread);
-    if (it == host_row.end()) continue;
+    auto it = g.host_row.find(span.thread);
+    if (it == g.host_row.end()) continue;
     const std::string stream = stream_of.count(span.task) ? stream_of[span.task] : "";
     std::string tip = span.task + " on " + span.thread + ": " + fmt(span.start_us) + " - " +
                       fmt(span.end_us) + " us";
     if (span.batch >= 0) tip += ", batch " + std::to_string(span.batch);
     if (span.ticket >= 0) tip += ", ticket " + std::to_string(span.ticket);
-    rows[it->second].bars.push_back(make_bar(label_of(span.task), tip, stream_colour(stream),
-                                             x_of(span.start_us), x_of(span.end_us)));
+    g.rows[it->second].bars.push_back(make_bar(label_of(span.task), tip, stream_colour(stream),
+                                               g.x_of(span.start_us), g.x_of(span.end_us)));
   }
   std::map<std::string, std::size_t> gpu_row;
   for (const auto& stream : tl.streams) {
-    gpu_row[stream] = rows.size();
-    rows.push_back(make_row("GPU " + stream, stream_colour(stream), true));
+    gpu_row[stream] = g.rows.size();
+    g.rows.push_back(make_row("GPU " + stream, stream_colour(stream), true));
   }
   for (const auto& span : tl.gpu) {
     auto it = gpu_row.find(span.stream);
     if (it == gpu_row.end()) continue;
-    rows[it->second].bars.push_back(make_bar(
-        label_of(span.task),
-        span.task + " on GPU stream " + span.stream + ": " + fmt(span.start_us) + " - " +
-            fmt(span.end_us) + " us",
-        stream_colour(span.stream), x_of(span.start_us), x_of(span.end_us)));
+    g.rows[it->second].bars.push_back(
+        make_bar(label_of(span.task),
+                 span.task + " on GPU stream " + span.stream + ": " + fmt(span.start_us) + " - " +
+                     fmt(span.end_us) + " us",
+                 stream_colour(span.stream), g.x_of(span.start_us), g.x_of(span.end_us)));
   }
 
   double y = kAxisHeight;
-  bool gpu_started = false;
-  for (auto& row : rows) {
+  for (auto& row : g.rows) {
     assign_label_lanes(row);
-    if (row.gpu && !gpu_started) {
+    if (row.gpu && !g.has_gpu_rows) {
       y += 14;
-      gpu_started = true;
+      g.has_gpu_rows = true;
     }
     row.y = y + row.num_lanes * kLaneHeight;
     y = row.y + kBarHeight + kRowGap;
   }
-  const double height = y + 6;
-  const double width = kLabelWidth + kPlotWidth + 190;  // room for labels of the last bars
+  g.height = y + 6;
+  return g;
+}
 
-  out << "<svg class=gantt xmlns='http://www.w3.org/2000/svg' width='" << fmt(width, 0)
-      << "' height='" << fmt(height, 0) << "' viewBox='0 0 " << fmt(width, 0) << " "
-      << fmt(height, 0) << "' font-family='sans-serif' font-size='11'>\n";
-  out << "<defs><marker id='arrow-" << escape(variant.name)
-      << "' viewBox='0 0 10 10' refX='9' refY='5' markerWidth='6' markerHeight='6' "
-         "orient='auto-start-reverse'><path d='M0,0 L10,5 L0,10 z' fill='#d62728'/></marker>"
-         "</defs>\n";
-  // Time axis.
-  const double step = tick_step(extent);
-  for (double t = 0; t <= extent * 1.0001; t += step) {
-    out << "<line x1='" << fmt(x_of(t)) << "' y1='" << kAxisHeight - 6 << "' x2='" << fmt(x_of(t))
-        << "' y2='" << fmt(height - 4) << "' stroke='#e4e4e4'/>"
-        << "<text x='" << fmt(x_of(t)) << "' y='" << kAxisHeight - 10
+// The time axis with its ticks, and the rule that separates the host rows from the GPU rows.
+void write_time_axis(std::ostringstream& out, const GanttLayout& g) {
+  const double step = tick_step(g.extent);
+  for (double t = 0; t <= g.extent * 1.0001; t += step) {
+    out << "<line x1='" << fmt(g.x_of(t)) << "' y1='" << kAxisHeight - 6 << "' x2='"
+        << fmt(g.x_of(t)) << "' y2='" << fmt(g.height - 4) << "' stroke='#e4e4e4'/>"
+        << "<text x='" << fmt(g.x_of(t)) << "' y='" << kAxisHeight - 10
         << "' text-anchor='middle' fill='#555'>" << fmt(t, t < 10 ? 1 : 0) << "</text>\n";
   }
   out << "<text x='4' y='" << kAxisHeight - 10 << "' fill='#555'>time (us)</text>\n";
-  if (gpu_started) {
-    double gpu_y = 0;
-    for (const auto& row : rows) {
-      if (row.gpu) {
-        gpu_y = row.y - row.num_lanes * kLaneHeight - 10;
-        break;
-      }
+  if (!g.has_gpu_rows) return;
+  double gpu_y = 0;
+  for (const auto& row : g.rows) {
+    if (row.gpu) {
+      gpu_y = row.y - row.num_lanes * kLaneHeight - 10;
+      break;
     }
-    out << "<line x1='0' y1='" << fmt(gpu_y) << "' x2='" << fmt(width) << "' y2='" << fmt(gpu_y)
-        << "' stroke='#999' stroke-dasharray='1,2'/>\n";
   }
+  out << "<line x1='0' y1='" << fmt(gpu_y) << "' x2='" << fmt(g.width) << "' y2='" << fmt(gpu_y)
+      << "' stroke='#999' stroke-dasharray='1,2'/>\n";
+}
+
+// Each row's name and bars; a label that does not fit its bar is drawn in its lane above the row.
+void write_rows(std::ostringstream& out, const std::vector<Row>& rows) {
   for (const auto& row : rows) {
     out << "<rect x='2' y='" << fmt(row.y) << "' width='10' height='" << kBarHeight
         << "' fill='" << row.colour << "'/><text x='16' y='" << fmt(row.y + 14) << "'>"
@@ -256,7 +265,13 @@ void write_gantt(std::ostringstream& out, const VariantReport& variant) {
       out << "</g>\n";
     }
   }
-  // Wait edges: from the producer's end on its row to the consumer's start on its row.
+}
+
+// The cross-thread waits as arrows from the producer's end to the consumer's start: red dashed
+// with an arrow head for the lookahead rules, grey dotted for the engine's own orderings.
+void write_wait_arrows(std::ostringstream& out, const VariantReport& variant,
+                       const GanttLayout& g) {
+  const Timeline& tl = variant.timeline;
   auto find_span = [&](const std::string& task, const std::string& thread) -> const HostSpan* {
     for (const auto& s : tl.host) {
       if (s.task == task && s.thread == thread) return &s;
@@ -266,27 +281,42 @@ void write_gantt(std::ostringstream& out, const VariantReport& variant) {
   for (const auto& wait : tl.waits) {
     const HostSpan* producer = find_span(wait.producer, wait.producer_thread);
     const HostSpan* consumer = find_span(wait.consumer, wait.consumer_thread);
-    if (!producer || !consumer || !host_row.count(wait.producer_thread) ||
-        !host_row.count(wait.consumer_thread)) {
+    if (!producer || !consumer || !g.host_row.count(wait.producer_thread) ||
+        !g.host_row.count(wait.consumer_thread)) {
       continue;
     }
-    const Row& from = rows[host_row[wait.producer_thread]];
-    const Row& to = rows[host_row[wait.consumer_thread]];
-    const bool seed_rule = wait.rule != WaitRule::kTicket && wait.rule != WaitRule::kStreamOrder;
-    const double x0 = x_of(producer->end_us);
-    const double x1 = x_of(consumer->start_us);
+    const Row& from = g.rows[g.host_row.at(wait.producer_thread)];
+    const Row& to = g.rows[g.host_row.at(wait.consumer_thread)];
+    const bool lookahead_rule = is_lookahead_rule(wait.rule);
+    const double x0 = g.x_of(producer->end_us);
+    const double x1 = g.x_of(consumer->start_us);
     const double y0 = from.y + kBarHeight / 2;
     const double y1 = to.y + kBarHeight / 2;
-    out << "<g><title>" << escape(wait.producer + " -> " + wait.consumer + " (" +
-                                  to_string(wait.rule) + ", waited " + fmt(wait.waited_us) +
-                                  " us) " + wait.cause)
+    out << "<g><title>"
+        << escape(wait.producer + " -> " + wait.consumer + " (" + to_string(wait.rule) +
+                  ", waited " + fmt(wait.waited_us) + " us) " + wait.cause)
         << "</title><path d='M" << fmt(x0) << "," << fmt(y0) << " C" << fmt(x0 + 18) << ","
         << fmt(y0) << " " << fmt(x1 - 18) << "," << fmt(y1) << " " << fmt(x1) << "," << fmt(y1)
-        << "' fill='none' stroke='" << (seed_rule ? "#d62728" : "#777") << "' stroke-width='"
-        << (seed_rule ? "2" : "1.5") << "' stroke-dasharray='" << (seed_rule ? "5,3" : "2,3")
-        << "'" << (seed_rule ? " marker-end='url(#arrow-" + escape(variant.name) + ")'" : "")
+        << "' fill='none' stroke='" << (lookahead_rule ? "#d62728" : "#777") << "' stroke-width='"
+        << (lookahead_rule ? "2" : "1.5") << "' stroke-dasharray='"
+        << (lookahead_rule ? "5,3" : "2,3") << "'"
+        << (lookahead_rule ? " marker-end='url(#arrow-" + escape(variant.name) + ")'" : "")
         << "/></g>\n";
   }
+}
+
+void write_gantt(std::ostringstream& out, const VariantReport& variant) {
+  const GanttLayout g = lay_out_gantt(variant);
+  out << "<svg class=gantt xmlns='http://www.w3.org/2000/svg' width='" << fmt(g.width, 0)
+      << "' height='" << fmt(g.height, 0) << "' viewBox='0 0 " << fmt(g.width, 0) << " "
+      << fmt(g.height, 0) << "' font-family='sans-serif' font-size='11'>\n";
+  out << "<defs><marker id='arrow-" << escape(variant.name)
+      << "' viewBox='0 0 10 10' refX='9' refY='5' markerWidth='6' markerHeight='6' "
+         "orient='auto-start-reverse'><path d='M0,0 L10,5 L0,10 z' fill='#d62728'/></marker>"
+         "</defs>\n";
+  write_time_axis(out, g);
+  write_rows(out, g.rows);
+  write_wait_arrows(out, variant, g);
   out << "</svg>\n";
 }
 
@@ -393,17 +423,16 @@ std::string render_html(const std::vector<VariantReport>& variants, const Report
 
   out << "<h2>Variants</h2>\n<table id=variants><tr><th>variant</th><th>cascade</th>"
          "<th>thread_map</th><th>#threads</th><th>step (us)</th><th>host per progress (us)</th>"
-         "<th>cross-thread waits</th><th>of them seed rules</th><th>source</th></tr>\n";
+         "<th>cross-thread waits</th><th>of them lookahead rules</th><th>source</th></tr>\n";
   for (const auto& v : variants) {
-    std::size_t seed_waits = 0;
-    for (const auto& w : v.timeline.waits) {
-      if (w.rule != WaitRule::kTicket && w.rule != WaitRule::kStreamOrder) ++seed_waits;
-    }
+    const auto num_lookahead_waits =
+        std::count_if(v.timeline.waits.begin(), v.timeline.waits.end(),
+                      [](const WaitEdge& w) { return is_lookahead_rule(w.rule); });
     out << "<tr><td><a href='#" << escape(v.name) << "'>" << escape(v.name) << "</a></td><td>"
         << escape(v.cascade) << "</td><td>" << escape(v.thread_map) << "</td><td class=num>"
         << v.timeline.threads.size() << "</td><td class=num>" << fmt(v.timeline.step_us)
         << "</td><td class=num>" << fmt(v.timeline.host_step_us) << "</td><td class=num>"
-        << v.timeline.waits.size() << "</td><td class=num>" << seed_waits << "</td><td>"
+        << v.timeline.waits.size() << "</td><td class=num>" << num_lookahead_waits << "</td><td>"
         << escape(v.source) << "</td></tr>\n";
   }
   out << "</table>\n";

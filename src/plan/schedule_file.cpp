@@ -6,95 +6,94 @@
 #include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/schedule_config.hpp"
+#include "weft/pipeline/schedule_error.hpp"
 
 namespace weft::plan {
 namespace {
 
 using json = json_input::Json;
+using json_input::element_path;
+using json_input::for_each_element;
 using json_input::int_at;
+using json_input::name_at;
+using json_input::names_at;
 using json_input::only_keys;
+using json_input::required_member;
 
 // Schedule files are small; anything this large is not one.
 constexpr std::size_t kMaxScheduleFileBytes = std::size_t(16) << 20;
 
-std::string name_at(const json& value, const std::string& path) {
-  WEFT_CHECK(value.is_string() && !value.get<std::string>().empty(), path,
-             ": expected a non-empty string, got ", json_input::excerpt(value));
-  return value.get<std::string>();
+// Runs `set` (a Task builder call that checks its value) and prefixes its error with `path`.
+template <typename Set>
+void set_checked(const std::string& path, Set&& set) {
+  try {
+    set();
+  } catch (const Error& e) {
+    WEFT_FAIL(path, ": ", e.message());
+  }
 }
 
-std::vector<std::string> names_at(const json& value, const std::string& path) {
-  WEFT_CHECK(value.is_array(), path, ": expected an array of names, got ", json_input::excerpt(value));
-  std::vector<std::string> out;
-  for (std::size_t i = 0; i < value.size(); ++i) {
-    out.push_back(name_at(value[i], path + "[" + std::to_string(i) + "]"));
+pipeline::CollectiveOp parse_collective_op(const json& entry, const std::string& path,
+                                           const std::string& task_stream) {
+  only_keys(entry, path, {"kind", "stream", "bytes", "count"});
+  pipeline::CollectiveOp op;
+  op.kind = name_at(required_member(entry, path, "kind"), path + ".kind");
+  op.stream = entry.contains("stream") ? name_at(entry["stream"], path + ".stream") : task_stream;
+  if (entry.contains("bytes")) {
+    op.num_bytes = json_input::integer_at<std::size_t>(entry["bytes"], path + ".bytes");
   }
-  return out;
+  if (entry.contains("count")) {
+    op.count = int_at(entry["count"], path + ".count");
+    WEFT_CHECK(op.count >= 1, path, ".count: expected >= 1, got ", op.count);
+  }
+  return op;
 }
 
-// The JSON path a schedule rule's error is about: the first task the message quotes, else the
-// streams or inputs it concerns, else the task list as a whole (a cycle).
-std::string path_of_rule_error(const std::string& message, const json& tasks) {
-  const auto quoted = message.find("task '");
-  if (quoted != std::string::npos) {
-    const auto begin = quoted + 6;
-    const std::string name = message.substr(begin, message.find('\'', begin) - begin);
-    for (std::size_t i = 0; i < tasks.size(); ++i) {
-      if (tasks[i].value("name", "") == name) return "$.tasks[" + std::to_string(i) + "]";
-    }
+void parse_edges(const json& entry, const std::string& path, pipeline::Task& task) {
+  if (entry.contains("depends_on")) {
+    for (const auto& s : names_at(entry["depends_on"], path + ".depends_on")) task.depends_on(s);
   }
-  if (message.find("schedule: stream '") != std::string::npos) return "$.streams";
-  if (message.find("input slot") != std::string::npos) return "$.inputs";
-  return "$.tasks";
+  if (entry.contains("cross_iter_depends_on")) {
+    for_each_element(entry["cross_iter_depends_on"], path + ".cross_iter_depends_on",
+                     "{producer, offset}", [&](const json& edge, const std::string& p) {
+                       only_keys(edge, p, {"producer", "offset"});
+                       task.cross_iter_depends_on(
+                           name_at(required_member(edge, p, "producer"), p + ".producer"),
+                           int_at(required_member(edge, p, "offset"), p + ".offset"));
+                     });
+  }
+  if (entry.contains("same_progress_sync")) {
+    for_each_element(entry["same_progress_sync"], path + ".same_progress_sync", "{producer, side}",
+                     [&](const json& edge, const std::string& p) {
+                       only_keys(edge, p, {"producer", "side"});
+                       pipeline::SyncSide side = pipeline::SyncSide::kBoth;
+                       if (edge.contains("side")) {
+                         const std::string text = name_at(edge["side"], p + ".side");
+                         set_checked(p + ".side", [&] { side = pipeline::parse_sync_side(text); });
+                       }
+                       task.same_progress_sync(
+                           name_at(required_member(edge, p, "producer"), p + ".producer"), side);
+                     });
+  }
 }
 
 pipeline::Task parse_task(const json& entry, const std::string& path) {
   only_keys(entry, path,
             {"name", "stream", "lookahead", "reads", "writes", "depends_on",
              "cross_iter_depends_on", "same_progress_sync", "collective"});
-  WEFT_CHECK(entry.contains("name"), path, ".name: missing");
-  pipeline::Task task(name_at(entry["name"], path + ".name"));
+  pipeline::Task task(name_at(required_member(entry, path, "name"), path + ".name"));
   if (entry.contains("stream")) task.stream(name_at(entry["stream"], path + ".stream"));
-  if (entry.contains("lookahead")) task.lookahead(int_at(entry["lookahead"], path + ".lookahead"));
+  if (entry.contains("lookahead")) {
+    const int la = int_at(entry["lookahead"], path + ".lookahead");
+    set_checked(path + ".lookahead", [&] { task.lookahead(la); });
+  }
   if (entry.contains("reads")) {
     for (const auto& s : names_at(entry["reads"], path + ".reads")) task.reads(s);
   }
   if (entry.contains("writes")) {
     for (const auto& s : names_at(entry["writes"], path + ".writes")) task.writes(s);
   }
-  if (entry.contains("depends_on")) {
-    for (const auto& s : names_at(entry["depends_on"], path + ".depends_on")) task.depends_on(s);
-  }
-  if (entry.contains("cross_iter_depends_on")) {
-    const json& list = entry["cross_iter_depends_on"];
-    WEFT_CHECK(list.is_array(), path, ".cross_iter_depends_on: expected an array");
-    for (std::size_t i = 0; i < list.size(); ++i) {
-      const std::string p = path + ".cross_iter_depends_on[" + std::to_string(i) + "]";
-      only_keys(list[i], p, {"producer", "offset"});
-      WEFT_CHECK(list[i].contains("producer") && list[i].contains("offset"), p,
-                 ": needs producer and offset");
-      task.cross_iter_depends_on(name_at(list[i]["producer"], p + ".producer"),
-                                 int_at(list[i]["offset"], p + ".offset"));
-    }
-  }
-  if (entry.contains("same_progress_sync")) {
-    const json& list = entry["same_progress_sync"];
-    WEFT_CHECK(list.is_array(), path, ".same_progress_sync: expected an array");
-    for (std::size_t i = 0; i < list.size(); ++i) {
-      const std::string p = path + ".same_progress_sync[" + std::to_string(i) + "]";
-      only_keys(list[i], p, {"producer", "side"});
-      WEFT_CHECK(list[i].contains("producer"), p, ".producer: missing");
-      pipeline::SyncSide side = pipeline::SyncSide::kBoth;
-      if (list[i].contains("side")) {
-        try {
-          side = pipeline::parse_sync_side(name_at(list[i]["side"], p + ".side"));
-        } catch (const Error& e) {
-          WEFT_FAIL(p, ".side: ", e.message());
-        }
-      }
-      task.same_progress_sync(name_at(list[i]["producer"], p + ".producer"), side);
-    }
-  }
+  parse_edges(entry, path, task);
   if (entry.contains("collective")) {
     const json& c = entry["collective"];
     if (c.is_boolean()) {
@@ -102,27 +101,62 @@ pipeline::Task parse_task(const json& entry, const std::string& path) {
     } else {
       WEFT_CHECK(c.is_array(), path, ".collective: expected true/false or an array of collectives");
       std::vector<pipeline::CollectiveOp> ops;
-      for (std::size_t i = 0; i < c.size(); ++i) {
-        const std::string p = path + ".collective[" + std::to_string(i) + "]";
-        only_keys(c[i], p, {"kind", "stream", "bytes", "count"});
-        pipeline::CollectiveOp op;
-        WEFT_CHECK(c[i].contains("kind"), p, ".kind: missing");
-        op.kind = name_at(c[i]["kind"], p + ".kind");
-        op.stream = c[i].contains("stream") ? name_at(c[i]["stream"], p + ".stream")
-                                            : task.stream();
-        if (c[i].contains("bytes")) {
-          op.num_bytes = json_input::integer_at<std::size_t>(c[i]["bytes"], p + ".bytes");
-        }
-        if (c[i].contains("count")) {
-          op.count = int_at(c[i]["count"], p + ".count");
-          WEFT_CHECK(op.count >= 1, p, ".count: expected >= 1, got ", op.count);
-        }
-        ops.push_back(std::move(op));
-      }
+      for_each_element(c, path + ".collective", "collectives",
+                       [&](const json& op, const std::string& p) {
+                         ops.push_back(parse_collective_op(op, p, task.stream()));
+                       });
       task.collective(std::move(ops));
     }
   }
   return task;
+}
+
+void parse_streams(const json& streams, pipeline::Schedule& schedule) {
+  for_each_element(streams, "$.streams", "streams", [&](const json& s, const std::string& p) {
+    if (s.is_string()) {
+      schedule.add_stream(name_at(s, p));
+      return;
+    }
+    only_keys(s, p, {"name", "priority"});
+    schedule.add_stream(name_at(required_member(s, p, "name"), p + ".name"),
+                        s.contains("priority") ? int_at(s["priority"], p + ".priority") : 0);
+  });
+}
+
+void parse_thread_maps(const json& maps, ScheduleFile& file) {
+  WEFT_CHECK(maps.is_array() && !maps.empty(), "$.thread_maps: expected a non-empty array");
+  for (std::size_t i = 0; i < maps.size(); ++i) {
+    pipeline::ScheduleConfig config;
+    set_checked(element_path("$.thread_maps", i), [&] {
+      config = pipeline::ScheduleConfig::parse(json{{"thread_map", maps[i]}}.dump());
+    });
+    file.thread_maps.push_back(*config.thread_map);
+    file.thread_map_names.push_back(maps[i].is_string() ? maps[i].get<std::string>()
+                                                        : "explicit " + std::to_string(i));
+  }
+}
+
+// The JSON path of what a schedule rule's error is about, from the data the error carries.
+std::string path_of(const pipeline::ScheduleError& e) {
+  if (!e.task()) return "$." + e.field();
+  return element_path("$.tasks", *e.task()) + (e.field().empty() ? "" : "." + e.field());
+}
+
+// Checks the schedule's own rules (and the costs' tasks and streams) here, so that their errors
+// name the JSON path.
+void check_rules(const ScheduleFile& file) {
+  std::optional<pipeline::CompiledSchedule> compiled;
+  try {
+    compiled.emplace(file.schedule);
+  } catch (const pipeline::ScheduleError& e) {
+    WEFT_FAIL(path_of(e), ": ", e.message());
+  }
+  if (!file.costs) return;
+  try {
+    file.costs->check_against(*compiled);
+  } catch (const Error& e) {
+    WEFT_FAIL("$.costs", e.message().substr(1));  // its paths start at the cost model's "$"
+  }
 }
 
 }  // namespace
@@ -131,46 +165,17 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
   const json root = json_input::parse_json(json_text);
   only_keys(root, "$", {"streams", "inputs", "tasks", "thread_maps", "costs"});
   ScheduleFile file;
-  if (root.contains("streams")) {
-    const json& streams = root["streams"];
-    WEFT_CHECK(streams.is_array(), "$.streams: expected an array");
-    for (std::size_t i = 0; i < streams.size(); ++i) {
-      const std::string p = "$.streams[" + std::to_string(i) + "]";
-      if (streams[i].is_string()) {
-        file.schedule.add_stream(name_at(streams[i], p));
-      } else {
-        only_keys(streams[i], p, {"name", "priority"});
-        WEFT_CHECK(streams[i].contains("name"), p, ".name: missing");
-        file.schedule.add_stream(name_at(streams[i]["name"], p + ".name"),
-                                 streams[i].contains("priority")
-                                     ? int_at(streams[i]["priority"], p + ".priority")
-                                     : 0);
-      }
-    }
-  }
+  if (root.contains("streams")) parse_streams(root["streams"], file.schedule);
   if (root.contains("inputs")) {
     for (const auto& s : names_at(root["inputs"], "$.inputs")) file.schedule.add_input(s);
   }
   WEFT_CHECK(root.contains("tasks") && root["tasks"].is_array() && !root["tasks"].empty(),
              "$.tasks: expected a non-empty array of tasks");
-  for (std::size_t i = 0; i < root["tasks"].size(); ++i) {
-    file.schedule.add(parse_task(root["tasks"][i], "$.tasks[" + std::to_string(i) + "]"));
-  }
+  for_each_element(root["tasks"], "$.tasks", "tasks", [&](const json& t, const std::string& p) {
+    file.schedule.add(parse_task(t, p));
+  });
   if (root.contains("thread_maps")) {
-    const json& maps = root["thread_maps"];
-    WEFT_CHECK(maps.is_array() && !maps.empty(), "$.thread_maps: expected a non-empty array");
-    for (std::size_t i = 0; i < maps.size(); ++i) {
-      const std::string p = "$.thread_maps[" + std::to_string(i) + "]";
-      pipeline::ScheduleConfig config;
-      try {
-        config = pipeline::ScheduleConfig::parse(json{{"thread_map", maps[i]}}.dump());
-      } catch (const Error& e) {
-        WEFT_FAIL(p, ": ", e.message());
-      }
-      file.thread_maps.push_back(*config.thread_map);
-      file.thread_map_names.push_back(maps[i].is_string() ? maps[i].get<std::string>()
-                                                          : "explicit " + std::to_string(i));
-    }
+    parse_thread_maps(root["thread_maps"], file);
   } else {
     for (const char* name : {"legacy", "by_stream", "per_task"}) {
       file.thread_maps.push_back(pipeline::ThreadMap::preset(name));
@@ -187,22 +192,7 @@ ScheduleFile ScheduleFile::parse(std::string_view json_text) {
       WEFT_FAIL(message);
     }
   }
-  // The schedule's own rules (and the costs' tasks and streams), checked here so that their
-  // errors name the JSON path.
-  try {
-    const pipeline::CompiledSchedule compiled(file.schedule);
-    if (file.costs) {
-      try {
-        file.costs->check_against(compiled);
-      } catch (const Error& e) {
-        WEFT_FAIL("$.costs", e.message().substr(1));
-      }
-    }
-  } catch (const Error& e) {
-    const std::string& message = e.message();
-    if (message.rfind("$", 0) == 0) throw;
-    WEFT_FAIL(path_of_rule_error(message, root["tasks"]), ": ", message);
-  }
+  check_rules(file);
   return file;
 }
 

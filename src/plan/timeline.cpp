@@ -17,6 +17,10 @@ const char* to_string(WaitRule rule) noexcept {
   return "unknown";
 }
 
+bool is_lookahead_rule(WaitRule rule) noexcept {
+  return rule != WaitRule::kTicket && rule != WaitRule::kStreamOrder;
+}
+
 std::vector<ThreadLoad> thread_loads(const Timeline& timeline) {
   std::map<std::string, std::vector<const HostSpan*>> by_thread;
   for (const auto& span : timeline.host) by_thread[span.thread].push_back(&span);

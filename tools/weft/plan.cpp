@@ -17,8 +17,8 @@
 #include "output_file.hpp"
 #include "plan_suggest.hpp"
 #include "weft/core/error.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
-#include "weft/pipeline/hstu.hpp"
 #include "weft/plan/report.hpp"
 #include "weft/plan/schedule_file.hpp"
 #include "weft/plan/simulate.hpp"
@@ -130,23 +130,23 @@ void run_plan(const PlanOptions& options) {
   } else if (draw_hstu) {
     if (!costs) costs = plan::CostModel::hstu_defaults();
     report_options.title = "weft plan: HSTU thread-map presets";
-    std::vector<const pipeline::HstuVariant*> chosen;
+    std::vector<const hstu::HstuVariant*> chosen;
     if (options.variants.empty()) {
-      for (const auto& v : pipeline::hstu_variants()) chosen.push_back(&v);
+      for (const auto& v : hstu::hstu_variants()) chosen.push_back(&v);
     } else {
-      for (const auto& name : options.variants) chosen.push_back(&pipeline::hstu_variant(name));
+      for (const auto& name : options.variants) chosen.push_back(&hstu::hstu_variant(name));
     }
     for (std::size_t i = 0; i < chosen.size(); ++i) {
       const auto& v = *chosen[i];
-      const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = v.cascade}));
+      const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = v.cascade}));
       check_costs(compiled);
       if (i == 0) plan::add_collective_inventory(compiled, report_options);
       std::fprintf(stderr, "[%zu/%zu] simulating %.*s\n", i + 1, chosen.size(),
                    int(v.name.size()), v.name.data());
       reports.push_back(plan::simulate_variant(std::string(v.name),
-                                               std::string(pipeline::to_string(v.cascade)),
-                                               compiled, pipeline::ThreadMap::preset(v.thread_map),
-                                               *costs, {.num_progress = options.num_progress}));
+                                               std::string(hstu::to_string(v.cascade)), compiled,
+                                               pipeline::ThreadMap::preset(v.thread_map), *costs,
+                                               {.num_progress = options.num_progress}));
     }
   }
   for (const auto& path : options.traces) {

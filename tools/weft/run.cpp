@@ -1,7 +1,8 @@
 // `weft run hstu`: the HSTU-shaped training step (docs/hstu.md) on real GPUs, through the engine,
-// under the seed's variants. Per variant: step time (median, range), how busy the default stream
-// is, communication left exposed, the engine's host overhead, a Chrome trace; then the planner
-// calibrated on the legacy run predicts every variant, next to what was measured.
+// under the variants of the HSTU benchmark's preset schedule. Per variant: step time (median,
+// range), how busy the default stream is, communication left exposed, the engine's host overhead, a
+// Chrome trace; then the planner calibrated on the legacy run predicts every variant, next to what
+// was measured.
 //
 //   mpirun -np 2 --bind-to none weft run hstu --variant all --steps 200 --out-dir out
 //   RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NCCL_COMM_ID=127.0.0.1:29600 weft run hstu ... &  (rank 1 too)
@@ -74,8 +75,8 @@ struct VariantResult {
 
 // Median host time of one progress() of the variant's schedule with empty bodies on the CUDA
 // backend: what the engine itself costs per step (events, waits, tickets, thread hand-offs).
-double engine_overhead_us(const pipeline::HstuVariant& v, int device) {
-  pipeline::Engine engine(pipeline::hstu_schedule({.cascade = v.cascade}),
+double engine_overhead_us(const hstu::HstuVariant& v, int device) {
+  pipeline::Engine engine(hstu::hstu_schedule({.cascade = v.cascade}),
                           pipeline::ThreadMap::preset(v.thread_map), pipeline::CudaBackend(device));
   engine.set_source([](pipeline::Batch&) { return true; });
   for (int i = 0; i < 50; ++i) engine.progress();
@@ -114,147 +115,186 @@ std::string human_bytes(double bytes) {
   return text;
 }
 
-// One rank's whole run. Rank 0 prints and writes the files.
-void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t comm, int device) {
-  const bool lead = config.rank == 0;
-  std::vector<const pipeline::HstuVariant*> chosen;
+// What one rank's run gathers over the variants; rank 0 (lead) prints and writes the files.
+struct RankRun {
+  const RunOptions& options;
+  const hstu::HstuConfig& config;
+  ncclComm_t comm;
+  int device;
+  bool lead;
+  std::vector<const hstu::HstuVariant*> chosen;
+  std::size_t skip = 0;  // warm-up steps left out of the figures
+  int print_every = 1;
+  std::vector<VariantResult> results;
+  std::vector<pipeline::MeasuredCollective> inventory;  // of the first variant's run
+  std::vector<plan::VariantReport> measured;            // lead: the traced runs, read back
+  std::optional<plan::CostModel> costs;                 // lead: the calibration
+  std::string calibrated_on;
+};
+
+std::vector<const hstu::HstuVariant*> chosen_variants(const RunOptions& options) {
+  std::vector<const hstu::HstuVariant*> chosen;
   for (const auto& name : options.variants) {
     if (name == "all") {
-      for (const auto& v : pipeline::hstu_variants()) chosen.push_back(&v);
+      for (const auto& v : hstu::hstu_variants()) chosen.push_back(&v);
     } else {
-      chosen.push_back(&pipeline::hstu_variant(name));
+      chosen.push_back(&hstu::hstu_variant(name));
     }
   }
-  if (lead) {
-    std::filesystem::create_directories(options.out_dir);
-    std::printf("weft run hstu: %d ranks, %zu variants x %d steps; local batch %d, Zipf(%.2f) <= %d, "
-                "dim %d, %d x %d dense\n", config.world_size, chosen.size(), options.num_steps,
-                config.local_batch, config.zipf_alpha, config.max_seq_len, config.embedding_dim,
-                config.num_layers, config.hidden);
-    std::size_t max_num_threads = 1;
-    for (const auto* v : chosen) {
-      const pipeline::CompiledSchedule schedule(pipeline::hstu_schedule({.cascade = v->cascade}));
-      max_num_threads = std::max(
-          max_num_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
-    }
-    if (pipeline::usable_cpus() <= max_num_threads) {
-      std::printf("note: this rank may use %zu CPU(s) for up to %zu engine threads and the caller; "
-                  "threaded variants will be host-starved (mpirun binds a rank to one core by "
-                  "default: pass --bind-to none)\n", pipeline::usable_cpus(), max_num_threads);
-    }
-    std::fflush(stdout);
-  }
-  WEFT_CUDA_CHECK(cudaSetDevice(device));
-  hstu::HstuRank rank(config, comm, device, options.num_steps);
-  const auto skip = std::size_t(double(options.num_steps) * options.warmup_fraction);
-  const int print_every = std::max(1, options.num_steps / 4);
+  return chosen;
+}
 
-  std::vector<VariantResult> results;
-  std::vector<pipeline::MeasuredCollective> inventory;
-  std::vector<plan::VariantReport> measured;
-  std::optional<plan::CostModel> costs;
-  std::string calibrated_on;
-  for (std::size_t vi = 0; vi < chosen.size(); ++vi) {
-    const auto& v = *chosen[vi];
-    // Two runs of the same steps: the measured one without the engine's trace (its GPU spans add
-    // two timing events per task, which the default stream pays between tasks), then a traced
-    // one for the Chrome trace and the planner's calibration. Both compute the same bits. Before
-    // the first variant, one more untraced run that nothing is taken from: the first pass over
-    // the batches pays for what is loaded or chosen per new shape (kernel modules, cuBLAS
-    // heuristics for each token count, NCCL's first use of each size), which made whichever
-    // variant ran first look 16-34% slower than when run again.
-    enum class Pass { kWarmUp, kMeasured, kTraced };
-    auto run_once = [&](Pass pass) {
-      const bool traced = pass == Pass::kTraced;
-      rank.reset();
-      pipeline::Engine engine(rank.schedule(v.cascade), pipeline::ThreadMap::preset(v.thread_map),
-                              pipeline::CudaBackend(device), {.trace = traced});
-      engine.set_source(rank.source());
-      const auto t0 = std::chrono::steady_clock::now();
-      while (auto step = engine.progress()) {
-        const std::int64_t i = step->batch_index();
-        // Progress with the loss needs a host wait, so the measured pass prints none.
-        if (lead && pass != Pass::kMeasured && (i + 1) % print_every == 0) {
-          std::printf("[%zu/%zu] %-24.*s %s step %4lld/%d  loss share %.5f  %.1f s\n", vi + 1,
-                      chosen.size(), int(v.name.size()), v.name.data(),
-                      pass == Pass::kWarmUp ? "warm-up" : "traced ", static_cast<long long>(i + 1),
-                      options.num_steps, double(rank.wait_loss(i)),
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-          std::fflush(stdout);
-        }
-      }
-      engine.synchronize();
-      if (inventory.empty()) inventory = engine.collective_inventory();
-      return engine.take_trace();
-    };
-    if (vi == 0) run_once(Pass::kWarmUp);
-    run_once(Pass::kMeasured);
-    VariantResult r;
-    r.name = std::string(v.name);
-    std::vector<double> step_us, busy, exposed;
-    const auto timings = rank.step_timings();
-    for (std::size_t i = skip; i < timings.size(); ++i) {
-      step_us.push_back(timings[i].step_us);
-      busy.push_back(timings[i].busy_fraction());
-      exposed.push_back(timings[i].exposed_comm_us());
-    }
-    r.step_us = range_of(step_us);
-    r.busy = range_of(busy);
-    r.exposed_comm_us = range_of(exposed);
-    auto median_of = [&](auto field) {
-      std::vector<double> values;
-      for (std::size_t i = skip; i < timings.size(); ++i) values.push_back(field(timings[i]));
-      return range_of(std::move(values)).median;
-    };
-    for (std::size_t k = 0; k < hstu::HstuRank::default_stream_tasks().size(); ++k) {
-      r.idle_before_us.push_back(median_of([k](const hstu::StepTiming& t) { return t.idle_before_us[k]; }));
-    }
-    r.cod_join_us = median_of([](const hstu::StepTiming& t) { return t.cod_join_us; });
-    r.bwd_join_us = median_of([](const hstu::StepTiming& t) { return t.bwd_join_us; });
-    const std::vector<float> global_loss = all_reduce_sum(rank.losses(), comm);
-    const std::size_t n = global_loss.size(), k = std::min<std::size_t>(5, n);
-    for (std::size_t i = 0; i < k; ++i) {
-      r.first_loss += global_loss[i] / double(k);
-      r.last_loss += global_loss[n - 1 - i] / double(k);
-    }
-    r.overhead_us = engine_overhead_us(v, device);
-    const pipeline::Trace trace = run_once(Pass::kTraced);
-    if (lead) {
-      r.trace_path = options.out_dir + "/" + r.name + ".rank0.trace.json";
-      trace.write_chrome_json(r.trace_path);
-      measured.push_back(plan::read_chrome_trace(r.trace_path));
-      measured.back().name = r.name + " (traced)";
-      const bool last = vi + 1 == chosen.size();
-      if (r.name == options.calibrate_from || (last && !costs)) {
-        // The traced run's GPU is slower by the trace's own events: scale its GPU spans to the
-        // measured (untraced) step, so that predictions compare with untraced measurements.
-        const double traced_us = hstu::gpu_period_us(trace, "watchdog", options.warmup_fraction);
-        const double gpu_scale = traced_us > 0 ? r.step_us.median / traced_us : 1.0;
-        costs = hstu::cost_model_from_trace(trace, options.warmup_fraction, gpu_scale);
-        std::printf("calibration: costs from the trace of %s, GPU spans scaled by %.3f (step %.3f "
-                    "ms measured, %.3f ms traced)\n", r.name.c_str(), gpu_scale,
-                    r.step_us.median / 1e3, traced_us / 1e3);
-        calibrated_on = r.name;
-      }
-      std::printf("[%zu/%zu] %-24s step %.3f ms [%.3f-%.3f]  default busy %.1f%%  exposed comm "
-                  "%.3f ms  loss %.4f -> %.4f\n", vi + 1, chosen.size(), r.name.c_str(),
-                  r.step_us.median / 1e3, r.step_us.min / 1e3, r.step_us.max / 1e3,
-                  100 * r.busy.median, r.exposed_comm_us.median / 1e3, r.first_loss, r.last_loss);
+// Rank 0: the run's shape, and a note when the engine threads would share too few CPUs.
+void print_run_header(const RankRun& run) {
+  const RunOptions& options = run.options;
+  const hstu::HstuConfig& config = run.config;
+  const auto& chosen = run.chosen;
+  std::filesystem::create_directories(options.out_dir);
+  std::printf(
+      "weft run hstu: %d ranks, %zu variants x %d steps; local batch %d, Zipf(%.2f) <= %d, "
+      "dim %d, %d x %d dense\n",
+      config.world_size, chosen.size(), options.num_steps, config.local_batch, config.zipf_alpha,
+      config.max_seq_len, config.embedding_dim, config.num_layers, config.hidden);
+  std::size_t max_num_threads = 1;
+  for (const auto* v : chosen) {
+    const pipeline::CompiledSchedule schedule(hstu::hstu_schedule({.cascade = v->cascade}));
+    max_num_threads = std::max(
+        max_num_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
+  }
+  if (pipeline::usable_cpus() <= max_num_threads) {
+    std::printf(
+        "note: this rank may use %zu CPU(s) for up to %zu engine threads and the caller; "
+        "threaded variants will be host-starved (mpirun binds a rank to one core by "
+        "default: pass --bind-to none)\n",
+        pipeline::usable_cpus(), max_num_threads);
+  }
+  std::fflush(stdout);
+}
+
+// Two runs of the same steps per variant: the measured one without the engine's trace (its GPU
+// spans add two timing events per task, which the default stream pays between tasks), then a
+// traced one for the Chrome trace and the planner's calibration. Both compute the same bits.
+// Before the first variant, one more untraced run that nothing is taken from: the first pass over
+// the batches pays for what is loaded or chosen per new shape (kernel modules, cuBLAS heuristics
+// for each token count, NCCL's first use of each size), which made whichever variant ran first
+// look 16-34% slower than when run again.
+enum class Pass { kWarmUp, kMeasured, kTraced };
+
+pipeline::Trace run_variant_once(RankRun& run, hstu::HstuRank& rank, const hstu::HstuVariant& v,
+                                 std::size_t vi, Pass pass) {
+  const RunOptions& options = run.options;
+  const bool lead = run.lead;
+  const int device = run.device;
+  const int print_every = run.print_every;
+  const auto& chosen = run.chosen;
+  auto& inventory = run.inventory;
+  const bool traced = pass == Pass::kTraced;
+  rank.reset();
+  pipeline::Engine engine(rank.schedule(v.cascade), pipeline::ThreadMap::preset(v.thread_map),
+                          pipeline::CudaBackend(device), {.trace = traced});
+  engine.set_source(rank.source());
+  const auto t0 = std::chrono::steady_clock::now();
+  while (auto step = engine.progress()) {
+    const std::int64_t i = step->batch_index();
+    // Progress with the loss needs a host wait, so the measured pass prints none.
+    if (lead && pass != Pass::kMeasured && (i + 1) % print_every == 0) {
+      std::printf("[%zu/%zu] %-24.*s %s step %4lld/%d  loss share %.5f  %.1f s\n", vi + 1,
+                  chosen.size(), int(v.name.size()), v.name.data(),
+                  pass == Pass::kWarmUp ? "warm-up" : "traced ", static_cast<long long>(i + 1),
+                  options.num_steps, double(rank.wait_loss(i)),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       std::fflush(stdout);
     }
-    results.push_back(std::move(r));
   }
-  if (!lead) return;
+  engine.synchronize();
+  if (inventory.empty()) inventory = engine.collective_inventory();
+  return engine.take_trace();
+}
 
-  // Calibrated planner: costs from one variant's trace, every variant simulated.
+// The measured run's figures (after the warm-up steps) and its losses, summed over the ranks.
+void summarise_timings(const RankRun& run, const hstu::HstuRank& rank, VariantResult& r) {
+  const std::size_t skip = run.skip;
+  const ncclComm_t comm = run.comm;
+  std::vector<double> step_us, busy, exposed;
+  const auto timings = rank.step_timings();
+  for (std::size_t i = skip; i < timings.size(); ++i) {
+    step_us.push_back(timings[i].step_us);
+    busy.push_back(timings[i].busy_fraction());
+    exposed.push_back(timings[i].exposed_comm_us());
+  }
+  r.step_us = range_of(step_us);
+  r.busy = range_of(busy);
+  r.exposed_comm_us = range_of(exposed);
+  auto median_of = [&](auto field) {
+    std::vector<double> values;
+    for (std::size_t i = skip; i < timings.size(); ++i) values.push_back(field(timings[i]));
+    return range_of(std::move(values)).median;
+  };
+  for (std::size_t k = 0; k < hstu::HstuRank::default_stream_tasks().size(); ++k) {
+    r.idle_before_us.push_back(
+        median_of([k](const hstu::StepTiming& t) { return t.idle_before_us[k]; }));
+  }
+  r.cod_join_us = median_of([](const hstu::StepTiming& t) { return t.cod_join_us; });
+  r.bwd_join_us = median_of([](const hstu::StepTiming& t) { return t.bwd_join_us; });
+  const std::vector<float> global_loss = all_reduce_sum(rank.losses(), comm);
+  const std::size_t n = global_loss.size(), k = std::min<std::size_t>(5, n);
+  for (std::size_t i = 0; i < k; ++i) {
+    r.first_loss += global_loss[i] / double(k);
+    r.last_loss += global_loss[n - 1 - i] / double(k);
+  }
+}
+
+// Rank 0: writes the traced run's Chrome trace, calibrates the planner on it when it is the
+// variant asked for (or the last one), and prints the variant's line.
+void keep_traced_run(RankRun& run, VariantResult& r, const pipeline::Trace& trace, std::size_t vi) {
+  const RunOptions& options = run.options;
+  const auto& chosen = run.chosen;
+  auto& measured = run.measured;
+  auto& costs = run.costs;
+  auto& calibrated_on = run.calibrated_on;
+  r.trace_path = options.out_dir + "/" + r.name + ".rank0.trace.json";
+  trace.write_chrome_json(r.trace_path);
+  measured.push_back(plan::read_chrome_trace(r.trace_path));
+  measured.back().name = r.name + " (traced)";
+  const bool last = vi + 1 == chosen.size();
+  if (r.name == options.calibrate_from || (last && !costs)) {
+    // The traced run's GPU is slower by the trace's own events: scale its GPU spans to the
+    // measured (untraced) step, so that predictions compare with untraced measurements.
+    const double traced_us = hstu::gpu_period_us(trace, "watchdog", options.warmup_fraction);
+    const double gpu_scale = traced_us > 0 ? r.step_us.median / traced_us : 1.0;
+    costs = hstu::cost_model_from_trace(trace, options.warmup_fraction, gpu_scale);
+    std::printf(
+        "calibration: costs from the trace of %s, GPU spans scaled by %.3f (step %.3f "
+        "ms measured, %.3f ms traced)\n",
+        r.name.c_str(), gpu_scale, r.step_us.median / 1e3, traced_us / 1e3);
+    calibrated_on = r.name;
+  }
+  std::printf(
+      "[%zu/%zu] %-24s step %.3f ms [%.3f-%.3f]  default busy %.1f%%  exposed comm "
+      "%.3f ms  loss %.4f -> %.4f\n",
+      vi + 1, chosen.size(), r.name.c_str(), r.step_us.median / 1e3, r.step_us.min / 1e3,
+      r.step_us.max / 1e3, 100 * r.busy.median, r.exposed_comm_us.median / 1e3, r.first_loss,
+      r.last_loss);
+  std::fflush(stdout);
+}
+
+// The calibrated planner (costs from one variant's trace, every variant simulated) next to the
+// measured traces: report.html and costs.json.
+void write_report_files(RankRun& run) {
+  const RunOptions& options = run.options;
+  auto& results = run.results;
+  auto& measured = run.measured;
+  const auto& inventory = run.inventory;
+  const auto& costs = run.costs;
+  const auto& calibrated_on = run.calibrated_on;
   std::vector<plan::VariantReport> reports;
   for (auto& r : results) {
-    const auto& v = pipeline::hstu_variant(r.name);
-    const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = v.cascade}));
+    const auto& v = hstu::hstu_variant(r.name);
+    const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = v.cascade}));
     const auto map = pipeline::ThreadMap::preset(v.thread_map);
     plan::VariantReport sim;
     sim.name = r.name + " (calibrated plan)";
-    sim.cascade = std::string(pipeline::to_string(v.cascade));
+    sim.cascade = std::string(hstu::to_string(v.cascade));
     sim.thread_map = std::string(v.thread_map);
     sim.source = "simulated, costs from " + calibrated_on;
     sim.placement = plan::placement(compiled, map.assign(compiled));
@@ -274,7 +314,11 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
     std::ofstream costs_file(options.out_dir + "/costs.json");
     costs_file << costs->to_json();
   }
+}
 
+void print_inventory(const RankRun& run) {
+  const auto& results = run.results;
+  const auto& inventory = run.inventory;
   std::printf("\nNCCL inventory per step (rank 0, measured in %s):\n", results.front().name.c_str());
   std::printf("  %-24s %-30s %-17s %12s %6s\n", "task", "collective", "stream", "bytes/call", "calls");
   int num_calls = 0;
@@ -284,6 +328,15 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
     num_calls += int(e.calls_per_run + 0.5);
   }
   std::printf("  %d collective calls per step\n\n", num_calls);
+}
+
+// The variants table, where the default stream waits, and results.json.
+void print_results(const RankRun& run) {
+  const RunOptions& options = run.options;
+  const hstu::HstuConfig& config = run.config;
+  const auto& results = run.results;
+  const auto& inventory = run.inventory;
+  const auto& calibrated_on = run.calibrated_on;
   const double legacy_us = results.front().name == "legacy_none" ? results.front().step_us.median : 0;
   std::printf("planner calibrated on the trace of %s\n", calibrated_on.c_str());
   std::printf("%-24s %-24s %8s %10s %12s %9s %16s %9s\n", "variant", "step ms median [min-max]",
@@ -336,15 +389,46 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
               options.out_dir.c_str());
 }
 
+// One rank's whole run. Rank 0 prints and writes the files.
+void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t comm, int device) {
+  RankRun run{.options = options,
+              .config = config,
+              .comm = comm,
+              .device = device,
+              .lead = config.rank == 0,
+              .chosen = chosen_variants(options)};
+  if (run.lead) print_run_header(run);
+  WEFT_CUDA_CHECK(cudaSetDevice(device));
+  hstu::HstuRank rank(config, comm, device, options.num_steps);
+  run.skip = std::size_t(double(options.num_steps) * options.warmup_fraction);
+  run.print_every = std::max(1, options.num_steps / 4);
+  for (std::size_t vi = 0; vi < run.chosen.size(); ++vi) {
+    const auto& v = *run.chosen[vi];
+    if (vi == 0) run_variant_once(run, rank, v, vi, Pass::kWarmUp);
+    run_variant_once(run, rank, v, vi, Pass::kMeasured);
+    VariantResult r;
+    r.name = std::string(v.name);
+    summarise_timings(run, rank, r);
+    r.overhead_us = engine_overhead_us(v, device);
+    const pipeline::Trace trace = run_variant_once(run, rank, v, vi, Pass::kTraced);
+    if (run.lead) keep_traced_run(run, r, trace, vi);
+    run.results.push_back(std::move(r));
+  }
+  if (!run.lead) return;
+  write_report_files(run);
+  print_inventory(run);
+  print_results(run);
+}
+
 // Every argument, checked before a GPU or NCCL is touched, so that a mistake is reported as
 // itself rather than as whatever the GPUs say first.
 void check_arguments(const RunOptions& options) {
   WEFT_CHECK(options.num_steps >= 8, "--steps must be >= 8");
   for (const auto& name : options.variants) {
-    if (name != "all") pipeline::hstu_variant(name);
+    if (name != "all") hstu::hstu_variant(name);
   }
   try {
-    pipeline::hstu_variant(options.calibrate_from);
+    hstu::hstu_variant(options.calibrate_from);
   } catch (const Error& e) {
     WEFT_FAIL("--calibrate-from: ", e.message());
   }
@@ -407,7 +491,8 @@ void register_run(CLI::App& app) {
   auto options = std::make_shared<RunOptions>();
   auto* run = app.add_subcommand("run", "Run a preset workload on real GPUs through the engine");
   run->require_subcommand(1);
-  auto* hstu = run->add_subcommand("hstu", "The HSTU training step under the seed's variants");
+  auto* hstu = run->add_subcommand(
+      "hstu", "The HSTU training step under the HSTU benchmark's preset variants");
   hstu->add_option("--variant", options->variants, "variant name, or all (repeatable)")
       ->capture_default_str();
   hstu->add_option("--steps", options->num_steps, "training steps per variant")->capture_default_str();

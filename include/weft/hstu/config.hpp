@@ -1,5 +1,5 @@
 // weft::hstu::HstuConfig: the shape of the HSTU-style training step weft runs on real GPUs
-// (docs/hstu.md). Defaults are the seed's benchmark (balanced_ranking_benchmark.gin): local batch
+// (docs/hstu.md). Defaults are the HSTU benchmark's (balanced_ranking_benchmark.gin): local batch
 // 32, sequence lengths Zipf(1.2) up to 4096, item embedding dim 128, 10 dense layers of 1024.
 //
 //   weft::hstu::HstuConfig config{.world_size = 2, .rank = 0};

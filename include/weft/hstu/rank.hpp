@@ -1,9 +1,9 @@
 // weft::hstu::HstuRank: one rank's HSTU training step as the 14 task bodies of
-// weft::pipeline::hstu_schedule, on one GPU, over one NCCL communicator it is given (and, by
+// weft::hstu::hstu_schedule, on one GPU, over one NCCL communicator it is given (and, by
 // default, three it splits from it: HstuConfig::communicator_per_role) (docs/hstu.md).
 //
 //   HstuRank rank(config, comm, device, num_steps);
-//   for (const auto& variant : pipeline::hstu_variants()) {
+//   for (const auto& variant : hstu::hstu_variants()) {
 //     rank.reset();                                  // same initial parameters every run
 //     pipeline::Engine engine(rank.schedule(variant.cascade),
 //                             pipeline::ThreadMap::preset(variant.thread_map),
@@ -32,7 +32,6 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include "weft/cuda/nccl_include.hpp"
 
 #include <cstdint>
 #include <map>
@@ -42,11 +41,16 @@
 #include <string_view>
 #include <vector>
 
+#include "weft/cuda/nccl_include.hpp"
 #include "weft/hstu/config.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/engine.hpp"
-#include "weft/pipeline/hstu.hpp"
 
 namespace weft::hstu {
+
+namespace detail {
+struct HstuRankState;  // src/hstu/rank_state.hpp
+}  // namespace detail
 
 // The default stream over one steady-state step (from CUDA events recorded inside the bodies).
 struct StepTiming {
@@ -74,8 +78,8 @@ class HstuRank {
 
   // Back to the initial parameters and empty records; call before each run.
   void reset();
-  // hstu_schedule with this rank's bodies (and prefetch on).
-  pipeline::Schedule schedule(pipeline::HstuCascade cascade);
+  // hstu::hstu_schedule with this rank's bodies (and prefetch on).
+  pipeline::Schedule schedule(hstu::HstuCascade cascade);
   // Gives the run's num_steps batches, then end of data.
   pipeline::Source source();
 
@@ -96,8 +100,7 @@ class HstuRank {
   std::int64_t num_steps() const noexcept;
 
  private:
-  struct State;
-  std::unique_ptr<State> state_;
+  std::unique_ptr<detail::HstuRankState> state_;
   HstuConfig config_;
 };
 

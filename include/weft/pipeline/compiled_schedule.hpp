@@ -1,8 +1,9 @@
 // weft::pipeline::CompiledSchedule: a validated Schedule with everything the engine, the wait
 // rules and the planner derive from it, computed once.
 //
-// Validation rules (each error names the task and the rule broken):
-//   unique non-empty task names; lookahead >= 0; the task's stream is declared; one writer per
+// Validation rules (each error is a ScheduleError, schedule_error.hpp: its message names the task
+// and the rule broken, its task() and field() say the same as data):
+//   unique non-empty task names; the task's stream is declared; one writer per
 //   slot (a task or the source's inputs); every read has a writer and no task reads what it
 //   writes; every edge names another task; a producer appears in at most one edge kind of a
 //   consumer; an ordering edge never points forward in time (the producer must run no later than
@@ -19,7 +20,7 @@
 // Run order = topological order of the within-progress graph, declaration order breaking ties.
 // in_flight = max_lookahead + 1 ring slots.
 //
-//   CompiledSchedule c(hstu_schedule({.cascade = HstuCascade::kD3}));
+//   CompiledSchedule c(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
 //   for (auto id : c.run_order()) std::puts(c.task(id).name().c_str());
 #pragma once
 
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "weft/pipeline/schedule.hpp"
+#include "weft/pipeline/schedule_error.hpp"
 #include "weft/pipeline/task.hpp"
 
 namespace weft::pipeline {
@@ -97,6 +99,14 @@ class CompiledSchedule {
   const Schedule& source() const noexcept { return schedule_; }
 
  private:
+  // The constructor's steps, in order; each throws ScheduleError for the rules it checks.
+  void index_streams();
+  void check_task_fields();             // names, streams, collective inventories
+  std::vector<TaskId> resolve_slots();  // returns the writer of each slot
+  void add_edges_of(TaskId consumer, const std::vector<TaskId>& writer);
+  void set_progress_distances(TaskId consumer, std::size_t first_edge);
+  void compute_run_order();
+
   Schedule schedule_;
   std::vector<Task> tasks_;
   std::map<std::string, TaskId, std::less<>> task_ids_;

@@ -1,6 +1,6 @@
 // weft::pipeline::Engine: runs a schedule over a data source, one step per progress().
 //
-//   Engine engine(hstu_schedule({.cascade = HstuCascade::kD3, .bodies = bodies}),
+//   Engine engine(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3, .bodies = bodies}),
 //                 ThreadMap::preset("full_split"), HostBackend());
 //   engine.set_source(loader);                  // each batch enters the ring at the furthest slot
 //   while (auto step = engine.progress()) log(step->get<float>("loss"));

@@ -1,6 +1,6 @@
 // weft::pipeline, the CPU part: tasks, schedules, thread maps, wait rules, the engine with its
-// host backend, traces, JSON schedule configs and the HSTU presets. The CUDA backend is an opt-in
-// include: weft/pipeline/cuda_backend.hpp (weft::cuda).
+// host backend, traces and JSON schedule configs. The CUDA backend is an opt-in include:
+// weft/pipeline/cuda_backend.hpp (weft::cuda); the HSTU preset is weft/hstu/schedule.hpp.
 #pragma once
 
 #include "weft/pipeline/backend.hpp"
@@ -9,7 +9,6 @@
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/engine.hpp"
 #include "weft/pipeline/host_backend.hpp"
-#include "weft/pipeline/hstu.hpp"
 #include "weft/pipeline/schedule.hpp"
 #include "weft/pipeline/schedule_config.hpp"
 #include "weft/pipeline/step_rule.hpp"

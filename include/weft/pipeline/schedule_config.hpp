@@ -2,7 +2,8 @@
 //
 //   {
 //     "thread_map": "full_split",              // or "legacy" | "by_stream" | "per_task" | a preset
-//                                              // or {"groups": {"io": ["h2d"], ...}, "rest": "compute"}
+//                                              // or {"groups": {"io": ["h2d"], ...}, "rest":
+//                                              "compute"}
 //     "lookahead": {"h2d": 5, "start_shuffle": 4},
 //     "same_progress_sync": [
 //       {"producer": "prefetch_embeddings", "consumer": "backward", "side": "gpu"}
@@ -16,11 +17,12 @@
 // refuses documents nested deeper than 64 levels, as parse() does.
 //
 //   auto config = ScheduleConfig::parse(read_file("hstu.json"));
-//   Schedule s = hstu_schedule();
+//   Schedule s = hstu::hstu_schedule();
 //   config.apply(s);
 //   Engine engine(std::move(s), config.thread_map.value_or(ThreadMap::legacy()));
 #pragma once
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -50,8 +52,11 @@ struct ScheduleConfig {
   static ScheduleConfig load(const std::string& path);
   // Pretty-printed JSON that parse() reads back to an equal config.
   std::string to_json() const;
-  // Overrides lookaheads and adds (or replaces) same_progress_sync edges. Throws weft::Error
-  // naming the source and the config entry for a task the schedule lacks.
+  // Throws weft::Error naming the source and the config entry for the first task the config
+  // names that `has_task` does not know (apply() checks this before changing anything).
+  void check_task_names(const std::function<bool(std::string_view)>& has_task) const;
+  // Overrides lookaheads and adds (or replaces) same_progress_sync edges; nothing changes when
+  // check_task_names() throws for the schedule.
   void apply(Schedule& schedule) const;
 
   // Equal when they tune a schedule alike; the source is not compared.

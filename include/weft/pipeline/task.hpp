@@ -83,6 +83,8 @@ class Task {
   explicit Task(std::string name);
 
   Task& stream(std::string name);
+  // Throws weft::Error unless 0 <= la <= kMaxLookahead: a Task never holds another lookahead,
+  // so nothing downstream (CompiledSchedule, the engine, the planner) checks it again.
   Task& lookahead(int la);
   template <NameLike... Slots>
     requires(sizeof...(Slots) > 0)

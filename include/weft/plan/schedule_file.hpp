@@ -23,7 +23,8 @@
 // of ScheduleConfig's "thread_map" (groups in the order written); without "thread_maps", legacy,
 // by_stream and per_task are compared. The schedule's rules (CompiledSchedule) and the costs
 // (CostModel::check_against) are checked by parse(). Errors are weft::Error whose message starts
-// with the JSON path of the offending value (a rule's error: of the first task it names); load()
+// with the JSON path of the offending value (a rule's error: of the task and field its
+// pipeline::ScheduleError carries, e.g. "$.tasks[1].depends_on", or "$.streams"); load()
 // prefixes the file's path. Limits: 16 MiB, 64 levels of nesting, integers in int range.
 #pragma once
 

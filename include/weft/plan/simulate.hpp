@@ -14,7 +14,7 @@
 // The drawn timeline is the second-to-last progress(): its host spans, and the GPU activity of any
 // progress during one step period from its start.
 //
-//   auto compiled = pipeline::CompiledSchedule(pipeline::hstu_schedule());
+//   auto compiled = pipeline::CompiledSchedule(hstu::hstu_schedule());
 //   auto threads = pipeline::ThreadMap::preset("full_split").assign(compiled);
 //   Timeline t = simulate(compiled, threads, CostModel::hstu_defaults());
 #pragma once

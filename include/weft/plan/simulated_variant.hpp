@@ -2,7 +2,7 @@
 // it, and the collective inventory the report lists for a schedule. Shared by the `weft plan`
 // command and the Python package, so that both write the same page.
 //
-//   const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = kD6}));
+//   const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = kD6}));
 //   VariantReport v = simulate_variant("full_split_d6", "d6", compiled,
 //                                      pipeline::ThreadMap::preset("full_split"),
 //                                      CostModel::hstu_defaults());

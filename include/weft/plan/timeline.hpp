@@ -20,6 +20,10 @@ enum class WaitRule {
 
 const char* to_string(WaitRule rule) noexcept;
 
+// True for the waits the schedule's lookahead rules cause (same-lookahead ordering, same-progress
+// sync); false for the engine's own orderings (collective tickets, stream order).
+bool is_lookahead_rule(WaitRule rule) noexcept;
+
 // The placement of one task: which stream it enqueues on, which thread runs it, how far ahead.
 struct TaskPlacement {
   std::string task;

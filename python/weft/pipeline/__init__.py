@@ -21,7 +21,6 @@ docs/python.md ("weft.pipeline") describes the API; docs/pipeline.md the engine'
 from .._weft.pipeline import MAX_LOOKAHEAD, TaskContext, Trace
 from .config import ScheduleConfig
 from .engine import Engine
-from .hstu import HSTU_TASK_NAMES, HstuVariant, hstu_schedule, hstu_variant, hstu_variants
 from .schedule import Schedule
 from .task import CollectiveOp, SameProgressSyncSide, SyncSide, Task
 from .thread_map import ThreadMap
@@ -32,3 +31,14 @@ __all__ = [
     "Schedule", "ScheduleConfig", "SyncSide", "Task", "TaskContext", "ThreadMap", "Trace",
     "hstu_schedule", "hstu_variant", "hstu_variants",
 ]
+
+_HSTU_NAMES = ("HSTU_TASK_NAMES", "HstuVariant", "hstu_schedule", "hstu_variant", "hstu_variants")
+
+
+def __getattr__(name):
+    # The HSTU preset lives in weft.hstu (which builds on this package); weft.pipeline keeps its
+    # names, looked up when first asked for.
+    if name in _HSTU_NAMES:
+        from .. import hstu
+        return getattr(hstu, name)
+    raise AttributeError(f"module 'weft.pipeline' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .. import _checks, _weft
 from .schedule import Schedule
-from .task import SyncSide, _SIDES_BY_NAME
+from .task import SyncSide, _SIDES_OF_NATIVE
 from .thread_map import ThreadMap
 
 __all__ = ["ScheduleConfig"]
@@ -53,13 +53,17 @@ class ScheduleConfig:
     @property
     def same_progress_sync(self) -> List[Tuple[str, str, SyncSide]]:
         """(producer, consumer, side) edges the config adds or changes."""
-        return [(p, c, _SIDES_BY_NAME[side]) for p, c, side in self._native.same_progress_sync]
+        return [(p, c, _SIDES_OF_NATIVE[side]) for p, c, side in self._native.same_progress_sync]
 
     def apply(self, schedule: Schedule) -> None:
-        """Overrides lookaheads and adds (or re-sides) same_progress_sync edges, in place."""
-        native = schedule._to_native(with_bodies=False)
-        self._native.apply(native)
-        schedule._update_from_native(native)
+        """Overrides lookaheads and adds (or re-sides) same_progress_sync edges, in place; changes
+        nothing when the config names a task the schedule lacks (weft.Error with its JSON path).
+        The values were checked when the config was read, in C++, so they are set as they are."""
+        self._native.check_task_names([t.name for t in schedule.tasks])
+        for name, lookahead in self._native.lookahead:
+            schedule.task(name).lookahead = lookahead
+        for producer, consumer, side in self.same_progress_sync:
+            schedule.task(consumer)._set_same_progress_sync(producer, side)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ScheduleConfig) and self._native == other._native

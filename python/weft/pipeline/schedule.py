@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 from .. import _checks, _weft
-from .task import CollectiveOp, SyncSide, Task, _SIDES_BY_NAME, _SIDE_NAMES
+from .task import CollectiveOp, SyncSide, Task, _NATIVE_SIDES, _SIDES_OF_NATIVE
 
 __all__ = ["Schedule"]
 
@@ -116,7 +116,7 @@ class Schedule:
             native.add_task(
                 t.name, t.stream, t.lookahead, list(t.reads), list(t.writes), list(t.depends_on),
                 list(t.cross_iter_depends_on),
-                [(p, _SIDE_NAMES[side]) for p, side in t.same_progress_sync],
+                [(p, _NATIVE_SIDES[side]) for p, side in t.same_progress_sync],
                 t.collective,
                 [(op.kind, op.stream, op.num_bytes, op.count) for op in t.inventory],
                 body, init)
@@ -131,19 +131,11 @@ class Schedule:
                 t["name"], bodies.get(t["name"]), stream=t["stream"], lookahead=t["lookahead"],
                 reads=t["reads"], writes=t["writes"], depends_on=t["depends_on"],
                 cross_iter_depends_on=[tuple(e) for e in t["cross_iter_depends_on"]],
-                same_progress_sync=[(p, _SIDES_BY_NAME[side])
+                same_progress_sync=[(p, _SIDES_OF_NATIVE[side])
                                     for p, side in t["same_progress_sync"]],
                 collective=([CollectiveOp(*op) for op in t["inventory"]]
                             if t["collective"] and t["inventory"] else t["collective"])))
         return s
-
-    def _update_from_native(self, native) -> None:
-        # Lookaheads and syncs, as a ScheduleConfig changed them.
-        for t in native.describe()["tasks"]:
-            task = self.task(t["name"])
-            task.lookahead = t["lookahead"]
-            task.same_progress_sync = tuple((p, _SIDES_BY_NAME[side])
-                                            for p, side in t["same_progress_sync"])
 
     def __repr__(self) -> str:
         return f"Schedule({[t.name for t in self._tasks]}, inputs={self._inputs})"

@@ -1,4 +1,4 @@
-"""Tasks: one unit of a training step, declared as in the HSTU seed's engine.
+"""Tasks: one unit of a training step, declared as in the HSTU benchmark's engine.
 
 Two forms, the same fields::
 
@@ -19,7 +19,7 @@ Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``),
 ``cross_iter_depends_on`` (``"X"`` = ``("X", -1)``, or ``("X", -N)``), ``same_progress_sync``
 (``"X"``, ``("X", SyncSide.GPU)``, ``{"task": "X", "sides": "cpu"}``; default side BOTH),
 ``collective`` (True, or the inventory: ``CollectiveOp``\\ s or ``(kind, stream, num_bytes,
-count)`` tuples; ``nccl=True`` is the seed's spelling of ``collective=True``).
+count)`` tuples; ``nccl=True`` is the HSTU benchmark's spelling of ``collective=True``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
 
-from .. import _checks
+from .. import _checks, _weft
 from .._weft.pipeline import MAX_LOOKAHEAD
 
 __all__ = ["CollectiveOp", "SameProgressSyncSide", "SyncSide", "Task"]
@@ -43,10 +43,13 @@ class SyncSide(enum.IntFlag):
     BOTH = 3
 
 
-SameProgressSyncSide = SyncSide  # the seed's name
+SameProgressSyncSide = SyncSide  # the HSTU benchmark's name
 
 _SIDE_NAMES = {SyncSide.CPU: "cpu", SyncSide.GPU: "gpu", SyncSide.BOTH: "both"}
 _SIDES_BY_NAME = {v: k for k, v in _SIDE_NAMES.items()}
+# The bound weft::pipeline::SyncSide of each side, and back: sides cross to C++ as the enum.
+_NATIVE_SIDES = {side: getattr(_weft.pipeline.SyncSide, side.name) for side in _SIDE_NAMES}
+_SIDES_OF_NATIVE = {native: side for side, native in _NATIVE_SIDES.items()}
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
 
 def _collective(collective, nccl) -> Tuple[bool, Tuple[CollectiveOp, ...]]:
     if nccl is not None and collective is not None and bool(nccl) != bool(collective):
-        raise ValueError("collective= and nccl= disagree (nccl is the seed's name for collective)")
+        raise ValueError("collective= and nccl= disagree "
+                         "(nccl is the HSTU benchmark's name for collective)")
     value = collective if collective is not None else nccl
     if value is None or value is False:
         return False, ()
@@ -215,6 +219,15 @@ class Task:
     # sits between the engine and the body; None where the task does nothing.
     def _body(self) -> Optional[Callable]:
         return None if type(self).run is Task.run else self.run
+
+    def _set_same_progress_sync(self, producer: str, side: SyncSide) -> None:
+        # As weft::pipeline::Task::set_same_progress_sync: re-sides an edge from `producer` in
+        # place, else adds one (what a ScheduleConfig does).
+        if any(p == producer for p, _ in self.same_progress_sync):
+            self.same_progress_sync = tuple((p, side if p == producer else s)
+                                            for p, s in self.same_progress_sync)
+        else:
+            self.same_progress_sync += ((producer, side),)
 
     def _init(self) -> Optional[Callable]:
         return None if type(self).init is Task.init else self.init

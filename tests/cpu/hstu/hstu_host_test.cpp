@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <limits>
-#include <chrono>
 #include <map>
 #include <numeric>
 #include <thread>
@@ -15,6 +15,7 @@
 #include "weft/hstu/calibration.hpp"
 #include "weft/hstu/data.hpp"
 #include "weft/hstu/launch.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/pipeline.hpp"
 
 namespace weft::hstu {
@@ -149,7 +150,7 @@ TEST(HstuCalibration, TaskCostsComeFromTheTrace) {
   std::map<std::string, TaskBody, std::less<>> bodies;
   bodies["forward"] = [](TaskContext&) { std::this_thread::sleep_for(std::chrono::milliseconds(4)); };
   bodies["h2d"] = [](TaskContext&) { std::this_thread::sleep_for(std::chrono::milliseconds(1)); };
-  Engine engine(hstu_schedule({.cascade = HstuCascade::kD3, .bodies = bodies}),
+  Engine engine(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3, .bodies = bodies}),
                 ThreadMap::preset("default"), EngineOptions{.trace = true});
   int n = 0;
   engine.set_source([&](Batch& b) {
@@ -165,7 +166,7 @@ TEST(HstuCalibration, TaskCostsComeFromTheTrace) {
   EXPECT_GE(costs.tasks.at("h2d").host_us, 1000);
   EXPECT_LT(costs.tasks.at("h2d").host_us, costs.tasks.at("forward").host_us);
   EXPECT_LT(costs.tasks.at("watchdog").host_us, 1000);
-  EXPECT_EQ(costs.tasks.size(), hstu_task_names().size());
+  EXPECT_EQ(costs.tasks.size(), hstu::hstu_task_names().size());
 }
 
 // GPU spans: medians after the skipped prefix, scaled by gpu_scale; the period of a task is the

@@ -9,6 +9,20 @@ namespace {
 
 using testing::expect_error;
 
+// A config naming a task the schedule lacks changes nothing, whichever entry names it.
+TEST(ScheduleConfigTest, ApplyChecksEveryNameBeforeChangingAnything) {
+  const ScheduleConfig config = ScheduleConfig::parse(R"({
+    "lookahead": {"h2d": 5},
+    "same_progress_sync": [{"producer": "ghost", "consumer": "forward", "side": "cpu"}]})");
+  Schedule s = hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3});
+  expect_error([&] { config.apply(s); }, {"$.same_progress_sync[0].producer", "'ghost'"});
+  EXPECT_EQ(s.task("h2d").lookahead(), 2);
+  EXPECT_TRUE(s.task("forward").same_progress_sync().empty());
+  expect_error([&] { config.check_task_names([](std::string_view n) { return n != "ghost"; }); },
+               {"$.same_progress_sync[0].producer"});
+  config.check_task_names([](std::string_view) { return true; });
+}
+
 TEST(ScheduleConfigTest, RoundTripAndApply) {
   const char* text = R"({
     "thread_map": {"groups": {"io": ["h2d", "start_shuffle", "finish_shuffle"],
@@ -23,7 +37,7 @@ TEST(ScheduleConfigTest, RoundTripAndApply) {
   ASSERT_TRUE(config.thread_map.has_value());
   EXPECT_EQ(config.thread_map->thread_groups().size(), 2u);
 
-  Schedule s = hstu_schedule({.cascade = HstuCascade::kD3});
+  Schedule s = hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3});
   config.apply(s);
   CompiledSchedule c(std::move(s));
   EXPECT_EQ(c.in_flight(), 6);
@@ -57,10 +71,13 @@ TEST(ScheduleConfigTest, SchemaErrorsSayWhere) {
   expect_error(parse(R"({"lookahead": {"h2d": "5"}})"), {"$.lookahead.h2d"});
   expect_error(parse(R"({"same_progress_sync": {}})"), {"$.same_progress_sync: expected an array"});
   expect_error(parse(R"({"same_progress_sync": [{"producer": "a"}]})"),
-               {"$.same_progress_sync[0]: needs"});
+               {"$.same_progress_sync[0].consumer: missing"});
+  expect_error(parse(R"({"thread_map": {"rest": "x"}})"), {"$.thread_map.groups: missing"});
+  expect_error(parse(R"({"thread_map": {"groups": {"io": "h2d"}}})"),
+               {"$.thread_map.groups.io: expected an array of task names"});
   expect_error(parse(R"({"same_progress_sync": [{"producer": "a", "consumer": "b", "side": "up"}]})"),
                {"$.same_progress_sync[0].side:", "'up'"});
-  Schedule s = hstu_schedule();
+  Schedule s = hstu::hstu_schedule();
   expect_error([&] { ScheduleConfig::parse(R"({"lookahead": {"ghost": 1}})").apply(s); },
                {"$.lookahead.ghost", "no task 'ghost'"});
   expect_error([&] {
@@ -72,15 +89,15 @@ TEST(ScheduleConfigTest, SchemaErrorsSayWhere) {
 }
 
 TEST(TraceTest, SpansWaitsAndChromeJson) {
-  HstuOptions options{.cascade = HstuCascade::kD6};
-  for (auto name : hstu_task_names()) {
+  hstu::HstuOptions options{.cascade = hstu::HstuCascade::kD6};
+  for (auto name : hstu::hstu_task_names()) {
     options.bodies[std::string(name)] = [](TaskContext& c) {
       if (c.name() == "finish_shuffle" || c.name() == "forward") {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));  // make the consumer wait
       }
     };
   }
-  Engine engine(hstu_schedule(options), ThreadMap::preset("per_task"), HostBackend(),
+  Engine engine(hstu::hstu_schedule(options), ThreadMap::preset("per_task"), HostBackend(),
                 {.trace = true});
   engine.set_source([n = 0](Batch&) mutable { return n++ < 4; });
   while (engine.progress()) {

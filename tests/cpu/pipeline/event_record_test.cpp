@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/pipeline.hpp"
 
 namespace weft::pipeline {
@@ -78,10 +79,10 @@ TEST(EventRecords, OnlyProducersOfCrossStreamWaitsRecord) {
 }
 
 TEST(EventRecords, EveryHstuVariantWaitsOnlyOnRecordedEvents) {
-  for (const auto& variant : hstu_variants()) {
+  for (const auto& variant : hstu::hstu_variants()) {
     SCOPED_TRACE(std::string(variant.name));
     auto counts = std::make_shared<CountingBackend::Counts>();
-    Engine engine(hstu_schedule({.cascade = variant.cascade}),
+    Engine engine(hstu::hstu_schedule({.cascade = variant.cascade}),
                   ThreadMap::preset(variant.thread_map), std::make_unique<CountingBackend>(counts));
     engine.set_source([n = 0](Batch&) mutable { return n++ < 20; });
     while (engine.progress()) {

@@ -62,7 +62,7 @@ TEST(InterruptCheck, NotCalledWhenTheStepIsFast) {
   std::atomic<int> num_checks = 0;
   EngineOptions options;
   options.interrupt_check = [&] { ++num_checks; };
-  Engine engine(hstu_schedule(), ThreadMap::preset("full_split"), options);
+  Engine engine(hstu::hstu_schedule(), ThreadMap::preset("full_split"), options);
   engine.set_source(testing::counting_source(200, "batch_cpu"));
   int num_results = 0;
   while (engine.progress()) ++num_results;

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "../support/file_input.hpp"
-#include "weft/pipeline/hstu.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/schedule_config.hpp"
 
 namespace weft::pipeline {
@@ -58,7 +58,7 @@ TEST(ScheduleConfigInput, ErrorMessagesQuoteAShortExcerpt) {
     EXPECT_LT(message.size(), 200u) << message.substr(0, 400);
   }
   // A task the schedule lacks, named by a long key.
-  Schedule s = hstu_schedule();
+  Schedule s = hstu::hstu_schedule();
   const std::string message = error_of(
       [&] { ScheduleConfig::parse(R"({"lookahead": {)" + long_string + ": 1}}").apply(s); });
   EXPECT_NE(message.find("the schedule has no task"), std::string::npos) << message.substr(0, 400);
@@ -95,7 +95,7 @@ TEST(ScheduleConfigInput, ErrorsNameTheFileAndTheJsonPath) {
   // Rule errors found when a loaded config is applied name its file too.
   const TempFile ghost("config-ghost.json", R"({"lookahead": {"ghost": 1}})");
   const ScheduleConfig loaded = ScheduleConfig::load(ghost.path());
-  Schedule s = hstu_schedule();
+  Schedule s = hstu::hstu_schedule();
   EXPECT_EQ(error_of([&] { loaded.apply(s); }),
             ghost.path() + ": $.lookahead.ghost: the schedule has no task 'ghost'");
   const TempFile edge("config-edge.json",

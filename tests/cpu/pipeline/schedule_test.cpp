@@ -1,5 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
 #include "test_support.hpp"
 
 namespace weft::pipeline {
@@ -167,6 +172,58 @@ TEST(ScheduleValidation, EveryRuleHasANamedError) {
   }, {"cycle", "'a'", "'b'", "'c'"});
 }
 
+// A rule's error says as data which task (its declaration index) and which field it is about.
+TEST(ScheduleValidation, ErrorsCarryTheTaskAndTheField) {
+  struct Case {
+    std::function<void(Schedule&)> build;
+    std::optional<std::size_t> task;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](Schedule& s) { s.add(Task("a")).add(Task("b").stream("nope")); }, 1, "stream"},
+      {[](Schedule& s) { s.add(Task("a")).add(Task("a")); }, 1, "name"},
+      {[](Schedule& s) { s.add(Task("a").reads("ghost")); }, 0, "reads"},
+      {[](Schedule& s) { s.add(Task("a").writes("x")).add(Task("b").writes("x")); }, 1, "writes"},
+      {[](Schedule& s) { s.add(Task("a")).add(Task("b").depends_on("c")); }, 1, "depends_on"},
+      {[](Schedule& s) { s.add(Task("a").cross_iter_depends_on("a", 1)); }, 0,
+       "cross_iter_depends_on"},
+      {[](Schedule& s) { s.add(Task("a").same_progress_sync("a")); }, 0, "same_progress_sync"},
+      {[](Schedule& s) { s.add(Task("a").writes("x")).add(Task("b").lookahead(1).reads("x")); }, 1,
+       "reads"},
+      {[](Schedule& s) {
+         s.add(Task("a").collective({{"AllReduce", "default", 8, 0}}));
+       },
+       0, "collective"},
+      {[](Schedule& s) { s.add_stream("s").add_stream("s").add(Task("a")); }, std::nullopt,
+       "streams"},
+      {[](Schedule& s) { s.add_input("x").add_input("x").add(Task("a")); }, std::nullopt, "inputs"},
+      {[](Schedule& s) { s.add(Task("a").depends_on("b")).add(Task("b").depends_on("a")); },
+       std::nullopt, "tasks"},
+      {[](Schedule&) {}, std::nullopt, "tasks"},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(i);
+    Schedule s;
+    cases[i].build(s);
+    try {
+      CompiledSchedule{std::move(s)};
+      ADD_FAILURE() << "no ScheduleError";
+    } catch (const ScheduleError& e) {
+      EXPECT_EQ(e.task(), cases[i].task) << e.what();
+      EXPECT_EQ(e.field(), cases[i].field) << e.what();
+      EXPECT_NE(std::string(e.what()).find("compiled_schedule.cpp:"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(ScheduleValidation, TaskRefusesALookaheadOutsideTheLimit) {
+  EXPECT_THROW(Task("a").lookahead(-1), weft::Error);
+  EXPECT_THROW(Task("a").lookahead(kMaxLookahead + 1), weft::Error);
+  EXPECT_EQ(Task("a").lookahead(kMaxLookahead).lookahead(), kMaxLookahead);
+  EXPECT_EQ(Task("a").lookahead(0).lookahead(), 0);
+}
+
 TEST(ScheduleValidation, TheLargestLookaheadCompiles) {
   Schedule s;
   s.add(Task("far").lookahead(kMaxLookahead)).add(Task("near"));
@@ -187,7 +244,7 @@ TEST(ScheduleValidation, AllowedEdgeShapes) {
 }
 
 TEST(ThreadMapTest, PresetsAndErrors) {
-  CompiledSchedule c(hstu_schedule({.cascade = HstuCascade::kD3}));
+  CompiledSchedule c(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
   EXPECT_EQ(ThreadMap::preset("default").assign(c).thread_names,
             (std::vector<std::string>{"io", "compute"}));
   EXPECT_EQ(ThreadMap::preset("full_split").assign(c).thread_names,
@@ -199,7 +256,7 @@ TEST(ThreadMapTest, PresetsAndErrors) {
   EXPECT_EQ(ThreadMap::preset("per_task").assign(c).num_threads(), 14u);
   EXPECT_TRUE(ThreadMap::preset("legacy").assign(c).sequential);
   // Without prefetch_embeddings, the prefetch thread disappears.
-  CompiledSchedule no_prefetch(hstu_schedule({.prefetch = false}));
+  CompiledSchedule no_prefetch(hstu::hstu_schedule({.prefetch = false}));
   EXPECT_EQ(ThreadMap::preset("full_split").assign(no_prefetch).num_threads(), 3u);
 
   expect_error([] { ThreadMap::preset("nope"); }, {"'nope'", "full_split"});

@@ -8,6 +8,7 @@
 #include <string>
 #include <thread>
 
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/pipeline.hpp"
 
 namespace weft::pipeline {
@@ -119,7 +120,8 @@ TEST(StallReport, ReportsWhileThreadsRunReadConsistentStates) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
   int num_steps = 0;
   for (std::uint64_t round = 0; std::chrono::steady_clock::now() < deadline; ++round) {
-    Engine engine(hstu_schedule({.cascade = round % 2 ? HstuCascade::kD6 : HstuCascade::kD3}),
+    Engine engine(hstu::hstu_schedule(
+                      {.cascade = round % 2 ? hstu::HstuCascade::kD6 : hstu::HstuCascade::kD3}),
                   ThreadMap::per_task(), std::make_unique<HostBackend>(),
                   EngineOptions{.stall_report_s = 1e-9, .spin_us = 0});
     engine.set_source([](Batch&) { return true; });

@@ -49,7 +49,7 @@ class CollectiveOrderChecker {
 // Every rank runs the HSTU schedule of one cascade under a different thread map; collective
 // bodies report (task, batch) to the checker with random delays around them, and assert that
 // no two collectives of one rank are ever inside their bodies at once.
-void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
+void run_ranks(hstu::HstuCascade cascade, std::uint64_t seed, int num_batches) {
   std::vector<std::string> maps;
   for (auto name : ThreadMap::preset_names()) maps.emplace_back(name);
   const int num_ranks = static_cast<int>(maps.size());
@@ -62,8 +62,8 @@ void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
       try {
         const std::uint64_t rank_seed = seed + static_cast<std::uint64_t>(r);
         std::atomic<bool> in_collective{false};
-        HstuOptions options{.cascade = cascade};
-        for (auto name : hstu_task_names()) {
+        hstu::HstuOptions options{.cascade = cascade};
+        for (auto name : hstu::hstu_task_names()) {
           options.bodies[std::string(name)] = [&, r](TaskContext& c) {
             testing::jitter(rank_seed, c);
             if (!c.task().is_collective()) return;
@@ -73,7 +73,8 @@ void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
             in_collective.store(false);
           };
         }
-        Engine engine(hstu_schedule(options), ThreadMap::preset(maps[static_cast<std::size_t>(r)]));
+        Engine engine(hstu::hstu_schedule(options),
+                      ThreadMap::preset(maps[static_cast<std::size_t>(r)]));
         engine.set_source([n = 0, num_batches](Batch&) mutable { return n++ < num_batches; });
         int num_steps = 0;
         while (engine.progress()) ++num_steps;
@@ -90,8 +91,12 @@ void run_ranks(HstuCascade cascade, std::uint64_t seed, int num_batches) {
   EXPECT_EQ(checker.size(), static_cast<std::size_t>(num_batches) * 8) << "seed " << seed;
 }
 
-TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD3) { run_ranks(HstuCascade::kD3, 42, 1500); }
-TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD6) { run_ranks(HstuCascade::kD6, 7, 1500); }
+TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD3) {
+  run_ranks(hstu::HstuCascade::kD3, 42, 1500);
+}
+TEST(MultiRank, AllRanksEnqueueCollectivesInOneOrderD6) {
+  run_ranks(hstu::HstuCascade::kD6, 7, 1500);
+}
 
 // The benchmark's pattern (bench/pipeline/engine_overhead.hpp), which the jittered tests above
 // never reach: empty bodies (hand-offs microseconds apart, so waiters keep crossing from spin to
@@ -115,7 +120,7 @@ TEST(EngineStress, EmptyBodiesEndlessSourceEveryThreadedMapNoHang) {
       std::abort();
     }
   });
-  for (const HstuVariant& variant : hstu_variants()) {
+  for (const hstu::HstuVariant& variant : hstu::hstu_variants()) {
     if (variant.thread_map == "legacy") continue;
     {
       std::lock_guard lock(mutex);
@@ -127,8 +132,8 @@ TEST(EngineStress, EmptyBodiesEndlessSourceEveryThreadedMapNoHang) {
     for (int e = 0; e < kEnginesPerVariant; ++e) {
       // Odd engines spin on every hand-off (EngineOptions::spin_us), even ones sleep at once:
       // the two wait paths of the futex protocol, whatever the machine's core count picks.
-      Engine engine(hstu_schedule({.cascade = variant.cascade}), ThreadMap::preset(variant.thread_map),
-                    std::make_unique<HostBackend>(),
+      Engine engine(hstu::hstu_schedule({.cascade = variant.cascade}),
+                    ThreadMap::preset(variant.thread_map), std::make_unique<HostBackend>(),
                     EngineOptions{.stall_report_s = 10, .spin_us = e % 2 ? 20.0 : 0.0});
       engine.set_source([](Batch&) { return true; });
       for (int i = 0; i < num_steps; ++i) {
@@ -158,11 +163,12 @@ TEST(FailureInjection, RandomTaskThrowsOnRandomStep) {
     for (std::uint64_t seed = 1; seed <= 12; ++seed) {
       SCOPED_TRACE(std::string(map) + " seed " + std::to_string(seed));
       std::mt19937_64 rng(seed);
-      const auto names = hstu_task_names();
+      const auto names = hstu::hstu_task_names();
       const std::string victim(names[rng() % names.size()]);
       const int bad_batch = static_cast<int>(rng() % 20);
       std::atomic<bool> armed{true};
-      HstuOptions options{.cascade = seed % 2 ? HstuCascade::kD3 : HstuCascade::kD6};
+      hstu::HstuOptions options{.cascade =
+                                    seed % 2 ? hstu::HstuCascade::kD3 : hstu::HstuCascade::kD6};
       for (auto name : names) {
         options.bodies[std::string(name)] = [&, n = std::string(name)](TaskContext& c) {
           testing::jitter(seed, c);
@@ -171,7 +177,7 @@ TEST(FailureInjection, RandomTaskThrowsOnRandomStep) {
           }
         };
       }
-      Engine engine(hstu_schedule(options), ThreadMap::preset(map));
+      Engine engine(hstu::hstu_schedule(options), ThreadMap::preset(map));
       engine.set_source([n = 0](Batch&) mutable { return n++ < 30; });
       int num_steps = 0;
       bool thrown = false;
@@ -201,8 +207,8 @@ TEST(Jitter, DelaysAreAFunctionOfTheSeedTaskAndBatch) {
   auto delays = [](std::uint64_t seed, const char* map) {
     std::mutex mutex;
     std::map<std::pair<std::string, std::int64_t>, int> out;
-    HstuOptions options;
-    for (auto name : hstu_task_names()) {
+    hstu::HstuOptions options;
+    for (auto name : hstu::hstu_task_names()) {
       options.bodies[std::string(name)] = [&](TaskContext& c) {
         testing::jitter(seed, c);
         std::lock_guard lock(mutex);
@@ -210,7 +216,7 @@ TEST(Jitter, DelaysAreAFunctionOfTheSeedTaskAndBatch) {
             testing::jitter_delay_us(seed, c.task_id(), c.batch_index());
       };
     }
-    Engine engine(hstu_schedule(options), ThreadMap::preset(map));
+    Engine engine(hstu::hstu_schedule(options), ThreadMap::preset(map));
     engine.set_source([n = 0](Batch&) mutable { return n++ < 20; });
     while (engine.progress()) {
     }

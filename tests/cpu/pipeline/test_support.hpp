@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "weft/core/error.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/pipeline.hpp"
 
 namespace weft::pipeline::testing {

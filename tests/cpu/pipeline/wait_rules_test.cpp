@@ -17,8 +17,8 @@ struct Named {
   auto operator<=>(const Named&) const = default;
 };
 
-std::set<Named> named_waits(const HstuVariant& v) {
-  CompiledSchedule s(hstu_schedule({.cascade = v.cascade}));
+std::set<Named> named_waits(const hstu::HstuVariant& v) {
+  CompiledSchedule s(hstu::hstu_schedule({.cascade = v.cascade}));
   const ThreadAssignment threads = ThreadMap::preset(v.thread_map).assign(s);
   std::set<Named> out;
   for (const WaitEdge& w : cross_thread_waits(s, threads)) {
@@ -30,8 +30,8 @@ std::set<Named> named_waits(const HstuVariant& v) {
 }
 
 TEST(HstuPreset, FourteenTasksAndTheCascades) {
-  CompiledSchedule d3(hstu_schedule({.cascade = HstuCascade::kD3}));
-  CompiledSchedule d6(hstu_schedule({.cascade = HstuCascade::kD6}));
+  CompiledSchedule d3(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
+  CompiledSchedule d6(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD6}));
   EXPECT_EQ(d3.num_tasks(), 14u);
   EXPECT_EQ(d3.in_flight(), 3);
   EXPECT_EQ(d6.in_flight(), 6);
@@ -53,16 +53,16 @@ TEST(HstuPreset, FourteenTasksAndTheCascades) {
   for (const Task& t : d3.tasks()) {
     for (const CollectiveOp& op : t.collectives()) num_kernels += op.count;
   }
-  EXPECT_EQ(num_kernels, 11);  // the seed's NCCL inventory
-  EXPECT_EQ(hstu_variants().size(), 9u);
-  testing::expect_error([] { hstu_variant("nope"); }, {"'nope'", "full_split_d6"});
-  testing::expect_error([] { hstu_schedule({.bodies = {{"ghost", {}}}}); }, {"'ghost'"});
+  EXPECT_EQ(num_kernels, 11);  // the HSTU benchmark's NCCL inventory
+  EXPECT_EQ(hstu::hstu_variants().size(), 9u);
+  testing::expect_error([] { hstu::hstu_variant("nope"); }, {"'nope'", "full_split_d6"});
+  testing::expect_error([] { hstu::hstu_schedule({.bodies = {{"ghost", {}}}}); }, {"'ghost'"});
 }
 
-// The seed's consequence: no d3 variant waits from an io task on a non-io task inside a
+// The HSTU benchmark's consequence: no d3 variant waits from an io task on a non-io task inside a
 // progress; default_d6 and full_split_d6 do (finish_shuffle -> start_input_dist, both la 3).
 TEST(WaitRules, IoToComputeWaitsOnlyInTheD6Cascade) {
-  for (const HstuVariant& v : hstu_variants()) {
+  for (const hstu::HstuVariant& v : hstu::hstu_variants()) {
     bool io_to_other = false;
     for (const Named& w : named_waits(v)) io_to_other |= is_io(w.producer) && !is_io(w.consumer);
     const bool expected = v.name == "default_d6" || v.name == "full_split_d6";
@@ -76,8 +76,8 @@ TEST(WaitRules, IoToComputeWaitsOnlyInTheD6Cascade) {
 }
 
 TEST(WaitRules, PerVariantSpotChecks) {
-  EXPECT_TRUE(named_waits(hstu_variant("legacy_none")).empty());
-  const auto per_task = named_waits(hstu_variant("per_task_d3"));
+  EXPECT_TRUE(named_waits(hstu::hstu_variant("legacy_none")).empty());
+  const auto per_task = named_waits(hstu::hstu_variant("per_task_d3"));
   // The la = 0 cluster waits across threads: forward -> backward pins backward after forward.
   EXPECT_TRUE(per_task.contains({"forward", "backward", WaitRule::kOrderingSameProgress}));
   EXPECT_TRUE(per_task.contains({"prefetch_embeddings", "backward", WaitRule::kSameProgressSync}));
@@ -86,14 +86,14 @@ TEST(WaitRules, PerVariantSpotChecks) {
   // Different lookahead: satisfied by the ring, no wait.
   EXPECT_FALSE(per_task.contains({"finish_shuffle", "start_input_dist",
                                   WaitRule::kOrderingSameProgress}));
-  const auto full_split = named_waits(hstu_variant("full_split_d3"));
+  const auto full_split = named_waits(hstu::hstu_variant("full_split_d3"));
   EXPECT_EQ(full_split, (std::set<Named>{
                             {"wait_input_dist", "prefetch_embeddings",
                              WaitRule::kOrderingSameProgress},
                             {"prefetch_embeddings", "backward", WaitRule::kSameProgressSync},
                         }));
   // default_d3: io and compute share no same-progress edge at all.
-  EXPECT_TRUE(named_waits(hstu_variant("default_d3")).empty());
+  EXPECT_TRUE(named_waits(hstu::hstu_variant("default_d3")).empty());
 }
 
 TEST(WaitRules, StreamWaitsAndSides) {
@@ -123,24 +123,24 @@ TEST(WaitRules, StreamWaitsAndSides) {
 // The engine honours every host wait edge: for each progress, the producer's body has finished
 // before the consumer's starts, with random delays in every body.
 TEST(WaitRules, EngineHonoursHostWaitsForEveryVariant) {
-  for (const HstuVariant& v : hstu_variants()) {
+  for (const hstu::HstuVariant& v : hstu::hstu_variants()) {
     const std::uint64_t seed = 1234 + v.name.size();
     SCOPED_TRACE(std::string(v.name) + " seed " + std::to_string(seed));
     std::atomic<std::int64_t> clock{0};
-    const auto num_tasks = hstu_task_names().size();
+    const auto num_tasks = hstu::hstu_task_names().size();
     // [iteration % 64][task] -> start / end ticks
     std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> ticks(
         64, std::vector<std::pair<std::int64_t, std::int64_t>>(num_tasks, {-1, -1}));
-    HstuOptions options{.cascade = v.cascade};
+    hstu::HstuOptions options{.cascade = v.cascade};
     for (std::size_t t = 0; t < num_tasks; ++t) {
-      options.bodies[std::string(hstu_task_names()[t])] = [&, t](TaskContext& c) {
+      options.bodies[std::string(hstu::hstu_task_names()[t])] = [&, t](TaskContext& c) {
         auto& slot = ticks[static_cast<std::size_t>(c.iteration() % 64)][t];
         slot.first = clock.fetch_add(1);
         testing::jitter(seed, c);
         slot.second = clock.fetch_add(1);
       };
     }
-    Engine engine(hstu_schedule(options), ThreadMap::preset(v.thread_map));
+    Engine engine(hstu::hstu_schedule(options), ThreadMap::preset(v.thread_map));
     const auto waits = cross_thread_waits(engine.schedule(), engine.threads());
     int num_checked = 0;
     engine.set_source([n = 0](Batch&) mutable { return n++ < 40; });

@@ -117,13 +117,14 @@ TEST(FileInput, ScheduleRuleErrorsNameTheFileAndTheJsonPath) {
   const TempFile stream_file("bad-stream.json",
                              R"({"tasks": [{"name": "a"}, {"name": "b", "stream": "nope"}]})");
   const std::string stream_error = error_of([&] { ScheduleFile::load(stream_file.path()); });
-  EXPECT_EQ(stream_error.rfind(stream_file.path() + ": $.tasks[1]: ", 0), 0u) << stream_error;
+  EXPECT_EQ(stream_error.rfind(stream_file.path() + ": $.tasks[1].stream: ", 0), 0u)
+      << stream_error;
   EXPECT_NE(stream_error.find("'nope' which is not declared"), std::string::npos) << stream_error;
 
   const TempFile edge_file("bad-edge.json",
                            R"({"tasks": [{"name": "a"}, {"name": "b", "depends_on": ["ghost"]}]})");
   const std::string edge_error = error_of([&] { ScheduleFile::load(edge_file.path()); });
-  EXPECT_EQ(edge_error.rfind(edge_file.path() + ": $.tasks[1]: ", 0), 0u) << edge_error;
+  EXPECT_EQ(edge_error.rfind(edge_file.path() + ": $.tasks[1].depends_on: ", 0), 0u) << edge_error;
 
   const TempFile cycle_file("cycle.json", R"({"tasks": [
       {"name": "a", "depends_on": ["b"]}, {"name": "b", "depends_on": ["a"]}]})");
@@ -134,6 +135,58 @@ TEST(FileInput, ScheduleRuleErrorsNameTheFileAndTheJsonPath) {
   const TempFile twice_file("twice.json", R"({"streams": ["s", "s"], "tasks": [{"name": "a"}]})");
   const std::string twice_error = error_of([&] { ScheduleFile::load(twice_file.path()); });
   EXPECT_EQ(twice_error.rfind(twice_file.path() + ": $.streams: ", 0), 0u) << twice_error;
+}
+
+// The path comes from the task and field the schedule's error carries, whatever its message says.
+TEST(FileInput, ScheduleRuleErrorsPointAtTheField) {
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"tasks": [{"name": "a", "writes": ["x"]},
+                                                 {"name": "b", "reads": ["y"]}]})");
+            }).rfind("$.tasks[1].reads: ", 0),
+            0u);
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"tasks": [{"name": "a", "writes": ["x"]},
+                                                 {"name": "b", "writes": ["x"]}]})");
+            }).rfind("$.tasks[1].writes: ", 0),
+            0u);
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"tasks": [{"name": "a"}, {"name": "a"}]})");
+            }).rfind("$.tasks[1].name: ", 0),
+            0u);
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"tasks": [{"name": "a", "collective":
+                                       [{"kind": "AllReduce", "stream": "comm"}]}]})");
+            }).rfind("$.tasks[0].collective: ", 0),
+            0u);
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"inputs": ["x", "x"], "tasks": [{"name": "a"}]})");
+            }).rfind("$.inputs: ", 0),
+            0u);
+  // The lookahead rule is the Task's own, the same as everywhere else.
+  EXPECT_EQ(error_of([] { ScheduleFile::parse(R"({"tasks": [{"name": "a", "lookahead": -1}]})"); }),
+            "$.tasks[0].lookahead: schedule: task 'a' has lookahead -1 (rule: 0 <= lookahead <= "
+            "1000)");
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"tasks": [{"name": "a", "lookahead": 1001}]})");
+            }).rfind("$.tasks[0].lookahead: ", 0),
+            0u);
+  EXPECT_EQ(
+      error_of([] { ScheduleFile::parse(R"({"tasks": [{"name": "a", "lookahead": 1000}]})"); }),
+      "no error");
+  // Array walks name the element and what was expected.
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(
+                  R"({"tasks": [{"name": "a", "cross_iter_depends_on": [{"producer": "a"}]}]})");
+            }),
+            "$.tasks[0].cross_iter_depends_on[0].offset: missing");
+  EXPECT_EQ(
+      error_of([] { ScheduleFile::parse(R"({"streams": {"s": 1}, "tasks": [{"name": "a"}]})"); }),
+      "$.streams: expected an array of streams, got an object of 1 keys");
+  EXPECT_EQ(error_of([] { CostModel::parse(R"({"tasks": {"a": {"gpu": [{"us": 1}]}}})"); }),
+            "$.tasks.a.gpu[0].stream: missing");
+  EXPECT_EQ(
+      error_of([] { CostModel::parse(R"({"tasks": {"a": {"gpu": [{"stream": "", "us": 1}]}}})"); }),
+      "$.tasks.a.gpu[0].stream: expected a stream name, got \"\"");
 }
 
 TEST(FileInput, ThreadMapGroupOrderIsKept) {

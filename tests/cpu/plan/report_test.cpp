@@ -49,7 +49,7 @@ TEST(Report, EveryVariantHasGanttAndTopology) {
   EXPECT_EQ(count(html, "<svg class=topology"), 3u);
   EXPECT_NE(html.find("id='one'"), std::string::npos);
   EXPECT_NE(html.find("task_with_a_long_name_4@1 (collective)"), std::string::npos);
-  // The seed-rule wait is drawn red with an arrow.
+  // The lookahead-rule wait is drawn red with an arrow.
   EXPECT_EQ(count(html, "marker-end='url(#arrow-one)'"), 1u);
   EXPECT_EQ(html.find("http://"), html.find("http://www.w3.org/2000/svg"));  // nothing external
   EXPECT_EQ(html.find("<script"), std::string::npos);
@@ -107,9 +107,8 @@ TEST(Report, ThreadLoadsCountBusyTimeAndIdleGapsOnce) {
   EXPECT_DOUBLE_EQ(weft::plan::thread_loads(v.timeline)[1].wait_us, 100.0);
 }
 
-
 // The variants table counts the same waits the variant's own list shows, and how many of them
-// follow the seed's rules.
+// follow the schedule's lookahead rules.
 TEST(Report, VariantsTableCountsTheWaitsTheDetailsList) {
   VariantReport v = crowded_variant("one");
   v.timeline.waits.push_back({"task_with_a_long_name_2", "task_with_a_long_name_3", "a", "b",
@@ -121,6 +120,7 @@ TEST(Report, VariantsTableCountsTheWaitsTheDetailsList) {
   const std::string row = table.substr(table.find("<tr><td>"), table.find("</tr>", table.find("<tr><td>")) - table.find("<tr><td>"));
   EXPECT_NE(html.find("<summary>3 cross-thread waits</summary>"), std::string::npos);
   EXPECT_NE(row.find("<td class=num>3</td><td class=num>1</td>"), std::string::npos) << row;
-  EXPECT_NE(table.find("<th>cross-thread waits</th><th>of them seed rules</th>"), std::string::npos);
+  EXPECT_NE(table.find("<th>cross-thread waits</th><th>of them lookahead rules</th>"),
+            std::string::npos);
 }
 }  // namespace

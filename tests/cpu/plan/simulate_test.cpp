@@ -1,5 +1,5 @@
-// The seed's statements about the HSTU presets, as tests of the simulator (which uses the
-// engine's own wait rules), plus exact timings on small schedules computed by hand.
+// The HSTU benchmark's statements about its preset schedule, as tests of the simulator (which
+// uses the engine's own wait rules), plus exact timings on small schedules computed by hand.
 #include "weft/plan/simulate.hpp"
 
 #include <gtest/gtest.h>
@@ -8,8 +8,8 @@
 #include <string>
 
 #include "weft/core/error.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
-#include "weft/pipeline/hstu.hpp"
 #include "weft/plan/schedule_file.hpp"
 
 namespace {
@@ -20,23 +20,21 @@ using weft::plan::CostModel;
 using weft::plan::Timeline;
 using weft::plan::WaitRule;
 
-Timeline simulate_variant(const weft::pipeline::HstuVariant& v) {
-  const CompiledSchedule compiled(weft::pipeline::hstu_schedule({.cascade = v.cascade}));
+Timeline simulate_variant(const weft::hstu::HstuVariant& v) {
+  const CompiledSchedule compiled(weft::hstu::hstu_schedule({.cascade = v.cascade}));
   const auto threads = ThreadMap::preset(v.thread_map).assign(compiled);
   return weft::plan::simulate(compiled, threads, CostModel::hstu_defaults());
 }
 
-bool seed_rule(WaitRule rule) { return rule != WaitRule::kTicket && rule != WaitRule::kStreamOrder; }
-
 const std::set<std::string> kIoTasks = {"h2d", "start_shuffle", "finish_shuffle"};
 
 TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
-  for (const auto& v : weft::pipeline::hstu_variants()) {
+  for (const auto& v : weft::hstu::hstu_variants()) {
     const Timeline t = simulate_variant(v);
     bool io_to_non_io = false;
     bool shuffle_to_input_dist = false;
     for (const auto& w : t.waits) {
-      if (!seed_rule(w.rule)) continue;
+      if (!weft::plan::is_lookahead_rule(w.rule)) continue;
       if (kIoTasks.count(w.producer) && !kIoTasks.count(w.consumer)) io_to_non_io = true;
       if (w.producer == "finish_shuffle" && w.consumer == "start_input_dist") {
         shuffle_to_input_dist = true;
@@ -47,7 +45,7 @@ TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
       }
     }
     const std::string name(v.name);
-    if (v.cascade == weft::pipeline::HstuCascade::kD3) {
+    if (v.cascade == weft::hstu::HstuCascade::kD3) {
       EXPECT_FALSE(io_to_non_io) << name;
     } else if (name == "default_d6" || name == "full_split_d6") {
       EXPECT_TRUE(shuffle_to_input_dist) << name;
@@ -56,8 +54,8 @@ TEST(HstuPlan, NoD3VariantWaitsFromIoToNonIoButD6VariantsDo) {
 }
 
 TEST(HstuPlan, PrefetchToBackwardDrawnWheneverOnDifferentThreads) {
-  for (const auto& v : weft::pipeline::hstu_variants()) {
-    const CompiledSchedule compiled(weft::pipeline::hstu_schedule({.cascade = v.cascade}));
+  for (const auto& v : weft::hstu::hstu_variants()) {
+    const CompiledSchedule compiled(weft::hstu::hstu_schedule({.cascade = v.cascade}));
     const auto threads = ThreadMap::preset(v.thread_map).assign(compiled);
     const auto prefetch = compiled.task_id("prefetch_embeddings");
     const auto backward = compiled.task_id("backward");
@@ -76,7 +74,7 @@ TEST(HstuPlan, PrefetchToBackwardDrawnWheneverOnDifferentThreads) {
 }
 
 TEST(HstuPlan, PerTaskBackwardWaitsForForwardAndLegacyNeverWaits) {
-  const Timeline per_task = simulate_variant(weft::pipeline::hstu_variant("per_task_d3"));
+  const Timeline per_task = simulate_variant(weft::hstu::hstu_variant("per_task_d3"));
   bool backward_after_forward = false;
   for (const auto& w : per_task.waits) {
     if (w.producer == "forward" && w.consumer == "backward" &&
@@ -92,15 +90,15 @@ TEST(HstuPlan, PerTaskBackwardWaitsForForwardAndLegacyNeverWaits) {
   }
   EXPECT_GE(backward_start, forward_end);
 
-  const Timeline legacy = simulate_variant(weft::pipeline::hstu_variant("legacy_none"));
+  const Timeline legacy = simulate_variant(weft::hstu::hstu_variant("legacy_none"));
   EXPECT_TRUE(legacy.waits.empty());
   EXPECT_EQ(legacy.threads.size(), 1u);
 }
 
 TEST(HstuPlan, EveryTaskRunsOnceAndThreadsNeverOverlap) {
-  for (const auto& v : weft::pipeline::hstu_variants()) {
+  for (const auto& v : weft::hstu::hstu_variants()) {
     const Timeline t = simulate_variant(v);
-    EXPECT_EQ(t.host.size(), weft::pipeline::hstu_task_names().size()) << v.name;
+    EXPECT_EQ(t.host.size(), weft::hstu::hstu_task_names().size()) << v.name;
     for (const auto& a : t.host) {
       for (const auto& b : t.host) {
         if (&a == &b || a.thread != b.thread) continue;
@@ -188,7 +186,7 @@ TEST(CostModel, BadInputNamesTheProblem) {
             "$.tasks.h2d.gpu[0].us: expected a number, got \"x\"");
   EXPECT_NE(message("{not json").find("$: not valid JSON"), std::string::npos);
 
-  const CompiledSchedule compiled(weft::pipeline::hstu_schedule());
+  const CompiledSchedule compiled(weft::hstu::hstu_schedule());
   auto costs = CostModel::hstu_defaults();
   costs.tasks["warp_drive"] = {};
   try {

@@ -2,6 +2,7 @@
 #include "weft/plan/trace_reader.hpp"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,10 +10,9 @@
 #include <fstream>
 #include <set>
 #include <string>
-#include <unistd.h>
 
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/engine.hpp"
-#include "weft/pipeline/hstu.hpp"
 #include "weft/pipeline/task_context.hpp"
 #include "weft/pipeline/trace.hpp"
 
@@ -27,14 +27,14 @@ void busy_for(std::chrono::microseconds duration) {
 }
 
 TEST(TraceReader, DrawsARealHostBackendRun) {
-  pipeline::HstuOptions options{.cascade = pipeline::HstuCascade::kD6};
-  for (auto name : pipeline::hstu_task_names()) {
+  hstu::HstuOptions options{.cascade = hstu::HstuCascade::kD6};
+  for (auto name : hstu::hstu_task_names()) {
     // forward is the long pole, as on a real step; the rest take a little time each.
     const auto cost = name == "forward" ? std::chrono::microseconds(1500)
                                         : std::chrono::microseconds(100);
     options.bodies.emplace(std::string(name), [cost](pipeline::TaskContext&) { busy_for(cost); });
   }
-  pipeline::Engine engine(pipeline::hstu_schedule(options), pipeline::ThreadMap::preset("full_split"),
+  pipeline::Engine engine(hstu::hstu_schedule(options), pipeline::ThreadMap::preset("full_split"),
                           pipeline::EngineOptions{.trace = true});
   int remaining = 24;
   engine.set_source([&](pipeline::Batch& batch) {
@@ -55,7 +55,7 @@ TEST(TraceReader, DrawsARealHostBackendRun) {
   const plan::Timeline& t = report.timeline;
   EXPECT_EQ(std::set<std::string>(t.threads.begin(), t.threads.end()),
             (std::set<std::string>{"io", "data_dist", "prefetch", "compute"}));
-  ASSERT_EQ(t.host.size(), pipeline::hstu_task_names().size());
+  ASSERT_EQ(t.host.size(), hstu::hstu_task_names().size());
   for (const auto& a : t.host) {
     EXPECT_GE(a.start_us, 0);
     for (const auto& b : t.host) {

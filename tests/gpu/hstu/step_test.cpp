@@ -55,7 +55,7 @@ std::vector<std::vector<RunResult>> run_variants(const std::vector<std::string>&
         WEFT_CUDA_CHECK(cudaSetDevice(r));
         HstuRank rank(small_config(r, communicator_per_role), comms[std::size_t(r)], r, num_steps);
         for (std::size_t v = 0; v < variants.size(); ++v) {
-          const auto& variant = pipeline::hstu_variant(variants[v]);
+          const auto& variant = hstu::hstu_variant(variants[v]);
           rank.reset();
           RunResult& out = results[v][std::size_t(r)];
           out.initial_parameters = rank.parameters();
@@ -100,7 +100,7 @@ class HstuStep : public ::testing::Test {
 
 TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
   std::vector<std::string> names;
-  for (const auto& v : pipeline::hstu_variants()) names.emplace_back(v.name);
+  for (const auto& v : hstu::hstu_variants()) names.emplace_back(v.name);
   ASSERT_EQ(names.front(), "legacy_none");
   const std::int64_t num_steps = 40;
   const auto results = run_variants(names, num_steps);
@@ -138,7 +138,7 @@ TEST_F(HstuStep, EveryVariantIsBitIdenticalToLegacyAndLearns) {
       EXPECT_TRUE(bit_equal(run[std::size_t(r)].losses, results[0][std::size_t(r)].losses));
     }
   }
-  // The inventory: 11 NCCL calls per step, as in the seed.
+  // The inventory: 11 NCCL calls per step, as in the HSTU benchmark.
   double calls = 0;
   for (const auto& e : results[0][0].inventory) calls += e.calls_per_run;
   EXPECT_DOUBLE_EQ(calls, 11.0);
@@ -165,7 +165,7 @@ TEST_F(HstuStep, DeepLookaheadFromAConfigGetsItsBufferSets) {
 
 TEST_F(HstuStep, LongRunsUnderEveryThreadMapAgreeAcrossRanks) {
   std::vector<std::string> names;
-  for (const auto& v : pipeline::hstu_variants()) names.emplace_back(v.name);
+  for (const auto& v : hstu::hstu_variants()) names.emplace_back(v.name);
   const auto results = run_variants(names, 300);
   for (std::size_t v = 0; v < names.size(); ++v) {
     const auto& a = results[v][0];

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, NamedTuple, Union
 
-from weft.pipeline import Schedule, ThreadMap, hstu_schedule, hstu_variants
+from ..pipeline import Schedule, ThreadMap
+from .schedule import hstu_schedule, hstu_variants
 
 __all__ = ["StepVariant", "step_variants"]
 

@@ -1,4 +1,4 @@
-"""The HSTU training step as Python bodies of the HSTU preset's tasks (weft.pipeline.hstu_schedule),
+"""The HSTU training step as Python bodies of the HSTU preset's tasks (weft.hstu.hstu_schedule),
 over torch and torch.distributed.
 
     step = HstuStep(config, group, device)
@@ -6,8 +6,8 @@ over torch and torch.distributed.
     losses = drain(engine, ZipfLoader(num_batches))
     losses = list(step.sequential(ZipfLoader(num_batches)))   # the same bodies, no engine
 
-What each task does (the collectives are the seed's inventory, src/pipeline/hstu.cpp; "sync" is a
-read back to the host that waits for the task's stream):
+What each task does (the collectives are the HSTU benchmark's inventory, src/hstu/schedule.cpp;
+"sync" is a read back to the host that waits for the task's stream):
 
   h2d                      collate() the batch on the host (numpy), copy it to the device
   start_shuffle            AllGather of the ranks' token counts; sync
@@ -47,9 +47,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hstu_data import BatchKey, collate
-from hstu_model import HstuModel
-from weft.pipeline import hstu_schedule
+from .data import BatchKey, collate
+from .model import HstuModel
+from .schedule import hstu_schedule
 
 __all__ = ["HstuConfig", "HstuStep", "SequentialContext"]
 
@@ -66,7 +66,7 @@ class HstuConfig:
     head_dim: int = 16
     mlp_dim: int = 64
     num_negatives: int = 32
-    events_per_token: int = 1    # the host preprocessing's amount (hstu_data.collate)
+    events_per_token: int = 1    # the host preprocessing's amount (data.collate)
     zipf_a: float = 1.2
     lr: float = 0.05
     seed: int = 0

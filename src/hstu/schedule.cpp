@@ -1,19 +1,32 @@
-#include "weft/pipeline/hstu.hpp"
+#include "weft/hstu/schedule.hpp"
 
 #include <array>
 #include <string>
 
 #include "weft/core/error.hpp"
 
-namespace weft::pipeline {
+namespace weft::hstu {
+
+using pipeline::CollectiveOp;
+using pipeline::SyncSide;
+using pipeline::Task;
 
 namespace {
 
-constexpr std::array<std::string_view, 14> kTaskNames = {
-    "h2d",          "start_shuffle",           "finish_shuffle",      "start_input_dist",
-    "wait_input_dist", "prefetch_embeddings",  "zero_grad",           "global_tokens_allreduce",
-    "compute_output_dist", "forward",          "backward",            "finalize_model_grads",
-    "optimizer_step", "watchdog"};
+constexpr std::array<std::string_view, 14> kTaskNames = {"h2d",
+                                                         "start_shuffle",
+                                                         "finish_shuffle",
+                                                         "start_input_dist",
+                                                         "wait_input_dist",
+                                                         "prefetch_embeddings",
+                                                         "zero_grad",
+                                                         "global_tokens_allreduce",
+                                                         "compute_output_dist",
+                                                         "forward",
+                                                         "backward",
+                                                         "finalize_model_grads",
+                                                         "optimizer_step",
+                                                         "watchdog"};
 
 constexpr std::array<HstuVariant, 9> kVariants = {{
     {"legacy_none", HstuCascade::kD3, "legacy"},
@@ -27,8 +40,8 @@ constexpr std::array<HstuVariant, 9> kVariants = {{
     {"full_split_d6", HstuCascade::kD6, "full_split"},
 }};
 
-// The collective inventory the seed measured (nsys, 8x H100, one communicator): 11 NCCL kernels
-// per step. Byte counts are the seed's orders of magnitude, for the planner, not exact sizes.
+// The collective inventory the HSTU benchmark measured (nsys, 8x H100, one communicator): 11 NCCL
+// kernels per step. Byte counts are its orders of magnitude, for the planner, not exact sizes.
 constexpr std::size_t kKiB = 1024;
 constexpr std::size_t kMiB = 1024 * kKiB;
 
@@ -71,28 +84,44 @@ Schedule hstu_schedule(const HstuOptions& options) {
   s.add_stream("output_dist_comm");
   s.add_input("batch_cpu");
 
-  s.add(task("h2d").stream("memcpy").lookahead(d6 ? 5 : 2).reads("batch_cpu")
+  s.add(task("h2d")
+            .stream("memcpy")
+            .lookahead(d6 ? 5 : 2)
+            .reads("batch_cpu")
             .writes("batch_gpu", "ctx"));
-  s.add(task("start_shuffle").stream("memcpy").lookahead(d6 ? 4 : 2).reads("batch_gpu")
+  s.add(task("start_shuffle")
+            .stream("memcpy")
+            .lookahead(d6 ? 4 : 2)
+            .reads("batch_gpu")
             .writes("shuffle_handle")
             .collective({{"AllGather", "memcpy", 2 * kKiB, 1}}));
-  s.add(task("finish_shuffle").stream("memcpy").lookahead(d6 ? 3 : 2)
-            .reads("batch_gpu", "shuffle_handle").writes("shuffled_batch")
-            .collective({{"AllGather", "memcpy", 10 * kKiB, 1},
-                         {"AllGatherV", "memcpy", 4 * kMiB, 1}}));
-  s.add(task("start_input_dist").stream("data_dist").lookahead(d6 ? 3 : 1)
-            .reads("shuffled_batch", "ctx").writes("dist_request")
+  s.add(task("finish_shuffle")
+            .stream("memcpy")
+            .lookahead(d6 ? 3 : 2)
+            .reads("batch_gpu", "shuffle_handle")
+            .writes("shuffled_batch")
+            .collective(
+                {{"AllGather", "memcpy", 10 * kKiB, 1}, {"AllGatherV", "memcpy", 4 * kMiB, 1}}));
+  s.add(task("start_input_dist")
+            .stream("data_dist")
+            .lookahead(d6 ? 3 : 1)
+            .reads("shuffled_batch", "ctx")
+            .writes("dist_request")
             .collective({{"SendRecv", "output_dist_comm", 512, 1}}));
-  s.add(task("wait_input_dist").stream("data_dist").lookahead(d6 ? 2 : 1)
+  s.add(task("wait_input_dist")
+            .stream("data_dist")
+            .lookahead(d6 ? 2 : 1)
             .depends_on("start_input_dist")
             .collective({{"SendRecv", "output_dist_comm", 32 * kKiB, 1},
                          {"SendRecv", "output_dist_comm", 4 * kMiB, 1}}));
   if (options.prefetch) {
-    s.add(task("prefetch_embeddings").stream("prefetch").lookahead(1)
-              .depends_on("wait_input_dist"));
+    s.add(
+        task("prefetch_embeddings").stream("prefetch").lookahead(1).depends_on("wait_input_dist"));
   }
   s.add(task("zero_grad"));
-  s.add(task("global_tokens_allreduce").reads("batch_gpu").writes("global_tokens")
+  s.add(task("global_tokens_allreduce")
+            .reads("batch_gpu")
+            .writes("global_tokens")
             .collective({{"AllReduce", "default", 8, 1}}));
   Task output_dist = task("compute_output_dist");
   output_dist.depends_on("wait_input_dist");
@@ -102,16 +131,18 @@ Schedule hstu_schedule(const HstuOptions& options) {
   s.add(std::move(output_dist));
   s.add(task("forward").reads("embeddings").writes("losses", "output"));
   Task backward = task("backward");
-  backward.reads("losses", "global_tokens").depends_on("zero_grad")
+  backward.reads("losses", "global_tokens")
+      .depends_on("zero_grad")
       .collective({{"SendRecv", "output_dist_comm", 32 * kMiB, 1}});
   if (options.prefetch) backward.same_progress_sync("prefetch_embeddings", SyncSide::kBoth);
   s.add(std::move(backward));
-  s.add(task("finalize_model_grads").depends_on("backward")
-            .collective({{"AllReduce", "default", 32 * kMiB, 1},
-                         {"AllReduce", "default", 4 * kMiB, 1}}));
+  s.add(task("finalize_model_grads")
+            .depends_on("backward")
+            .collective(
+                {{"AllReduce", "default", 32 * kMiB, 1}, {"AllReduce", "default", 4 * kMiB, 1}}));
   s.add(task("optimizer_step").depends_on("finalize_model_grads").writes("step_result"));
   s.add(task("watchdog"));
   return s;
 }
 
-}  // namespace weft::pipeline
+}  // namespace weft::hstu

@@ -1,6 +1,7 @@
-// The HSTU preset schedule (docs/pipeline.md, ../shared/DESIGN.md "HSTU presets"): 14 tasks on
-// the streams default, memcpy, data_dist and prefetch, in two lookahead cascades, and the seed's
-// nine variants (cascade + thread map). Bodies are the caller's; a task without one does nothing.
+// weft::hstu's preset schedule, the HSTU benchmark's (docs/pipeline.md "HSTU presets"): 14 tasks on
+// the streams default, memcpy, data_dist and prefetch, in two lookahead cascades, and the HSTU
+// benchmark's nine variants (cascade + thread map). Bodies are the caller's; a task without one
+// does nothing. Part of weft::core (no CUDA): the engine's tests and the planner use it.
 //
 //   auto variant = hstu_variant("full_split_d6");
 //   Engine engine(hstu_schedule({.cascade = variant.cascade, .bodies = my_bodies}),
@@ -14,7 +15,10 @@
 
 #include "weft/pipeline/schedule.hpp"
 
-namespace weft::pipeline {
+namespace weft::hstu {
+
+using pipeline::Schedule;
+using pipeline::TaskBody;
 
 // d3: h2d / start_shuffle / finish_shuffle at la 2, start_input_dist / wait_input_dist /
 // prefetch_embeddings at la 1, the rest at 0. d6: h2d@5, start_shuffle@4, finish_shuffle@3,
@@ -36,7 +40,7 @@ Schedule hstu_schedule(const HstuOptions& options = {});
 std::span<const std::string_view> hstu_task_names() noexcept;
 
 struct HstuVariant {
-  std::string_view name;        // e.g. "full_split_d6"
+  std::string_view name;  // e.g. "full_split_d6"
   HstuCascade cascade;
   std::string_view thread_map;  // a ThreadMap::preset name
 };
@@ -46,4 +50,4 @@ std::span<const HstuVariant> hstu_variants() noexcept;
 // Throws weft::Error naming the known variants for an unknown name.
 const HstuVariant& hstu_variant(std::string_view name);
 
-}  // namespace weft::pipeline
+}  // namespace weft::hstu
