@@ -9,7 +9,7 @@
 #include "output_file.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
-#include "weft/pipeline/hstu.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/task.hpp"
 #include "weft/plan/report.hpp"
 #include "weft/plan/schedule_file.hpp"
@@ -107,15 +107,15 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
       given_maps.emplace_back(file.thread_map_names[i], file.thread_maps[i]);
     }
   } else {
-    const auto& chosen = pipeline::hstu_variant(
+    const auto& chosen = hstu::hstu_variant(
         inputs.variants.empty() ? std::string_view("full_split_d6") : inputs.variants[0]);
-    schedule = pipeline::hstu_schedule({.cascade = chosen.cascade});
-    cascade = std::string(pipeline::to_string(chosen.cascade));
+    schedule = hstu::hstu_schedule({.cascade = chosen.cascade});
+    cascade = std::string(hstu::to_string(chosen.cascade));
     if (!inputs.variants.empty()) {
       given_maps.emplace_back(std::string(chosen.name),
                               pipeline::ThreadMap::preset(chosen.thread_map));
     } else {
-      for (const auto& v : pipeline::hstu_variants()) {
+      for (const auto& v : hstu::hstu_variants()) {
         if (v.cascade != chosen.cascade) continue;
         given_maps.emplace_back(std::string(v.name), pipeline::ThreadMap::preset(v.thread_map));
       }

@@ -21,7 +21,7 @@
 // then a smaller sum of lookaheads (fewer batches in flight), then the partition and lookaheads
 // in declaration order: the result depends on the input only.
 //
-//   const pipeline::CompiledSchedule compiled(pipeline::hstu_schedule({.cascade = kD6}));
+//   const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = kD6}));
 //   SuggestResult r = suggest(compiled, CostModel::hstu_defaults(), {.max_threads = 4});
 //   std::puts(r.suggestions[0].config.to_json().c_str());   // load with ScheduleConfig::parse
 #pragma once

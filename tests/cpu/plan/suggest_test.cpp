@@ -9,7 +9,7 @@
 
 #include "weft/core/error.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
-#include "weft/pipeline/hstu.hpp"
+#include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/schedule_config.hpp"
 #include "weft/plan/schedule_file.hpp"
 #include "weft/plan/trace_reader.hpp"
@@ -198,7 +198,7 @@ TEST(Suggest, RefusesBadOptionsAndCostsOfUnknownTasks) {
 
 SuggestResult suggest_hstu_d6() {
   const CompiledSchedule compiled(
-      weft::pipeline::hstu_schedule({.cascade = weft::pipeline::HstuCascade::kD6}));
+      weft::hstu::hstu_schedule({.cascade = weft::hstu::HstuCascade::kD6}));
   SuggestOptions options;
   for (auto name : ThreadMap::preset_names()) options.start_maps.push_back(ThreadMap::preset(name));
   return weft::plan::suggest(compiled, CostModel::hstu_defaults(), options);
@@ -220,7 +220,7 @@ TEST(Suggest, HstuIsDeterministicAndNoWorseThanThePresetsItStartsFrom) {
   }
   // Every preset of at most four threads, under the d6 lookaheads, is a start of the search.
   const CompiledSchedule compiled(
-      weft::pipeline::hstu_schedule({.cascade = weft::pipeline::HstuCascade::kD6}));
+      weft::hstu::hstu_schedule({.cascade = weft::hstu::HstuCascade::kD6}));
   for (auto name : ThreadMap::preset_names()) {
     const auto threads = ThreadMap::preset(name).assign(compiled);
     if (threads.num_threads() > 4) continue;
@@ -236,7 +236,7 @@ TEST(Suggest, WrittenConfigLoadsAndSimulatesToThePrediction) {
     EXPECT_EQ(config, s.config);
     // The config applied to the schedule as the engine gets it (either cascade: the config
     // sets every lookahead).
-    auto schedule = weft::pipeline::hstu_schedule({.cascade = weft::pipeline::HstuCascade::kD3});
+    auto schedule = weft::hstu::hstu_schedule({.cascade = weft::hstu::HstuCascade::kD3});
     config.apply(schedule);
     const CompiledSchedule compiled(std::move(schedule));
     const auto threads = config.thread_map.value_or(ThreadMap::legacy()).assign(compiled);
