@@ -224,7 +224,9 @@ TEST_F(EpTest, RoutingExtremesAtAnyNumberOfRanks) {
           true);
     round(make_inputs(config, R, {.tokens = one_token, .only_rank = R - 1}, rng), false, 0, false,
           false);
-    round(make_inputs(config, R, {.tokens = full, .avoid_rank = 0}, rng), true, 2, true, true);
+    if (R > 1) {  // a rank that receives nothing while the others do
+      round(make_inputs(config, R, {.tokens = full, .avoid_rank = 0}, rng), true, 2, true, true);
+    }
   }
 }
 
