@@ -419,12 +419,7 @@ class Buffer:
                        idx_dtype) -> tuple:
         """Empty owned tensors for a dispatch's results (on the current stream)."""
         device = native.device
-        if is_fp8:
-            recv_x = (torch.empty((rows, native.hidden), dtype=torch.float8_e4m3fn, device=device),
-                      torch.empty((rows, native.hidden // 128), dtype=torch.float32,
-                                  device=device))
-        else:
-            recv_x = torch.empty((rows, native.hidden), dtype=torch.bfloat16, device=device)
+        recv_x = self._owned_x(native, is_fp8, rows, False)
         recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
         prefix = torch.empty((self.group_size, self.group_size), dtype=torch.int32, device=device)
         recv_idx = recv_w = None
