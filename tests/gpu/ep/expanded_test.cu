@@ -182,9 +182,10 @@ class EpExpandedTest : public ::testing::Test {
                                                const Call& call) {
     const int64_t fp8_row_bytes = call.fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : 0;
     std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
+    // Every upload before the first launch (freeing the previous call's arrays synchronises the
+    // device: on a virtual team, a wait for ranks not yet launched).
     for (int r = 0; r < R; ++r) {
       const auto& in = inputs[std::size_t(r)];
-      const int64_t T = in.num_tokens;
       x[std::size_t(r)] = call.fp8 ? upload(rank_device(r), in.x_fp8) : upload(rank_device(r), in.x);
       if (call.idx64) {
         idx[std::size_t(r)] = upload(rank_device(r), in.topk_idx);
@@ -193,6 +194,9 @@ class EpExpandedTest : public ::testing::Test {
             upload(rank_device(r), std::vector<int32_t>(in.topk_idx.begin(), in.topk_idx.end()));
       }
       weights[std::size_t(r)] = upload(rank_device(r), in.topk_weights);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t T = inputs[std::size_t(r)].num_tokens;
       weft::ep::DispatchInputs din;
       din.x = call.fp8
                   ? weft::ep::TensorView{x[std::size_t(r)].ptr, DType::kUInt8, T, fp8_row_bytes}

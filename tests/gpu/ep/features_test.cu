@@ -109,18 +109,25 @@ class EpFeaturesTest : public ::testing::Test {
                                                  int num_sms = 0) {
     std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
     const int64_t row_bytes = fp8 ? weft::ep::fp8_row_layout(config.hidden).row_bytes : 0;
+    // Every upload before the first launch: freeing an array (the previous call's, replaced
+    // here) synchronises its device, which on a virtual team waits for the ranks already
+    // launched, while they wait for the ranks not yet launched.
     for (int r = 0; r < R; ++r) {
       const auto& in = inputs[std::size_t(r)];
-      const int64_t T = in.num_tokens;
       x[std::size_t(r)] = fp8 ? upload(rank_device(r), in.x_fp8) : upload(rank_device(r), in.x);
+      if (handles == nullptr) {
+        idx[std::size_t(r)] = upload(rank_device(r), in.topk_idx);
+        weights[std::size_t(r)] = upload(rank_device(r), in.topk_weights);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t T = inputs[std::size_t(r)].num_tokens;
       weft::ep::DispatchInputs din;
       din.x = fp8 ? weft::ep::TensorView{x[std::size_t(r)].ptr, DType::kUInt8, T, row_bytes}
                   : weft::ep::TensorView{x[std::size_t(r)].ptr, DType::kBFloat16, T, config.hidden};
       if (handles != nullptr) {
         din.handle = &handles[r];
       } else {
-        idx[std::size_t(r)] = upload(rank_device(r), in.topk_idx);
-        weights[std::size_t(r)] = upload(rank_device(r), in.topk_weights);
         din.topk_idx = {idx[std::size_t(r)].ptr, DType::kInt64, T, config.top_k};
         din.topk_weights = {weights[std::size_t(r)].ptr, DType::kFloat32, T, config.top_k};
       }
