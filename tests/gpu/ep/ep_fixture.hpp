@@ -175,6 +175,8 @@ class EpTest : public ::testing::Test {
     for (int r = 0; r < R && mode == weft::ep::CountMode::kExact; ++r) {
       eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
     }
+    // wait_num_recv may return while the rows still move (its counts are published first).
+    if (mode == weft::ep::CountMode::kExact) wait_all();
     return res;
   }
   // Waits for every rank's stream without checking the Buffers' errors.
@@ -252,6 +254,9 @@ class EpTest : public ::testing::Test {
         num_recv[static_cast<std::size_t>(r)] = download<int32_t>(rank_device(r), res_r.num_recv_device, 1)[0];
       }
     }
+    // wait_num_recv may return while the rows still move (its counts are published first):
+    // the rows are read once the streams are done.
+    if (exact) wait_all();
     poison_ptr_ = res;
     for (int r = 0; r < R; ++r) {
       const auto& L = layouts[static_cast<std::size_t>(r)];
