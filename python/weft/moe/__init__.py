@@ -9,7 +9,8 @@ backward: the dispatch's backward is a combine of the gradients, the combine's a
 The micro-batched step (step.py): serial_step (one stream) and PipelinedStep (weft.pipeline),
 forward and backward cut into stages at every communication, with one dispatcher per live layout
 (slots.py). EmulatedDispatcher (emulated.py): on one GPU, a dispatcher that holds the SMs of a
-target machine's communication for the time it takes there.
+target machine's communication for the time it takes there. ops.py: dispatch and combine as
+torch.library custom ops, through which torch.compile traces the layer into one graph.
 """
 
 from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher

@@ -4,7 +4,9 @@ received rows are in (source rank, source token) order with local expert ids (-1
 their weights (0 elsewhere); combine sums a token's rows back in fp32 in ascending rank order and
 rounds once to bf16. So the three give the same bits. A dispatch also returns num_entries, the
 received (row, slot) pairs with a local expert, as a host int: the one number the experts need on
-the host, read there once per layout (weft.ep's dispatch reads its per-expert counts anyway).
+the host, read there once per layout (weft.ep's dispatch reads its per-expert counts anyway); a
+worst-case dispatch (EpDispatcher with num_worst_tokens, no host sync) returns it as a 0-dim
+device tensor instead.
 
     recv_x, recv_idx, recv_w, handle, num_entries = d.dispatch(x, topk_idx, topk_weights)
     out, combined_w = d.combine(y, handle, weights=None)
@@ -54,26 +56,32 @@ class LocalDispatcher:
 
 
 class EpDispatcher:
-    """weft.ep's DeepEP-compatible Buffer (owned tensors, as training keeps them for backward)."""
+    """weft.ep's DeepEP-compatible Buffer (owned tensors, as training keeps them for backward).
+
+    num_worst_tokens > 0: every dispatch returns that many rows (weft.ep's worst-case dispatch:
+    the rows past the received ones have expert -1 and weight 0) and no call waits on the host,
+    so the calls can be captured in a CUDA graph; num_entries is then a device tensor."""
 
     keeps_layouts = True  # the Buffer's window holds the latest layout only
 
-    def __init__(self, buffer, num_experts: int) -> None:
+    def __init__(self, buffer, num_experts: int, num_worst_tokens: int = 0) -> None:
         self.buffer = buffer
         self.num_ranks = buffer.group_size
         self.rank = buffer.rank
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
+        self.num_worst_tokens = num_worst_tokens
 
     def dispatch(self, x, topk_idx, topk_weights):
         per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx,
                                                                               self.num_experts)
         recv_x, recv_idx, recv_w, per_local_expert, handle, _ = self.buffer.dispatch(
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-        # The counts are on the host once the dispatch has read its layout (an empty list only
-        # where it has not: a dispatch of worst-case size).
-        num_entries = sum(per_local_expert) if per_local_expert else count_entries(recv_idx)
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            num_worst_tokens=self.num_worst_tokens)
+        # The counts are on the host once a host-synced dispatch has read its layout; a
+        # worst-case one leaves them on the device.
+        num_entries = (recv_idx >= 0).sum() if self.num_worst_tokens else sum(per_local_expert)
         return recv_x, recv_idx, recv_w, handle, num_entries
 
     def combine(self, y, handle, weights=None):

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 
 def uses_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -36,7 +37,9 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor):
     """[rows, k] x [G, n, k]^T -> [rows, n], rows grouped by expert, ends[g] (int32, on the
     device) the end of group g, ends[-1] == rows. Weights are [G, n, k] (nn.Linear's layout):
     transposed, the column-major operand grouped GEMMs take."""
-    if a.shape[0] > 0 and uses_grouped_mm(a, w):
+    # Under torch.compile the row count is an unbacked size: assumed non-zero there (no guard),
+    # which torch._grouped_mm serves as well (zero rows are an empty product).
+    if guard_or_true(a.shape[0] > 0) and uses_grouped_mm(a, w):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=ends)
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist() if a.shape[0] > 0 else \
         [0] * w.shape[0]

@@ -8,6 +8,7 @@ from typing import Tuple
 
 import torch
 
+from . import ops
 from .experts import expert_ffn
 
 
@@ -58,13 +59,18 @@ def combine(y, handle, dispatcher):
 class MoELayer(torch.nn.Module):
     """y = combine(sum over a row's local experts e of w_e * FFN_e(row)); the router is a linear
     layer, softmax over experts, top-k. This rank holds the experts
-    [rank * E/R, (rank + 1) * E/R) of the dispatcher's ranks."""
+    [rank * E/R, (rank + 1) * E/R) of the dispatcher's ranks.
+
+    Under torch.compile the layer calls the dispatcher through the custom ops of ops.py (one
+    graph, no break, given torch._dynamo.config.capture_scalar_outputs and
+    capture_dynamic_output_shape_ops: the received rows and the entry count are unbacked sizes);
+    eagerly it calls it through _Dispatch and _Combine. Both give the same bits."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, ffn: int, dispatcher,
                  device=None, dtype=torch.bfloat16, seed: int = 0) -> None:
         super().__init__()
         self.hidden, self.num_experts, self.top_k, self.ffn = hidden, num_experts, top_k, ffn
-        self.dispatcher = dispatcher
+        self.dispatcher = dispatcher  # registered with the ops (the property below)
         num_local = num_experts // dispatcher.num_ranks
         first = dispatcher.rank * num_local
         device = torch.device("cpu" if device is None else device)
@@ -83,6 +89,19 @@ class MoELayer(torch.nn.Module):
             [draw((hidden, ffn), ffn, seed * 100003 + 2 + 2 * e)
              for e in range(first, first + num_local)]))
 
+    @property
+    def dispatcher(self):
+        return self._dispatcher
+
+    @dispatcher.setter
+    def dispatcher(self, dispatcher) -> None:
+        # The ops name a dispatcher by an int, which torch.compile specialises as a constant.
+        self._dispatcher, self._dispatcher_id = dispatcher, ops.register(dispatcher)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self.dispatcher = self._dispatcher  # a copy (deepcopy, unpickling) names its own
+
     def route(self, x) -> Tuple[torch.Tensor, torch.Tensor]:
         scores = (x @ self.router).float().softmax(dim=1)
         weights, idx = scores.topk(self.top_k, dim=1)
@@ -90,6 +109,19 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, x):
         idx, weights = self.route(x)
+        if torch.compiler.is_compiling():
+            return self._forward_ops(x, idx, weights)
         recv_x, recv_w, recv_idx, handle, num_entries = dispatch(x, idx, weights, self.dispatcher)
         y = expert_ffn(recv_x, recv_idx, recv_w, self.w13, self.w2, num_entries)
         return combine(y, handle, self.dispatcher)
+
+    def _forward_ops(self, x, idx, weights):
+        recv_x, recv_w, recv_idx, handle, count = ops.dispatch(x, idx, weights,
+                                                               self._dispatcher_id)
+        # The entry count sizes the experts' gathered rows: an unbacked SymInt, bounded by the
+        # received slots (which lets the slice entries[:num_entries] keep that size).
+        num_entries = count.item()
+        torch._check(num_entries >= 0)
+        torch._check(num_entries <= recv_idx.shape[0] * recv_idx.shape[1])
+        y = expert_ffn(recv_x, recv_idx, recv_w, self.w13, self.w2, num_entries)
+        return ops.combine(y, handle, self._dispatcher_id, x.shape[0])
