@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "weft/cuda/check.hpp"
+#include "device_buffer.hpp"
 #include "weft/ep/reference.hpp"
 
 namespace weft::ep::bench {
@@ -46,24 +46,18 @@ inline std::vector<reference::RankInput> make_inputs(const BufferConfig& config,
 }
 
 // One rank's x [T, hidden] bf16, topk_idx [T, top_k] int64 and topk_weights [T, top_k] fp32 in
-// new allocations on the current device (the caller frees them).
+// new allocations on the current device.
 struct DeviceInputs {
-  void* x = nullptr;
-  void* idx = nullptr;
-  void* w = nullptr;
+  DeviceBuffer x;
+  DeviceBuffer idx;
+  DeviceBuffer w;
 };
 inline DeviceInputs upload_inputs(const reference::RankInput& in, int64_t hidden, int top_k) {
   const auto T = std::size_t(in.num_tokens);
   const std::size_t x_bytes = T * std::size_t(hidden) * 2, idx_bytes = T * std::size_t(top_k) * 8,
                     w_bytes = T * std::size_t(top_k) * 4;
-  DeviceInputs d;
-  WEFT_CUDA_CHECK(cudaMalloc(&d.x, x_bytes));
-  WEFT_CUDA_CHECK(cudaMalloc(&d.idx, idx_bytes));
-  WEFT_CUDA_CHECK(cudaMalloc(&d.w, w_bytes));
-  WEFT_CUDA_CHECK(cudaMemcpy(d.x, in.x.data(), x_bytes, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), idx_bytes, cudaMemcpyHostToDevice));
-  WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), w_bytes, cudaMemcpyHostToDevice));
-  return d;
+  return {upload(in.x.data(), x_bytes), upload(in.topk_idx.data(), idx_bytes),
+          upload(in.topk_weights.data(), w_bytes)};
 }
 
 }  // namespace weft::ep::bench

@@ -53,12 +53,14 @@
 #include "weft/ep/buffer.hpp"
 #include "weft/ep/reference.hpp"
 #include "bench_inputs.hpp"
+#include "device_buffer.hpp"
 #include "bench_main.hpp"
 #include "virtual_team_bench.hpp"
 
 namespace {
 
 using weft::ep::DType;
+using weft::ep::bench::DeviceBuffer;
 namespace ref = weft::ep::reference;
 
 // ---- baseline kernels ----------------------------------------------------------------------
@@ -114,13 +116,13 @@ __global__ void baseline_unpermute(const uint32_t* back, int64_t T, int R, int64
 struct Rank {
   int device = 0;
   cudaStream_t stream = nullptr;
-  void *x = nullptr, *idx = nullptr, *w = nullptr, *out = nullptr;
-  void* x_fp8 = nullptr;       // --fp8: [T, fp8 row bytes]
-  void* expert_out = nullptr;  // --fp8: [num_recv, H] bf16 for combine
-  uint32_t* stats = nullptr;   // --stats: [E / R]
-  // baseline
-  int32_t *pos = nullptr, *counts = nullptr, *offsets = nullptr;
-  void *send = nullptr, *recv = nullptr, *back = nullptr;
+  weft::ep::bench::DeviceInputs in;
+  DeviceBuffer out;
+  DeviceBuffer x_fp8;       // --fp8: [T, fp8 row bytes]
+  DeviceBuffer expert_out;  // --fp8: [num_recv, H] bf16 for combine
+  DeviceBuffer stats;       // --stats: [E / R] uint32
+  // baseline: pos, counts, offsets int32
+  DeviceBuffer pos, counts, offsets, send, recv, back;
   cudaEvent_t start = nullptr, stop = nullptr;
 };
 
@@ -255,11 +257,8 @@ int run(int argc, char** argv) {
       WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
       WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
       WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
-      const auto up = weft::ep::bench::upload_inputs(in, H, K);
-      d.x = up.x;
-      d.idx = up.idx;
-      d.w = up.w;
-      WEFT_CUDA_CHECK(cudaMalloc(&d.out, std::size_t(T * H * 2)));
+      d.in = weft::ep::bench::upload_inputs(in, H, K);
+      d.out = DeviceBuffer(std::size_t(T * H * 2));
     }
     if (expand.enabled) {  // the smallest capacity this routing fits in
       const int64_t rows = expanded_rows_needed(config, R, inputs, expand.expert_alignment);
@@ -282,15 +281,15 @@ int run(int argc, char** argv) {
       auto& d = rk[std::size_t(r)];
       WEFT_CUDA_CHECK(cudaSetDevice(r));
       if (fp8) {
-        WEFT_CUDA_CHECK(cudaMalloc(&d.x_fp8, std::size_t(T * fp8_row_bytes)));
-        weft::ep::cast_to_fp8(d.x, T, H, d.x_fp8, d.stream);
+        d.x_fp8 = DeviceBuffer(std::size_t(T * fp8_row_bytes));
+        weft::ep::cast_to_fp8(d.in.x.get(), T, H, d.x_fp8.get(), d.stream);
         const auto& recv = layouts[std::size_t(r)].recv_x;
-        WEFT_CUDA_CHECK(cudaMalloc(&d.expert_out, std::max<std::size_t>(recv.size() * 2, 16)));
-        WEFT_CUDA_CHECK(cudaMemcpy(d.expert_out, recv.data(), recv.size() * 2, cudaMemcpyHostToDevice));
+        d.expert_out = DeviceBuffer(std::max<std::size_t>(recv.size() * 2, 16));
+        WEFT_CUDA_CHECK(cudaMemcpy(d.expert_out.get(), recv.data(), recv.size() * 2, cudaMemcpyHostToDevice));
       }
       if (stats) {
-        WEFT_CUDA_CHECK(cudaMalloc(&d.stats, std::size_t(epr) * 4));
-        WEFT_CUDA_CHECK(cudaMemset(d.stats, 0, std::size_t(epr) * 4));
+        d.stats = DeviceBuffer(std::size_t(epr) * 4);
+        WEFT_CUDA_CHECK(cudaMemset(d.stats.get(), 0, std::size_t(epr) * 4));
       }
       WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
     }
@@ -324,17 +323,17 @@ int run(int argc, char** argv) {
       auto& d = rk[std::size_t(r)];
       weft::ep::DispatchInputs din;
       if (fp8) {
-        din.x = {d.x_fp8, DType::kUInt8, T, fp8_row_bytes};
+        din.x = {d.x_fp8.get(), DType::kUInt8, T, fp8_row_bytes};
       } else {
-        din.x = {d.x, DType::kBFloat16, T, H};
+        din.x = {d.in.x.get(), DType::kBFloat16, T, H};
       }
       if (handles.empty()) {
-        din.topk_idx = {d.idx, DType::kInt64, T, K};
-        din.topk_weights = {d.w, DType::kFloat32, T, K};
+        din.topk_idx = {d.in.idx.get(), DType::kInt64, T, K};
+        din.topk_weights = {d.in.w.get(), DType::kFloat32, T, K};
       } else {
         din.handle = &handles[std::size_t(r)];
       }
-      din.cumulative_local_expert_recv_stats = d.stats;
+      din.cumulative_local_expert_recv_stats = d.stats.as<uint32_t>();
       din.expand = expand;
       res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(din, d.stream);
     };
@@ -343,11 +342,11 @@ int run(int argc, char** argv) {
       const auto& rr = res[std::size_t(r)];
       weft::ep::CombineInputs cin;
       if (fp8) {
-        cin.expert_out = {d.expert_out, DType::kBFloat16, layouts[std::size_t(r)].num_recv, H};
+        cin.expert_out = {d.expert_out.get(), DType::kBFloat16, layouts[std::size_t(r)].num_recv, H};
       } else {
         cin.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H};
       }
-      eps[std::size_t(r)]->combine(cin, rr.handle, d.out, d.stream);
+      eps[std::size_t(r)]->combine(cin, rr.handle, d.out.get(), d.stream);
     };
     if (cached) {  // one uncached dispatch computes the layout the timed calls reuse
       for (int r = 0; r < R; ++r) dispatch_rank(r);
@@ -421,7 +420,7 @@ int run(int argc, char** argv) {
     // Correctness of what the timed calls produce: one more round, every element checked.
     for (auto& d : rk) {
       WEFT_CUDA_CHECK(cudaSetDevice(d.device));
-      WEFT_CUDA_CHECK(cudaMemsetAsync(d.out, 0xFF, std::size_t(T * H * 2), d.stream));
+      WEFT_CUDA_CHECK(cudaMemsetAsync(d.out.get(), 0xFF, std::size_t(T * H * 2), d.stream));
     }
     dispatch_all();
     combine_all();
@@ -466,7 +465,7 @@ int run(int argc, char** argv) {
       }
       const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
       std::vector<uint16_t> got(want.size());
-      WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out, got.size() * 2, cudaMemcpyDeviceToHost));
+      WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out.get(), got.size() * 2, cudaMemcpyDeviceToHost));
       for (std::size_t i = 0; i < got.size(); ++i) wrong_combine += got[i] != want[i];
     }
     total_wrong += wrong_dispatch + wrong_combine;
@@ -478,12 +477,12 @@ int run(int argc, char** argv) {
       const int64_t cap = T * R;
       for (auto& d : rk) {
         WEFT_CUDA_CHECK(cudaSetDevice(d.device));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.pos, std::size_t(T * R * 4)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.counts, std::size_t(2 * R * 4)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.offsets, std::size_t(R * 4)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.send, std::size_t(cap * H * 2)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.recv, std::size_t(cap * H * 2)));
-        WEFT_CUDA_CHECK(cudaMalloc(&d.back, std::size_t(cap * H * 2)));
+        d.pos = DeviceBuffer(std::size_t(T * R * 4));
+        d.counts = DeviceBuffer(std::size_t(2 * R * 4));
+        d.offsets = DeviceBuffer(std::size_t(R * 4));
+        d.send = DeviceBuffer(std::size_t(cap * H * 2));
+        d.recv = DeviceBuffer(std::size_t(cap * H * 2));
+        d.back = DeviceBuffer(std::size_t(cap * H * 2));
       }
       std::vector<std::vector<int32_t>> send_counts(static_cast<std::size_t>(R), std::vector<int32_t>(static_cast<std::size_t>(R)));
       std::vector<std::vector<int32_t>> recv_counts = send_counts;
@@ -495,8 +494,8 @@ int run(int argc, char** argv) {
           auto& d = rk[std::size_t(r)];
           const auto& out_counts = back ? recv_counts[std::size_t(r)] : send_counts[std::size_t(r)];
           const auto& in_counts = back ? send_counts[std::size_t(r)] : recv_counts[std::size_t(r)];
-          char* out = static_cast<char*>(back ? d.recv : d.send);
-          char* in = static_cast<char*>(back ? d.back : d.recv);
+          char* out = (back ? d.recv : d.send).as<char>();
+          char* in = (back ? d.back : d.recv).as<char>();
           int64_t out_rows = 0, in_rows = 0;
           for (int p = 0; p < R; ++p) {
             const int64_t num_out = out_counts[std::size_t(p)], num_in = in_counts[std::size_t(p)];
@@ -514,16 +513,16 @@ int run(int argc, char** argv) {
         for (int r = 0; r < R; ++r) {
           auto& d = rk[std::size_t(r)];
           WEFT_CUDA_CHECK(cudaSetDevice(r));
-          WEFT_CUDA_CHECK(cudaMemsetAsync(d.counts, 0, std::size_t(2 * R * 4), d.stream));
-          baseline_layout<<<132, 256, 0, d.stream>>>(static_cast<const int64_t*>(d.idx), T, K, epr, R, d.pos, d.counts);
+          WEFT_CUDA_CHECK(cudaMemsetAsync(d.counts.as<int32_t>(), 0, std::size_t(2 * R * 4), d.stream));
+          baseline_layout<<<132, 256, 0, d.stream>>>(d.in.idx.as<const int64_t>(), T, K, epr, R, d.pos.as<int32_t>(), d.counts.as<int32_t>());
           WEFT_CUDA_CHECK_LAUNCH();
         }
         WEFT_NCCL_CHECK(ncclGroupStart());
         for (int r = 0; r < R; ++r) {
           auto& d = rk[std::size_t(r)];
           for (int p = 0; p < R; ++p) {
-            WEFT_NCCL_CHECK(ncclSend(d.counts + p, 1, ncclInt32, p, nccl[std::size_t(r)], d.stream));
-            WEFT_NCCL_CHECK(ncclRecv(d.counts + R + p, 1, ncclInt32, p, nccl[std::size_t(r)], d.stream));
+            WEFT_NCCL_CHECK(ncclSend(d.counts.as<int32_t>() + p, 1, ncclInt32, p, nccl[std::size_t(r)], d.stream));
+            WEFT_NCCL_CHECK(ncclRecv(d.counts.as<int32_t>() + R + p, 1, ncclInt32, p, nccl[std::size_t(r)], d.stream));
           }
         }
         WEFT_NCCL_CHECK(ncclGroupEnd());
@@ -531,7 +530,7 @@ int run(int argc, char** argv) {
           auto& d = rk[std::size_t(r)];
           std::vector<int32_t> c(std::size_t(2 * R));
           WEFT_CUDA_CHECK(cudaSetDevice(r));
-          WEFT_CUDA_CHECK(cudaMemcpyAsync(c.data(), d.counts, c.size() * 4, cudaMemcpyDeviceToHost, d.stream));
+          WEFT_CUDA_CHECK(cudaMemcpyAsync(c.data(), d.counts.as<int32_t>(), c.size() * 4, cudaMemcpyDeviceToHost, d.stream));
           WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
           for (int p = 0; p < R; ++p) {
             send_counts[std::size_t(r)][std::size_t(p)] = c[std::size_t(p)];
@@ -539,8 +538,8 @@ int run(int argc, char** argv) {
           }
           std::vector<int32_t> off(static_cast<std::size_t>(R));
           for (int p = 1; p < R; ++p) off[std::size_t(p)] = off[std::size_t(p - 1)] + c[std::size_t(p - 1)];
-          WEFT_CUDA_CHECK(cudaMemcpyAsync(d.offsets, off.data(), off.size() * 4, cudaMemcpyHostToDevice, d.stream));
-          baseline_permute<<<132, 512, 0, d.stream>>>(static_cast<const int4*>(d.x), T, R, n16, d.pos, d.offsets, static_cast<int4*>(d.send));
+          WEFT_CUDA_CHECK(cudaMemcpyAsync(d.offsets.as<int32_t>(), off.data(), off.size() * 4, cudaMemcpyHostToDevice, d.stream));
+          baseline_permute<<<132, 512, 0, d.stream>>>(d.in.x.as<const int4>(), T, R, n16, d.pos.as<int32_t>(), d.offsets.as<int32_t>(), d.send.as<int4>());
           WEFT_CUDA_CHECK_LAUNCH();
         }
         exchange_rows(false);
@@ -550,7 +549,7 @@ int run(int argc, char** argv) {
         for (int r = 0; r < R; ++r) {
           auto& d = rk[std::size_t(r)];
           WEFT_CUDA_CHECK(cudaSetDevice(r));
-          baseline_unpermute<<<132, 512, 0, d.stream>>>(static_cast<const uint32_t*>(d.back), T, R, H / 2, d.pos, d.offsets, static_cast<uint32_t*>(d.out));
+          baseline_unpermute<<<132, 512, 0, d.stream>>>(d.back.as<const uint32_t>(), T, R, H / 2, d.pos.as<int32_t>(), d.offsets.as<int32_t>(), d.out.as<uint32_t>());
           WEFT_CUDA_CHECK_LAUNCH();
         }
       };
@@ -566,9 +565,9 @@ int run(int argc, char** argv) {
         WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
         const auto want = ref::combine(config, r, layouts, expert_out, {}, {});
         std::vector<uint16_t> got(want.size());
-        WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out, got.size() * 2, cudaMemcpyDeviceToHost));
+        WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out.get(), got.size() * 2, cudaMemcpyDeviceToHost));
         for (std::size_t i = 0; i < got.size(); ++i) base_wrong += got[i] != want[i];
-        for (void* p : {static_cast<void*>(d.pos), static_cast<void*>(d.counts), static_cast<void*>(d.offsets), d.send, d.recv, d.back}) cudaFree(p);
+        for (DeviceBuffer* b : {&d.pos, &d.counts, &d.offsets, &d.send, &d.recv, &d.back}) *b = {};
       }
       if (base_wrong != 0) std::printf("# baseline round trip: %ld wrong elements (baseline only)\n", base_wrong);
     }
@@ -590,8 +589,6 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
     for (auto& d : rk) {
       cudaSetDevice(d.device);
-      cudaFree(d.x); cudaFree(d.idx); cudaFree(d.w); cudaFree(d.out);
-      cudaFree(d.x_fp8); cudaFree(d.expert_out); cudaFree(d.stats);
       cudaEventDestroy(d.start); cudaEventDestroy(d.stop); cudaStreamDestroy(d.stream);
     }
   }

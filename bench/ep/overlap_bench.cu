@@ -59,6 +59,7 @@
 namespace {
 
 using weft::ep::DType;
+using weft::ep::bench::DeviceBuffer;
 using weft::ep::Event;
 namespace ref = weft::ep::reference;
 
@@ -72,8 +73,9 @@ struct Rank {
   cudaStream_t compute = nullptr;
   cublasHandle_t cublas = nullptr;
   cublasHandle_t cublas_ovl = nullptr;  // the overlapped GEMM's: SM count target set per config
-  void *a = nullptr, *b = nullptr, *c = nullptr;  // [m, k], [k, n], [m, n] bf16 (column-major)
-  void *x = nullptr, *idx = nullptr, *w = nullptr, *out = nullptr;
+  DeviceBuffer a, b, c;  // [m, k], [k, n], [m, n] bf16 (column-major)
+  weft::ep::bench::DeviceInputs in;
+  DeviceBuffer out;
   cudaEvent_t start = nullptr, stop = nullptr;
   std::vector<cudaEvent_t> gemm_begin, gemm_end;  // per timed overlapped iteration
   weft::ep::DispatchResult last;                  // the latest dispatch's results
@@ -84,10 +86,10 @@ struct Rank {
     const float alpha = 1.0f, beta = 0.0f;
     if (m1 < 0) m1 = s.m;
     if (m1 <= m0) return;
-    const auto* a_rows = static_cast<const uint16_t*>(a) + m0;
-    auto* c_rows = static_cast<uint16_t*>(c) + m0;
+    const auto* a_rows = a.as<const uint16_t>() + m0;
+    auto* c_rows = c.as<uint16_t>() + m0;
     WEFT_CUBLAS_CHECK(cublasGemmEx(overlapped ? cublas_ovl : cublas, CUBLAS_OP_N, CUBLAS_OP_N,
-                                   m1 - m0, s.n, s.k, &alpha, a_rows, CUDA_R_16BF, s.m, b,
+                                   m1 - m0, s.n, s.k, &alpha, a_rows, CUDA_R_16BF, s.m, b.get(),
                                    CUDA_R_16BF, s.k, &beta, c_rows, CUDA_R_16BF, s.m,
                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
@@ -144,19 +146,14 @@ int run(int argc, char** argv) {
     WEFT_CUBLAS_CHECK(cublasSetStream(d.cublas, d.compute));
     WEFT_CUBLAS_CHECK(cublasCreate(&d.cublas_ovl));
     WEFT_CUBLAS_CHECK(cublasSetStream(d.cublas_ovl, d.compute));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.a, mn_bytes(shape.m, shape.k)));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.b, mn_bytes(shape.k, shape.n)));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.c, mn_bytes(shape.m, shape.n)));
+    d.a = DeviceBuffer(mn_bytes(shape.m, shape.k));
+    d.b = DeviceBuffer(mn_bytes(shape.k, shape.n));
+    d.c = DeviceBuffer(mn_bytes(shape.m, shape.n));
     // bf16 0x3C3C (about 0.0115): finite operands, the output cannot overflow.
-    WEFT_CUDA_CHECK(cudaMemset(d.a, 0x3C, mn_bytes(shape.m, shape.k)));
-    WEFT_CUDA_CHECK(cudaMemset(d.b, 0x3C, mn_bytes(shape.k, shape.n)));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.x, mn_bytes(T, H)));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.idx, std::size_t(T * K * 8)));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.w, std::size_t(T * K * 4)));
-    WEFT_CUDA_CHECK(cudaMalloc(&d.out, mn_bytes(T, H)));
-    WEFT_CUDA_CHECK(cudaMemcpy(d.x, in.x.data(), mn_bytes(T, H), cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(d.idx, in.topk_idx.data(), std::size_t(T * K * 8), cudaMemcpyHostToDevice));
-    WEFT_CUDA_CHECK(cudaMemcpy(d.w, in.topk_weights.data(), std::size_t(T * K * 4), cudaMemcpyHostToDevice));
+    WEFT_CUDA_CHECK(cudaMemset(d.a.get(), 0x3C, mn_bytes(shape.m, shape.k)));
+    WEFT_CUDA_CHECK(cudaMemset(d.b.get(), 0x3C, mn_bytes(shape.k, shape.n)));
+    d.in = weft::ep::bench::upload_inputs(in, H, K);
+    d.out = DeviceBuffer(mn_bytes(T, H));
     WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
     WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
     d.gemm_begin.resize(std::size_t(iters));
@@ -219,9 +216,9 @@ int run(int argc, char** argv) {
       if (with_combine && no_combine) continue;
       const auto dispatch_inputs = [&](int r) {
         const auto& d = rk[std::size_t(r)];
-        return weft::ep::DispatchInputs{.x = {d.x, DType::kBFloat16, T, H},
-                                        .topk_idx = {d.idx, DType::kInt64, T, K},
-                                        .topk_weights = {d.w, DType::kFloat32, T, K},
+        return weft::ep::DispatchInputs{.x = {d.in.x.get(), DType::kBFloat16, T, H},
+                                        .topk_idx = {d.in.idx.get(), DType::kInt64, T, K},
+                                        .topk_weights = {d.in.w.get(), DType::kFloat32, T, K},
                                         .num_sms = sms};
       };
       const auto combine_inputs = [&](const weft::ep::DispatchResult& res) {
@@ -233,7 +230,7 @@ int run(int argc, char** argv) {
         auto& d = rk[std::size_t(r)];
         auto& ep = *eps[std::size_t(r)];
         d.last = ep.dispatch(dispatch_inputs(r), d.compute);
-        if (with_combine) ep.combine(combine_inputs(d.last), d.last.handle, d.out, d.compute);
+        if (with_combine) ep.combine(combine_inputs(d.last), d.last.handle, d.out.get(), d.compute);
       };
       // The op on the comm stream next to the GEMM; i >= 0: the GEMM is timed with events.
       // Rows [0, split_rows) run on the SMs the op leaves, the rest (--gemm-split) on every SM.
@@ -246,7 +243,7 @@ int run(int argc, char** argv) {
                                        {.previous_event = before, .async_finish = true});
         d.last = res;
         if (with_combine) {
-          done = ep.combine(combine_inputs(res), res.handle, d.out, d.compute,
+          done = ep.combine(combine_inputs(res), res.handle, d.out.get(), d.compute,
                             {.previous_event = done, .async_finish = true});
         }
         if (i >= 0) WEFT_CUDA_CHECK(cudaEventRecord(d.gemm_begin[std::size_t(i)], d.compute));
@@ -284,7 +281,7 @@ int run(int argc, char** argv) {
                                    mn_bytes(d.last.capacity, H)));
         WEFT_CUDA_CHECK(cudaMemset(const_cast<int32_t*>(d.last.recv_src), 0x7F,
                                    std::size_t(d.last.capacity * 8)));
-        WEFT_CUDA_CHECK(cudaMemset(d.out, 0xFF, mn_bytes(T, H)));
+        WEFT_CUDA_CHECK(cudaMemset(d.out.get(), 0xFF, mn_bytes(T, H)));
         WEFT_CUDA_CHECK(cudaDeviceSynchronize());
       }
       for (int r = 0; r < R; ++r) {
@@ -316,7 +313,7 @@ int run(int argc, char** argv) {
         if (with_combine) {
           const auto& want = combined[std::size_t(r)];
           std::vector<uint16_t> got(want.size());
-          WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out, got.size() * 2, cudaMemcpyDeviceToHost));
+          WEFT_CUDA_CHECK(cudaMemcpy(got.data(), d.out.get(), got.size() * 2, cudaMemcpyDeviceToHost));
           for (std::size_t j = 0; j < got.size(); ++j) wrong += got[j] != want[j];
         }
       }
@@ -337,7 +334,6 @@ int run(int argc, char** argv) {
     WEFT_CUDA_CHECK(cudaEventDestroy(d.stop));
     WEFT_CUBLAS_CHECK(cublasDestroy(d.cublas));
     WEFT_CUBLAS_CHECK(cublasDestroy(d.cublas_ovl));
-    for (void* p : {d.a, d.b, d.c, d.x, d.idx, d.w, d.out}) WEFT_CUDA_CHECK(cudaFree(p));
     WEFT_CUDA_CHECK(cudaStreamDestroy(d.compute));
   }
   std::printf("# total wrong elements: %ld\n", total_wrong);

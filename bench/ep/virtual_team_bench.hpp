@@ -86,7 +86,8 @@ inline long run_virtual_team(const std::vector<int>& team_sizes,
       struct Rank {
         cudaStream_t stream = nullptr;
         cudaEvent_t start = nullptr, stop = nullptr;
-        void *x = nullptr, *idx = nullptr, *w = nullptr, *out = nullptr;
+        DeviceInputs in;
+        DeviceBuffer out;
       };
       std::vector<Rank> rk(static_cast<std::size_t>(R));
       for (int r = 0; r < R; ++r) {
@@ -95,29 +96,26 @@ inline long run_virtual_team(const std::vector<int>& team_sizes,
         WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
         WEFT_CUDA_CHECK(cudaEventCreate(&d.start));
         WEFT_CUDA_CHECK(cudaEventCreate(&d.stop));
-        const DeviceInputs up = upload_inputs(in, H, K);
-        d.x = up.x;
-        d.idx = up.idx;
-        d.w = up.w;
-        WEFT_CUDA_CHECK(cudaMalloc(&d.out, std::size_t(T * H * 2)));
+        d.in = upload_inputs(in, H, K);
+        d.out = DeviceBuffer(std::size_t(T * H * 2));
       }
       std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
       std::vector<weft::ep::Handle> handles(static_cast<std::size_t>(R));
       auto dispatch = [&](int r, bool cached) {
         auto& d = rk[std::size_t(r)];
-        weft::ep::DispatchInputs din{.x = {d.x, DType::kBFloat16, T, H}};
+        weft::ep::DispatchInputs din{.x = {d.in.x.get(), DType::kBFloat16, T, H}};
         if (cached) {
           din.handle = &handles[std::size_t(r)];
         } else {
-          din.topk_idx = {d.idx, DType::kInt64, T, K};
-          din.topk_weights = {d.w, DType::kFloat32, T, K};
+          din.topk_idx = {d.in.idx.get(), DType::kInt64, T, K};
+          din.topk_weights = {d.in.w.get(), DType::kFloat32, T, K};
         }
         res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(din, d.stream);
       };
       auto combine = [&](int r) {
         const auto& rr = res[std::size_t(r)];
         eps[std::size_t(r)]->combine({.expert_out = {rr.recv_x, DType::kBFloat16, rr.capacity, H}},
-                                     rr.handle, rk[std::size_t(r)].out, rk[std::size_t(r)].stream);
+                                     rr.handle, rk[std::size_t(r)].out.get(), rk[std::size_t(r)].stream);
       };
       auto sync = [&] {
         for (auto& d : rk) WEFT_CUDA_CHECK(cudaStreamSynchronize(d.stream));
@@ -162,7 +160,7 @@ inline long run_virtual_team(const std::vector<int>& team_sizes,
       const double cached_us = timed([&](int r) { dispatch(r, true); });
       const double combine_us = timed(combine);
       // One more round, checked: the count, every received row, every combined token.
-      for (auto& d : rk) WEFT_CUDA_CHECK(cudaMemsetAsync(d.out, 0xFF, std::size_t(T * H * 2), d.stream));
+      for (auto& d : rk) WEFT_CUDA_CHECK(cudaMemsetAsync(d.out.get(), 0xFF, std::size_t(T * H * 2), d.stream));
       rounds(1, [&](int r) { dispatch(r, false); });
       rounds(1, combine);
       sync();
@@ -181,7 +179,7 @@ inline long run_virtual_team(const std::vector<int>& team_sizes,
         for (std::size_t i = 0; i < got.size(); ++i) wrong += got[i] != L.recv_x[i];
         const auto want = weft::ep::reference::combine(config, r, layouts, expert_out, {}, {});
         got.resize(want.size());
-        WEFT_CUDA_CHECK(cudaMemcpy(got.data(), rk[std::size_t(r)].out, got.size() * 2,
+        WEFT_CUDA_CHECK(cudaMemcpy(got.data(), rk[std::size_t(r)].out.get(), got.size() * 2,
                                    cudaMemcpyDeviceToHost));
         for (std::size_t i = 0; i < got.size(); ++i) wrong += got[i] != want[i];
       }
@@ -191,7 +189,6 @@ inline long run_virtual_team(const std::vector<int>& team_sizes,
                   combine_us, wrong);
       std::fflush(stdout);
       for (auto& d : rk) {
-        cudaFree(d.x); cudaFree(d.idx); cudaFree(d.w); cudaFree(d.out);
         cudaEventDestroy(d.start); cudaEventDestroy(d.stop); cudaStreamDestroy(d.stream);
       }
     }

@@ -130,7 +130,6 @@ class Search {
       for (const auto& w : t.waits) waited_us += w.waited_us;
       result = Score{std::llround(t.step_us * 1000), std::llround(t.host_step_us * 1000),
                      std::llround(waited_us * 1000), num_threads_of(c), sum};
-    } else {
     }
     scores_.emplace(c, result);
     return result;
@@ -194,10 +193,20 @@ std::string format_us(double us) {
   return text;
 }
 
-}  // namespace
+// The space suggest searches: thread maps of up to k threads over the n tasks, every lookahead
+// in [lo, hi], and how many of each there are (saturated at kHuge).
+struct SearchSpace {
+  std::size_t n = 0;
+  std::size_t k = 0;
+  int lo = 0;
+  int hi = 0;
+  std::size_t num_maps = 0;
+  std::size_t num_lookaheads = 0;
+};
 
-SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
-                      const SuggestOptions& options) {
+// Checks the options against the schedule and the costs, and measures the space they open.
+SearchSpace search_space(const CompiledSchedule& schedule, const CostModel& costs,
+                         const SuggestOptions& options) {
   const std::size_t n = schedule.num_tasks();
   WEFT_CHECK(n >= 1, "suggest: the schedule has no task to place");
   WEFT_CHECK(options.max_threads >= 1 && options.max_threads <= 64,
@@ -222,203 +231,191 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
              n == 1 ? "it has one task" : "max_threads is 1",
              " and every lookahead is fixed by the bounds [", lo, ", ", hi,
              "] (widen the lookahead bounds", n == 1 ? ")" : " or allow more threads)");
+  return {n, k, lo, hi, num_maps, num_lookaheads};
+}
 
-  Search search(schedule, costs, options);
-  SuggestResult result;
-  std::vector<int> own(n);
-  for (TaskId t = 0; t < n; ++t) own[t] = std::clamp(schedule.task(t).lookahead(), lo, hi);
-
-  std::string start_names;  // the start maps of a local search
-  const bool exact = mul_sat(num_maps, num_lookaheads) <= options.exact_limit;
-  const bool exact_maps = num_maps <= options.exact_limit;
-  const bool exact_lookaheads = num_lookaheads <= options.exact_limit;
-  if (exact) {
-    for_each_lookahead(n, lo, hi, [&](const std::vector<int>& la) {
-      if (!search.compiled_with(la)) return;
-      for_each_partition(n, k, [&](const std::vector<ThreadLabel>& thread) {
-        search.score({thread, la});
-      });
+// Scores every candidate of the space.
+void search_exactly(Search& search, const SearchSpace& space) {
+  for_each_lookahead(space.n, space.lo, space.hi, [&](const std::vector<int>& la) {
+    if (!search.compiled_with(la)) return;
+    for_each_partition(space.n, space.k, [&](const std::vector<ThreadLabel>& thread) {
+      search.score({thread, la});
     });
-  } else {
-    // The map step: the best partition for the current lookaheads.
-    auto improve_map = [&](Candidate& current) {
-      bool improved = false;
-      if (exact_maps) {
-        Candidate best = current;
-        for_each_partition(n, k, [&](const std::vector<ThreadLabel>& thread) {
-          Candidate c{thread, current.lookahead};
-          if (search.better(c, best)) best = std::move(c);
-        });
-        improved = best != current;
-        current = std::move(best);
-        return improved;
-      }
-      while (true) {  // steepest descent over moving one task
-        Candidate best = current;
-        const std::size_t used = num_threads_of(current);
-        for (TaskId t = 0; t < n; ++t) {
-          for (std::size_t to = 0; to <= std::min(used, k - 1); ++to) {
-            if (to == current.thread[t]) continue;
-            Candidate c = current;
-            c.thread[t] = ThreadLabel(to == used ? 255 : to);  // 255: a new thread
-            canonicalise(c.thread);
-            if (search.better(c, best)) best = std::move(c);
-          }
-        }
-        if (best == current) return improved;
-        current = std::move(best);
-        improved = true;
-      }
-    };
-    // The lookahead step: the best lookaheads for the current map.
-    auto improve_lookaheads = [&](Candidate& current) {
-      bool improved = false;
-      if (exact_lookaheads) {
-        Candidate best = current;
-        for_each_lookahead(n, lo, hi, [&](const std::vector<int>& la) {
-          Candidate c{current.thread, la};
-          if (search.better(c, best)) best = std::move(c);
-        });
-        improved = best != current;
-        current = std::move(best);
-        return improved;
-      }
-      bool pass_improved = true;
-      while (pass_improved) {  // coordinate descent, one task at a time
-        pass_improved = false;
-        for (TaskId t = 0; t < n; ++t) {
-          Candidate best = current;
-          for (int la = lo; la <= hi; ++la) {
-            Candidate c = current;
-            c.lookahead[t] = la;
-            if (search.better(c, best)) best = std::move(c);
-          }
-          if (best != current) {
-            current = std::move(best);
-            pass_improved = improved = true;
-          }
-        }
-      }
-      return improved;
-    };
-
-    // Start maps, each once, with the name of its first spelling; those over k threads are left
-    // out.
-    std::vector<std::vector<ThreadLabel>> start_maps;
-    auto add_start = [&](std::vector<ThreadLabel> thread, const std::string& name) {
-      canonicalise(thread);
-      if (num_threads_of({thread, {}}) > k ||
-          std::find(start_maps.begin(), start_maps.end(), thread) != start_maps.end()) {
-        return;
-      }
-      start_maps.push_back(std::move(thread));
-      start_names += (start_names.empty() ? "" : ", ") + name;
-    };
-    std::vector<ThreadLabel> by_stream(n), per_task(n);
-    for (TaskId t = 0; t < n; ++t) {
-      by_stream[t] = ThreadLabel(std::min<std::size_t>(schedule.stream_of(t), 255));
-      per_task[t] = ThreadLabel(std::min<std::size_t>(t, 255));
-    }
-    add_start(std::vector<ThreadLabel>(n, 0), "legacy");
-    add_start(by_stream, "by_stream");
-    if (n <= k) add_start(per_task, "per_task");
-    for (const ThreadMap& map : options.start_maps) {
-      const auto threads = map.assign(schedule);
-      if (threads.num_threads() > k) continue;
-      std::vector<ThreadLabel> thread(n);
-      for (TaskId t = 0; t < n; ++t) thread[t] = ThreadLabel(threads.thread_of_task[t]);
-      add_start(std::move(thread), map.name());
-    }
-    for (const auto& lookaheads : {own, std::vector<int>(n, hi)}) {
-      for (const auto& map : start_maps) {
-        Candidate current{map, lookaheads};
-        if (!search.score(current)) continue;
-        while (true) {
-          const bool map_improved = improve_map(current);
-          if (!improve_lookaheads(current) && !map_improved) break;
-        }
-      }
-    }
-  }
-
-  // The best few of everything simulated.
-  std::vector<std::pair<Score, const Candidate*>> ranked;
-  for (const auto& [c, s] : search.scores()) {
-    if (s) ranked.emplace_back(*s, &c);
-  }
-  WEFT_CHECK(!ranked.empty(),
-             "suggest: every candidate was refused by the schedule's rules "
-             "(the lookahead bounds [",
-             lo, ", ", hi, "] admit no valid schedule)");
-  std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
-    return std::tie(a.first, *a.second) < std::tie(b.first, *b.second);
   });
+}
 
-  auto describe_candidate = [&](const Candidate& c) {
-    Suggestion s;
-    const CompiledSchedule& compiled = *search.compiled_with(c.lookahead);
-    const ThreadMap map = search.thread_map(c);
-    const auto threads = map.assign(compiled);
-    const Timeline t = simulate(compiled, threads, costs, options.simulation);
-    s.config.thread_map = map;
-    for (TaskId id = 0; id < n; ++id)
-      s.config.lookahead[schedule.task(id).name()] = c.lookahead[id];
-    s.placement = placement(compiled, threads);
-    s.step_us = t.step_us;
-    s.host_step_us = t.host_step_us;
-    s.num_threads = threads.num_threads();
-    for (const ThreadLoad& load : thread_loads(t)) {
-      if (load.busy_us > s.busiest_thread_busy_us) {
-        s.busiest_thread = load.thread;
-        s.busiest_thread_busy_us = load.busy_us;
-      }
-    }
-    s.waits = t.waits;
-    std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
-      return a.waited_us > b.waited_us;
+// The map step of the local search: the best partition for the current lookaheads, over every
+// map where there are few enough, else by steepest descent. True where current improved.
+bool improve_map(Search& search, const SearchSpace& space, bool exact_maps, Candidate& current) {
+  const std::size_t n = space.n, k = space.k;
+  bool improved = false;
+  if (exact_maps) {
+    Candidate best = current;
+    for_each_partition(n, k, [&](const std::vector<ThreadLabel>& thread) {
+      Candidate c{thread, current.lookahead};
+      if (search.better(c, best)) best = std::move(c);
     });
-    // The busiest stream's work per step, from the costs (every task runs once per step).
-    std::map<std::string, double> stream_busy;
-    for (TaskId id = 0; id < n; ++id) {
-      for (const auto& seg : costs.cost_of(schedule.task(id).name()).gpu)
-        stream_busy[seg.stream] += seg.us;
-    }
-    const auto busiest =
-        std::max_element(stream_busy.begin(), stream_busy.end(),
-                         [](const auto& a, const auto& b) { return a.second < b.second; });
-    // Within 1% of the step: that resource is busy all the step, nothing else could shorten it.
-    if (busiest != stream_busy.end() && busiest->second >= 0.99 * t.step_us) {
-      s.bound = "stream " + busiest->first;
-    } else if (t.host_step_us >= 0.99 * t.step_us) {
-      s.bound = "host";
-    } else {
-      s.bound = "GPU waits across streams";
-      if (busiest != stream_busy.end()) {
-        s.bound += " (busiest: " + busiest->first + ", " + format_us(busiest->second) + " us)";
+    improved = best != current;
+    current = std::move(best);
+    return improved;
+  }
+  while (true) {  // steepest descent over moving one task
+    Candidate best = current;
+    const std::size_t used = num_threads_of(current);
+    for (TaskId t = 0; t < n; ++t) {
+      for (std::size_t to = 0; to <= std::min(used, k - 1); ++to) {
+        if (to == current.thread[t]) continue;
+        Candidate c = current;
+        c.thread[t] = ThreadLabel(to == used ? 255 : to);  // 255: a new thread
+        canonicalise(c.thread);
+        if (search.better(c, best)) best = std::move(c);
       }
     }
-    return s;
-  };
-  // The best few thread maps, each with its best lookaheads: variants of one map that differ
-  // only in a lookahead that changes nothing would say the same thing a few times.
-  std::set<std::vector<ThreadLabel>> maps_taken;
-  for (const auto& [score, c] : ranked) {
-    if (result.suggestions.size() == std::size_t(options.num_best)) break;
-    if (!maps_taken.insert(c->thread).second) continue;
-    result.suggestions.push_back(describe_candidate(*c));
+    if (best == current) return improved;
+    current = std::move(best);
+    improved = true;
   }
-  Candidate start{std::vector<ThreadLabel>(n, 0), {}};
-  for (TaskId t = 0; t < n; ++t) start.lookahead.push_back(schedule.task(t).lookahead());
-  result.start = describe_candidate(start);
-  result.num_evaluated = ranked.size();
-  result.num_refused = search.num_refused();
+}
 
-  const std::string bounds = "[" + std::to_string(lo) + ", " + std::to_string(hi) + "]";
-  const std::string maps = "thread maps: set partitions of the " + std::to_string(n) +
-                           " tasks into at most " + std::to_string(k) + " threads (" +
-                           (num_maps >= kHuge ? "over 4e18" : std::to_string(num_maps)) + ")";
+// The lookahead step of the local search: the best lookaheads for the current map, over every
+// combination where there are few enough, else by coordinate descent. True where current
+// improved.
+bool improve_lookaheads(Search& search, const SearchSpace& space, bool exact_lookaheads,
+                        Candidate& current) {
+  const std::size_t n = space.n;
+  const int lo = space.lo, hi = space.hi;
+  bool improved = false;
+  if (exact_lookaheads) {
+    Candidate best = current;
+    for_each_lookahead(n, lo, hi, [&](const std::vector<int>& la) {
+      Candidate c{current.thread, la};
+      if (search.better(c, best)) best = std::move(c);
+    });
+    improved = best != current;
+    current = std::move(best);
+    return improved;
+  }
+  bool pass_improved = true;
+  while (pass_improved) {  // coordinate descent, one task at a time
+    pass_improved = false;
+    for (TaskId t = 0; t < n; ++t) {
+      Candidate best = current;
+      for (int la = lo; la <= hi; ++la) {
+        Candidate c = current;
+        c.lookahead[t] = la;
+        if (search.better(c, best)) best = std::move(c);
+      }
+      if (best != current) {
+        current = std::move(best);
+        pass_improved = improved = true;
+      }
+    }
+  }
+  return improved;
+}
+
+// The maps a local search starts from: legacy, by_stream, per_task (within k threads) and the
+// options' start maps, each once, with the name of its first spelling added to `names`; those
+// over k threads are left out.
+std::vector<std::vector<ThreadLabel>> start_maps(const CompiledSchedule& schedule,
+                                                 const SuggestOptions& options,
+                                                 const SearchSpace& space, std::string& names) {
+  const std::size_t n = space.n, k = space.k;
+  std::vector<std::vector<ThreadLabel>> maps;
+  auto add_start = [&](std::vector<ThreadLabel> thread, const std::string& name) {
+    canonicalise(thread);
+    if (num_threads_of({thread, {}}) > k ||
+        std::find(maps.begin(), maps.end(), thread) != maps.end()) {
+      return;
+    }
+    maps.push_back(std::move(thread));
+    names += (names.empty() ? "" : ", ") + name;
+  };
+  std::vector<ThreadLabel> by_stream(n), per_task(n);
+  for (TaskId t = 0; t < n; ++t) {
+    by_stream[t] = ThreadLabel(std::min<std::size_t>(schedule.stream_of(t), 255));
+    per_task[t] = ThreadLabel(std::min<std::size_t>(t, 255));
+  }
+  add_start(std::vector<ThreadLabel>(n, 0), "legacy");
+  add_start(by_stream, "by_stream");
+  if (n <= k) add_start(per_task, "per_task");
+  for (const ThreadMap& map : options.start_maps) {
+    const auto threads = map.assign(schedule);
+    if (threads.num_threads() > k) continue;
+    std::vector<ThreadLabel> thread(n);
+    for (TaskId t = 0; t < n; ++t) thread[t] = ThreadLabel(threads.thread_of_task[t]);
+    add_start(std::move(thread), map.name());
+  }
+  return maps;
+}
+
+// What bounds a candidate's step: a stream busy all the step, the host, or else the GPU waits
+// across streams.
+std::string step_bound(const CompiledSchedule& schedule, const CostModel& costs,
+                       const Timeline& t) {
+  // The busiest stream's work per step, from the costs (every task runs once per step).
+  std::map<std::string, double> stream_busy;
+  for (TaskId id = 0; id < schedule.num_tasks(); ++id) {
+    for (const auto& seg : costs.cost_of(schedule.task(id).name()).gpu)
+      stream_busy[seg.stream] += seg.us;
+  }
+  const auto busiest =
+      std::max_element(stream_busy.begin(), stream_busy.end(),
+                       [](const auto& a, const auto& b) { return a.second < b.second; });
+  // Within 1% of the step: that resource is busy all the step, nothing else could shorten it.
+  if (busiest != stream_busy.end() && busiest->second >= 0.99 * t.step_us) {
+    return "stream " + busiest->first;
+  }
+  if (t.host_step_us >= 0.99 * t.step_us) return "host";
+  std::string bound = "GPU waits across streams";
+  if (busiest != stream_busy.end()) {
+    bound += " (busiest: " + busiest->first + ", " + format_us(busiest->second) + " us)";
+  }
+  return bound;
+}
+
+// A candidate as suggest reports it: its config, placement, simulated times, waits (longest
+// first) and bound.
+Suggestion describe_candidate(Search& search, const CompiledSchedule& schedule,
+                              const CostModel& costs, const SuggestOptions& options,
+                              const Candidate& c) {
+  Suggestion s;
+  const CompiledSchedule& compiled = *search.compiled_with(c.lookahead);
+  const ThreadMap map = search.thread_map(c);
+  const auto threads = map.assign(compiled);
+  const Timeline t = simulate(compiled, threads, costs, options.simulation);
+  s.config.thread_map = map;
+  for (TaskId id = 0; id < schedule.num_tasks(); ++id)
+    s.config.lookahead[schedule.task(id).name()] = c.lookahead[id];
+  s.placement = placement(compiled, threads);
+  s.step_us = t.step_us;
+  s.host_step_us = t.host_step_us;
+  s.num_threads = threads.num_threads();
+  for (const ThreadLoad& load : thread_loads(t)) {
+    if (load.busy_us > s.busiest_thread_busy_us) {
+      s.busiest_thread = load.thread;
+      s.busiest_thread_busy_us = load.busy_us;
+    }
+  }
+  s.waits = t.waits;
+  std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
+    return a.waited_us > b.waited_us;
+  });
+  s.bound = step_bound(schedule, costs, t);
+  return s;
+}
+
+// SuggestResult's method, searched and not_searched: how the space was covered.
+void describe_search(const SearchSpace& space, bool exact, bool exact_maps, bool exact_lookaheads,
+                     const std::string& start_names, SuggestResult& result) {
+  const std::string bounds = "[" + std::to_string(space.lo) + ", " + std::to_string(space.hi) + "]";
+  const std::string maps =
+      "thread maps: set partitions of the " + std::to_string(space.n) + " tasks into at most " +
+      std::to_string(space.k) + " threads (" +
+      (space.num_maps >= kHuge ? "over 4e18" : std::to_string(space.num_maps)) + ")";
   const std::string las = "lookaheads: every task in " + bounds + " (" +
-                          (num_lookaheads >= kHuge ? "over 4e18" : std::to_string(num_lookaheads)) +
+                          (space.num_lookaheads >= kHuge ? "over 4e18"
+                                                         : std::to_string(space.num_lookaheads)) +
                           " combinations; those the schedule's rules refuse skipped)";
   if (exact) {
     result.method = "exact";
@@ -433,14 +430,79 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
         "alternating the two steps until neither improves, from the maps " + start_names +
             " (the same partition once), each with the schedule's lookaheads and with every "
             "lookahead at " +
-            std::to_string(hi)};
+            std::to_string(space.hi)};
     result.not_searched.push_back(
         "the rest of the space: the result is a local optimum, not proven the best");
   }
   result.not_searched.push_back(
       "streams: every task keeps its stream (a schedule config cannot move one)");
-  result.not_searched.push_back("more than " + std::to_string(k) + " threads, lookaheads outside " +
-                                bounds + ", and same_progress_sync edges (kept as given)");
+  result.not_searched.push_back("more than " + std::to_string(space.k) +
+                                " threads, lookaheads outside " + bounds +
+                                ", and same_progress_sync edges (kept as given)");
+}
+
+}  // namespace
+
+SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
+                      const SuggestOptions& options) {
+  const SearchSpace space = search_space(schedule, costs, options);
+  const std::size_t n = space.n;
+  Search search(schedule, costs, options);
+  SuggestResult result;
+
+  std::string start_names;  // the start maps of a local search
+  const bool exact = mul_sat(space.num_maps, space.num_lookaheads) <= options.exact_limit;
+  const bool exact_maps = space.num_maps <= options.exact_limit;
+  const bool exact_lookaheads = space.num_lookaheads <= options.exact_limit;
+  if (exact) {
+    search_exactly(search, space);
+  } else {
+    std::vector<int> own(n);
+    for (TaskId t = 0; t < n; ++t) {
+      own[t] = std::clamp(schedule.task(t).lookahead(), space.lo, space.hi);
+    }
+    const auto maps = start_maps(schedule, options, space, start_names);
+    for (const auto& lookaheads : {own, std::vector<int>(n, space.hi)}) {
+      for (const auto& map : maps) {
+        Candidate current{map, lookaheads};
+        if (!search.score(current)) continue;
+        while (true) {
+          const bool map_improved = improve_map(search, space, exact_maps, current);
+          if (!improve_lookaheads(search, space, exact_lookaheads, current) && !map_improved) {
+            break;
+          }
+        }
+      }
+    }
+  }
+
+  // The best few of everything simulated.
+  std::vector<std::pair<Score, const Candidate*>> ranked;
+  for (const auto& [c, s] : search.scores()) {
+    if (s) ranked.emplace_back(*s, &c);
+  }
+  WEFT_CHECK(!ranked.empty(),
+             "suggest: every candidate was refused by the schedule's rules "
+             "(the lookahead bounds [",
+             space.lo, ", ", space.hi, "] admit no valid schedule)");
+  std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.first, *a.second) < std::tie(b.first, *b.second);
+  });
+
+  // The best few thread maps, each with its best lookaheads: variants of one map that differ
+  // only in a lookahead that changes nothing would say the same thing a few times.
+  std::set<std::vector<ThreadLabel>> maps_taken;
+  for (const auto& [score, c] : ranked) {
+    if (result.suggestions.size() == std::size_t(options.num_best)) break;
+    if (!maps_taken.insert(c->thread).second) continue;
+    result.suggestions.push_back(describe_candidate(search, schedule, costs, options, *c));
+  }
+  Candidate start{std::vector<ThreadLabel>(n, 0), {}};
+  for (TaskId t = 0; t < n; ++t) start.lookahead.push_back(schedule.task(t).lookahead());
+  result.start = describe_candidate(search, schedule, costs, options, start);
+  result.num_evaluated = ranked.size();
+  result.num_refused = search.num_refused();
+  describe_search(space, exact, exact_maps, exact_lookaheads, start_names, result);
   return result;
 }
 

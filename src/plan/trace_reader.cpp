@@ -97,9 +97,8 @@ struct Span {
   int ticket = -1;
 };
 
-}  // namespace
-
-VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
+// The trace's events, each one's fields read and checked.
+std::vector<Event> read_events(std::string_view json_text) {
   json root;
   try {
     root = json_input::parse_json(json_text);
@@ -125,7 +124,30 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   } catch (const Error& e) {
     WEFT_FAIL("trace: ", e.message());
   }
+  return events;
+}
 
+// What an engine's trace holds, by kind: the names of its threads and streams, the host and GPU
+// spans, and the flow arrows (the waits) by id.
+struct TraceContents {
+  std::map<int, std::string> thread_names, stream_names;
+  std::vector<Span> host, gpu;
+  std::map<long long, std::pair<int, double>> flow_start, flow_end;
+  std::map<long long, std::string> flow_name;
+
+  std::string thread_name(int tid) const {
+    auto it = thread_names.find(tid);
+    return it != thread_names.end() ? it->second : "thread " + std::to_string(tid);
+  }
+  std::string stream_name(int tid) const {
+    auto it = stream_names.find(tid);
+    return it != stream_names.end() ? it->second : "stream " + std::to_string(tid);
+  }
+};
+
+// Sorts the events of the "host" and "gpu" processes by kind; throws unless the trace is one
+// weft's engine wrote.
+TraceContents sort_events(const std::vector<Event>& events) {
   int host_pid = -1, gpu_pid = -1;
   for (const auto& e : events) {
     if (e.ph == "M" && e.name == "process_name") {
@@ -134,29 +156,37 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
     }
   }
   WEFT_CHECK(host_pid >= 0, "trace: no \"host\" process: not a trace written by weft's engine");
-  std::map<int, std::string> thread_names, stream_names;
-  std::vector<Span> host, gpu;
-  std::map<long long, std::pair<int, double>> flow_start, flow_end;
-  std::map<long long, std::string> flow_name;
+  TraceContents trace;
   for (const auto& e : events) {
     if (e.ph == "M" && e.name == "thread_name") {
-      (e.pid == host_pid ? thread_names : stream_names)[e.tid] = e.args_name;
+      (e.pid == host_pid ? trace.thread_names : trace.stream_names)[e.tid] = e.args_name;
     } else if (e.ph == "X" && (e.pid == host_pid || e.pid == gpu_pid)) {
       // Spans are grouped by iteration: without it every iteration would be drawn as one.
       WEFT_CHECK(e.pid != host_pid || e.iteration.has_value(), "trace: ", event_path(e.index),
                  ": host span '", e.name.substr(0, json_input::kMaxExcerptChars),
                  "' has no args.iteration (not a trace written by weft's engine)");
-      (e.pid == host_pid ? host : gpu)
+      (e.pid == host_pid ? trace.host : trace.gpu)
           .push_back({e.name, e.tid, e.ts, e.ts + e.dur, e.batch, e.iteration.value_or(-1),
                       e.lookahead, e.ticket});
     } else if ((e.ph == "s" || e.ph == "f") && e.pid == host_pid) {
-      (e.ph == "s" ? flow_start : flow_end)[e.id] = {e.tid, e.ts};
-      flow_name[e.id] = e.name;
+      (e.ph == "s" ? trace.flow_start : trace.flow_end)[e.id] = {e.tid, e.ts};
+      trace.flow_name[e.id] = e.name;
     }
   }
-  WEFT_CHECK(!host.empty(), "trace: no host task spans");
+  WEFT_CHECK(!trace.host.empty(), "trace: no host task spans");
+  return trace;
+}
 
-  // Iterations in which every task ran; draw the second to last of them.
+// The iteration drawn, the second to last of those in which every task ran: its host spans in
+// order of their begin, its begin, and the gaps between the begins of consecutive complete
+// iterations (the step).
+struct DrawnIteration {
+  std::vector<const Span*> spans;
+  double origin = 0;
+  std::vector<double> gaps;
+};
+
+DrawnIteration drawn_iteration(const std::vector<Span>& host) {
   std::set<std::string> all_tasks;
   for (const auto& s : host) all_tasks.insert(s.task);
   std::map<long long, std::vector<const Span*>> by_iteration;
@@ -174,78 +204,90 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
     for (const auto* s : by_iteration[it]) b = std::min(b, s->begin);
     return b;
   };
-  const double origin = begin_of(drawn);
-  std::vector<double> gaps;
+  DrawnIteration result;
+  result.origin = begin_of(drawn);
   for (std::size_t i = 1; i < full.size(); ++i) {
-    if (full[i] == full[i - 1] + 1) gaps.push_back(begin_of(full[i]) - begin_of(full[i - 1]));
+    if (full[i] == full[i - 1] + 1) {
+      result.gaps.push_back(begin_of(full[i]) - begin_of(full[i - 1]));
+    }
   }
-
-  VariantReport report;
-  report.name = std::move(name);
-  report.cascade = "measured";
-  report.source = "trace";
-  Timeline& t = report.timeline;
-  for (const auto& [tid, n] : thread_names) t.threads.push_back(n);
-  auto thread_name = [&](int tid) {
-    auto it = thread_names.find(tid);
-    return it != thread_names.end() ? it->second : "thread " + std::to_string(tid);
-  };
-  auto stream_name = [&](int tid) {
-    auto it = stream_names.find(tid);
-    return it != stream_names.end() ? it->second : "stream " + std::to_string(tid);
-  };
-  std::vector<const Span*> drawn_spans = by_iteration[drawn];
-  std::sort(drawn_spans.begin(), drawn_spans.end(),
+  result.spans = by_iteration[drawn];
+  std::sort(result.spans.begin(), result.spans.end(),
             [](const Span* a, const Span* b) { return a->begin < b->begin; });
-  double host_end = origin;
-  std::map<std::string, std::string> stream_of_task;
-  for (const auto& s : gpu) stream_of_task.emplace(s.task, stream_name(s.tid));
-  for (const auto* s : drawn_spans) {
-    t.host.push_back({s->task, thread_name(s->tid), s->begin - origin, s->end - origin, s->batch,
-                      s->ticket});
-    host_end = std::max(host_end, s->end);
-    const auto stream = stream_of_task.count(s->task) ? stream_of_task[s->task] : "host";
-    report.placement.push_back({s->task, stream, thread_name(s->tid), s->lookahead, s->ticket >= 0});
-  }
-  t.host_step_us = host_end - origin;
-  if (gaps.empty()) {
-    t.step_us = t.host_step_us;
-  } else {
-    std::nth_element(gaps.begin(), gaps.begin() + long(gaps.size() / 2), gaps.end());
-    t.step_us = gaps[gaps.size() / 2];
-  }
-  const double window = std::max(t.step_us, t.host_step_us);
-  std::set<std::string> streams;
-  for (const auto& s : gpu) {
-    const double b = std::max(s.begin, origin), e = std::min(s.end, origin + window);
-    if (e <= b) continue;
-    t.gpu.push_back({s.task, stream_name(s.tid), b - origin, e - origin});
-    streams.insert(stream_name(s.tid));
-  }
-  for (const auto& [tid, n] : stream_names) {
-    if (streams.count(n)) t.streams.push_back(n);
-  }
-  // Waits of the drawn iteration: flow arrows whose consumer span belongs to it. An arrow ends
-  // where its consumer's span begins and starts where its producer's span ends (thread, time);
-  // the spans are indexed by those, the last one written winning, so that reading stays linear
-  // in the trace's size.
+  return result;
+}
+
+// Waits of the drawn iteration: flow arrows whose consumer span belongs to it. An arrow ends
+// where its consumer's span begins and starts where its producer's span ends (thread, time);
+// the spans are indexed by those, the last one written winning, so that reading stays linear
+// in the trace's size.
+std::vector<WaitEdge> drawn_waits(const TraceContents& trace, const DrawnIteration& drawn) {
+  std::vector<WaitEdge> waits;
   std::map<std::pair<int, double>, const Span*> drawn_by_begin, host_by_end;
-  for (const auto* s : drawn_spans) drawn_by_begin[{s->tid, s->begin}] = s;
-  for (const auto& s : host) host_by_end[{s.tid, s.end}] = &s;
-  for (const auto& [id, end] : flow_end) {
-    auto start = flow_start.find(id);
-    if (start == flow_start.end()) continue;
+  for (const auto* s : drawn.spans) drawn_by_begin[{s->tid, s->begin}] = s;
+  for (const auto& s : trace.host) host_by_end[{s.tid, s.end}] = &s;
+  for (const auto& [id, end] : trace.flow_end) {
+    auto start = trace.flow_start.find(id);
+    if (start == trace.flow_start.end()) continue;
     const auto consumer_it = drawn_by_begin.find(end);
     if (consumer_it == drawn_by_begin.end()) continue;
     const Span* consumer = consumer_it->second;
     const auto producer_it = host_by_end.find(start->second);
     if (producer_it == host_by_end.end()) continue;
     const Span* producer = producer_it->second;
-    t.waits.push_back({producer->task, consumer->task, thread_name(producer->tid),
-                       thread_name(consumer->tid), rule_from_flow_name(flow_name[id]),
-                       producer->end - origin, std::max(0.0, consumer->begin - producer->end),
-                       flow_name[id]});
+    const std::string& flow_name = trace.flow_name.at(id);  // recorded with every flow event
+    waits.push_back({producer->task, consumer->task, trace.thread_name(producer->tid),
+                     trace.thread_name(consumer->tid), rule_from_flow_name(flow_name),
+                     producer->end - drawn.origin, std::max(0.0, consumer->begin - producer->end),
+                     flow_name});
   }
+  return waits;
+}
+
+}  // namespace
+
+VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
+  const TraceContents trace = sort_events(read_events(json_text));
+  const DrawnIteration drawn = drawn_iteration(trace.host);
+  const double origin = drawn.origin;
+
+  VariantReport report;
+  report.name = std::move(name);
+  report.cascade = "measured";
+  report.source = "trace";
+  Timeline& t = report.timeline;
+  for (const auto& [tid, n] : trace.thread_names) t.threads.push_back(n);
+  double host_end = origin;
+  std::map<std::string, std::string> stream_of_task;
+  for (const auto& s : trace.gpu) stream_of_task.emplace(s.task, trace.stream_name(s.tid));
+  for (const auto* s : drawn.spans) {
+    t.host.push_back({s->task, trace.thread_name(s->tid), s->begin - origin, s->end - origin,
+                      s->batch, s->ticket});
+    host_end = std::max(host_end, s->end);
+    const auto stream = stream_of_task.count(s->task) ? stream_of_task[s->task] : "host";
+    report.placement.push_back(
+        {s->task, stream, trace.thread_name(s->tid), s->lookahead, s->ticket >= 0});
+  }
+  t.host_step_us = host_end - origin;
+  if (drawn.gaps.empty()) {
+    t.step_us = t.host_step_us;
+  } else {
+    std::vector<double> gaps = drawn.gaps;
+    std::nth_element(gaps.begin(), gaps.begin() + long(gaps.size() / 2), gaps.end());
+    t.step_us = gaps[gaps.size() / 2];
+  }
+  const double window = std::max(t.step_us, t.host_step_us);
+  std::set<std::string> streams;
+  for (const auto& s : trace.gpu) {
+    const double b = std::max(s.begin, origin), e = std::min(s.end, origin + window);
+    if (e <= b) continue;
+    t.gpu.push_back({s.task, trace.stream_name(s.tid), b - origin, e - origin});
+    streams.insert(trace.stream_name(s.tid));
+  }
+  for (const auto& [tid, n] : trace.stream_names) {
+    if (streams.count(n)) t.streams.push_back(n);
+  }
+  t.waits = drawn_waits(trace, drawn);
   for (const auto& n : t.threads) report.thread_map += (report.thread_map.empty() ? "" : " / ") + n;
   report.thread_map += " (" + std::to_string(t.threads.size()) + ")";
   return report;
