@@ -60,7 +60,10 @@ class EpDispatcher:
 
     num_worst_tokens > 0: every dispatch returns that many rows (weft.ep's worst-case dispatch:
     the rows past the received ones have expert -1 and weight 0) and no call waits on the host,
-    so the calls can be captured in a CUDA graph; num_entries is then a device tensor."""
+    so the calls can be captured in a CUDA graph; num_entries is then a device tensor. weft.ep
+    leaves those rows' values unwritten, as DeepEP does; here they are zeroed (one elementwise
+    pass over the rows), so that every result, and every gradient through a cached dispatch, is
+    deterministic."""
 
     keeps_layouts = True  # the Buffer's window holds the latest layout only
 
@@ -79,18 +82,26 @@ class EpDispatcher:
             x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             num_worst_tokens=self.num_worst_tokens)
-        # The counts are on the host once a host-synced dispatch has read its layout; a
-        # worst-case one leaves them on the device.
-        num_entries = (recv_idx >= 0).sum() if self.num_worst_tokens else sum(per_local_expert)
-        return recv_x, recv_idx, recv_w, handle, num_entries
+        if not self.num_worst_tokens:
+            # The counts are on the host once a host-synced dispatch has read its layout.
+            return recv_x, recv_idx, recv_w, handle, sum(per_local_expert)
+        # A received row has a local expert in some slot; a padding row in none.
+        received = (recv_idx >= 0).any(dim=1, keepdim=True)
+        return (torch.where(received, recv_x, 0), recv_idx, recv_w, (handle, received),
+                (recv_idx >= 0).sum())
 
     def combine(self, y, handle, weights=None):
-        out, combined_w, _ = self.buffer.combine(y.contiguous(), handle, topk_weights=weights)
+        ep_handle = handle[0] if self.num_worst_tokens else handle
+        out, combined_w, _ = self.buffer.combine(y.contiguous(), ep_handle, topk_weights=weights)
         return out, combined_w
 
     def dispatch_cached(self, x, handle):
-        recv, *_ = self.buffer.dispatch(x.contiguous(), handle=handle)
-        return recv
+        if not self.num_worst_tokens:
+            recv, *_ = self.buffer.dispatch(x.contiguous(), handle=handle)
+            return recv
+        ep_handle, received = handle
+        recv, *_ = self.buffer.dispatch(x.contiguous(), handle=ep_handle)
+        return torch.where(received, recv, 0)
 
 
 class AllToAllDispatcher:

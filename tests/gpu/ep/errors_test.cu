@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "weft/core/error.hpp"
@@ -476,7 +475,11 @@ TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
   std::vector<weft::ep::DispatchResult> res(static_cast<std::size_t>(R));
   const auto f = std::size_t(failed);
   res[f] = eps[f]->dispatch(inputs_of(failed, 64), ranks[f].stream, weft::ep::CountMode::kExact);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // The peers call once that rank's kernel has ended (at its first wait's timeout): a fixed sleep
+  // is not enough where the kernel starts late (a sanitizer, a GPU shared with other processes),
+  // and a late start lets it meet its peers in time and fail only in a later wait.
+  WEFT_CUDA_CHECK(cudaSetDevice(rank_device(failed)));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[f].stream));
   for (int r = 0; r < R; ++r) {
     if (r == failed) continue;
     res[std::size_t(r)] = eps[std::size_t(r)]->dispatch(
@@ -513,7 +516,10 @@ TEST_F(EpErrorsTest, ARankWhoseCombineTimedOutFailsItsLatePeers) {
         out[std::size_t(r)].ptr, ranks[std::size_t(r)].stream);
   };
   combine(0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // The peers combine once rank 0's kernel has ended at its timeout (not after a fixed sleep: a
+  // kernel that starts late would meet them in time).
+  WEFT_CUDA_CHECK(cudaSetDevice(rank_device(0)));
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
   const auto start = Clock::now();
   for (int r = 1; r < R; ++r) combine(r);
   for (int r = 1; r < R; ++r) {
