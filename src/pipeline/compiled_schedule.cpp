@@ -76,6 +76,17 @@ void CompiledSchedule::check_task_fields() {
     WEFT_RULE_CHECK(stream != stream_ids_.end(), t, "stream", "schedule: task '", task.name(),
                     "' uses stream '", task.stream(),
                     "' which is not declared (rule: known stream; add_stream() it)");
+    for (std::size_t i = 0; i < task.movable_to().size(); ++i) {
+      const std::string& other = task.movable_to()[i];
+      WEFT_RULE_CHECK(stream_ids_.contains(other), t, "movable_to", "schedule: task '",
+                      task.name(), "' is movable to stream '", other,
+                      "' which is not declared (rule: known stream; add_stream() it)");
+      WEFT_RULE_CHECK(other != task.stream() &&
+                          std::find(task.movable_to().begin(), task.movable_to().begin() + i,
+                                    other) == task.movable_to().begin() + i,
+                      t, "movable_to", "schedule: task '", task.name(), "' lists stream '", other,
+                      "' in movable_to twice or as its own stream (rule: other streams, once each)");
+    }
     for (const CollectiveOp& op : task.collectives()) {
       WEFT_RULE_CHECK(!op.kind.empty(), t, "collective", "schedule: task '", task.name(),
                       "': collective inventory: an op with no kind (rule: each op names its kind)");

@@ -69,7 +69,7 @@ SyncEdgeConfig parse_sync_edge(const json& e, const std::string& path) {
 
 ScheduleConfig ScheduleConfig::parse(std::string_view json_text) {
   const json root = json_input::parse_json(json_text);
-  only_keys(root, "$", {"thread_map", "lookahead", "same_progress_sync"});
+  only_keys(root, "$", {"thread_map", "lookahead", "stream", "same_progress_sync"});
   ScheduleConfig config;
   if (root.contains("thread_map")) {
     config.thread_map = parse_thread_map(root.at("thread_map"), "$.thread_map");
@@ -81,6 +81,14 @@ ScheduleConfig ScheduleConfig::parse(std::string_view json_text) {
     for (const auto& [task, value] : la.items()) {
       config.lookahead[task] =
           json_input::integer_in(value, member_path("$.lookahead", task), 0, kMaxLookahead);
+    }
+  }
+  if (root.contains("stream")) {
+    const json& streams = root.at("stream");
+    WEFT_CHECK(streams.is_object(), "$.stream: expected an object {task: stream}, got ",
+               excerpt(streams));
+    for (const auto& [task, value] : streams.items()) {
+      config.stream[task] = name_at(value, member_path("$.stream", task), "a stream name");
     }
   }
   if (root.contains("same_progress_sync")) {
@@ -113,6 +121,7 @@ std::string ScheduleConfig::to_json() const {
     }
   }
   if (!lookahead.empty()) root["lookahead"] = lookahead;
+  if (!stream.empty()) root["stream"] = stream;
   if (!same_progress_sync.empty()) {
     json edges = json::array();
     for (const SyncEdgeConfig& e : same_progress_sync) {
@@ -131,6 +140,7 @@ void ScheduleConfig::check_task_names(const std::function<bool(std::string_view)
     WEFT_CHECK(has_task(task), file, path, ": the schedule has no task '", short_text(task), "'");
   };
   for (const auto& [task, la] : lookahead) check_task(task, member_path("$.lookahead", task));
+  for (const auto& [task, s] : stream) check_task(task, member_path("$.stream", task));
   for (std::size_t i = 0; i < same_progress_sync.size(); ++i) {
     const SyncEdgeConfig& e = same_progress_sync[i];
     const std::string path = json_input::element_path("$.same_progress_sync", i);
@@ -141,14 +151,25 @@ void ScheduleConfig::check_task_names(const std::function<bool(std::string_view)
 
 void ScheduleConfig::apply(Schedule& schedule) const {
   check_task_names([&](std::string_view task) { return schedule.has_task(task); });
+  const std::string file = source.empty() ? "" : source + ": ";
+  for (const auto& [task, s] : stream) {
+    // Checked on a copy, so that nothing changes when a later entry is refused.
+    Task moved = schedule.task(task);
+    try {
+      moved.move_to_stream(s);
+    } catch (const Error& e) {
+      WEFT_FAIL(file, member_path("$.stream", task), ": ", e.message());
+    }
+  }
   for (const auto& [task, la] : lookahead) schedule.task(task).lookahead(la);
+  for (const auto& [task, s] : stream) schedule.task(task).move_to_stream(s);
   for (const SyncEdgeConfig& e : same_progress_sync) {
     schedule.task(e.consumer).set_same_progress_sync(e.producer, e.side);
   }
 }
 
 bool ScheduleConfig::operator==(const ScheduleConfig& other) const {
-  return thread_map == other.thread_map && lookahead == other.lookahead &&
+  return thread_map == other.thread_map && lookahead == other.lookahead && stream == other.stream &&
          same_progress_sync == other.same_progress_sync;
 }
 

@@ -30,6 +30,30 @@ Task& Task::stream(std::string name) {
   return *this;
 }
 
+Task& Task::movable_to(std::vector<std::string> streams) {
+  movable_to_ = std::move(streams);
+  return *this;
+}
+
+bool Task::may_run_on(std::string_view stream) const noexcept {
+  return stream == stream_ ||
+         std::find(movable_to_.begin(), movable_to_.end(), stream) != movable_to_.end();
+}
+
+void Task::move_to_stream(const std::string& stream) {
+  if (stream == stream_) return;
+  const auto it = std::find(movable_to_.begin(), movable_to_.end(), stream);
+  if (it == movable_to_.end()) {
+    std::string allowed = "'" + stream_ + "'";
+    for (const auto& s : movable_to_) allowed += ", '" + s + "'";
+    WEFT_FAIL("task '", name_, "' cannot move to stream '", stream, "': ",
+              movable_to_.empty() ? "its stream is fixed ('" + stream_ +
+                                        "'; the schedule declares no movable_to for it)"
+                                  : "its movable_to allows " + allowed + " only");
+  }
+  *it = std::exchange(stream_, stream);
+}
+
 Task& Task::lookahead(int la) {
   WEFT_CHECK(la >= 0 && la <= kMaxLookahead, "schedule: task '", name_, "' has lookahead ", la,
              " (rule: 0 <= lookahead <= ", kMaxLookahead, ")");

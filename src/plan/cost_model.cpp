@@ -94,6 +94,14 @@ TaskCost CostModel::cost_of(std::string_view task) const {
   return cost;
 }
 
+TaskCost CostModel::placed_cost_of(const pipeline::Task& task) const {
+  TaskCost cost = cost_of(task.name());
+  for (GpuSegment& seg : cost.gpu) {
+    if (task.may_run_on(seg.stream)) seg.stream = task.stream();
+  }
+  return cost;
+}
+
 void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const {
   for (const auto& [name, cost] : tasks) {
     WEFT_CHECK(schedule.find_task(name).has_value(), "$.tasks.", name,

@@ -79,10 +79,13 @@ void parse_edges(const json& entry, const std::string& path, pipeline::Task& tas
 
 pipeline::Task parse_task(const json& entry, const std::string& path) {
   only_keys(entry, path,
-            {"name", "stream", "lookahead", "reads", "writes", "depends_on",
+            {"name", "stream", "movable_to", "lookahead", "reads", "writes", "depends_on",
              "cross_iter_depends_on", "same_progress_sync", "collective"});
   pipeline::Task task(name_at(required_member(entry, path, "name"), path + ".name"));
   if (entry.contains("stream")) task.stream(name_at(entry["stream"], path + ".stream"));
+  if (entry.contains("movable_to")) {
+    task.movable_to(names_at(entry["movable_to"], path + ".movable_to", "stream names"));
+  }
   if (entry.contains("lookahead")) {
     const int la = int_at(entry["lookahead"], path + ".lookahead");
     set_checked(path + ".lookahead", [&] { task.lookahead(la); });

@@ -118,7 +118,7 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
   costs.check_against(schedule);
 
   cost_.resize(num_tasks_);
-  for (TaskId t = 0; t < num_tasks_; ++t) cost_[t] = costs.cost_of(schedule.task(t).name());
+  for (TaskId t = 0; t < num_tasks_; ++t) cost_[t] = costs.placed_cost_of(schedule.task(t));
   holds_gil_.assign(num_tasks_, false);
   for (const auto& name : options.gil_tasks) {
     const auto id = schedule.find_task(name);

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "search_space.hpp"
 #include "weft/core/error.hpp"
 
 namespace weft::plan {
@@ -18,18 +19,17 @@ namespace {
 using pipeline::CompiledSchedule;
 using pipeline::TaskId;
 using pipeline::ThreadMap;
+using namespace detail;
 
 // A point of the search space: the thread of every task as a restricted growth string over the
 // tasks in declaration order (thread[0] = 0, thread[t] <= 1 + max of the earlier ones), so each
-// partition has exactly one spelling, and the lookahead of every task.
-// A task's thread in a candidate map (canonical labels 0, 1, ...; 255 marks a new thread while a
-// move is tried). Wider than a byte: ordered containers of byte vectors compare through memcmp,
-// which some compilers' bounds analysis misreads (-Wstringop-overread) at -O3.
-using ThreadLabel = std::uint16_t;
-
+// partition has exactly one spelling, the lookahead of every task, and the stream of every task as
+// an index into its SearchSpace::stream_choices (0: its own stream, always so for a task the
+// schedule does not declare movable_to).
 struct Candidate {
   std::vector<ThreadLabel> thread;
   std::vector<int> lookahead;
+  std::vector<ThreadLabel> stream;
   auto operator<=>(const Candidate&) const = default;
 };
 
@@ -59,58 +59,6 @@ struct Score {
   auto operator<=>(const Score&) const = default;
 };
 
-// Saturating arithmetic for the size of the space (Bell numbers overflow quickly).
-constexpr std::size_t kHuge = std::size_t(1) << 62;
-std::size_t mul_sat(std::size_t a, std::size_t b) {
-  return (a != 0 && b > kHuge / a) ? kHuge : a * b;
-}
-std::size_t add_sat(std::size_t a, std::size_t b) { return std::min(kHuge, a + b); }
-
-// Partitions of n tasks into at most k threads: sum over j <= k of Stirling numbers S(n, j).
-std::size_t num_partitions(std::size_t n, std::size_t k) {
-  std::vector<std::size_t> s(k + 1, 0);  // S(i, j) for the current i
-  s[0] = 1;
-  for (std::size_t i = 1; i <= n; ++i) {
-    for (std::size_t j = std::min(i, k); j >= 1; --j) s[j] = add_sat(mul_sat(j, s[j]), s[j - 1]);
-    s[0] = 0;
-  }
-  std::size_t total = 0;
-  for (std::size_t j = 1; j <= k; ++j) total = add_sat(total, s[j]);
-  return total;
-}
-
-// Calls f(thread) for every restricted growth string of length n with at most k threads, in
-// lexicographic order.
-template <typename F>
-void for_each_partition(std::size_t n, std::size_t k, F&& f) {
-  std::vector<ThreadLabel> thread(n, 0);
-  std::vector<ThreadLabel> max_before(n, 0);  // max of thread[0..i-1]
-  while (true) {
-    f(thread);
-    // Next string: increment the last position that can grow, reset the ones after it.
-    std::size_t i = n - 1;
-    while (i >= 1 && thread[i] >= std::min<std::size_t>(max_before[i] + 1, k - 1)) --i;
-    if (i == 0) return;
-    ++thread[i];
-    for (std::size_t j = i + 1; j < n; ++j) {
-      thread[j] = 0;
-      max_before[j] = std::max(max_before[j - 1], thread[j - 1]);
-    }
-  }
-}
-
-// Calls f(lookaheads) for every vector in [lo, hi]^n, odometer order (first task slowest).
-template <typename F>
-void for_each_lookahead(std::size_t n, int lo, int hi, F&& f) {
-  std::vector<int> la(n, lo);
-  while (true) {
-    f(la);
-    std::size_t i = n;
-    while (i > 0 && la[i - 1] == hi) la[--i] = lo;
-    if (i == 0) return;
-    ++la[i - 1];
-  }
-}
 
 class Search {
  public:
@@ -121,7 +69,7 @@ class Search {
   std::optional<Score> score(const Candidate& c) {
     if (const auto it = scores_.find(c); it != scores_.end()) return it->second;
     std::optional<Score> result;
-    if (const CompiledSchedule* compiled = compiled_with(c.lookahead)) {
+    if (const CompiledSchedule* compiled = compiled_with(c.lookahead, c.stream)) {
       const Timeline t =
           simulate(*compiled, thread_map(c).assign(*compiled), costs_, options_.simulation);
       long long sum = 0;
@@ -142,21 +90,27 @@ class Search {
     return std::tie(*sa, a) < std::tie(*sb, b);
   }
 
-  const CompiledSchedule* compiled_with(const std::vector<int>& lookahead) {
-    auto it = compiled_.find(lookahead);
+  // The schedule with these lookaheads and streams (indices into stream_choices()), or nothing
+  // where its rules refuse them.
+  const CompiledSchedule* compiled_with(const std::vector<int>& lookahead,
+                                        const std::vector<ThreadLabel>& stream) {
+    auto it = compiled_.find({lookahead, stream});
     if (it == compiled_.end()) {
       std::optional<CompiledSchedule> compiled;
       pipeline::Schedule s = schedule_.source();
       for (TaskId t = 0; t < schedule_.num_tasks(); ++t) {
-        s.task(schedule_.task(t).name()).lookahead(lookahead[t]);
+        pipeline::Task& task = s.task(schedule_.task(t).name());
+        task.lookahead(lookahead[t]);
+        task.move_to_stream(stream_choices(schedule_.task(t))[stream[t]]);
       }
       try {
         compiled.emplace(std::move(s));
       } catch (const Error&) {
-        // An ordering edge that would point forward in time: not a schedule, not a candidate.
+        // An ordering edge that would point forward in time, or a cross-stream edge reaching
+        // back further than the ring holds: not a schedule, not a candidate.
         ++num_refused_;
       }
-      it = compiled_.emplace(lookahead, std::move(compiled)).first;
+      it = compiled_.emplace(std::pair{lookahead, stream}, std::move(compiled)).first;
     }
     return it->second ? &*it->second : nullptr;
   }
@@ -183,7 +137,8 @@ class Search {
   const CostModel& costs_;
   const SuggestOptions& options_;
   std::map<Candidate, std::optional<Score>> scores_;
-  std::map<std::vector<int>, std::optional<CompiledSchedule>> compiled_;
+  std::map<std::pair<std::vector<int>, std::vector<ThreadLabel>>, std::optional<CompiledSchedule>>
+      compiled_;
   std::size_t num_refused_ = 0;
 };
 
@@ -193,55 +148,53 @@ std::string format_us(double us) {
   return text;
 }
 
-// The space suggest searches: thread maps of up to k threads over the n tasks, every lookahead
-// in [lo, hi], and how many of each there are (saturated at kHuge).
-struct SearchSpace {
-  std::size_t n = 0;
-  std::size_t k = 0;
-  int lo = 0;
-  int hi = 0;
-  std::size_t num_maps = 0;
-  std::size_t num_lookaheads = 0;
-};
-
-// Checks the options against the schedule and the costs, and measures the space they open.
-SearchSpace search_space(const CompiledSchedule& schedule, const CostModel& costs,
-                         const SuggestOptions& options) {
-  const std::size_t n = schedule.num_tasks();
-  WEFT_CHECK(n >= 1, "suggest: the schedule has no task to place");
-  WEFT_CHECK(options.max_threads >= 1 && options.max_threads <= 64,
-             "suggest: max_threads must be in [1, 64], got ", options.max_threads);
-  WEFT_CHECK(options.min_lookahead >= 0 && options.min_lookahead <= pipeline::kMaxLookahead,
-             "suggest: min_lookahead must be in [0, ", pipeline::kMaxLookahead, "], got ",
-             options.min_lookahead);
-  const int lo = options.min_lookahead;
-  const int hi =
-      options.max_lookahead < 0 ? std::max(lo, schedule.max_lookahead()) : options.max_lookahead;
-  WEFT_CHECK(hi >= lo && hi <= pipeline::kMaxLookahead, "suggest: max_lookahead must be in [", lo,
-             " (min_lookahead), ", pipeline::kMaxLookahead, "], got ", hi);
-  WEFT_CHECK(options.num_best >= 1, "suggest: num_best must be >= 1, got ", options.num_best);
-  costs.check_against(schedule);
-  const std::size_t k = std::min<std::size_t>(std::size_t(options.max_threads), n);
-  const std::size_t num_maps = num_partitions(n, k);
-  std::size_t num_lookaheads = 1;
-  for (std::size_t t = 0; t < n; ++t)
-    num_lookaheads = mul_sat(num_lookaheads, std::size_t(hi - lo + 1));
-  WEFT_CHECK(mul_sat(num_maps, num_lookaheads) > 1,
-             "suggest: the search cannot move this schedule: ",
-             n == 1 ? "it has one task" : "max_threads is 1",
-             " and every lookahead is fixed by the bounds [", lo, ", ", hi,
-             "] (widen the lookahead bounds", n == 1 ? ")" : " or allow more threads)");
-  return {n, k, lo, hi, num_maps, num_lookaheads};
-}
 
 // Scores every candidate of the space.
 void search_exactly(Search& search, const SearchSpace& space) {
-  for_each_lookahead(space.n, space.lo, space.hi, [&](const std::vector<int>& la) {
-    if (!search.compiled_with(la)) return;
-    for_each_partition(space.n, space.k, [&](const std::vector<ThreadLabel>& thread) {
-      search.score({thread, la});
+  for_each_stream_assignment(space, [&](const std::vector<ThreadLabel>& stream) {
+    for_each_lookahead(space.n, space.lo, space.hi, [&](const std::vector<int>& la) {
+      if (!search.compiled_with(la, stream)) return;
+      for_each_partition(space.n, space.k, [&](const std::vector<ThreadLabel>& thread) {
+        search.score({thread, la, stream});
+      });
     });
   });
+}
+
+// The stream step of the local search: the best stream assignment for the current map and
+// lookaheads, over every assignment where there are few enough, else by coordinate descent over
+// the movable tasks. True where current improved.
+bool improve_streams(Search& search, const SearchSpace& space, bool exact_streams,
+                     Candidate& current) {
+  if (space.num_stream_assignments == 1) return false;
+  bool improved = false;
+  if (exact_streams) {
+    Candidate best = current;
+    for_each_stream_assignment(space, [&](const std::vector<ThreadLabel>& stream) {
+      Candidate c{current.thread, current.lookahead, stream};
+      if (search.better(c, best)) best = std::move(c);
+    });
+    improved = best != current;
+    current = std::move(best);
+    return improved;
+  }
+  bool pass_improved = true;
+  while (pass_improved) {  // coordinate descent, one movable task at a time
+    pass_improved = false;
+    for (TaskId t = 0; t < space.n; ++t) {
+      Candidate best = current;
+      for (std::size_t s = 0; s < space.num_stream_choices[t]; ++s) {
+        Candidate c = current;
+        c.stream[t] = ThreadLabel(s);
+        if (search.better(c, best)) best = std::move(c);
+      }
+      if (best != current) {
+        current = std::move(best);
+        pass_improved = improved = true;
+      }
+    }
+  }
+  return improved;
 }
 
 // The map step of the local search: the best partition for the current lookaheads, over every
@@ -252,7 +205,7 @@ bool improve_map(Search& search, const SearchSpace& space, bool exact_maps, Cand
   if (exact_maps) {
     Candidate best = current;
     for_each_partition(n, k, [&](const std::vector<ThreadLabel>& thread) {
-      Candidate c{thread, current.lookahead};
+      Candidate c{thread, current.lookahead, current.stream};
       if (search.better(c, best)) best = std::move(c);
     });
     improved = best != current;
@@ -288,7 +241,7 @@ bool improve_lookaheads(Search& search, const SearchSpace& space, bool exact_loo
   if (exact_lookaheads) {
     Candidate best = current;
     for_each_lookahead(n, lo, hi, [&](const std::vector<int>& la) {
-      Candidate c{current.thread, la};
+      Candidate c{current.thread, la, current.stream};
       if (search.better(c, best)) best = std::move(c);
     });
     improved = best != current;
@@ -356,7 +309,7 @@ std::string step_bound(const CompiledSchedule& schedule, const CostModel& costs,
   // The busiest stream's work per step, from the costs (every task runs once per step).
   std::map<std::string, double> stream_busy;
   for (TaskId id = 0; id < schedule.num_tasks(); ++id) {
-    for (const auto& seg : costs.cost_of(schedule.task(id).name()).gpu)
+    for (const auto& seg : costs.placed_cost_of(schedule.task(id)).gpu)
       stream_busy[seg.stream] += seg.us;
   }
   const auto busiest =
@@ -380,13 +333,18 @@ Suggestion describe_candidate(Search& search, const CompiledSchedule& schedule,
                               const CostModel& costs, const SuggestOptions& options,
                               const Candidate& c) {
   Suggestion s;
-  const CompiledSchedule& compiled = *search.compiled_with(c.lookahead);
+  const CompiledSchedule& compiled = *search.compiled_with(c.lookahead, c.stream);
   const ThreadMap map = search.thread_map(c);
   const auto threads = map.assign(compiled);
   const Timeline t = simulate(compiled, threads, costs, options.simulation);
   s.config.thread_map = map;
-  for (TaskId id = 0; id < schedule.num_tasks(); ++id)
+  for (TaskId id = 0; id < schedule.num_tasks(); ++id) {
     s.config.lookahead[schedule.task(id).name()] = c.lookahead[id];
+    // Every movable task's stream, moved or not; the others cannot be configured.
+    if (!schedule.task(id).movable_to().empty()) {
+      s.config.stream[schedule.task(id).name()] = compiled.task(id).stream();
+    }
+  }
   s.placement = placement(compiled, threads);
   s.step_us = t.step_us;
   s.host_step_us = t.host_step_us;
@@ -401,13 +359,22 @@ Suggestion describe_candidate(Search& search, const CompiledSchedule& schedule,
   std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
     return a.waited_us > b.waited_us;
   });
-  s.bound = step_bound(schedule, costs, t);
+  s.bound = step_bound(compiled, costs, t);
   return s;
 }
 
+// How the space is covered: all of it, or a local search whose steps each cover all of their
+// dimension where it has at most exact_limit points.
+struct Method {
+  bool exact = false;
+  bool exact_maps = false;
+  bool exact_lookaheads = false;
+  bool exact_streams = false;
+};
+
 // SuggestResult's method, searched and not_searched: how the space was covered.
-void describe_search(const SearchSpace& space, bool exact, bool exact_maps, bool exact_lookaheads,
-                     const std::string& start_names, SuggestResult& result) {
+void describe_search(const SearchSpace& space, const Method& m, const std::string& start_names,
+                     SuggestResult& result) {
   const std::string bounds = "[" + std::to_string(space.lo) + ", " + std::to_string(space.hi) + "]";
   const std::string maps =
       "thread maps: set partitions of the " + std::to_string(space.n) + " tasks into at most " +
@@ -417,25 +384,46 @@ void describe_search(const SearchSpace& space, bool exact, bool exact_maps, bool
                           (space.num_lookaheads >= kHuge ? "over 4e18"
                                                          : std::to_string(space.num_lookaheads)) +
                           " combinations; those the schedule's rules refuse skipped)";
-  if (exact) {
+  const std::string streams =
+      "streams: the tasks declared movable_to, over the streams each may run on: " +
+      space.movable_tasks + " (" +
+      (space.num_stream_assignments >= kHuge ? "over 4e18"
+                                             : std::to_string(space.num_stream_assignments)) +
+      " assignments; those the schedule's rules refuse skipped)";
+  const bool movable = space.num_stream_assignments > 1;
+  if (m.exact) {
     result.method = "exact";
     result.searched = {maps + ", all of them", las + ", all of them, with every map"};
+    if (movable) result.searched.push_back(streams + ", all of them, with every map and lookahead");
   } else {
     result.method = "local";
     result.searched = {
-        maps + (exact_maps ? ", all of them for each lookahead step"
-                           : ", steepest descent moving one task to another or a new thread"),
-        las + (exact_lookaheads ? ", all of them for each map step"
-                                : ", coordinate descent one task at a time"),
-        "alternating the two steps until neither improves, from the maps " + start_names +
-            " (the same partition once), each with the schedule's lookaheads and with every "
-            "lookahead at " +
-            std::to_string(space.hi)};
+        maps + (m.exact_maps ? ", all of them for each lookahead step"
+                             : ", steepest descent moving one task to another or a new thread"),
+        las + (m.exact_lookaheads ? ", all of them for each map step"
+                                  : ", coordinate descent one task at a time")};
+    if (movable) {
+      result.searched.push_back(streams + (m.exact_streams
+                                               ? ", all of them for each stream step"
+                                               : ", coordinate descent one task at a time"));
+    }
+    result.searched.push_back(
+        std::string("alternating the ") + (movable ? "three" : "two") +
+        " steps until none improves, from the maps " + start_names +
+        " (the same partition once), each with the schedule's lookaheads and with every "
+        "lookahead at " +
+        std::to_string(space.hi) + (movable ? ", every task on its own stream" : ""));
     result.not_searched.push_back(
         "the rest of the space: the result is a local optimum, not proven the best");
   }
-  result.not_searched.push_back(
-      "streams: every task keeps its stream (a schedule config cannot move one)");
+  if (!movable) {
+    result.not_searched.push_back(
+        "streams: every task keeps its stream (no task of the schedule is declared movable_to "
+        "another stream)");
+  } else if (space.num_fixed_stream_tasks > 0) {
+    result.not_searched.push_back("streams of the " + std::to_string(space.num_fixed_stream_tasks) +
+                                  " tasks not declared movable_to (each keeps its stream)");
+  }
   result.not_searched.push_back("more than " + std::to_string(space.k) +
                                 " threads, lookaheads outside " + bounds +
                                 ", and same_progress_sync edges (kept as given)");
@@ -451,10 +439,12 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   SuggestResult result;
 
   std::string start_names;  // the start maps of a local search
-  const bool exact = mul_sat(space.num_maps, space.num_lookaheads) <= options.exact_limit;
-  const bool exact_maps = space.num_maps <= options.exact_limit;
-  const bool exact_lookaheads = space.num_lookaheads <= options.exact_limit;
-  if (exact) {
+  const Method method{.exact = space.num_points() <= options.exact_limit,
+                      .exact_maps = space.num_maps <= options.exact_limit,
+                      .exact_lookaheads = space.num_lookaheads <= options.exact_limit,
+                      .exact_streams = space.num_stream_assignments <= options.exact_limit};
+  const std::vector<ThreadLabel> own_streams(n, 0);
+  if (method.exact) {
     search_exactly(search, space);
   } else {
     std::vector<int> own(n);
@@ -464,11 +454,14 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
     const auto maps = start_maps(schedule, options, space, start_names);
     for (const auto& lookaheads : {own, std::vector<int>(n, space.hi)}) {
       for (const auto& map : maps) {
-        Candidate current{map, lookaheads};
+        Candidate current{map, lookaheads, own_streams};
         if (!search.score(current)) continue;
         while (true) {
-          const bool map_improved = improve_map(search, space, exact_maps, current);
-          if (!improve_lookaheads(search, space, exact_lookaheads, current) && !map_improved) {
+          const bool map_improved = improve_map(search, space, method.exact_maps, current);
+          const bool la_improved =
+              improve_lookaheads(search, space, method.exact_lookaheads, current);
+          if (!improve_streams(search, space, method.exact_streams, current) && !la_improved &&
+              !map_improved) {
             break;
           }
         }
@@ -484,7 +477,7 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   WEFT_CHECK(!ranked.empty(),
              "suggest: every candidate was refused by the schedule's rules "
              "(the lookahead bounds [",
-             space.lo, ", ", space.hi, "] admit no valid schedule)");
+             space.lo, ", ", space.hi, "] and the streams tasks may move to admit no valid schedule)");
   std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
     return std::tie(a.first, *a.second) < std::tie(b.first, *b.second);
   });
@@ -497,12 +490,12 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
     if (!maps_taken.insert(c->thread).second) continue;
     result.suggestions.push_back(describe_candidate(search, schedule, costs, options, *c));
   }
-  Candidate start{std::vector<ThreadLabel>(n, 0), {}};
+  Candidate start{std::vector<ThreadLabel>(n, 0), {}, own_streams};
   for (TaskId t = 0; t < n; ++t) start.lookahead.push_back(schedule.task(t).lookahead());
   result.start = describe_candidate(search, schedule, costs, options, start);
   result.num_evaluated = ranked.size();
   result.num_refused = search.num_refused();
-  describe_search(space, exact, exact_maps, exact_lookaheads, start_names, result);
+  describe_search(space, method, start_names, result);
   return result;
 }
 
@@ -548,6 +541,14 @@ std::string describe(const SuggestResult& result) {
         }
       }
       text += "    lookaheads: " + (changed.empty() ? std::string("as given") : changed) + "\n";
+      std::string moved;
+      for (const auto& [task, stream] : s.config.stream) {
+        const std::string& before = start->config.stream.at(task);
+        if (stream != before) moved += (moved.empty() ? "" : ", ") + task + " " + before + "->" + stream;
+      }
+      if (!s.config.stream.empty()) {
+        text += "    streams: " + (moved.empty() ? std::string("as given") : moved) + "\n";
+      }
     }
     std::string waits;
     for (std::size_t i = 0; i < s.waits.size() && i < 3 && s.waits[i].waited_us > 0; ++i) {
@@ -563,7 +564,7 @@ std::string describe(const SuggestResult& result) {
   }
   text += "search: " + result.method + ", " + std::to_string(result.num_evaluated) +
           " schedules simulated, " + std::to_string(result.num_refused) +
-          " lookahead combinations refused by the schedule's rules\n";
+          " lookahead/stream combinations refused by the schedule's rules\n";
   for (const auto& line : result.searched) text += "  searched: " + line + "\n";
   for (const auto& line : result.not_searched) text += "  not searched: " + line + "\n";
   return text;

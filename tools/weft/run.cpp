@@ -7,6 +7,7 @@
 //   mpirun -np 2 --bind-to none weft run hstu --variant all --steps 200 --out-dir out
 //   RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 NCCL_COMM_ID=127.0.0.1:29600 weft run hstu ... &  (rank 1 too)
 //   weft run hstu --local-gpus 2 --variant full_split_d3      # one process, a thread per GPU
+//   weft run hstu --local-gpus 2 --config weft-suggest-1.json   # a schedule config (run_variant.hpp)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "command.hpp"
+#include "run_variant.hpp"
 #include "weft/core/error.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/nccl.hpp"
@@ -39,12 +41,14 @@ namespace {
 
 struct RunOptions {
   std::vector<std::string> variants{"all"};
+  std::vector<std::string> configs;  // schedule config files, each run as one more variant
   int num_steps = 200;
   double warmup_fraction = 0.25;
   std::string out_dir = "weft-run-hstu";
   int local_gpus = 0;
   std::string rendezvous;
-  // The planner's costs come from this variant's trace (the last variant run when it is not run).
+  // The planner's costs come from this variant's trace (the last variant run when it is not run);
+  // a preset variant's name or a config's (its file's stem).
   // A threaded run's GPU spans are GPU time; the legacy run's are stretched by its host pace.
   std::string calibrate_from = "full_split_d3";
   hstu::HstuConfig shape;
@@ -75,9 +79,9 @@ struct VariantResult {
 
 // Median host time of one progress() of the variant's schedule with empty bodies on the CUDA
 // backend: what the engine itself costs per step (events, waits, tickets, thread hand-offs).
-double engine_overhead_us(const hstu::HstuVariant& v, int device) {
-  pipeline::Engine engine(hstu::hstu_schedule({.cascade = v.cascade}),
-                          pipeline::ThreadMap::preset(v.thread_map), pipeline::CudaBackend(device));
+double engine_overhead_us(const RunVariant& v, int device) {
+  pipeline::Engine engine(v.schedule(hstu::hstu_schedule({.cascade = v.cascade})), v.thread_map,
+                          pipeline::CudaBackend(device));
   engine.set_source([](pipeline::Batch&) { return true; });
   for (int i = 0; i < 50; ++i) engine.progress();
   std::vector<double> samples;
@@ -122,7 +126,7 @@ struct RankRun {
   ncclComm_t comm;
   int device;
   bool lead;
-  std::vector<const hstu::HstuVariant*> chosen;
+  const std::vector<RunVariant>& chosen;
   std::size_t skip = 0;  // warm-up steps left out of the figures
   int print_every = 1;
   std::vector<VariantResult> results;
@@ -131,18 +135,6 @@ struct RankRun {
   std::optional<plan::CostModel> costs;                 // lead: the calibration
   std::string calibrated_on;
 };
-
-std::vector<const hstu::HstuVariant*> chosen_variants(const RunOptions& options) {
-  std::vector<const hstu::HstuVariant*> chosen;
-  for (const auto& name : options.variants) {
-    if (name == "all") {
-      for (const auto& v : hstu::hstu_variants()) chosen.push_back(&v);
-    } else {
-      chosen.push_back(&hstu::hstu_variant(name));
-    }
-  }
-  return chosen;
-}
 
 // Rank 0: the run's shape, and a note when the engine threads would share too few CPUs.
 void print_run_header(const RankRun& run) {
@@ -156,10 +148,9 @@ void print_run_header(const RankRun& run) {
       config.world_size, chosen.size(), options.num_steps, config.local_batch, config.zipf_alpha,
       config.max_seq_len, config.embedding_dim, config.num_layers, config.hidden);
   std::size_t max_num_threads = 1;
-  for (const auto* v : chosen) {
-    const pipeline::CompiledSchedule schedule(hstu::hstu_schedule({.cascade = v->cascade}));
-    max_num_threads = std::max(
-        max_num_threads, pipeline::ThreadMap::preset(v->thread_map).assign(schedule).num_threads());
+  for (const auto& v : chosen) {
+    const pipeline::CompiledSchedule schedule(v.schedule(hstu::hstu_schedule({.cascade = v.cascade})));
+    max_num_threads = std::max(max_num_threads, v.thread_map.assign(schedule).num_threads());
   }
   if (pipeline::usable_cpus() <= max_num_threads) {
     std::printf(
@@ -180,7 +171,7 @@ void print_run_header(const RankRun& run) {
 // look 16-34% slower than when run again.
 enum class Pass { kWarmUp, kMeasured, kTraced };
 
-pipeline::Trace run_variant_once(RankRun& run, hstu::HstuRank& rank, const hstu::HstuVariant& v,
+pipeline::Trace run_variant_once(RankRun& run, hstu::HstuRank& rank, const RunVariant& v,
                                  std::size_t vi, Pass pass) {
   const RunOptions& options = run.options;
   const bool lead = run.lead;
@@ -190,7 +181,7 @@ pipeline::Trace run_variant_once(RankRun& run, hstu::HstuRank& rank, const hstu:
   auto& inventory = run.inventory;
   const bool traced = pass == Pass::kTraced;
   rank.reset();
-  pipeline::Engine engine(rank.schedule(v.cascade), pipeline::ThreadMap::preset(v.thread_map),
+  pipeline::Engine engine(v.schedule(rank.schedule(v.cascade)), v.thread_map,
                           pipeline::CudaBackend(device), {.trace = traced});
   engine.set_source(rank.source());
   const auto t0 = std::chrono::steady_clock::now();
@@ -288,14 +279,15 @@ void write_report_files(RankRun& run) {
   const auto& costs = run.costs;
   const auto& calibrated_on = run.calibrated_on;
   std::vector<plan::VariantReport> reports;
-  for (auto& r : results) {
-    const auto& v = hstu::hstu_variant(r.name);
-    const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = v.cascade}));
-    const auto map = pipeline::ThreadMap::preset(v.thread_map);
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    auto& r = results[i];
+    const RunVariant& v = run.chosen[i];
+    const pipeline::CompiledSchedule compiled(v.schedule(hstu::hstu_schedule({.cascade = v.cascade})));
+    const pipeline::ThreadMap& map = v.thread_map;
     plan::VariantReport sim;
     sim.name = r.name + " (calibrated plan)";
-    sim.cascade = std::string(hstu::to_string(v.cascade));
-    sim.thread_map = std::string(v.thread_map);
+    sim.cascade = std::string(hstu::to_string(v.cascade)) + (v.config ? " + config" : "");
+    sim.thread_map = v.thread_map_name;
     sim.source = "simulated, costs from " + calibrated_on;
     sim.placement = plan::placement(compiled, map.assign(compiled));
     sim.timeline = plan::simulate(compiled, map.assign(compiled), *costs);
@@ -390,24 +382,25 @@ void print_results(const RankRun& run) {
 }
 
 // One rank's whole run. Rank 0 prints and writes the files.
-void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t comm, int device) {
+void run_rank(const RunOptions& options, const std::vector<RunVariant>& variants,
+              hstu::HstuConfig config, ncclComm_t comm, int device) {
   RankRun run{.options = options,
               .config = config,
               .comm = comm,
               .device = device,
               .lead = config.rank == 0,
-              .chosen = chosen_variants(options)};
+              .chosen = variants};
   if (run.lead) print_run_header(run);
   WEFT_CUDA_CHECK(cudaSetDevice(device));
   hstu::HstuRank rank(config, comm, device, options.num_steps);
   run.skip = std::size_t(double(options.num_steps) * options.warmup_fraction);
   run.print_every = std::max(1, options.num_steps / 4);
   for (std::size_t vi = 0; vi < run.chosen.size(); ++vi) {
-    const auto& v = *run.chosen[vi];
+    const RunVariant& v = run.chosen[vi];
     if (vi == 0) run_variant_once(run, rank, v, vi, Pass::kWarmUp);
     run_variant_once(run, rank, v, vi, Pass::kMeasured);
     VariantResult r;
-    r.name = std::string(v.name);
+    r.name = v.name;
     summarise_timings(run, rank, r);
     r.overhead_us = engine_overhead_us(v, device);
     const pipeline::Trace trace = run_variant_once(run, rank, v, vi, Pass::kTraced);
@@ -421,16 +414,19 @@ void run_rank(const RunOptions& options, hstu::HstuConfig config, ncclComm_t com
 }
 
 // Every argument, checked before a GPU or NCCL is touched, so that a mistake is reported as
-// itself rather than as whatever the GPUs say first.
-void check_arguments(const RunOptions& options) {
+// itself rather than as whatever the GPUs say first; returns the variants to run.
+std::vector<RunVariant> check_arguments(const RunOptions& options) {
   WEFT_CHECK(options.num_steps >= 8, "--steps must be >= 8");
-  for (const auto& name : options.variants) {
-    if (name != "all") hstu::hstu_variant(name);
-  }
-  try {
-    hstu::hstu_variant(options.calibrate_from);
-  } catch (const Error& e) {
-    WEFT_FAIL("--calibrate-from: ", e.message());
+  std::vector<RunVariant> variants = run_variants(options.variants, options.configs);
+  const bool calibrate_from_run =
+      std::any_of(variants.begin(), variants.end(),
+                  [&](const RunVariant& v) { return v.name == options.calibrate_from; });
+  if (!calibrate_from_run) {
+    try {
+      hstu::hstu_variant(options.calibrate_from);
+    } catch (const Error& e) {
+      WEFT_FAIL("--calibrate-from: ", e.message(), " or a config of the run");
+    }
   }
   WEFT_CHECK(options.local_gpus >= 0, "--local-gpus ", options.local_gpus,
              ": expected >= 0 (0: one GPU per process)");
@@ -444,10 +440,11 @@ void check_arguments(const RunOptions& options) {
              ": expected >= ", shape.bucket_split_layer, " (the gradient AllReduce's first bucket ",
              "starts at layer ", shape.bucket_split_layer, ")");
   shape.validate();  // what is left (the world is known only after the launch)
+  return variants;
 }
 
 void run_hstu(const RunOptions& options) {
-  check_arguments(options);
+  const std::vector<RunVariant> variants = check_arguments(options);
   cuda::check_nccl_runtime();
   if (options.local_gpus > 0) {
     WEFT_CHECK(cuda::device_count() >= options.local_gpus, "--local-gpus ", options.local_gpus,
@@ -461,7 +458,7 @@ void run_hstu(const RunOptions& options) {
           hstu::HstuConfig config = options.shape;
           config.rank = r;
           config.world_size = options.local_gpus;
-          run_rank(options, config, comms[std::size_t(r)], r);
+          run_rank(options, variants, config, comms[std::size_t(r)], r);
         } catch (...) {
           errors[std::size_t(r)] = std::current_exception();
         }
@@ -482,7 +479,7 @@ void run_hstu(const RunOptions& options) {
   hstu::HstuConfig config = options.shape;
   config.rank = env.rank;
   config.world_size = env.world_size;
-  run_rank(options, config, comms[0], env.local_rank);
+  run_rank(options, variants, config, comms[0], env.local_rank);
 }
 
 }  // namespace
@@ -493,8 +490,12 @@ void register_run(CLI::App& app) {
   run->require_subcommand(1);
   auto* hstu = run->add_subcommand(
       "hstu", "The HSTU training step under the HSTU benchmark's preset variants");
-  hstu->add_option("--variant", options->variants, "variant name, or all (repeatable)")
-      ->capture_default_str();
+  auto* variant = hstu->add_option("--variant", options->variants,
+                                   "variant name, or all (repeatable; default all, none with --config)")
+                      ->capture_default_str();
+  hstu->add_option("--config", options->configs,
+                   "a schedule config file (e.g. from weft plan --suggest --config-out), run as a "
+                   "variant named after the file's stem (repeatable)");
   hstu->add_option("--steps", options->num_steps, "training steps per variant")->capture_default_str();
   hstu->add_option("--warmup", options->warmup_fraction, "fraction of steps left out of the figures")
       ->capture_default_str()->check(CLI::Range(0.0, 0.9));
@@ -512,7 +513,10 @@ void register_run(CLI::App& app) {
   hstu->add_option("--seed", options->shape.seed)->capture_default_str();
   hstu->add_flag("!--one-communicator", options->shape.communicator_per_role,
                  "every collective on one NCCL communicator (default: one per role, split from it)");
-  hstu->callback([options] { run_hstu(*options); });
+  hstu->callback([options, variant] {
+    if (!options->configs.empty() && variant->count() == 0) options->variants.clear();
+    run_hstu(*options);
+  });
 }
 
 }  // namespace weft::tools

@@ -3,7 +3,8 @@
 //
 // Validation rules (each error is a ScheduleError, schedule_error.hpp: its message names the task
 // and the rule broken, its task() and field() say the same as data):
-//   unique non-empty task names; the task's stream is declared; one writer per
+//   unique non-empty task names; the task's stream and its movable_to streams are declared
+//   (movable_to: other streams, once each); one writer per
 //   slot (a task or the source's inputs); every read has a writer and no task reads what it
 //   writes; every edge names another task; a producer appears in at most one edge kind of a
 //   consumer; an ordering edge never points forward in time (the producer must run no later than

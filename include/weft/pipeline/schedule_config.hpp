@@ -5,12 +5,15 @@
 //                                              // or {"groups": {"io": ["h2d"], ...}, "rest":
 //                                              "compute"}
 //     "lookahead": {"h2d": 5, "start_shuffle": 4},
+//     "stream": {"h2d": "default"},            // only tasks the schedule declares movable_to
 //     "same_progress_sync": [
 //       {"producer": "prefetch_embeddings", "consumer": "backward", "side": "gpu"}
 //     ]
 //   }
 //
-// Every key is optional; unknown keys are errors; a lookahead is an integer in [0, kMaxLookahead].
+// Every key is optional; unknown keys are errors; a lookahead is an integer in [0, kMaxLookahead];
+// a task's stream must be one it may run on (Task::movable_to: its own or one declared there), so
+// a config never moves a task the schedule did not declare free to move.
 // Errors are weft::Error whose message starts with the file (for a config from load()) and the
 // JSON path of the offending value, e.g. "hstu.json: $.lookahead.h2d: expected an integer in
 // [0, 1000], got -1", and quotes at most a short excerpt of it. load() reads at most 1 MiB and
@@ -44,6 +47,7 @@ struct SyncEdgeConfig {
 struct ScheduleConfig {
   std::optional<ThreadMap> thread_map;
   std::map<std::string, int> lookahead;
+  std::map<std::string, std::string> stream;  // task -> the stream it runs on
   std::vector<SyncEdgeConfig> same_progress_sync;
   // The file load() read, named in apply()'s errors; empty for a config from parse().
   std::string source;
@@ -55,8 +59,10 @@ struct ScheduleConfig {
   // Throws weft::Error naming the source and the config entry for the first task the config
   // names that `has_task` does not know (apply() checks this before changing anything).
   void check_task_names(const std::function<bool(std::string_view)>& has_task) const;
-  // Overrides lookaheads and adds (or replaces) same_progress_sync edges; nothing changes when
-  // check_task_names() throws for the schedule.
+  // Overrides lookaheads, moves tasks to their configured streams and adds (or replaces)
+  // same_progress_sync edges; nothing changes when check_task_names() throws for the schedule or
+  // a task is configured onto a stream it may not run on (an error naming the source, the field
+  // "$.stream.<task>", the task and the streams it may run on).
   void apply(Schedule& schedule) const;
 
   // Equal when they tune a schedule alike; the source is not compared.

@@ -27,7 +27,8 @@ class ScheduleError : public Error {
   // the rule concerns the schedule's streams, inputs or its task list as a whole.
   const std::optional<std::size_t>& task() const noexcept { return task_; }
   // With a task: the Task field the rule concerns ("name", "lookahead", "stream", "reads",
-  // "writes", "depends_on", "cross_iter_depends_on", "same_progress_sync", "collective").
+  // "writes", "depends_on", "cross_iter_depends_on", "same_progress_sync", "collective",
+  // "movable_to").
   // Without one: "streams", "inputs" or "tasks".
   const std::string& field() const noexcept { return field_; }
 

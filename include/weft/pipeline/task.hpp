@@ -1,6 +1,7 @@
 // weft::pipeline::Task: one unit of a training step, described by a builder.
 //
-// A task is bound to a stream (where its GPU work goes), to a lookahead la >= 0 (it works on the
+// A task is bound to a stream (where its GPU work goes; movable_to lists other streams it may run
+// on, which a ScheduleConfig may move it to and the planner may search), to a lookahead la >= 0 (it works on the
 // batch la steps ahead of the one la = 0 tasks work on) and to its edges:
 //  - reads/writes: named slots of the batch it works on (one writer per slot; a read makes the
 //    slot's writer a producer of this task for the same batch);
@@ -83,6 +84,11 @@ class Task {
   explicit Task(std::string name);
 
   Task& stream(std::string name);
+  // Declares that the task's work may go on these streams instead of its own (its body enqueues
+  // on the stream it is given, not on a stream named in its code): a ScheduleConfig may move it
+  // there, and `weft plan --suggest` searches them. CompiledSchedule checks that each is a
+  // declared stream, listed once and not the task's own.
+  Task& movable_to(std::vector<std::string> streams);
   // Throws weft::Error unless 0 <= la <= kMaxLookahead: a Task never holds another lookahead,
   // so nothing downstream (CompiledSchedule, the engine, the planner) checks it again.
   Task& lookahead(int la);
@@ -113,6 +119,9 @@ class Task {
 
   const std::string& name() const noexcept { return name_; }
   const std::string& stream() const noexcept { return stream_; }
+  const std::vector<std::string>& movable_to() const noexcept { return movable_to_; }
+  // True for the task's own stream and the streams it is movable_to.
+  bool may_run_on(std::string_view stream) const noexcept;
   int lookahead() const noexcept { return lookahead_; }
   const std::vector<std::string>& reads() const noexcept { return reads_; }
   const std::vector<std::string>& writes() const noexcept { return writes_; }
@@ -126,10 +135,15 @@ class Task {
 
   // Adds or replaces the same_progress_sync edge from `producer` (used by ScheduleConfig).
   void set_same_progress_sync(std::string producer, SyncSide side);
+  // Moves the task to a stream it may_run_on (used by ScheduleConfig); the stream it leaves takes
+  // the new one's place in movable_to, so the streams it may run on stay the same. Throws
+  // weft::Error naming the task, the field "movable_to" and the streams it may run on otherwise.
+  void move_to_stream(const std::string& stream);
 
  private:
   std::string name_;
   std::string stream_ = "default";
+  std::vector<std::string> movable_to_;
   int lookahead_ = 0;
   std::vector<std::string> reads_;
   std::vector<std::string> writes_;

@@ -50,6 +50,10 @@ struct CostModel {
 
   // The cost of a task (default_host_us and no GPU work when the model does not list it).
   TaskCost cost_of(std::string_view task) const;
+  // The cost of a task where the schedule puts it: a GPU segment on any stream the task may run
+  // on (its own or one of its movable_to, where it may have been measured before a move) runs on
+  // the task's stream; segments on other streams (comm streams used inside it) stay.
+  TaskCost placed_cost_of(const pipeline::Task& task) const;
   // Throws weft::Error naming the first task of the model that the schedule lacks, or the first
   // GPU segment on a stream the schedule does not declare.
   void check_against(const pipeline::CompiledSchedule& schedule) const;

@@ -5,7 +5,7 @@
 //     "streams": ["memcpy", {"name": "comm", "priority": 1}],
 //     "inputs": ["batch_cpu", "step_cpu"],
 //     "tasks": [
-//       {"name": "h2d", "stream": "memcpy", "lookahead": 1,
+//       {"name": "h2d", "stream": "memcpy", "movable_to": ["default"], "lookahead": 1,
 //        "reads": ["batch_cpu"], "writes": ["batch_gpu"]},
 //       {"name": "log", "reads": ["step_cpu"]},
 //       {"name": "allreduce", "reads": ["batch_gpu"], "writes": ["sum"],
@@ -18,7 +18,8 @@
 //     "costs": {"tasks": {"train": {"host_us": 500, "gpu": [{"stream": "default", "us": 9000}]}}}
 //   }
 //
-// "collective" may also be just true. A consumer names a producer in one edge kind only (a slot
+// "movable_to" lists other streams the task may run on (Task::movable_to), which a schedule config
+// may move it to and `weft plan --suggest` searches. "collective" may also be just true. A consumer names a producer in one edge kind only (a slot
 // it reads, depends_on, cross_iter_depends_on or same_progress_sync). Thread maps take the forms
 // of ScheduleConfig's "thread_map" (groups in the order written); without "thread_maps", legacy,
 // by_stream and per_task are compared. The schedule's rules (CompiledSchedule) and the costs

@@ -6,20 +6,23 @@
 // threads (one thread: the legacy map); each task's lookahead lies in [min_lookahead,
 // max_lookahead] (default: 0 to the schedule's own largest lookahead, so the search never keeps
 // more batches in flight than the schedule does), and a combination the schedule's rules refuse
-// (an ordering edge pointing forward in time) is skipped. Streams are not searched: a
-// ScheduleConfig has no field for a task's stream, so a moved stream could not be written.
+// (an ordering edge pointing forward in time) is skipped. The streams of the tasks the schedule
+// declares movable_to (Task::movable_to) are searched over the streams each may run on; every
+// other task keeps its stream.
 //
-// The search. When the whole space (partitions x lookahead combinations) has at most
+// The search. When the whole space (partitions x lookaheads x stream assignments) has at most
 // exact_limit points it is enumerated: the result is the optimum under the model. Otherwise,
 // from each start (the legacy map, by_stream, per_task and the caller's start_maps, those that
 // fit in max_threads, each with the schedule's own lookaheads and with every lookahead at its
-// upper bound) it alternates two steps until neither improves the step: thread maps (every
+// upper bound) it alternates the steps until none improves the step: thread maps (every
 // partition when there are at most exact_limit of them, else steepest descent over moving one
 // task to another or a new thread) and lookaheads (every combination when there are at most
-// exact_limit, else coordinate descent over the tasks in declaration order). Candidates are ranked by step time (to the nanosecond),
-// then host time of one progress(), then less time waiting across threads, then fewer threads,
-// then a smaller sum of lookaheads (fewer batches in flight), then the partition and lookaheads
-// in declaration order: the result depends on the input only.
+// exact_limit, else coordinate descent over the tasks in declaration order) and, where a task is
+// movable, streams (every assignment when there are at most exact_limit, else coordinate descent,
+// starting from every task on its own stream). Candidates are ranked by step time (to the
+// nanosecond), then host time of one progress(), then less time waiting across threads, then fewer threads,
+// then a smaller sum of lookaheads (fewer batches in flight), then the partition, lookaheads and
+// streams (own stream first) in declaration order: the result depends on the input only.
 //
 //   const pipeline::CompiledSchedule compiled(hstu::hstu_schedule({.cascade = kD6}));
 //   SuggestResult r = suggest(compiled, CostModel::hstu_defaults(), {.max_threads = 4});
@@ -54,8 +57,8 @@ struct SuggestOptions {
 
 // One suggested schedule: its config and what the simulator predicts for it.
 struct Suggestion {
-  // thread_map (legacy, or groups t0, t1, ... in order of their first tasks) and every task's
-  // lookahead.
+  // thread_map (legacy, or groups t0, t1, ... in order of their first tasks), every task's
+  // lookahead and every movable task's stream.
   pipeline::ScheduleConfig config;
   std::vector<TaskPlacement> placement;
   double step_us = 0;
@@ -83,7 +86,8 @@ struct SuggestResult {
 };
 
 // Throws weft::Error for options out of range, costs the schedule lacks, or a space of one point
-// (a schedule the search cannot move: one task and lookaheads fixed by the bounds).
+// (a schedule the search cannot move: one task or one thread, lookaheads fixed by the bounds and
+// no task movable_to another stream).
 SuggestResult suggest(const pipeline::CompiledSchedule& schedule, const CostModel& costs,
                       const SuggestOptions& options = {});
 
