@@ -111,10 +111,10 @@ void add_task(pl::Schedule& schedule, const std::string& name, const std::string
               int lookahead, const std::vector<std::string>& reads,
               const std::vector<std::string>& writes, const std::vector<std::string>& depends_on,
               const std::vector<CrossIter>& cross_iter, const std::vector<Sync>& syncs,
-              bool collective, const std::vector<Inventory>& inventory, nb::handle body,
-              nb::handle init) {
+              bool collective, const std::vector<Inventory>& inventory,
+              const std::vector<std::string>& movable_to, nb::handle body, nb::handle init) {
   pl::Task task(name);
-  task.stream(stream).lookahead(lookahead);
+  task.stream(stream).lookahead(lookahead).movable_to(movable_to);
   for (const auto& s : reads) task.reads(s);
   for (const auto& s : writes) task.writes(s);
   for (const auto& p : depends_on) task.depends_on(p);
@@ -145,6 +145,7 @@ nb::dict describe(const pl::Schedule& schedule) {
     nb::dict d;
     d["name"] = t.name();
     d["stream"] = t.stream();
+    d["movable_to"] = t.movable_to();
     d["lookahead"] = t.lookahead();
     d["reads"] = t.reads();
     d["writes"] = t.writes();
@@ -530,7 +531,7 @@ void bind_schedule(nb::module_& m) {
       .def("add_task", &add_task, nb::arg("name"), nb::arg("stream"), nb::arg("lookahead"),
            nb::arg("reads"), nb::arg("writes"), nb::arg("depends_on"), nb::arg("cross_iter"),
            nb::arg("same_progress_sync"), nb::arg("collective"), nb::arg("inventory"),
-           nb::arg("body").none(), nb::arg("init").none())
+           nb::arg("movable_to"), nb::arg("body").none(), nb::arg("init").none())
       .def("describe", &describe)
       .def(
           "validate", [](const pl::Schedule& s) { pl::CompiledSchedule compiled(s); },
@@ -592,6 +593,21 @@ void bind_thread_map(nb::module_& m) {
              c.check_task_names([&](std::string_view name) { return known.contains(name); });
            })
       .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
+      .def(
+          "moved",
+          [](const pl::ScheduleConfig& c, const std::string& name, const std::string& stream,
+             const std::vector<std::string>& movable_to) {
+            pl::Task task(name);
+            task.stream(stream).movable_to(movable_to);
+            const pl::Task m = c.moved(task);
+            return std::make_pair(m.stream(), m.movable_to());
+          },
+          "(stream, movable_to) of the task after the config's move (ScheduleConfig::moved).")
+      .def_prop_ro("stream",
+                   [](const pl::ScheduleConfig& c) {
+                     return std::vector<std::pair<std::string, std::string>>(c.stream.begin(),
+                                                                             c.stream.end());
+                   })
       .def_prop_ro("lookahead",
                    [](const pl::ScheduleConfig& c) {
                      return std::vector<std::pair<std::string, int>>(c.lookahead.begin(),

@@ -1,7 +1,7 @@
 """ScheduleConfig: the JSON file that tunes a schedule without code changes (docs/pipeline.md).
 
     config = ScheduleConfig.load("hstu.json")   # or .parse(text), .from_dict({...})
-    config.apply(schedule)                      # lookaheads and same_progress_sync edges, in place
+    config.apply(schedule)                      # lookaheads, stream moves, sync edges, in place
     engine = Engine(schedule, config.thread_map or "legacy")
 
 Errors are weft.Error starting with the JSON path: ``$.lookahead.ghost: the schedule has no
@@ -51,17 +51,31 @@ class ScheduleConfig:
         return dict(self._native.lookahead)
 
     @property
+    def stream(self) -> Dict[str, str]:
+        """task -> the stream the config runs it on (only tasks declared ``movable_to``)."""
+        return dict(self._native.stream)
+
+    @property
     def same_progress_sync(self) -> List[Tuple[str, str, SyncSide]]:
         """(producer, consumer, side) edges the config adds or changes."""
         return [(p, c, _SIDES_OF_NATIVE[side]) for p, c, side in self._native.same_progress_sync]
 
     def apply(self, schedule: Schedule) -> None:
-        """Overrides lookaheads and adds (or re-sides) same_progress_sync edges, in place; changes
-        nothing when the config names a task the schedule lacks (weft.Error with its JSON path).
-        The values were checked when the config was read, in C++, so they are set as they are."""
+        """Overrides lookaheads, moves tasks to their configured streams and adds (or re-sides)
+        same_progress_sync edges, in place; changes nothing when the config names a task the
+        schedule lacks or moves a task onto a stream it may not run on (weft.Error with its JSON
+        path). The values were checked when the config was read, and every move is checked by
+        the C++ rule (a task runs on its own stream or one of its ``movable_to``)."""
         self._native.check_task_names([t.name for t in schedule.tasks])
+        moves = {}
+        for name, _ in self._native.stream:
+            t = schedule.task(name)
+            moves[name] = self._native.moved(name, t.stream, list(t.movable_to))
         for name, lookahead in self._native.lookahead:
             schedule.task(name).lookahead = lookahead
+        for name, (stream, movable_to) in moves.items():
+            t = schedule.task(name)
+            t.stream, t.movable_to = stream, tuple(movable_to)
         for producer, consumer, side in self.same_progress_sync:
             schedule.task(consumer)._set_same_progress_sync(producer, side)
 

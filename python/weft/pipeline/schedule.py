@@ -119,7 +119,7 @@ class Schedule:
                 [(p, _NATIVE_SIDES[side]) for p, side in t.same_progress_sync],
                 t.collective,
                 [(op.kind, op.stream, op.num_bytes, op.count) for op in t.inventory],
-                body, init)
+                list(t.movable_to), body, init)
         return native
 
     @classmethod
@@ -128,7 +128,8 @@ class Schedule:
         s = cls(streams={n: p for n, p in d["streams"]}, inputs=d["inputs"])
         for t in d["tasks"]:
             s.add(Task.from_fn(
-                t["name"], bodies.get(t["name"]), stream=t["stream"], lookahead=t["lookahead"],
+                t["name"], bodies.get(t["name"]), stream=t["stream"],
+                movable_to=t["movable_to"], lookahead=t["lookahead"],
                 reads=t["reads"], writes=t["writes"], depends_on=t["depends_on"],
                 cross_iter_depends_on=[tuple(e) for e in t["cross_iter_depends_on"]],
                 same_progress_sync=[(p, _SIDES_OF_NATIVE[side])

@@ -14,7 +14,9 @@ Two forms, the same fields::
         def run(self, ctx):           # once per step in which the task is active
             ctx.set("loss", model(ctx.get("batch_gpu")))
 
-Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``), ``lookahead``
+Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``), ``movable_to``
+(other streams of the schedule the task may run on: a ScheduleConfig's ``"stream"`` entry, as
+``weft plan --suggest`` writes it, moves it there), ``lookahead``
 (``la >= 0``), ``reads`` / ``writes`` (slot names), ``depends_on`` (task names, same batch),
 ``cross_iter_depends_on`` (``"X"`` = ``("X", -1)``, or ``("X", -N)``), ``same_progress_sync``
 (``"X"``, ``("X", SyncSide.GPU)``, ``{"task": "X", "sides": "cpu"}``; default side BOTH),
@@ -166,6 +168,7 @@ class Task:
 
     name: str = ""
     stream: str = "default"
+    movable_to: Tuple[str, ...] = ()
     lookahead: int = 0
     reads: Tuple[str, ...] = ()
     writes: Tuple[str, ...] = ()
@@ -176,7 +179,8 @@ class Task:
     nccl: Optional[bool] = None
 
     def __init__(self, name: Optional[str] = None, *, stream: Optional[str] = None,
-                 lookahead: Optional[int] = None, reads=None, writes=None, depends_on=None,
+                 movable_to=None, lookahead: Optional[int] = None, reads=None, writes=None,
+                 depends_on=None,
                  cross_iter_depends_on=None, same_progress_sync=None, collective=None,
                  nccl: Optional[bool] = None) -> None:
         cls = type(self)
@@ -186,6 +190,8 @@ class Task:
         _checks.name(self.name, "task name")
         self.stream = _checks.name(stream if stream is not None else cls.stream,
                                    f"task {self.name!r}: stream")
+        self.movable_to = _names(movable_to if movable_to is not None else cls.movable_to,
+                                 "movable_to")
         self.lookahead = _checks.integer(lookahead if lookahead is not None else cls.lookahead,
                                          f"task {self.name!r}: lookahead", 0, MAX_LOOKAHEAD)
         self.reads = _names(reads if reads is not None else cls.reads, "reads")
