@@ -27,6 +27,7 @@
 #include <any>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -103,39 +104,172 @@ pl::TaskBody python_body(nb::handle borrowed_fn, nb::handle ctx) {
   };
 }
 
-using CrossIter = std::pair<std::string, int>;
-using Sync = std::pair<std::string, pl::SyncSide>;
-using Inventory = std::tuple<std::string, std::string, std::size_t, int>;
-
-void add_task(pl::Schedule& schedule, const std::string& name, const std::string& stream,
-              int lookahead, const std::vector<std::string>& reads,
-              const std::vector<std::string>& writes, const std::vector<std::string>& depends_on,
-              const std::vector<CrossIter>& cross_iter, const std::vector<Sync>& syncs,
-              bool collective, const std::vector<Inventory>& inventory,
-              const std::vector<std::string>& movable_to, nb::handle body, nb::handle init) {
-  pl::Task task(name);
-  task.stream(stream).lookahead(lookahead).movable_to(movable_to);
-  for (const auto& s : reads) task.reads(s);
-  for (const auto& s : writes) task.writes(s);
-  for (const auto& p : depends_on) task.depends_on(p);
-  for (const auto& [producer, offset] : cross_iter) task.cross_iter_depends_on(producer, offset);
-  for (const auto& [producer, side] : syncs) task.same_progress_sync(producer, side);
-  if (collective) {
-    std::vector<pl::CollectiveOp> ops;
-    for (const auto& [kind, on_stream, num_bytes, count] : inventory) {
-      ops.push_back({kind, on_stream, num_bytes, count});
-    }
-    task.collective(std::move(ops));
-  }
-  if (!body.is_none() || !init.is_none()) {
-    const nb::object ctx = nb::cast(BodyContext{});
-    if (!body.is_none()) task.body(python_body(body, ctx));
-    if (!init.is_none()) task.init(python_body(init, ctx));
-  }
-  schedule.add(std::move(task));
+// Python values as the fields of a pl::Task, converted without coercion (no float, str or bool
+// is an int; a name is a str that encodes as UTF-8): TypeError for the wrong type, weft.Error for
+// a value C++ cannot hold; both name the task and the field. Whether a value is right for its
+// field is the pl::Task setter's and CompiledSchedule's to say. `task` is empty for the task's
+// own name.
+std::string where(const std::string& task, std::string_view field) {
+  return (task.empty() ? std::string("task ") : "task '" + task + "': ") + std::string(field);
 }
 
-// The schedule as plain values (bodies left out): for the Python layer's Schedule.
+std::string name_of(nb::handle value, const std::string& task, std::string_view field) {
+  if (!PyUnicode_Check(value.ptr())) {
+    throw nb::type_error((where(task, field) + " must be a str, got " +
+                          Py_TYPE(value.ptr())->tp_name + ": " + nb::repr(value).c_str())
+                             .c_str());
+  }
+  Py_ssize_t size = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
+  if (text == nullptr) {
+    PyErr_Clear();
+    WEFT_FAIL(where(task, field), " ", nb::repr(value).c_str(), " is not valid UTF-8");
+  }
+  return {text, static_cast<std::size_t>(size)};
+}
+
+std::vector<std::string> names_of(const std::vector<nb::handle>& values, const std::string& task,
+                                  std::string_view field) {
+  std::vector<std::string> out;
+  const std::string entries = std::string(field) + " entries";
+  for (nb::handle v : values) out.push_back(name_of(v, task, entries));
+  return out;
+}
+
+int int_of(nb::handle value, const std::string& task, std::string_view field) {
+  if (!PyLong_Check(value.ptr()) || PyBool_Check(value.ptr())) {
+    throw nb::type_error((where(task, field) + " must be an int, got " +
+                          Py_TYPE(value.ptr())->tp_name + ": " + nb::repr(value).c_str())
+                             .c_str());
+  }
+  int overflow = 0;
+  const long long n = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  WEFT_CHECK(
+      overflow == 0 && n >= std::numeric_limits<int>::min() && n <= std::numeric_limits<int>::max(),
+      where(task, field), " ", nb::str(value).c_str(), " is outside the range of an int");
+  return static_cast<int>(n);
+}
+
+// The bound pl::Task: what weft.pipeline.Task holds. Its list fields only grow, as in C++ (the
+// Python layer builds a new Task to replace one); a body or init is attached when the Python
+// layer copies the task into a schedule (add), because the Python callables live there.
+void bind_task(nb::module_& m) {
+  // weft.pipeline.SyncSide (an IntFlag) maps onto these one to one (task.py).
+  nb::enum_<pl::SyncSide>(m, "SyncSide", "weft::pipeline::SyncSide")
+      .value("CPU", pl::SyncSide::kCpu)
+      .value("GPU", pl::SyncSide::kGpu)
+      .value("BOTH", pl::SyncSide::kBoth);
+  nb::class_<pl::Task>(m, "Task", "weft::pipeline::Task (held by weft.pipeline.Task)")
+      .def(
+          "__init__",
+          [](pl::Task* self, nb::handle name) { new (self) pl::Task(name_of(name, "", "name")); },
+          nb::arg("name"))
+      .def_prop_ro("name", [](const pl::Task& t) { return t.name(); })
+      .def_prop_rw(
+          "stream", [](const pl::Task& t) { return t.stream(); },
+          [](pl::Task& t, nb::handle v) { t.stream(name_of(v, t.name(), "stream")); })
+      .def_prop_rw(
+          "movable_to", [](const pl::Task& t) { return t.movable_to(); },
+          [](pl::Task& t, const std::vector<nb::handle>& v) {
+            t.movable_to(names_of(v, t.name(), "movable_to"));
+          })
+      .def_prop_rw(
+          "lookahead", [](const pl::Task& t) { return t.lookahead(); },
+          [](pl::Task& t, nb::handle v) { t.lookahead(int_of(v, t.name(), "lookahead")); })
+      .def_prop_ro("reads", [](const pl::Task& t) { return t.reads(); })
+      .def_prop_ro("writes", [](const pl::Task& t) { return t.writes(); })
+      .def_prop_ro("depends_on", [](const pl::Task& t) { return t.depends_on(); })
+      .def_prop_ro("cross_iter_depends_on",
+                   [](const pl::Task& t) {
+                     std::vector<std::pair<std::string, int>> out;
+                     for (const pl::CrossIterEdge& e : t.cross_iter_depends_on())
+                       out.emplace_back(e.producer, e.offset);
+                     return out;
+                   })
+      .def_prop_ro("same_progress_sync",
+                   [](const pl::Task& t) {
+                     std::vector<std::pair<std::string, pl::SyncSide>> out;
+                     for (const pl::SyncEdge& e : t.same_progress_sync())
+                       out.emplace_back(e.producer, e.side);
+                     return out;
+                   })
+      .def_prop_ro("collective", &pl::Task::is_collective)
+      .def_prop_ro("inventory",
+                   [](const pl::Task& t) {
+                     std::vector<std::tuple<std::string, std::string, std::size_t, int>> out;
+                     for (const pl::CollectiveOp& op : t.collectives())
+                       out.emplace_back(op.kind, op.stream, op.num_bytes, op.count);
+                     return out;
+                   })
+      .def("add_reads",
+           [](pl::Task& t, const std::vector<nb::handle>& v) {
+             for (const std::string& s : names_of(v, t.name(), "reads")) t.reads(s);
+           })
+      .def("add_writes",
+           [](pl::Task& t, const std::vector<nb::handle>& v) {
+             for (const std::string& s : names_of(v, t.name(), "writes")) t.writes(s);
+           })
+      .def("add_depends_on",
+           [](pl::Task& t, const std::vector<nb::handle>& v) {
+             for (const std::string& s : names_of(v, t.name(), "depends_on")) t.depends_on(s);
+           })
+      .def(
+          "add_cross_iter_depends_on",
+          [](pl::Task& t, nb::handle producer, nb::handle offset) {
+            const std::string p = name_of(producer, t.name(), "cross_iter_depends_on");
+            const int o = int_of(offset, t.name(), "cross_iter_depends_on offset");
+            // CompiledSchedule's rule, raised here as well so that the Python task refuses the
+            // offset where it is written (a C++ Task is a builder that holds it until then).
+            if (o >= 0) {
+              throw nb::value_error((where(t.name(), "cross_iter_depends_on") + " ('" + p + "', " +
+                                     std::to_string(o) +
+                                     "): the offset must be negative (depends_on is the same "
+                                     "batch)")
+                                        .c_str());
+            }
+            t.cross_iter_depends_on(p, o);
+          },
+          nb::arg("producer"), nb::arg("offset"))
+      .def(
+          "add_same_progress_sync",
+          [](pl::Task& t, nb::handle producer, pl::SyncSide side) {
+            t.same_progress_sync(name_of(producer, t.name(), "same_progress_sync"), side);
+          },
+          nb::arg("producer"), nb::arg("side"))
+      .def(
+          "set_same_progress_sync",
+          [](pl::Task& t, nb::handle producer, pl::SyncSide side) {
+            t.set_same_progress_sync(name_of(producer, t.name(), "same_progress_sync"), side);
+          },
+          nb::arg("producer"), nb::arg("side"),
+          "Adds the edge from producer, or re-sides the one there is.")
+      .def(
+          "set_collective",
+          [](pl::Task& t,
+             const std::vector<std::tuple<nb::handle, nb::handle, std::size_t, int>>& inventory) {
+            std::vector<pl::CollectiveOp> ops;
+            for (const auto& [kind, stream, num_bytes, count] : inventory) {
+              ops.push_back({name_of(kind, t.name(), "collective kind"),
+                             name_of(stream, t.name(), "collective stream"), num_bytes, count});
+            }
+            t.collective(std::move(ops));
+          },
+          nb::arg("inventory"), "Marks the task collective, with this inventory.")
+      .def("move_to_stream", &pl::Task::move_to_stream, nb::arg("stream"));
+}
+
+// Adds a copy of `task` with Python callables as its body and init (either may be None).
+void add_task(pl::Schedule& schedule, const pl::Task& task, nb::handle body, nb::handle init) {
+  pl::Task copy = task;
+  if (!body.is_none() || !init.is_none()) {
+    const nb::object ctx = nb::cast(BodyContext{});
+    if (!body.is_none()) copy.body(python_body(body, ctx));
+    if (!init.is_none()) copy.init(python_body(init, ctx));
+  }
+  schedule.add(std::move(copy));
+}
+
+// The schedule as plain values (bodies left out): what crossed the binding, for inspection.
 nb::dict describe(const pl::Schedule& schedule) {
   nb::list streams;
   for (const pl::StreamSpec& s : schedule.streams())
@@ -517,21 +651,22 @@ void bind_context(nb::module_& m) {
 }
 
 void bind_schedule(nb::module_& m) {
-  // weft.pipeline.SyncSide (an IntFlag) maps onto these one to one (task.py).
-  nb::enum_<pl::SyncSide>(m, "SyncSide", "weft::pipeline::SyncSide")
-      .value("CPU", pl::SyncSide::kCpu)
-      .value("GPU", pl::SyncSide::kGpu)
-      .value("BOTH", pl::SyncSide::kBoth);
   nb::class_<pl::Schedule>(m, "Schedule",
                            "weft::pipeline::Schedule (built by weft.pipeline.Schedule)")
       .def(nb::init<>())
       .def("add_stream", [](pl::Schedule& s, const std::string& name,
                             int priority) { s.add_stream(name, priority); })
       .def("add_input", [](pl::Schedule& s, const std::string& slot) { s.add_input(slot); })
-      .def("add_task", &add_task, nb::arg("name"), nb::arg("stream"), nb::arg("lookahead"),
-           nb::arg("reads"), nb::arg("writes"), nb::arg("depends_on"), nb::arg("cross_iter"),
-           nb::arg("same_progress_sync"), nb::arg("collective"), nb::arg("inventory"),
-           nb::arg("movable_to"), nb::arg("body").none(), nb::arg("init").none())
+      .def("add", &add_task, nb::arg("task"), nb::arg("body").none(), nb::arg("init").none())
+      .def_prop_ro("tasks", [](const pl::Schedule& s) { return s.tasks(); })
+      .def_prop_ro("streams",
+                   [](const pl::Schedule& s) {
+                     std::vector<std::pair<std::string, int>> out;
+                     for (const pl::StreamSpec& spec : s.streams())
+                       out.emplace_back(spec.name, spec.priority);
+                     return out;
+                   })
+      .def_prop_ro("inputs", [](const pl::Schedule& s) { return s.inputs(); })
       .def("describe", &describe)
       .def(
           "validate", [](const pl::Schedule& s) { pl::CompiledSchedule compiled(s); },
@@ -593,16 +728,9 @@ void bind_thread_map(nb::module_& m) {
              c.check_task_names([&](std::string_view name) { return known.contains(name); });
            })
       .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
-      .def(
-          "moved",
-          [](const pl::ScheduleConfig& c, const std::string& name, const std::string& stream,
-             const std::vector<std::string>& movable_to) {
-            pl::Task task(name);
-            task.stream(stream).movable_to(movable_to);
-            const pl::Task m = c.moved(task);
-            return std::make_pair(m.stream(), m.movable_to());
-          },
-          "(stream, movable_to) of the task after the config's move (ScheduleConfig::moved).")
+      .def("moved", &pl::ScheduleConfig::moved, nb::arg("task"),
+           "The task after the config's move (ScheduleConfig::moved): weft.Error if the config "
+           "moves it onto a stream it may not run on.")
       .def_prop_ro("stream",
                    [](const pl::ScheduleConfig& c) {
                      return std::vector<std::pair<std::string, std::string>>(c.stream.begin(),
@@ -731,6 +859,7 @@ void bind_pipeline(nb::module_& m) {
   register_exit_hook(m);
   m.attr("MAX_LOOKAHEAD") = pl::kMaxLookahead;
   bind_context(m);
+  bind_task(m);
   bind_schedule(m);
   bind_thread_map(m);
   bind_trace(m);

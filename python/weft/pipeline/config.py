@@ -67,17 +67,14 @@ class ScheduleConfig:
         path). The values were checked when the config was read, and every move is checked by
         the C++ rule (a task runs on its own stream or one of its ``movable_to``)."""
         self._native.check_task_names([t.name for t in schedule.tasks])
-        moves = {}
-        for name, _ in self._native.stream:
-            t = schedule.task(name)
-            moves[name] = self._native.moved(name, t.stream, list(t.movable_to))
+        for name, _ in self._native.stream:  # every move checked before anything changes
+            self._native.moved(schedule.task(name)._native)
         for name, lookahead in self._native.lookahead:
             schedule.task(name).lookahead = lookahead
-        for name, (stream, movable_to) in moves.items():
-            t = schedule.task(name)
-            t.stream, t.movable_to = stream, tuple(movable_to)
-        for producer, consumer, side in self.same_progress_sync:
-            schedule.task(consumer)._set_same_progress_sync(producer, side)
+        for name, stream in self._native.stream:
+            schedule.task(name)._native.move_to_stream(stream)
+        for producer, consumer, side in self._native.same_progress_sync:
+            schedule.task(consumer)._native.set_same_progress_sync(producer, side)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ScheduleConfig) and self._native == other._native

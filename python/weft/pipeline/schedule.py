@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 from .. import _checks, _weft
-from .task import CollectiveOp, SyncSide, Task, _NATIVE_SIDES, _SIDES_OF_NATIVE
+from .task import Task, _FnTask
 
 __all__ = ["Schedule"]
 
@@ -94,9 +94,10 @@ class Schedule:
 
     def _to_native(self, with_bodies: bool = True, wrap: Optional[Callable] = None,
                    keep: Optional[list] = None):
-        """The C++ schedule; ``wrap(task, fn)`` may replace each body and init (the torch layer
-        makes the task's stream current around it). The C++ side borrows the callables: they
-        go into ``keep``, which must outlive every engine built from the result."""
+        """The C++ schedule: a copy of each task's bound weft::pipeline::Task; ``wrap(task, fn)``
+        may replace each body and init (the torch layer makes the task's stream current around
+        it). The C++ side borrows the callables: they go into ``keep``, which must outlive every
+        engine built from the result."""
         native = _native.Schedule()
         for name, priority in self.streams.items():
             if name != "default":
@@ -113,30 +114,14 @@ class Schedule:
                 keep.extend(fn for fn in (body, init) if fn is not None)
             elif body is not None or init is not None:
                 raise ValueError("a schedule with bodies needs a list to keep them in")
-            native.add_task(
-                t.name, t.stream, t.lookahead, list(t.reads), list(t.writes), list(t.depends_on),
-                list(t.cross_iter_depends_on),
-                [(p, _NATIVE_SIDES[side]) for p, side in t.same_progress_sync],
-                t.collective,
-                [(op.kind, op.stream, op.num_bytes, op.count) for op in t.inventory],
-                list(t.movable_to), body, init)
+            native.add(t._native, body, init)
         return native
 
     @classmethod
     def _from_native(cls, native, bodies: Mapping[str, Callable]) -> "Schedule":
-        d = native.describe()
-        s = cls(streams={n: p for n, p in d["streams"]}, inputs=d["inputs"])
-        for t in d["tasks"]:
-            s.add(Task.from_fn(
-                t["name"], bodies.get(t["name"]), stream=t["stream"],
-                movable_to=t["movable_to"], lookahead=t["lookahead"],
-                reads=t["reads"], writes=t["writes"], depends_on=t["depends_on"],
-                cross_iter_depends_on=[tuple(e) for e in t["cross_iter_depends_on"]],
-                same_progress_sync=[(p, _SIDES_OF_NATIVE[side])
-                                    for p, side in t["same_progress_sync"]],
-                collective=([CollectiveOp(*op) for op in t["inventory"]]
-                            if t["collective"] and t["inventory"] else t["collective"])))
-        return s
+        """The schedule over a copy of each of ``native``'s tasks, with these bodies."""
+        return cls([_FnTask._of_native(t, bodies.get(t.name)) for t in native.tasks],
+                   streams=dict(native.streams), inputs=native.inputs)
 
     def __repr__(self) -> str:
         return f"Schedule({[t.name for t in self._tasks]}, inputs={self._inputs})"

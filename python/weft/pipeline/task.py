@@ -22,18 +22,26 @@ Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``),
 (``"X"``, ``("X", SyncSide.GPU)``, ``{"task": "X", "sides": "cpu"}``; default side BOTH),
 ``collective`` (True, or the inventory: ``CollectiveOp``\\ s or ``(kind, stream, num_bytes,
 count)`` tuples; ``nccl=True`` is the HSTU benchmark's spelling of ``collective=True``).
+
+A Task holds a bound weft::pipeline::Task, which holds and checks every field: a value of the
+wrong type is a TypeError, one C++ refuses a weft.Error (or ValueError for a cross_iter offset
+>= 0), each naming the task and the field, raised where the value is given. The Python side
+keeps what C++ cannot: the body and init callables, a subclass's class attributes as its
+defaults, and the Python spellings above. Fields may be assigned after construction
+(``schedule.task("h2d").lookahead = 5``), checked the same way.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Union
 
 from .. import _checks, _weft
-from .._weft.pipeline import MAX_LOOKAHEAD
 
 __all__ = ["CollectiveOp", "SameProgressSyncSide", "SyncSide", "Task"]
+
+_native = _weft.pipeline
 
 
 class SyncSide(enum.IntFlag):
@@ -50,7 +58,7 @@ SameProgressSyncSide = SyncSide  # the HSTU benchmark's name
 _SIDE_NAMES = {SyncSide.CPU: "cpu", SyncSide.GPU: "gpu", SyncSide.BOTH: "both"}
 _SIDES_BY_NAME = {v: k for k, v in _SIDE_NAMES.items()}
 # The bound weft::pipeline::SyncSide of each side, and back: sides cross to C++ as the enum.
-_NATIVE_SIDES = {side: getattr(_weft.pipeline.SyncSide, side.name) for side in _SIDE_NAMES}
+_NATIVE_SIDES = {side: getattr(_native.SyncSide, side.name) for side in _SIDE_NAMES}
 _SIDES_OF_NATIVE = {native: side for side, native in _NATIVE_SIDES.items()}
 
 
@@ -71,17 +79,13 @@ class CollectiveOp:
         _checks.integer(self.count, "CollectiveOp.count", *_checks.INT32)
 
 
-def _names(value: Union[None, str, Iterable[str]], field: str) -> Tuple[str, ...]:
+# The Python spellings of the fields, as the lists the bound Task takes; the entries' types and
+# values are the bound Task's to check.
+
+def _names(value: Union[None, str, Iterable[str]]) -> List[Any]:
     if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    out = tuple(value)
-    for v in out:
-        if not isinstance(v, str):
-            raise TypeError(f"{field} entries must be names (str), got {type(v).__name__}: {v!r}")
-        _checks.name(v, field)
-    return out
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _side(value: Any, field: str) -> SyncSide:
@@ -98,54 +102,43 @@ def _side(value: Any, field: str) -> SyncSide:
     return side
 
 
-def _cross_iter(value) -> Tuple[Tuple[str, int], ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = (value,)
+def _cross_iter(value, task: str) -> List[Tuple[Any, Any]]:
     out = []
-    for v in value:
+    for v in ([value] if isinstance(value, str) else value or ()):
         if isinstance(v, str):
-            out.append((_checks.name(v, "cross_iter_depends_on"), -1))
-        elif isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
-            offset = _checks.integer(v[1], f"cross_iter_depends_on[{v[0]}]: the offset",
-                                     *_checks.INT32)
-            if offset >= 0:
-                raise ValueError(f"cross_iter_depends_on={v!r}: the offset must be negative")
-            out.append((_checks.name(v[0], "cross_iter_depends_on"), offset))
+            out.append((v, -1))
+        elif isinstance(v, tuple) and len(v) == 2:
+            out.append(v)
         else:
-            raise TypeError(f"cross_iter_depends_on entries are names or (name, -N), got {v!r}")
-    return tuple(out)
+            raise TypeError(f"task {task!r}: cross_iter_depends_on entries are names or "
+                            f"(name, -N), got {v!r}")
+    return out
 
 
-def _syncs(value) -> Tuple[Tuple[str, SyncSide], ...]:
-    if value is None:
-        return ()
+def _syncs(value, task: str) -> List[Tuple[Any, SyncSide]]:
     if isinstance(value, (str, Mapping)) or (isinstance(value, tuple) and len(value) == 2
                                              and isinstance(value[0], str)
                                              and not isinstance(value[1], str)):
         value = (value,)
+    field = f"task {task!r}: same_progress_sync"
     out = []
-    for v in value:
+    for v in value or ():
         if isinstance(v, str):
-            out.append((_checks.name(v, "same_progress_sync"), SyncSide.BOTH))
-        elif isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):
-            out.append((_checks.name(v[0], "same_progress_sync"),
-                        _side(v[1], f"same_progress_sync[{v[0]}]")))
+            out.append((v, SyncSide.BOTH))
+        elif isinstance(v, tuple) and len(v) == 2:
+            out.append((v[0], _side(v[1], f"{field}[{v[0]}]")))
         elif isinstance(v, Mapping):
             unknown = set(v) - {"task", "name", "sides", "side"}
             if unknown:
-                raise ValueError(f"same_progress_sync: unknown keys {sorted(unknown)}")
+                raise ValueError(f"{field}: unknown keys {sorted(unknown)}")
             name = v.get("task", v.get("name"))
-            if not isinstance(name, str):
-                raise TypeError(f"same_progress_sync: {v!r} names no task")
-            side = v.get("sides", v.get("side", SyncSide.BOTH))
-            out.append((_checks.name(name, "same_progress_sync"),
-                        _side(side, f"same_progress_sync[{name}]")))
+            if name is None:
+                raise TypeError(f"{field}: {v!r} names no task")
+            out.append((name, _side(v.get("sides", v.get("side", SyncSide.BOTH)),
+                                    f"{field}[{name}]")))
         else:
-            raise TypeError("same_progress_sync entries are names, (name, side) or mappings, "
-                            f"got {v!r}")
-    return tuple(out)
+            raise TypeError(f"{field} entries are names, (name, side) or mappings, got {v!r}")
+    return out
 
 
 def _collective(collective, nccl) -> Tuple[bool, Tuple[CollectiveOp, ...]]:
@@ -157,57 +150,116 @@ def _collective(collective, nccl) -> Tuple[bool, Tuple[CollectiveOp, ...]]:
         return False, ()
     if value is True:
         return True, ()
-    ops = []
-    for op in value:
-        ops.append(op if isinstance(op, CollectiveOp) else CollectiveOp(*op))
-    return True, tuple(ops)
+    return True, tuple(op if isinstance(op, CollectiveOp) else CollectiveOp(*op) for op in value)
+
+
+def _build(name: str, stream, movable_to, lookahead, reads, writes, depends_on,
+           cross_iter_depends_on, same_progress_sync, collective, nccl=None):
+    """The bound weft::pipeline::Task of these fields (given in their Python spellings)."""
+    task = _native.Task(name)
+    task.stream = stream
+    task.movable_to = _names(movable_to)
+    task.lookahead = lookahead
+    task.add_reads(_names(reads))
+    task.add_writes(_names(writes))
+    task.add_depends_on(_names(depends_on))
+    for producer, offset in _cross_iter(cross_iter_depends_on, name):
+        task.add_cross_iter_depends_on(producer, offset)
+    for producer, side in _syncs(same_progress_sync, name):
+        task.add_same_progress_sync(producer, _NATIVE_SIDES[side])
+    is_collective, inventory = _collective(collective, nccl)
+    if is_collective:
+        task.set_collective([(op.kind, op.stream, op.num_bytes, op.count) for op in inventory])
+    return task
+
+
+# The fields _build takes after the name: what rebuilding a task carries over.
+_FIELDS = ("stream", "movable_to", "lookahead", "reads", "writes", "depends_on",
+           "cross_iter_depends_on", "same_progress_sync", "collective")
+
+
+def _native_field(field: str, to_native: Callable, doc: str) -> property:
+    # A field the bound Task sets in place (and checks, naming the task and the field).
+    def read(self):
+        value = getattr(self._native, field)
+        return tuple(value) if isinstance(value, list) else value
+
+    return property(read, lambda self, value: setattr(self._native, field, to_native(value)),
+                    doc=doc)
+
+
+def _edge_field(field: str, read: Callable, doc: str) -> property:
+    # A C++ Task's edge lists only grow: assigning one builds the task again, the other fields
+    # kept.
+    return property(lambda self: read(self._native),
+                    lambda self, value: self._rebuild(**{field: value}), doc=doc)
 
 
 class Task:
     """A unit of a training step: subclass it (``init`` / ``run``) or use ``Task.from_fn``."""
 
-    name: str = ""
-    stream: str = "default"
-    movable_to: Tuple[str, ...] = ()
-    lookahead: int = 0
-    reads: Tuple[str, ...] = ()
-    writes: Tuple[str, ...] = ()
-    depends_on: Tuple[str, ...] = ()
-    cross_iter_depends_on: Tuple[Tuple[str, int], ...] = ()
-    same_progress_sync: Tuple[Tuple[str, SyncSide], ...] = ()
-    collective: Any = False
-    nccl: Optional[bool] = None
+    # A subclass's class attributes of these names; __init_subclass__ moves its own there (else
+    # they would hide the properties below).
+    _defaults = {"name": None, "stream": "default", "movable_to": (), "lookahead": 0,
+                 "reads": (), "writes": (), "depends_on": (), "cross_iter_depends_on": (),
+                 "same_progress_sync": (), "collective": False, "nccl": None}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own = {f: cls.__dict__[f] for f in cls._defaults
+               if f in cls.__dict__ and not isinstance(cls.__dict__[f], property)}
+        for f in own:
+            delattr(cls, f)
+        cls._defaults = {**cls._defaults, **own}
 
     def __init__(self, name: Optional[str] = None, *, stream: Optional[str] = None,
                  movable_to=None, lookahead: Optional[int] = None, reads=None, writes=None,
-                 depends_on=None,
-                 cross_iter_depends_on=None, same_progress_sync=None, collective=None,
-                 nccl: Optional[bool] = None) -> None:
-        cls = type(self)
-        self.name = name if name is not None else cls.name
-        if not self.name or not isinstance(self.name, str):
-            raise ValueError("a Task needs a name (the name= argument or a class attribute)")
-        _checks.name(self.name, "task name")
-        self.stream = _checks.name(stream if stream is not None else cls.stream,
-                                   f"task {self.name!r}: stream")
-        self.movable_to = _names(movable_to if movable_to is not None else cls.movable_to,
-                                 "movable_to")
-        self.lookahead = _checks.integer(lookahead if lookahead is not None else cls.lookahead,
-                                         f"task {self.name!r}: lookahead", 0, MAX_LOOKAHEAD)
-        self.reads = _names(reads if reads is not None else cls.reads, "reads")
-        self.writes = _names(writes if writes is not None else cls.writes, "writes")
-        self.depends_on = _names(depends_on if depends_on is not None else cls.depends_on,
-                                 "depends_on")
-        self.cross_iter_depends_on = _cross_iter(
-            cross_iter_depends_on if cross_iter_depends_on is not None
-            else cls.cross_iter_depends_on)
-        self.same_progress_sync = _syncs(
-            same_progress_sync if same_progress_sync is not None else cls.same_progress_sync)
+                 depends_on=None, cross_iter_depends_on=None, same_progress_sync=None,
+                 collective=None, nccl: Optional[bool] = None) -> None:
+        given = dict(stream=stream, movable_to=movable_to, lookahead=lookahead, reads=reads,
+                     writes=writes, depends_on=depends_on,
+                     cross_iter_depends_on=cross_iter_depends_on,
+                     same_progress_sync=same_progress_sync)
+        fields = {f: self._defaults[f] if v is None else v for f, v in given.items()}
         if collective is None and nccl is None:
-            collective, nccl = cls.collective, cls.nccl
-        is_collective, inventory = _collective(collective, nccl)
-        self.collective = is_collective
-        self.inventory = inventory
+            collective, nccl = self._defaults["collective"], self._defaults["nccl"]
+        name = self._defaults["name"] if name is None else name
+        if not name:
+            raise ValueError("a Task needs a name (the name= argument or a class attribute)")
+        self._native = _build(name, **fields, collective=collective, nccl=nccl)
+
+    name = property(lambda self: self._native.name, doc="The task's name (fixed).")
+    stream = _native_field("stream", lambda v: v, "The stream the task's GPU work goes to.")
+    movable_to = _native_field("movable_to", _names,
+                               "Other streams of the schedule the task may run on.")
+    lookahead = _native_field("lookahead", lambda v: v,
+                              "How many steps ahead of the la = 0 tasks the task works.")
+    reads = _edge_field("reads", lambda t: tuple(t.reads), "Slots of its batch the task reads.")
+    writes = _edge_field("writes", lambda t: tuple(t.writes),
+                         "Slots of its batch the task writes.")
+    depends_on = _edge_field("depends_on", lambda t: tuple(t.depends_on),
+                             "Producers of the same batch, without a slot.")
+    cross_iter_depends_on = _edge_field(
+        "cross_iter_depends_on", lambda t: tuple(t.cross_iter_depends_on),
+        "(producer, offset < 0) pairs: producers of an older batch.")
+    same_progress_sync = _edge_field(
+        "same_progress_sync",
+        lambda t: tuple((p, _SIDES_OF_NATIVE[side]) for p, side in t.same_progress_sync),
+        "(producer, SyncSide) pairs: producers that run in the same progress() call.")
+    collective = _edge_field("collective", lambda t: t.collective,
+                             "Whether the task enqueues collectives (assign True, False or an "
+                             "inventory).")
+
+    @property
+    def inventory(self) -> Tuple[CollectiveOp, ...]:
+        """The collectives the task declares it enqueues per run."""
+        return tuple(CollectiveOp(*op) for op in self._native.inventory)
+
+    def _rebuild(self, **changes) -> None:
+        fields = {f: getattr(self, f) for f in _FIELDS}
+        fields["collective"] = self.inventory or self.collective
+        fields.update(changes)
+        self._native = _build(self.name, **fields)
 
     def init(self, ctx) -> None:
         """Runs once, on the task's engine thread, when the Engine is built."""
@@ -226,15 +278,6 @@ class Task:
     def _body(self) -> Optional[Callable]:
         return None if type(self).run is Task.run else self.run
 
-    def _set_same_progress_sync(self, producer: str, side: SyncSide) -> None:
-        # As weft::pipeline::Task::set_same_progress_sync: re-sides an edge from `producer` in
-        # place, else adds one (what a ScheduleConfig does).
-        if any(p == producer for p, _ in self.same_progress_sync):
-            self.same_progress_sync = tuple((p, side if p == producer else s)
-                                            for p, s in self.same_progress_sync)
-        else:
-            self.same_progress_sync += ((producer, side),)
-
     def _init(self) -> Optional[Callable]:
         return None if type(self).init is Task.init else self.init
 
@@ -246,8 +289,20 @@ class Task:
 class _FnTask(Task):
     def __init__(self, name, fn, init, **fields):
         super().__init__(name, **fields)
+        self._set_callables(fn, init)
+
+    @classmethod
+    def _of_native(cls, native, fn: Optional[Callable]) -> "_FnTask":
+        """A task over a bound weft::pipeline::Task built in C++ (a preset schedule's)."""
+        task = cls.__new__(cls)
+        task._native = native
+        task._set_callables(fn, None)
+        return task
+
+    def _set_callables(self, fn, init) -> None:
         if fn is not None and not callable(fn):
-            raise TypeError(f"task {name!r}: the body must be callable, got {type(fn).__name__}")
+            raise TypeError(f"task {self.name!r}: the body must be callable, got "
+                            f"{type(fn).__name__}")
         self.fn = fn
         self.init_fn = init
 
