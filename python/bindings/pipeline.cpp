@@ -31,7 +31,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -237,13 +236,6 @@ void bind_task(nb::module_& m) {
           },
           nb::arg("producer"), nb::arg("side"))
       .def(
-          "set_same_progress_sync",
-          [](pl::Task& t, nb::handle producer, pl::SyncSide side) {
-            t.set_same_progress_sync(name_of(producer, t.name(), "same_progress_sync"), side);
-          },
-          nb::arg("producer"), nb::arg("side"),
-          "Adds the edge from producer, or re-sides the one there is.")
-      .def(
           "set_collective",
           [](pl::Task& t,
              const std::vector<std::tuple<nb::handle, nb::handle, std::size_t, int>>& inventory) {
@@ -254,8 +246,7 @@ void bind_task(nb::module_& m) {
             }
             t.collective(std::move(ops));
           },
-          nb::arg("inventory"), "Marks the task collective, with this inventory.")
-      .def("move_to_stream", &pl::Task::move_to_stream, nb::arg("stream"));
+          nb::arg("inventory"), "Marks the task collective, with this inventory.");
 }
 
 // Adds a copy of `task` with Python callables as its body and init (either may be None).
@@ -721,16 +712,19 @@ void bind_thread_map(nb::module_& m) {
       .def_static("parse", [](const std::string& text) { return pl::ScheduleConfig::parse(text); })
       .def_static("load", &pl::ScheduleConfig::load)
       .def("to_json", &pl::ScheduleConfig::to_json)
-      .def("apply", &pl::ScheduleConfig::apply)
-      .def("check_task_names",
-           [](const pl::ScheduleConfig& c, const std::vector<std::string>& names) {
-             const std::set<std::string, std::less<>> known(names.begin(), names.end());
-             c.check_task_names([&](std::string_view name) { return known.contains(name); });
-           })
+      .def(
+          "apply",
+          [](const pl::ScheduleConfig& c, const std::vector<pl::Task*>& tasks) {
+            c.apply([&](std::string_view name) -> pl::Task* {
+              for (pl::Task* t : tasks) {
+                if (t->name() == name) return t;
+              }
+              return nullptr;
+            });
+          },
+          nb::arg("tasks"),
+          "ScheduleConfig::apply over these tasks (a Python schedule's), in place.")
       .def_prop_ro("thread_map", [](const pl::ScheduleConfig& c) { return c.thread_map; })
-      .def("moved", &pl::ScheduleConfig::moved, nb::arg("task"),
-           "The task after the config's move (ScheduleConfig::moved): weft.Error if the config "
-           "moves it onto a stream it may not run on.")
       .def_prop_ro("stream",
                    [](const pl::ScheduleConfig& c) {
                      return std::vector<std::pair<std::string, std::string>>(c.stream.begin(),

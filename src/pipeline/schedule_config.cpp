@@ -150,27 +150,28 @@ void ScheduleConfig::check_task_names(const std::function<bool(std::string_view)
 }
 
 void ScheduleConfig::apply(Schedule& schedule) const {
-  check_task_names([&](std::string_view task) { return schedule.has_task(task); });
-  // Every move checked on a copy first, so that nothing changes when a later entry is refused.
-  for (const auto& [task, s] : stream) (void)moved(schedule.task(task));
-  for (const auto& [task, la] : lookahead) schedule.task(task).lookahead(la);
-  for (const auto& [task, s] : stream) schedule.task(task).move_to_stream(s);
-  for (const SyncEdgeConfig& e : same_progress_sync) {
-    schedule.task(e.consumer).set_same_progress_sync(e.producer, e.side);
-  }
+  apply([&](std::string_view name) {
+    return schedule.has_task(name) ? &schedule.task(name) : nullptr;
+  });
 }
 
-Task ScheduleConfig::moved(const Task& task) const {
-  Task copy = task;
-  const auto it = stream.find(task.name());
-  if (it == stream.end()) return copy;
-  try {
-    copy.move_to_stream(it->second);
-  } catch (const Error& e) {
-    WEFT_FAIL(source.empty() ? "" : source + ": ", member_path("$.stream", task.name()), ": ",
-              e.message());
+void ScheduleConfig::apply(const std::function<Task*(std::string_view)>& task_of) const {
+  check_task_names([&](std::string_view task) { return task_of(task) != nullptr; });
+  const std::string file = source.empty() ? "" : source + ": ";
+  for (const auto& [task, s] : stream) {
+    // Checked on a copy, so that nothing changes when a later entry is refused.
+    Task moved = *task_of(task);
+    try {
+      moved.move_to_stream(s);
+    } catch (const Error& e) {
+      WEFT_FAIL(file, member_path("$.stream", task), ": ", e.message());
+    }
   }
-  return copy;
+  for (const auto& [task, la] : lookahead) task_of(task)->lookahead(la);
+  for (const auto& [task, s] : stream) task_of(task)->move_to_stream(s);
+  for (const SyncEdgeConfig& e : same_progress_sync) {
+    task_of(e.consumer)->set_same_progress_sync(e.producer, e.side);
+  }
 }
 
 bool ScheduleConfig::operator==(const ScheduleConfig& other) const {

@@ -64,10 +64,9 @@ struct ScheduleConfig {
   // a task is configured onto a stream it may not run on (an error naming the source, the field
   // "$.stream.<task>", the task and the streams it may run on).
   void apply(Schedule& schedule) const;
-  // `task` as apply() leaves it: moved to its configured stream (Task::move_to_stream), or a
-  // plain copy where the config moves it nowhere. Throws weft::Error naming the source, the field
-  // "$.stream.<task>", the task and the streams it may run on where it may not run there.
-  Task moved(const Task& task) const;
+  // The same over tasks held outside a Schedule (the Python layer's): task_of(name) is the task
+  // of that name, or null where there is none.
+  void apply(const std::function<Task*(std::string_view)>& task_of) const;
 
   // Equal when they tune a schedule alike; the source is not compared.
   bool operator==(const ScheduleConfig& other) const;

@@ -86,9 +86,10 @@ class EpDispatcher:
             # The counts are on the host once a host-synced dispatch has read its layout.
             return recv_x, recv_idx, recv_w, handle, sum(per_local_expert)
         # A received row has a local expert in some slot; a padding row in none.
-        received = (recv_idx >= 0).any(dim=1, keepdim=True)
+        local = recv_idx >= 0
+        received = local.any(dim=1, keepdim=True)
         return (torch.where(received, recv_x, 0), recv_idx, recv_w, (handle, received),
-                (recv_idx >= 0).sum())
+                local.sum())
 
     def combine(self, y, handle, weights=None):
         ep_handle = handle[0] if self.num_worst_tokens else handle

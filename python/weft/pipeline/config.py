@@ -64,17 +64,8 @@ class ScheduleConfig:
         """Overrides lookaheads, moves tasks to their configured streams and adds (or re-sides)
         same_progress_sync edges, in place; changes nothing when the config names a task the
         schedule lacks or moves a task onto a stream it may not run on (weft.Error with its JSON
-        path). The values were checked when the config was read, and every move is checked by
-        the C++ rule (a task runs on its own stream or one of its ``movable_to``)."""
-        self._native.check_task_names([t.name for t in schedule.tasks])
-        for name, _ in self._native.stream:  # every move checked before anything changes
-            self._native.moved(schedule.task(name)._native)
-        for name, lookahead in self._native.lookahead:
-            schedule.task(name).lookahead = lookahead
-        for name, stream in self._native.stream:
-            schedule.task(name)._native.move_to_stream(stream)
-        for producer, consumer, side in self._native.same_progress_sync:
-            schedule.task(consumer)._native.set_same_progress_sync(producer, side)
+        path). ScheduleConfig::apply does it, on the tasks' C++ objects."""
+        self._native.apply([t._native for t in schedule.tasks])
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ScheduleConfig) and self._native == other._native
