@@ -11,6 +11,8 @@ Bandwidth as weft-ep-bench defines it: logical GB/s = received rows x bf16 row b
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -31,6 +33,9 @@ def parse():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3, help="runs of every measurement (a range)")
+    p.add_argument("--profile", metavar="TEXT[,TEXT...]", default="",
+                   help="also profile (cProfile) each form whose name contains a TEXT: the top\n"
+                        "functions by own time, in us per call (profiling overhead included)")
     return p.parse_args()
 
 
@@ -51,6 +56,28 @@ def timed(fn, iters, warmup):
     stop.record()
     stop.synchronize()
     return statistics.median(host), start.elapsed_time(stop) * 1e3 / iters
+
+
+def wanted(profile_arg: str, name: str) -> bool:
+    return any(text and text in name for text in profile_arg.split(","))
+
+
+def profile(name, fn, iters, warmup):
+    """The functions that take the host's time in fn, by own time (us per call of fn)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((tt, cc, f) for f, (_, cc, tt, _, _) in stats.items()), reverse=True)[:15]
+    print(f"# profile of '{name}': own time per call, us (calls per call)")
+    for tt, cc, (file, line, func) in rows:
+        print(f"  {tt / iters * 1e6:8.2f}  ({cc / iters:4.1f})  {func}  {file.split('/')[-1]}:{line}")
 
 
 def main():
@@ -120,6 +147,8 @@ def main():
     results = {}
     for name, fn in forms.items():
         results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
+        if wanted(a.profile, name) and rank == 0:
+            profile(name, fn, a.iters * 10, a.warmup)
     # A cached dispatch and the combines need their layout to be the latest.
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
@@ -141,6 +170,9 @@ def main():
     results["DeepEP combine, owned output"] = [
         timed(lambda: compat.combine(y, chandle, config=config), a.iters, a.warmup)
         for _ in range(a.repeats)]
+    if wanted(a.profile, "DeepEP combine, owned output") and rank == 0:
+        profile("DeepEP combine, owned output", lambda: compat.combine(y, chandle, config=config),
+                a.iters * 10, a.warmup)
     if rank == 0:
         info = weft.info()
         print(f"# weft {info['version']}, NCCL {info['nccl_loaded']}, torch {torch.__version__}, "

@@ -130,6 +130,9 @@ struct DispatchArgs {
   int expert_alignment = 1;
   bool zero_padding = false;
   bool read_counts = false;     // copy the counts to the host and wait for them
+  // read_counts: each returned per-expert count rounded up to a multiple of this (DeepEP's
+  // expert_alignment of num_recv_tokens_per_expert_list); >= 1.
+  int count_alignment = 1;
   // Streams: the call runs on `stream`. With comm_stream != 0 it runs there instead, after
   // previous_event (a cudaEvent_t) or else after the work queued so far on `stream`, and unless
   // async_finish, `stream` then waits for it.
@@ -288,6 +291,7 @@ class PyBuffer {
 
   DispatchOut dispatch(const DispatchArgs& a, const std::optional<HandleTuple>& handle_tuple) {
     ep::Buffer& b = live();
+    WEFT_CHECK(a.count_alignment >= 1, "count_alignment must be >= 1, got ", a.count_alignment);
     std::optional<ep::Handle> handle_value;
     if (handle_tuple) handle_value = from_tuple(*handle_tuple);
     const ep::Handle* handle = handle_value ? &*handle_value : nullptr;
@@ -332,6 +336,11 @@ class PyBuffer {
       out.rows_required = r.rows_required;
       out.tokens_required = r.tokens_required;
       out.tokens_per_local_expert.assign(counts, counts + num_local);
+      if (a.count_alignment > 1) {
+        for (int64_t& c : out.tokens_per_local_expert) {
+          c = (c + a.count_alignment - 1) / a.count_alignment * a.count_alignment;
+        }
+      }
     } else if (!a.hold) {
       leave(a.stream, a.comm_stream, a.async_finish);
     }
@@ -536,6 +545,7 @@ void bind_ep(nb::module_& m) {
       .def_rw("expert_alignment", &DispatchArgs::expert_alignment)
       .def_rw("zero_padding", &DispatchArgs::zero_padding)
       .def_rw("read_counts", &DispatchArgs::read_counts)
+      .def_rw("count_alignment", &DispatchArgs::count_alignment)
       .def_rw("stream", &DispatchArgs::stream)
       .def_rw("comm_stream", &DispatchArgs::comm_stream)
       .def_rw("previous_event", &DispatchArgs::previous_event)

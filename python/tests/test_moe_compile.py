@@ -344,16 +344,23 @@ def test_cuda_graph_of_compiled_worst_case_ops_replays_new_inputs():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = compiled(*static, did)
-    reference = moe.LocalDispatcher(EXPERTS)
+    # The eager reference: the same worst-case ops on a Buffer of their own (num_tokens rows,
+    # padding rows included; an eager call on the captured Buffer would lay out another layout
+    # and make the next replay refuse to run).
+    reference_dispatcher = ep_dispatcher(num_worst_tokens=num_tokens)  # the registry's is weak
+    reference = ops.register(reference_dispatcher)
+    sent = 0
     for seed in range(3):
         fresh = inputs(num_tokens, seed=30 + seed, device="cuda")
         for captured, value in zip(static, fresh):
             captured.copy_(value)
         graph.replay()
         torch.cuda.synchronize()
-        want = dispatch_scale_combine(*fresh, ops.register(reference))
+        want = dispatch_scale_combine(*fresh, reference)
         for got, expected in zip(out, want):  # the combined rows, the received weights
             assert torch.equal(got, expected), seed
+        sent += int((fresh[1] >= 0).any(dim=1).sum())
+    assert sent > 0  # rows moved: the comparison was not of padding alone
 
 
 @needs_gpus(1)

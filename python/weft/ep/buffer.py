@@ -18,7 +18,6 @@ DeepEP"). The Buffer is a thin layer on NativeBuffer's public API:
 
 from __future__ import annotations
 
-import contextlib
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -382,20 +381,20 @@ class Buffer:
         if topk_idx is not None and top_k == native.top_k:
             res, recv, event = self._dispatch_owned(native, x, is_fp8, topk_idx, topk_weights,
                                                     num_sms, num_tokens, num_worst_tokens,
-                                                    previous_event, async_finish,
-                                                    allocate_on_comm_stream)
+                                                    expert_alignment, previous_event,
+                                                    async_finish, allocate_on_comm_stream)
         else:
             res, recv, event = self._dispatch_widened(native, x, is_fp8, topk_idx, topk_weights,
                                                       is_token_in_rank, num_sms, num_tokens,
-                                                      num_worst_tokens, previous_event,
-                                                      async_finish, allocate_on_comm_stream)
+                                                      num_worst_tokens, expert_alignment,
+                                                      previous_event, async_finish,
+                                                      allocate_on_comm_stream)
         native = self._native
         recv_x, recv_src, prefix, recv_idx, recv_w = recv
         if not sync:
             counts: List[int] = []
         elif topk_idx is not None:
-            counts = [-(-c // expert_alignment) * expert_alignment
-                      for c in res.tokens_per_local_expert_list]
+            counts = res.tokens_per_local_expert_list  # aligned by the extension
         else:
             counts = self._counts_without_topk(num_tokens_per_expert, expert_alignment)
         layout = _Layout(self._serial, (native.hidden, native.num_experts, native.top_k),
@@ -404,57 +403,64 @@ class Buffer:
         return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, layout), event
 
     def _launch_grown(self, native: NativeBuffer, x, is_fp8: bool, idx, w, num_sms: int,
-                      sync: bool, **streams):
+                      sync: bool, alignment: int, stream: Optional[int] = None,
+                      comm_stream: int = 0, previous_event: int = 0, async_finish: bool = False,
+                      hold: bool = False):
         """The dispatch, and again on a grown window while some rank sent more tokens than the
         window holds (every rank saw the same count exchange: every rank grows here)."""
-        res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
-                                     **streams)
+        res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync, stream,
+                                     comm_stream, previous_event, async_finish, hold, alignment)
         while sync and res.tokens_required:
             native = self._grow(res.tokens_required)
             res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
-                                         **streams)
+                                         stream, comm_stream, previous_event, async_finish, hold,
+                                         alignment)
         return native, res
 
-    def _owned_results(self, native: NativeBuffer, res, is_fp8: bool, rows: int, top_k: int,
+    def _owned_results(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int,
                        idx_dtype) -> tuple:
-        """Empty owned tensors for a dispatch's results (on the current stream)."""
+        """Empty owned tensors for a dispatch's results (on the current stream). Sizes go
+        positionally: torch parses them faster than a shape tuple."""
         device = native.device
-        recv_x = self._owned_x(native, is_fp8, rows, False)
-        recv_src = torch.empty((rows, 2), dtype=torch.int32, device=device)
-        prefix = torch.empty((self.group_size, self.group_size), dtype=torch.int32, device=device)
+        recv_x = self._owned_x(native, is_fp8, rows)
+        recv_src = torch.empty(rows, 2, dtype=torch.int32, device=device)
+        prefix = torch.empty(self.group_size, self.group_size, dtype=torch.int32, device=device)
         recv_idx = recv_w = None
         if top_k:
-            recv_idx = torch.empty((rows, top_k), dtype=idx_dtype, device=device)
-            recv_w = torch.empty((rows, top_k), dtype=torch.float32, device=device)
+            recv_idx = torch.empty(rows, top_k, dtype=idx_dtype, device=device)
+            recv_w = torch.empty(rows, top_k, dtype=torch.float32, device=device)
         return recv_x, recv_src, prefix, recv_idx, recv_w
 
     def _dispatch_owned(self, native, x, is_fp8, topk_idx, topk_weights, num_sms, num_tokens,
-                        num_worst_tokens, previous_event, async_finish, allocate_on_comm_stream):
+                        num_worst_tokens, alignment, previous_event, async_finish,
+                        allocate_on_comm_stream):
         """The common call (the caller's selections fit the window): the kernel on the comm
         stream, the counts read as soon as its count exchange ends (host sync only without
         num_worst_tokens), the owned tensors allocated meanwhile and filled by one copy kernel,
         then the hand-off back (all stream work inside the extension)."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
-        streams = dict(stream=_current_raw_stream(native.device.index), comm_stream=comm.cuda_stream,
-                       previous_event=event_of(previous_event), async_finish=async_finish,
-                       hold=True)
+        comm_raw = comm.cuda_stream
+        stream = _current_raw_stream(native.device.index)
         native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
-                                         **streams)
+                                         alignment, stream, comm_raw, event_of(previous_event),
+                                         async_finish, True)
         rows = res.num_recv if sync else num_worst_tokens
         try:
-            with torch.cuda.stream(comm) if allocate_on_comm_stream else \
-                    contextlib.nullcontext():
-                recv = self._owned_results(native, res, is_fp8, rows, topk_idx.shape[1],
+            if allocate_on_comm_stream:
+                with torch.cuda.stream(comm):
+                    recv = self._owned_results(native, is_fp8, rows, topk_idx.shape[1],
+                                               topk_idx.dtype)
+            else:
+                recv = self._owned_results(native, is_fp8, rows, topk_idx.shape[1],
                                            topk_idx.dtype)
             recv_x, recv_src, prefix, recv_idx, recv_w = recv
             native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
-                            topk_weights=recv_w, rank_prefix_matrix=prefix,
-                            stream=streams["stream"], comm_stream=comm.cuda_stream,
-                            async_finish=async_finish)
+                            topk_weights=recv_w, rank_prefix_matrix=prefix, stream=stream,
+                            comm_stream=comm_raw, async_finish=async_finish)
         except BaseException:
             # The kernel still reads the caller's inputs: the caller's stream must not run ahead.
-            native.hand_back(streams["stream"])
+            native.hand_back(stream)
             raise
         event = _NO_EVENT
         if async_finish:
@@ -463,8 +469,8 @@ class Buffer:
         return res, recv, event
 
     def _dispatch_widened(self, native, x, is_fp8, topk_idx, topk_weights, is_token_in_rank,
-                          num_sms, num_tokens, num_worst_tokens, previous_event, async_finish,
-                          allocate_on_comm_stream):
+                          num_sms, num_tokens, num_worst_tokens, alignment, previous_event,
+                          async_finish, allocate_on_comm_stream):
         """A call whose selections are widened to the window's top-k first (fewer columns than
         the window's, or routing by is_token_in_rank alone): torch ops and the kernel on the
         comm stream (CommCall)."""
@@ -473,11 +479,12 @@ class Buffer:
         idx_dtype = None if topk_idx is None else topk_idx.dtype
         with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:
             idx_in, w_in = self._selections(native, topk_idx, topk_weights, is_token_in_rank)
-            native, res = self._launch_grown(native, x, is_fp8, idx_in, w_in, num_sms, sync)
+            native, res = self._launch_grown(native, x, is_fp8, idx_in, w_in, num_sms, sync,
+                                             alignment)
             call.buffer = native
             rows = res.num_recv if sync else num_worst_tokens
             with call.allocating():
-                recv = self._owned_results(native, res, is_fp8, rows, top_k, idx_dtype)
+                recv = self._owned_results(native, is_fp8, rows, top_k, idx_dtype)
             recv_x, recv_src, prefix, recv_idx, recv_w = recv
             native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
                             topk_weights=recv_w, rank_prefix_matrix=prefix,
@@ -584,24 +591,23 @@ class Buffer:
             native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
                                    False)
             with call.allocating():
-                recv_x = self._owned_x(native, is_fp8, rows, False)
+                recv_x = self._owned_x(native, is_fp8, rows)
             native.copy_out(rows, recv_x, stream=_current_raw_stream(native.device.index))
             call.keep(*flat(recv_x), *flat(x))
         return recv_x, None, None, None, None, call.event
 
     @staticmethod
-    def _owned_x(native: NativeBuffer, is_fp8: bool, rows: int, on_comm_stream: bool):
+    def _owned_x(native: NativeBuffer, is_fp8: bool, rows: int, on_comm_stream: bool = False):
         """An empty owned recv_x (or fp8 pair) of rows rows, allocated on the current stream or
         the comm stream."""
-        with torch.cuda.stream(native.comm_stream) if on_comm_stream else \
-                contextlib.nullcontext():
-            if not is_fp8:
-                return torch.empty((rows, native.hidden), dtype=torch.bfloat16,
-                                   device=native.device)
-            return (torch.empty((rows, native.hidden), dtype=torch.float8_e4m3fn,
-                                device=native.device),
-                    torch.empty((rows, native.hidden // 128), dtype=torch.float32,
-                                device=native.device))
+        if on_comm_stream:
+            with torch.cuda.stream(native.comm_stream):
+                return Buffer._owned_x(native, is_fp8, rows)
+        if not is_fp8:
+            return torch.empty(rows, native.hidden, dtype=torch.bfloat16, device=native.device)
+        return (torch.empty(rows, native.hidden, dtype=torch.float8_e4m3fn, device=native.device),
+                torch.empty(rows, native.hidden // 128, dtype=torch.float32,
+                            device=native.device))
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: Handle,
@@ -629,24 +635,27 @@ class Buffer:
             if not 1 <= topk_weights.shape[1] <= native.top_k:
                 raise Error(f"topk_weights has {topk_weights.shape[1]} columns; this handle's "
                             f"window takes 1 to {native.top_k}")
-        _, biases = native.check_combine(x, layout.native, bias)
+        biases = [] if bias is None else native.check_biases(layout.native, bias)
         # Rows past the window's capacity are a worst-case layout's padding: none was received.
-        x = x[:native.capacity]
-        if topk_weights is not None:
-            topk_weights = topk_weights[:native.capacity]
+        if x.shape[0] > native.capacity:
+            x = x[:native.capacity]
+            if topk_weights is not None:
+                topk_weights = topk_weights[:native.capacity]
 
         def outputs():
-            out = torch.empty((layout.num_tokens, native.hidden), dtype=torch.bfloat16,
+            out = torch.empty(layout.num_tokens, native.hidden, dtype=torch.bfloat16,
                               device=native.device)
             combined_w = None if topk_weights is None else torch.empty(
-                (layout.num_tokens, topk_weights.shape[1]), dtype=torch.float32,
+                layout.num_tokens, topk_weights.shape[1], dtype=torch.float32,
                 device=native.device)
             return out, combined_w
 
         comm = native.comm_stream
         if native.holds_layout(layout.native):  # the common call: all stream work in the extension
-            with torch.cuda.stream(comm) if allocate_on_comm_stream else \
-                    contextlib.nullcontext():
+            if allocate_on_comm_stream:
+                with torch.cuda.stream(comm):
+                    out, combined_w = outputs()
+            else:
                 out, combined_w = outputs()
             native.launch_combine(x, layout.native, biases, out, num_sms,
                                   _current_raw_stream(native.device.index), comm.cuda_stream,

@@ -51,10 +51,16 @@ def check_tensor(name: str, t, dtypes: Sequence[torch.dtype], device: torch.devi
                  shape: Tuple[Optional[int], ...]) -> torch.Tensor:
     """Raises weft.Error unless t is a row-major tensor on device with one of dtypes and the
     given shape (None: any size)."""
+    # The accepted case first, in the cheapest order (this runs several times per call).
     if isinstance(t, torch.Tensor) and t.dtype in dtypes and t.device == device and \
-            t.dim() == len(shape) and t.is_contiguous() and \
-            all(s is None or s == n for s, n in zip(shape, t.shape)):
-        return t
+            t.is_contiguous():
+        got = t.shape
+        if len(got) == len(shape):
+            for want, n in zip(shape, got):
+                if want is not None and want != n:
+                    break
+            else:
+                return t
     if not isinstance(t, torch.Tensor):
         raise Error(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
@@ -517,7 +523,7 @@ class NativeBuffer:
         expanded = key[3]
         return DispatchResult(
             *views[:6], num_recv if num_recv >= 0 else None,
-            list(out.tokens_per_local_expert) if out.num_recv >= 0 else None, views[6],
+            out.tokens_per_local_expert if out.num_recv >= 0 else None, views[6],
             out.rows_required if expanded and out.rows_required >= 0 else None,
             None if expanded else self._window.rank_prefix_matrix,
             out.tokens_required if out.num_recv >= 0 else None,
@@ -579,12 +585,14 @@ class NativeBuffer:
                         num_sms: int, expand: Optional[Expand], sync_count: bool,
                         stream: Optional[int] = None, comm_stream: int = 0,
                         previous_event: int = 0, async_finish: bool = False,
-                        hold: bool = False) -> Union[DispatchResult, DispatchCounts]:
+                        hold: bool = False,
+                        count_alignment: int = 1) -> Union[DispatchResult, DispatchCounts]:
         """The dispatch kernel of checked inputs (x: bf16 rows, packed fp8 rows, or the fp8 pair,
         whose scales the kernel reads at their strides) on stream (default: the current one), or
         on comm_stream handed off from stream (see DispatchArgs in the binding); with hold, the
         hand-off back to stream is left to copy_out, and the result is DispatchCounts (the
-        caller copies the rows out: no views of the window are made)."""
+        caller copies the rows out: no views of the window are made); its counts are rounded
+        up to multiples of count_alignment."""
         a = _weft.ep.DispatchArgs()
         if isinstance(x, (tuple, list)):
             x_e4m3, scales = x
@@ -608,6 +616,7 @@ class NativeBuffer:
             a.expert_alignment = expand.expert_alignment
             a.zero_padding = expand.zero_padding
         a.read_counts = bool(sync_count and handle is None)
+        a.count_alignment = count_alignment
         a.stream = _current_raw_stream(self.device.index) if stream is None else stream
         a.comm_stream = comm_stream
         a.previous_event = previous_event
@@ -620,7 +629,8 @@ class NativeBuffer:
         if hold:
             if out.num_recv < 0:
                 return DispatchCounts(result_handle, None, None, None)
-            return DispatchCounts(result_handle, out.num_recv, list(out.tokens_per_local_expert),
+            # Each read of the field makes a new list: this one is the caller's.
+            return DispatchCounts(result_handle, out.num_recv, out.tokens_per_local_expert,
                                   out.tokens_required)
         num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv
         return self._results(out, result_handle, is_fp8,
@@ -693,14 +703,18 @@ class NativeBuffer:
                      (None, self.hidden))
         if not isinstance(handle, NativeHandle):
             raise Error(f"handle must be a weft.ep dispatch handle, got {type(handle).__name__}")
-        num_tokens = handle.num_tokens
+        return handle.num_tokens, self.check_biases(handle, bias)
+
+    def check_biases(self, handle: NativeHandle, bias) -> list:
+        """The checked bias tensors of a combine (bias: None, one [T, hidden] bf16 tensor, or a
+        pair of them)."""
         biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
         if len(biases) > 2:
             raise Error(f"bias takes one tensor or a pair, got {len(biases)}")
         for i, b in enumerate(biases):
             check_tensor(f"bias[{i}]", b, (torch.bfloat16,), self.device,
-                         (num_tokens, self.hidden))
-        return num_tokens, [b for b in biases if b is not None]
+                         (handle.num_tokens, self.hidden))
+        return biases
 
     def launch_combine(self, expert_out, handle, biases, out, num_sms: int,
                        stream: Optional[int] = None, comm_stream: int = 0,

@@ -488,9 +488,18 @@ TEST_F(EpErrorsTest, ARankThatTimedOutFailsItsLatePeers) {
   const std::string name = "rank " + std::to_string(failed);
   std::string what = error_of([&] { eps[f]->wait_num_recv(res[f]); });
   EXPECT_TRUE(contains(what, name + " timed out")) << what;
+  // A peer's counts reach the host when its count exchange ends, which the failed rank took
+  // part in: wait_num_recv may return before the payload phase finds the failure, so the
+  // failure is thrown there or else by check() after the stream (the Buffer's contract).
   for (int r = 0; r < R; ++r) {
     if (r == failed) continue;
-    what = error_of([&] { eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]); });
+    const auto i = std::size_t(r);
+    what = error_of([&] {
+      eps[i]->wait_num_recv(res[i]);
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
+      WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[i].stream));
+      eps[i]->check();
+    });
     EXPECT_TRUE(contains(what, name + " failed call")) << "rank " << r << ": " << what;
   }
 }
