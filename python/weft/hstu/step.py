@@ -22,7 +22,7 @@ from .tasks import HstuConfig, HstuStep
 from .variants import StepVariant
 
 __all__ = ["CONFIGS", "DRAIN_BATCHES", "OVERRIDES", "Run", "measured_costs", "run_once",
-           "same_bits", "synchronize", "trace_figures", "union_us"]
+           "same_bits", "shared_costs", "synchronize", "trace_figures", "union_us"]
 
 # (config, device type) -> sizes. GPU-bound: a big dense model, light preprocessing. Host-bound:
 # many raw events per token to sort and a small model, so collate() and the host syncs dominate.
@@ -163,6 +163,15 @@ def measured_costs(trace) -> dict:
             entry["gpu"] = gpu
         tasks[name] = entry
     return {"default_host_us": 0, "tasks": tasks}
+
+
+def shared_costs(trace, group) -> dict:
+    """measured_costs of the group's rank 0 trace, on every rank: each rank plans with the same
+    costs, so a suggestion is the same schedule on every rank (all ranks of a collective must run
+    one schedule)."""
+    box = [measured_costs(trace) if group.rank() == 0 else None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
 
 
 def same_bits(a: Run, b: Run) -> bool:
