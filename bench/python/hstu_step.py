@@ -6,13 +6,14 @@ if any differ). With --suggest, also the schedule weft.plan.suggest finds for th
 (weft.hstu.planning), run as the variant "suggested".
 
     python bench/python/hstu_step.py --config host-bound          # one GPU, a group of one
-    python bench/python/hstu_step.py --config host-bound --suggest
+    python bench/python/hstu_step.py --config host-bound --suggest [--calibrate]
     python bench/python/hstu_step.py --config gpu-bound --device cpu
     python bench/python/hstu_step.py --schedule-config hstu_host-bound_suggested.json
     torchrun --nproc-per-node 2 bench/python/hstu_step.py --config gpu-bound
 
-First one traced run each (not timed), the loop's, then legacy_none's, whose costs the planner
-uses (each task's median host span, its median GPU span per stream; rank 0's, on every rank):
+First one traced run of each (not timed): the loop's, then legacy_none's, whose trace gives the
+planner its costs (each task's median host span, its median GPU span per stream; rank 0's, on
+every rank), then the other variants'. From them:
  - busy %: the union of the engine trace's GPU spans on the default stream (CUDA events at each
    body's start and end on its stream, so an upper bound: a span includes the stream's idle time
    while its body enqueues) over the traced run's wall time; the loop's from events around each
@@ -21,13 +22,18 @@ uses (each task's median host span, its median GPU span per stream; rank 0's, on
    host spans (time in progress() when no body ran on any thread), per step.
  - planner ms: weft.plan.simulate of the variant with those costs; err %: its error against the
    median of the timed runs' step (above 0: it predicts more time than was measured).
- - --suggest: weft.plan.suggest over the d6 step schedule with those costs (at most
-   --max-threads threads, lookaheads within the schedule's, h2d on either of its streams); the
-   best suggestion's config is written to --config-out, and runs as "suggested".
+ - --calibrate: the thread wake-up cost and GIL model (weft.plan's wake_up_us, gil) under which
+   the planner best matches the traced runs' steps (weft.hstu.planning.fit_calibration); fit ms
+   and fit err % are its predictions and their errors.
+ - --suggest: weft.plan.suggest over the d6 step schedule with those costs (and the fit, with
+   --calibrate; at most --max-threads threads, lookaheads within the schedule's, h2d on either
+   of its streams); the best suggestion's config is written to --config-out, and runs, traced and
+   timed, as "suggested".
 Then the timed runs: --warmup steps, then --iters timed steps (the wall time of their progress()
 calls over --iters, the device synchronised at both ends; each one a steady-state step that runs
 every task once), then the rest drained untimed; ranges over --repeats runs, the loop and the
-variants interleaved.
+variants interleaved. The table's last line is the root mean square of the planner's errors over
+the engine rows (and of the fitted ones).
 Progress goes to stderr, the table to stdout (rank 0).
 """
 
@@ -47,10 +53,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from launch import world_group  # noqa: E402
-from weft.hstu.planning import (error_pct, predicted_ms, suggest_variant,  # noqa: E402
-                                variant_from_config)
-from weft.hstu.step import (CONFIGS, OVERRIDES, Run, run_once, same_bits,  # noqa: E402
-                            shared_costs, trace_figures)
+from weft.hstu.planning import (error_pct, fit_calibration, predicted_ms,  # noqa: E402
+                                rms_error_pct, suggest_variant, variant_from_config)
+from weft.hstu.step import (CONFIGS, OVERRIDES, Run, measured_costs, rank0_value,  # noqa: E402
+                            run_once, same_bits, trace_figures)
 from weft.hstu.variants import StepVariant, step_variants  # noqa: E402
 
 LOOP = "plain loop"
@@ -77,6 +83,9 @@ def main() -> int:
     p.add_argument("--suggest", action="store_true",
                    help="run the schedule weft.plan.suggest finds for the measured costs too")
     p.add_argument("--max-threads", type=int, default=4, help="--suggest: the thread bound")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit a thread wake-up cost and the GIL model to the traced runs' steps; "
+                        "the planner's fitted prediction is shown too, and --suggest uses it")
     p.add_argument("--config-out",
                    help="--suggest: where the suggestion's schedule config goes (default "
                         "hstu_CONFIG_suggested.json in --trace-dir, else here)")
@@ -144,9 +153,20 @@ def main() -> int:
 
     trace(None)  # the loop's run first: the reference every other run's bits are checked against
     trace(every[CALIBRATION])
-    costs = shared_costs(traced[CALIBRATION].trace, group)
+    costs = rank0_value(measured_costs(traced[CALIBRATION].trace), group)
+    for v in variants:
+        if v.name not in traced:
+            trace(v)
+    engine_variants = [every[CALIBRATION]] + [v for v in variants if v.name != CALIBRATION]
+    fit = None
+    if a.calibrate:
+        traced_ms = rank0_value({k: r.step_ms for k, r in traced.items() if k != LOOP}, group)
+        fit = fit_calibration(traced_ms, engine_variants, costs)
+        out(f"# calibration, fitted on the traced runs of {len(engine_variants)} variants: "
+            f"{fit.describe()} (rms error there {fit.rms_error_pct:.1f}%, uncalibrated "
+            f"{rms_error_pct(traced_ms, engine_variants, costs):.1f}%)")
     if a.suggest:
-        found = suggest_variant(costs, max_threads=a.max_threads)
+        found = suggest_variant(costs, max_threads=a.max_threads, calibration=fit)
         log(str(found.result))
         path = a.config_out or os.path.join(a.trace_dir or ".",
                                             f"hstu_{a.config}_suggested.json")
@@ -157,9 +177,7 @@ def main() -> int:
             f"simulated; config in {path}): {found.suggestion.num_threads} threads, "
             f"bound: {found.suggestion.bound}")
         variants.append(found.variant)
-    for v in variants:
-        if v.name not in traced:
-            trace(v)
+        trace(found.variant)
     runs: Dict[str, List[Run]] = {LOOP: []}
     runs.update({v.name: [] for v in variants})
     for r in range(a.repeats):
@@ -170,18 +188,29 @@ def main() -> int:
     loop_ms = [x.step_ms for x in runs[LOOP]]
     by_name = {v.name: v for v in variants}
     mismatches = 0
+    fit_header = f" {'fit ms':>7s} {'fit err %':>9s}" if fit else ""
     out(f"{'variant':24s} {'step ms':>15s} {'x loop':>11s} {'busy %':>7s} "
-        f"{'overhead us':>11s} {'planner ms':>10s} {'err %':>7s}  bits")
+        f"{'overhead us':>11s} {'planner ms':>10s} {'err %':>7s}{fit_header}  bits")
     for key, rs in runs.items():
         ms = [x.step_ms for x in rs]
         mismatches += 0 if same[key] else 1
         busy, overhead = trace_figures(traced[key], traced[key].step_ms, a.iters)
-        predicted = None if key == LOOP else predicted_ms(by_name[key], costs)
-        error = None if predicted is None else error_pct(predicted, statistics.median(ms))
+        columns = []
+        for calibration in [None] + ([fit] if fit else []):
+            predicted = None if key == LOOP else predicted_ms(by_name[key], costs, calibration)
+            error = None if predicted is None else error_pct(predicted, statistics.median(ms))
+            columns += [predicted, error]
         ratio = f"{min(ms) / max(loop_ms):.2f}-{max(ms) / min(loop_ms):.2f}"
+        fitted = (f" {_fmt(columns[2], '7.2f'):>7s} {_fmt(columns[3], '+9.1f'):>9s}"
+                  if fit else "")
         out(f"{key:24s} {min(ms):7.2f}-{max(ms):<7.2f} {ratio:>11s} {_fmt(busy, '7.1f'):>7s} "
-            f"{_fmt(overhead, '11.1f'):>11s} {_fmt(predicted, '10.2f'):>10s} "
-            f"{_fmt(error, '+7.1f'):>7s}  {'identical' if same[key] else 'DIFFERENT'}")
+            f"{_fmt(overhead, '11.1f'):>11s} {_fmt(columns[0], '10.2f'):>10s} "
+            f"{_fmt(columns[1], '+7.1f'):>7s}{fitted}  {'identical' if same[key] else 'DIFFERENT'}")
+    timed_ms = {key: statistics.median(x.step_ms for x in rs) for key, rs in runs.items()}
+    rows = [by_name[key] for key in runs if key != LOOP]
+    out(f"# planner error over the {len(rows)} engine rows (timed medians): rms "
+        f"{rms_error_pct(timed_ms, rows, costs):.1f}%"
+        + (f", calibrated {rms_error_pct(timed_ms, rows, costs, fit):.1f}%" if fit else ""))
     flag = torch.tensor([mismatches], device=device)
     dist.all_reduce(flag, group=group)  # any rank's mismatch fails every rank
     mismatches = int(flag.item())

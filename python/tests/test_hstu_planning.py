@@ -14,7 +14,8 @@ import pytest
 
 import weft
 from weft.hstu import hstu_schedule
-from weft.hstu.planning import (error_pct, predicted_ms, stream_assignments, suggest_variant,
+from weft.hstu.planning import (Calibration, error_pct, fit_calibration, predicted_ms,
+                                rms_error_pct, stream_assignments, suggest_variant,
                                 variant_from_config)
 from weft.hstu.variants import LOADER_STREAM, StepVariant, step_schedule, step_variants
 from weft.pipeline import ScheduleConfig
@@ -127,6 +128,27 @@ def test_configs_that_name_no_variant_are_refused(tmp_path):
     assert error_pct(9.0, 10.0) == pytest.approx(-10.0)
 
 
+@pytest.mark.timeout(60)
+def test_the_fit_recovers_a_calibration_that_explains_the_steps():
+    variants = step_variants()
+    truth = Calibration(200.0, "all")
+    measured = {v.name: predicted_ms(v, HOST_BOUND_COSTS, truth) for v in variants}
+    assert rms_error_pct(measured, variants, HOST_BOUND_COSTS) > 5  # the raw model misses
+    fit = fit_calibration(measured, variants, HOST_BOUND_COSTS)
+    assert fit.rms_error_pct == 0 and fit.gil == "all"
+    assert rms_error_pct(measured, variants, HOST_BOUND_COSTS, fit) == 0
+    assert fit == fit_calibration(measured, variants, HOST_BOUND_COSTS)
+    # Steps the raw model predicts exactly: nothing is added.
+    exact = {v.name: predicted_ms(v, HOST_BOUND_COSTS) for v in variants}
+    assert fit_calibration(exact, variants, HOST_BOUND_COSTS)[:2] == (0.0, None)
+    # The suggestion under a calibration is the best under it, and deterministic.
+    a, b = (suggest_variant(HOST_BOUND_COSTS, calibration=truth) for _ in range(2))
+    assert a.suggestion.config == b.suggestion.config
+    assert predicted_ms(a.variant, HOST_BOUND_COSTS, truth) == a.suggestion.step_us / 1e3
+    with pytest.raises(weft.Error, match="no measured step"):
+        fit_calibration({"ghost": 1.0}, variants, HOST_BOUND_COSTS)
+
+
 TINY = ["--device", "cpu", "--warmup", "1", "--iters", "3", "--repeats", "1",
         "--torch-threads", "1", "--batch-size", "4", "--max-seq-len", "16", "--num-items", "2000",
         "--dim", "16", "--num-layers", "1", "--num-heads", "2", "--head-dim", "8",
@@ -158,20 +180,23 @@ def table_rows(stdout):
 @pytest.mark.timeout(300)
 def test_hstu_step_suggest_runs_the_suggestion_and_prints_each_error(tmp_path):
     pytest.importorskip("torch")
-    run = run_bench(["--suggest", "--trace-dir", str(tmp_path)], timeout_s=280)
+    run = run_bench(["--suggest", "--calibrate", "--trace-dir", str(tmp_path)], timeout_s=280)
     assert run.returncode == 0, run.stdout + run.stderr
     header, rows = table_rows(run.stdout)
-    assert "planner ms" in header and "err %" in header
+    assert "planner ms" in header and "err %" in header and "fit err %" in header
+    assert "# calibration, fitted on the traced runs of 10 variants: wake-up" in run.stdout
+    assert "# planner error over the 11 engine rows (timed medians): rms" in run.stdout
     assert list(rows)[0] == "plain loop" and list(rows)[-1] == "suggested"
     assert len(rows) == 12  # the loop, the nine variants, loader_split_d6, the suggestion
     for name, fields in rows.items():
         assert fields[-1] == "identical", name
-        predicted, error = fields[-3], fields[-2]
+        predicted, error, fit_predicted, fit_error = fields[-5:-1]
         if name == "plain loop":
-            assert (predicted, error) == ("-", "-")
+            assert (predicted, error, fit_predicted, fit_error) == ("-",) * 4
         else:
-            float(predicted)
-            assert error[0] in "+-" and float(error) == float(error)
+            float(predicted), float(fit_predicted)
+            assert error[0] in "+-" and fit_error[0] in "+-"
+            float(error), float(fit_error)
     assert "every run bit-identical to the loop" in run.stdout
     config_path = tmp_path / "hstu_host-bound_suggested.json"
     assert f"config in {config_path}" in run.stdout
