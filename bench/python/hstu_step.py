@@ -174,7 +174,8 @@ def main() -> int:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             found.suggestion.write_config(path)
         out(f"# suggested ({found.result.method} search, {found.result.num_evaluated} schedules "
-            f"simulated; config in {path}): {found.suggestion.num_threads} threads, "
+            f"simulated; config in {path}): {found.suggestion.num_threads} "
+            f"thread{'s' if found.suggestion.num_threads > 1 else ''}, "
             f"bound: {found.suggestion.bound}")
         variants.append(found.variant)
         trace(found.variant)
