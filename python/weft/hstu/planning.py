@@ -33,7 +33,6 @@ __all__ = ["Calibration", "SEARCH_CASCADE", "Suggested", "WAKE_UP_GRID_US", "err
 # keeps every lookahead within the schedule's (d3's all lie inside d6's bounds).
 SEARCH_CASCADE = "d6"
 
-
 # The wake-up costs fit_calibration tries, in us.
 WAKE_UP_GRID_US = tuple(range(0, 2001, 10))
 
@@ -45,7 +44,7 @@ class Calibration(NamedTuple):
 
     wake_up_us: float = 0.0
     gil: Optional[str] = None
-    rms_error_pct: float = math.nan  # of the fit, over the runs it was fitted on
+    rms_error_pct: Optional[float] = None  # of a fit, over the runs it was fitted on
 
     def describe(self) -> str:
         return (f"wake-up {self.wake_up_us:g} us, GIL: "
