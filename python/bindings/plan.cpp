@@ -135,15 +135,18 @@ void bind_plan(nb::module_& m) {
       "simulate",
       [](const std::string& name, const std::string& cascade, const pl::Schedule& schedule,
          const pl::ThreadMap& map, const plan::CostModel& costs, int num_progress,
-         int max_host_runahead) {
+         int max_host_runahead, double wake_up_us, const std::vector<std::string>& gil_tasks) {
         const pl::CompiledSchedule compiled(schedule);
         costs.check_against(compiled);
-        return plan::simulate_variant(
-            name, cascade, compiled, map, costs,
-            {.num_progress = num_progress, .max_host_runahead = max_host_runahead});
+        return plan::simulate_variant(name, cascade, compiled, map, costs,
+                                      {.num_progress = num_progress,
+                                       .max_host_runahead = max_host_runahead,
+                                       .thread_wake_up_us = wake_up_us,
+                                       .gil_tasks = gil_tasks});
       },
       nb::arg("name"), nb::arg("cascade"), nb::arg("schedule"), nb::arg("thread_map"),
       nb::arg("costs"), nb::arg("num_progress"), nb::arg("max_host_runahead"),
+      nb::arg("wake_up_us"), nb::arg("gil_tasks"),
       "Checks the costs against the schedule and simulates it under the thread map.");
   m.def(
       "render_html",

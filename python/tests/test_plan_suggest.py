@@ -68,6 +68,27 @@ def test_a_wake_up_cost_decides_whether_threads_pay():
         plan.suggest(fork, costs, wake_up_us=-1)
 
 
+def test_simulate_takes_the_wake_up_cost_and_the_gil_as_suggest_does():
+    # heavy_pair on two threads, a 500 us: a and b overlap (1010 us); with the GIL they run one
+    # after the other (1510 us); c, after a on its thread, blocks on b, so its wake-up adds.
+    two = ThreadMap.groups({"t0": ["a", "c"], "t1": ["b"]})
+    costs = {"tasks": {"a": {"host_us": 500}, "b": {"host_us": 1000}, "c": {"host_us": 10}}}
+    step = lambda **kw: plan.simulate(heavy_pair(), two, costs, **kw).timeline.step_us
+    assert step() == 1010
+    assert step(gil="all") == 1510
+    assert step(wake_up_us=100) == 1110
+    r = plan.suggest(heavy_pair(), costs, max_threads=2, wake_up_us=100, gil=["a"])
+    best = r.suggestions[0]
+    schedule = heavy_pair()
+    best.config.apply(schedule)
+    assert plan.simulate(schedule, best.config.thread_map, costs, wake_up_us=100,
+                         gil=["a"]).timeline.step_us == best.step_us
+    with pytest.raises(weft.Error, match="thread_wake_up_us must be in"):
+        step(wake_up_us=-1)
+    with pytest.raises(TypeError, match="simulate: gil is 'all' or a list"):
+        step(gil="a")
+
+
 def test_gil_bodies_gain_nothing_from_threads():
     # Every body holds the GIL: a and b cannot overlap, so one thread (2010 us) ranks first.
     r = plan.suggest(heavy_pair(), HEAVY_COSTS, max_threads=2, gil="all")

@@ -87,7 +87,8 @@ def _resolve(variant: VariantLike) -> Tuple[str, str, Schedule, ThreadMap]:
 
 def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike] = None,
              costs: CostsLike = None, *, num_steps: int = 12, max_host_runahead: int = 2,
-             name: Optional[str] = None) -> VariantReport:
+             name: Optional[str] = None, wake_up_us: float = 0.0,
+             gil: Union[None, str, Iterable[str]] = None) -> VariantReport:
     """Simulates ``num_steps`` progress() calls (>= 4; the second to last is drawn).
 
     schedule: a weft.pipeline.Schedule with ``thread_map`` (a ThreadMap, preset name or dict
@@ -95,7 +96,8 @@ def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike]
     (``thread_map`` then stays None). costs: a CostModel, a dict in the cost file's JSON form
     (docs/planner.md), the path of one, or None: the HSTU figures for a schedule of exactly the
     HSTU tasks, else 20 us of host time per task. max_host_runahead: progress p starts only once
-    the GPU work of progress p - max_host_runahead has finished.
+    the GPU work of progress p - max_host_runahead has finished. wake_up_us and gil: as suggest()
+    takes them (a thread's wake-up cost; the tasks whose bodies hold the GIL), default none.
     """
     if isinstance(schedule, str):
         if thread_map is not None:
@@ -105,17 +107,29 @@ def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike]
         if thread_map is None:
             raise TypeError("simulate: a Schedule needs a thread_map")
         variant = (name or "custom", schedule, thread_map)
-    return _simulate(_resolve(variant), costs, num_steps, max_host_runahead)
+    return _simulate(_resolve(variant), costs, num_steps, max_host_runahead, wake_up_us, gil)
+
+
+def _gil_tasks(gil: Union[None, str, Iterable[str]], schedule: Schedule, caller: str) -> List[str]:
+    if gil is None:
+        return []
+    if gil == "all":
+        return [t.name for t in schedule.tasks]
+    if isinstance(gil, str):
+        raise TypeError(f"{caller}: gil is 'all' or a list of task names, got the string {gil!r}")
+    return [_checks.name(t, "gil task") for t in gil]
 
 
 def _simulate(resolved: Tuple[str, str, Schedule, ThreadMap], costs: CostsLike, num_steps: int,
-              max_host_runahead: int) -> VariantReport:
+              max_host_runahead: int, wake_up_us: float = 0.0,
+              gil: Union[None, str, Iterable[str]] = None) -> VariantReport:
     name, cascade, schedule, thread_map = resolved
     num_steps = _checks.integer(num_steps, "num_steps", *_checks.INT32)
     max_host_runahead = _checks.integer(max_host_runahead, "max_host_runahead", *_checks.INT32)
+    wake_up_us = _checks.number(wake_up_us, "wake_up_us")
     return _native.simulate(name, cascade, schedule._to_native(with_bodies=False),
                             thread_map._native, _cost_model(costs, schedule), num_steps,
-                            max_host_runahead)
+                            max_host_runahead, wake_up_us, _gil_tasks(gil, schedule, "simulate"))
 
 
 def _write_page(path: Union[str, os.PathLike], text: str) -> None:
@@ -259,13 +273,6 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
         (num_best, "num_best"), (num_steps, "num_steps"),
         (max_host_runahead, "max_host_runahead"))]
     wake_up_us = _checks.number(wake_up_us, "wake_up_us")
-    if gil is None:
-        gil_tasks = []
-    elif gil == "all":
-        gil_tasks = [t.name for t in schedule.tasks]
-    elif isinstance(gil, str):
-        raise TypeError(f"suggest: gil is 'all' or a list of task names, got the string {gil!r}")
-    else:
-        gil_tasks = [_checks.name(t, "gil task") for t in gil]
+    gil_tasks = _gil_tasks(gil, schedule, "suggest")
     return SuggestResult(_native.suggest(schedule._to_native(with_bodies=False), model, *args,
                                          wake_up_us, gil_tasks, [m._native for m in maps]))

@@ -6,6 +6,7 @@ and an HSTU-shaped PyTorch training step over it, beside weft.moe:
     from weft.hstu.data import ZipfLoader                 # its batches (numpy)
     from weft.hstu.variants import step_variants          # what it runs under
     from weft.hstu.step import run_once                   # one timed run
+    from weft.hstu.planning import suggest_variant        # the planner's pick for measured costs
 
     step = HstuStep(config, group, device)
     engine = Engine(hstu_schedule(step.bodies(), cascade="d3"), "full_split", backend="torch")

@@ -28,6 +28,11 @@ What each task does (the collectives are the HSTU benchmark's inventory, src/hst
   optimizer_step           SGD on the dense parameters and on the received rows of the shard
   watchdog                 no body
 
+Every body puts its work on the stream the engine makes current for it (the task context's
+stream: torch's kernels, copies and the collectives, which torch.distributed orders after the
+current stream), and records the AllGathers and AllReduces on that stream too, so a task the
+schedule declares ``movable_to`` another stream (h2d, weft.hstu.variants) runs correctly there.
+
 The embedding table (items and action types, one id space) is sharded row-wise: rank r owns ids
 r, r + world, ... Values that later tasks of a batch use live in that batch's state object, the
 ``ctx`` slot's value, so the engine keeps them (and their device memory) alive until every stream
@@ -75,6 +80,8 @@ class HstuConfig:
 
 class SequentialContext:
     """What a body needs of weft.pipeline's TaskContext, for the loop without an engine."""
+
+    stream = "default"  # the loop runs every body on one stream
 
     def __init__(self, batch_index: int, slots: dict) -> None:
         self.batch_index = batch_index
@@ -132,18 +139,19 @@ class HstuStep:
 
     def _all_to_all(self, ctx, out: torch.Tensor, inp: torch.Tensor, out_sizes=None,
                     in_sizes=None) -> torch.Tensor:
+        # The inventory's all-to-alls run on the comm stream, whatever stream their task is on.
         ctx.record_collective("SendRecv", "output_dist_comm", inp.numel() * inp.element_size())
         dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.group)
         return out
 
     def _all_gather(self, ctx, inp: torch.Tensor, kind: str = "AllGather") -> torch.Tensor:
-        ctx.record_collective(kind, "memcpy", inp.numel() * inp.element_size())
+        ctx.record_collective(kind, ctx.stream, inp.numel() * inp.element_size())
         out = inp.new_empty(self.world * inp.numel())
         dist.all_gather_into_tensor(out, inp.contiguous(), group=self.group)
         return out
 
     def _all_reduce(self, ctx, t: torch.Tensor) -> torch.Tensor:
-        ctx.record_collective("AllReduce", "default", t.numel() * t.element_size())
+        ctx.record_collective("AllReduce", ctx.stream, t.numel() * t.element_size())
         dist.all_reduce(t, group=self.group)
         return t
 
