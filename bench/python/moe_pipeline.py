@@ -34,6 +34,7 @@ one intra-op thread.
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -214,7 +215,12 @@ def main():
                     compute_us = {k: v for k, v in stage_costs_us(model, slots, x, target, M,
                                                                   device).items()
                                   if k not in COMM_STAGES}
-                del model, slots
+                # The step closure and the pipelined step hold the model too: drop every
+                # reference before the next config builds its own (a DeepSeek-V3-sized model
+                # and its gradients take most of a GPU).
+                del model, slots, step
+                piped = None
+                gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
             first = next(iter(losses.values()))
