@@ -15,7 +15,7 @@ import pytest
 import weft
 from weft.hstu import hstu_schedule
 from weft.hstu.planning import (Calibration, error_pct, fit_calibration, predicted_ms,
-                                rms_error_pct, stream_assignments, suggest_variant,
+                                rms_error_pct, suggest_variant,
                                 variant_from_config)
 from weft.hstu.variants import LOADER_STREAM, StepVariant, step_schedule, step_variants
 from weft.pipeline import ScheduleConfig
@@ -35,7 +35,6 @@ def test_the_step_schedule_declares_h2d_movable_to_the_loader_stream(cascade):
     assert schedule.task("h2d").stream == "memcpy"  # declared free to move, not moved
     # The preset itself (the C++ one, as `weft plan` simulates it) keeps every stream fixed.
     assert not any(t.movable_to for t in hstu_schedule(cascade=cascade).tasks)
-    assert stream_assignments() == [{"h2d": "memcpy"}, {"h2d": LOADER_STREAM}]
 
 
 @pytest.mark.timeout(60)

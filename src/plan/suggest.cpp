@@ -302,6 +302,22 @@ std::vector<std::vector<ThreadLabel>> start_maps(const CompiledSchedule& schedul
   return maps;
 }
 
+// A local search starts from every stream assignment of the movable tasks where there are at
+// most this many: a move that pays only together with a map change (a task to a stream and a
+// thread of its own) is not reached by one step from the own streams.
+constexpr std::size_t kMaxStartStreamAssignments = 16;
+
+std::vector<std::vector<ThreadLabel>> start_stream_assignments(const SearchSpace& space) {
+  std::vector<std::vector<ThreadLabel>> starts;
+  if (space.num_stream_assignments > kMaxStartStreamAssignments) {
+    starts.emplace_back(space.n, 0);
+    return starts;
+  }
+  for_each_stream_assignment(space,
+                             [&](const std::vector<ThreadLabel>& s) { starts.push_back(s); });
+  return starts;
+}
+
 // What bounds a candidate's step: a stream busy all the step, the host, or else the GPU waits
 // across streams.
 std::string step_bound(const CompiledSchedule& schedule, const CostModel& costs,
@@ -412,7 +428,11 @@ void describe_search(const SearchSpace& space, const Method& m, const std::strin
         " steps until none improves, from the maps " + start_names +
         " (the same partition once), each with the schedule's lookaheads and with every "
         "lookahead at " +
-        std::to_string(space.hi) + (movable ? ", every task on its own stream" : ""));
+        std::to_string(space.hi) +
+        (!movable ? ""
+         : space.num_stream_assignments <= kMaxStartStreamAssignments
+             ? ", and from every stream assignment of the movable tasks"
+             : ", every task on its own stream"));
     result.not_searched.push_back(
         "the rest of the space: the result is a local optimum, not proven the best");
   }
@@ -454,15 +474,17 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
     const auto maps = start_maps(schedule, options, space, start_names);
     for (const auto& lookaheads : {own, std::vector<int>(n, space.hi)}) {
       for (const auto& map : maps) {
-        Candidate current{map, lookaheads, own_streams};
-        if (!search.score(current)) continue;
-        while (true) {
-          const bool map_improved = improve_map(search, space, method.exact_maps, current);
-          const bool la_improved =
-              improve_lookaheads(search, space, method.exact_lookaheads, current);
-          if (!improve_streams(search, space, method.exact_streams, current) && !la_improved &&
-              !map_improved) {
-            break;
+        for (const auto& streams : start_stream_assignments(space)) {
+          Candidate current{map, lookaheads, streams};
+          if (!search.score(current)) continue;
+          while (true) {
+            const bool map_improved = improve_map(search, space, method.exact_maps, current);
+            const bool la_improved =
+                improve_lookaheads(search, space, method.exact_lookaheads, current);
+            if (!improve_streams(search, space, method.exact_streams, current) &&
+                !la_improved && !map_improved) {
+              break;
+            }
           }
         }
       }

@@ -15,7 +15,6 @@ Needs neither torch nor numpy.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
@@ -27,7 +26,7 @@ from .variants import MOVABLE_STREAMS, StepVariant, step_schedule, step_variants
 
 __all__ = ["Calibration", "SEARCH_CASCADE", "Suggested", "WAKE_UP_GRID_US", "error_pct",
            "fit_calibration", "predicted_ms", "rms_error_pct", "start_maps",
-           "stream_assignments", "suggest_variant", "variant_from_config"]
+           "suggest_variant", "variant_from_config"]
 
 # The cascade whose schedule the search starts from: d6 has the larger lookaheads, and the search
 # keeps every lookahead within the schedule's (d3's all lie inside d6's bounds).
@@ -57,15 +56,6 @@ class Suggested(NamedTuple):
     result: "plan.SuggestResult"    # the search that found it; str() is its table
 
 
-def stream_assignments() -> List[Dict[str, str]]:
-    """Every placement of the tasks of MOVABLE_STREAMS on the streams each may run on, the
-    preset's own streams first, in declaration order."""
-    schedule = step_schedule(cascade=SEARCH_CASCADE)
-    tasks = list(MOVABLE_STREAMS)
-    choices = [[schedule.task(t).stream, *MOVABLE_STREAMS[t]] for t in tasks]
-    return [dict(zip(tasks, streams)) for streams in itertools.product(*choices)]
-
-
 def start_maps() -> List[ThreadMap]:
     """The maps the search starts from besides its own (legacy, by_stream, per_task): every
     variant's map (those over the thread bound are skipped by the search) and, per movable task,
@@ -82,25 +72,15 @@ def suggest_variant(costs, *, max_threads: int = 4, calibration: Optional[Calibr
     GIL): at most ``max_threads`` threads, every lookahead within [0, the SEARCH_CASCADE
     schedule's largest], the movable tasks on any of their streams.
 
-    The search's local steps start every map with each task on its own stream, so a move that
-    pays only together with a change of the map (h2d to the loader stream and onto a thread of
-    its own: either alone leaves start_shuffle waiting for h2d) is out of its reach. So it runs
-    once from each of stream_assignments(), and the best of those runs wins: the lowest step,
-    then host time, then fewer threads, then the earlier assignment. The same costs give the
-    same suggestion."""
+    The local search starts from every stream assignment of the movable tasks, so it reaches a
+    move that pays only together with a change of the map (h2d to the loader stream and onto a
+    thread of its own: either alone leaves start_shuffle waiting for h2d). The same costs give
+    the same suggestion."""
     calibration = calibration or Calibration()
-    best = None
-    for i, moves in enumerate(stream_assignments()):
-        schedule = step_schedule(cascade=SEARCH_CASCADE)
-        ScheduleConfig.from_dict({"stream": moves}).apply(schedule)
-        result = plan.suggest(schedule, costs, max_threads=max_threads, num_best=1,
-                              wake_up_us=calibration.wake_up_us, gil=calibration.gil,
-                              start_maps=start_maps())
-        top = result.suggestions[0]
-        key = (top.step_us, top.host_step_us, top.num_threads, i)
-        if best is None or key < best[0]:
-            best = (key, top, result)
-    _, top, result = best
+    result = plan.suggest(step_schedule(cascade=SEARCH_CASCADE), costs, max_threads=max_threads,
+                          num_best=1, wake_up_us=calibration.wake_up_us, gil=calibration.gil,
+                          start_maps=start_maps())
+    top = result.suggestions[0]
     return Suggested(StepVariant.of_config(name, top.config, SEARCH_CASCADE), top, result)
 
 

@@ -112,6 +112,43 @@ TEST(SuggestStreams, ASpaceMovableOnlyByStreamsIsSearched) {
   EXPECT_EQ(r.num_evaluated, 2u);  // b on s1, b on s2
 }
 
+// A loader (h2d: 1000 us on the host) shares the memcpy stream with shuffle, which runs on the
+// main thread with fwd (1000 us on the host): one thread takes 2010 us a step. The local search
+// (which starts from every stream assignment of the movable tasks, and says so) reaches the exact
+// search's step. (The HSTU step's search, where only a thread and a stream move together pay, is
+// python/tests/test_hstu_planning.py's.)
+constexpr const char* kLoaderBesideShuffle = R"({
+  "streams": ["memcpy", "loader"],
+  "tasks": [
+    {"name": "h2d", "stream": "memcpy", "movable_to": ["loader"]},
+    {"name": "shuffle", "stream": "memcpy"},
+    {"name": "fwd", "stream": "default"}
+  ],
+  "costs": {"default_host_us": 1, "tasks": {
+    "h2d": {"host_us": 1000, "gpu": [{"stream": "memcpy", "us": 10}]},
+    "shuffle": {"host_us": 10, "gpu": [{"stream": "memcpy", "us": 10}]},
+    "fwd": {"host_us": 1000, "gpu": [{"stream": "default", "us": 10}]}}}
+})";
+
+TEST(SuggestStreams, TheLocalSearchStartsFromEveryStreamAssignment) {
+  const auto [schedule, costs] = parse(kLoaderBesideShuffle);
+  const CompiledSchedule compiled(schedule);
+  const auto local = weft::plan::suggest(compiled, costs,
+                                         {.max_threads = 2, .max_lookahead = 0, .exact_limit = 1});
+  EXPECT_EQ(local.method, "local");
+  ASSERT_FALSE(local.suggestions.empty());
+  EXPECT_GE(local.start.step_us, 2000);
+  EXPECT_LT(local.suggestions[0].step_us, 0.6 * local.start.step_us);
+  bool described = false;
+  for (const auto& line : local.searched) {
+    described |= line.find("from every stream assignment of the movable tasks") != std::string::npos;
+  }
+  EXPECT_TRUE(described);
+  const auto exact = weft::plan::suggest(compiled, costs, {.max_threads = 2, .max_lookahead = 0});
+  EXPECT_EQ(exact.method, "exact");
+  EXPECT_DOUBLE_EQ(exact.suggestions[0].step_us, local.suggestions[0].step_us);
+}
+
 TEST(ScheduleConfigStreams, RefusesMovingATaskTheScheduleDoesNotDeclareMovable) {
   auto schedule = parse(kTwoGpuTasks).schedule;
   expect_error([&] { ScheduleConfig::parse(R"({"stream": {"a": "s2"}, "lookahead": {"a": 1}})").apply(schedule); },
