@@ -33,6 +33,9 @@ def parse():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3, help="runs of every measurement (a range)")
+    p.add_argument("--kernels", metavar="TEXT[,TEXT...]", default="",
+                   help="also time the GPU kernels (torch.profiler) of each form whose name\n"
+                        "contains a TEXT: us per call of each kernel")
     p.add_argument("--profile", metavar="TEXT[,TEXT...]", default="",
                    help="also profile (cProfile) each form whose name contains a TEXT: the top\n"
                         "functions by own time, in us per call (profiling overhead included)")
@@ -60,6 +63,21 @@ def timed(fn, iters, warmup):
 
 def wanted(profile_arg: str, name: str) -> bool:
     return any(text and text in name for text in profile_arg.split(","))
+
+
+def kernel_times(name, fn, iters, warmup):
+    """Each GPU kernel fn launches, with its time per call of fn (us), from torch.profiler."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    print(f"# kernels of '{name}': GPU us per call (launches per call)")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total > 0:
+            print(f"  {e.device_time_total / iters:8.2f}  ({e.count / iters:4.1f})  {e.key[:90]}")
 
 
 def profile(name, fn, iters, warmup):
@@ -149,6 +167,8 @@ def main():
         results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
         if wanted(a.profile, name) and rank == 0:
             profile(name, fn, a.iters * 10, a.warmup)
+        if wanted(a.kernels, name) and rank == 0:
+            kernel_times(name, fn, a.iters, a.warmup)
     # A cached dispatch and the combines need their layout to be the latest.
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
