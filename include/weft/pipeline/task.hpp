@@ -110,6 +110,8 @@ class Task {
     (depends_on_.emplace_back(std::string_view(producers)), ...);
     return *this;
   }
+  // Throws weft::Error unless offset < 0 (the same batch is depends_on): the one place the rule
+  // is checked, so CompiledSchedule and the bindings rely on it.
   Task& cross_iter_depends_on(std::string producer, int offset);
   Task& same_progress_sync(std::string producer, SyncSide side = SyncSide::kBoth);
   // Marks the task as enqueuing collectives: it runs holding this progress's ticket for it.
