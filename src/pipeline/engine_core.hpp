@@ -44,8 +44,7 @@ namespace weft::pipeline::detail {
 // `value` calls wake_all(); it makes the futex call only when some thread sleeps on the signal
 // (`num_sleepers`, read after a seq_cst fence, against the sleeper's seq_cst increment before
 // its last check, so one of the two always sees the other). The protocol does not go through
-// std::atomic::wait, whose notify reads its waiter count with no full fence after the caller's
-// store and so can miss a thread about to sleep (docs/decisions.md).
+// std::atomic::wait, whose notify can miss a thread that is about to sleep (docs/decisions.md).
 struct alignas(64) Signal {
   std::atomic<std::uint32_t> value{0};
   std::atomic<std::uint32_t> num_sleepers{0};

@@ -114,8 +114,8 @@ void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const 
 }
 
 CostModel CostModel::hstu_defaults() {
-  // Rough figures taken from the HSTU benchmark; docs/planner.md ("The model") says where each
-  // comes from.
+  // Rough figures taken from the HSTU benchmark; docs/planner.md ("Where the HSTU defaults come
+  // from") says where each comes from.
   CostModel model;
   model.default_host_us = 20;
   auto add = [&](const char* task, double host_us, std::vector<GpuSegment> gpu) {

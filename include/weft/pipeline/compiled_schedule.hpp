@@ -21,8 +21,8 @@
 // Run order = topological order of the within-progress graph, declaration order breaking ties.
 // in_flight = max_lookahead + 1 ring slots.
 //
-// Thread safety: immutable once constructed (every member function is const), so the engine's
-// threads and the planner read one CompiledSchedule concurrently without locks.
+// Thread safety: immutable once constructed (every public member function is const), so the
+// engine's threads and the planner read one CompiledSchedule concurrently without locks.
 //
 //   CompiledSchedule c(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
 //   for (auto id : c.run_order()) std::puts(c.task(id).name().c_str());
