@@ -217,15 +217,6 @@ void bind_task(nb::module_& m) {
           [](pl::Task& t, nb::handle producer, nb::handle offset) {
             const std::string p = name_of(producer, t.name(), "cross_iter_depends_on");
             const int o = int_of(offset, t.name(), "cross_iter_depends_on offset");
-            // CompiledSchedule's rule, raised here as well so that the Python task refuses the
-            // offset where it is written (a C++ Task is a builder that holds it until then).
-            if (o >= 0) {
-              throw nb::value_error((where(t.name(), "cross_iter_depends_on") + " ('" + p + "', " +
-                                     std::to_string(o) +
-                                     "): the offset must be negative (depends_on is the same "
-                                     "batch)")
-                                        .c_str());
-            }
             t.cross_iter_depends_on(p, o);
           },
           nb::arg("producer"), nb::arg("offset"))
@@ -258,46 +249,6 @@ void add_task(pl::Schedule& schedule, const pl::Task& task, nb::handle body, nb:
     if (!init.is_none()) copy.init(python_body(init, ctx));
   }
   schedule.add(std::move(copy));
-}
-
-// The schedule as plain values (bodies left out): what crossed the binding, for inspection.
-nb::dict describe(const pl::Schedule& schedule) {
-  nb::list streams;
-  for (const pl::StreamSpec& s : schedule.streams())
-    streams.append(nb::make_tuple(s.name, s.priority));
-  nb::list tasks;
-  for (const pl::Task& t : schedule.tasks()) {
-    nb::dict d;
-    d["name"] = t.name();
-    d["stream"] = t.stream();
-    d["movable_to"] = t.movable_to();
-    d["lookahead"] = t.lookahead();
-    d["reads"] = t.reads();
-    d["writes"] = t.writes();
-    d["depends_on"] = t.depends_on();
-    nb::list cross;
-    for (const pl::CrossIterEdge& e : t.cross_iter_depends_on()) {
-      cross.append(nb::make_tuple(e.producer, e.offset));
-    }
-    d["cross_iter_depends_on"] = cross;
-    nb::list syncs;
-    for (const pl::SyncEdge& e : t.same_progress_sync()) {
-      syncs.append(nb::make_tuple(e.producer, e.side));
-    }
-    d["same_progress_sync"] = syncs;
-    d["collective"] = t.is_collective();
-    nb::list inventory;
-    for (const pl::CollectiveOp& op : t.collectives()) {
-      inventory.append(nb::make_tuple(op.kind, op.stream, op.num_bytes, op.count));
-    }
-    d["inventory"] = inventory;
-    tasks.append(d);
-  }
-  nb::dict out;
-  out["streams"] = streams;
-  out["inputs"] = schedule.inputs();
-  out["tasks"] = tasks;
-  return out;
 }
 
 std::vector<pl::ThreadGroup> to_groups(
@@ -658,7 +609,6 @@ void bind_schedule(nb::module_& m) {
                      return out;
                    })
       .def_prop_ro("inputs", [](const pl::Schedule& s) { return s.inputs(); })
-      .def("describe", &describe)
       .def(
           "validate", [](const pl::Schedule& s) { pl::CompiledSchedule compiled(s); },
           "Raises weft.Error naming the task and the rule broken.")

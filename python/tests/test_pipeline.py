@@ -141,7 +141,7 @@ def test_validation_errors_name_the_task_and_rule():
         s.validate()
     with pytest.raises(weft.Error, match="ghost"):
         Engine(s, "legacy")
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(weft.Error, match=r"'b'.*offset 0.*cross_iter offsets are < 0"):
         Task.from_fn("b", None, cross_iter_depends_on=[("a", 0)])
     with pytest.raises(ValueError, match="disagree"):
         Task.from_fn("b", None, collective=True, nccl=False)
@@ -306,7 +306,7 @@ def test_sync_sides_cross_the_binding_as_the_bound_enum():
     assert {side.name for side in native_side} == {"CPU", "GPU", "BOTH"}
     s = Schedule([Task.from_fn("a", None),
                   Task.from_fn("b", None, same_progress_sync=[("a", SyncSide.GPU)])])
-    assert s._to_native(with_bodies=False).describe()["tasks"][1]["same_progress_sync"] == [
+    assert s._to_native(with_bodies=False).tasks[1].same_progress_sync == [
         ("a", native_side.GPU)]
     ScheduleConfig.from_dict({"same_progress_sync": [
         {"producer": "a", "consumer": "b", "side": "cpu"}]}).apply(s)

@@ -40,8 +40,9 @@ constexpr std::array<HstuVariant, 9> kVariants = {{
     {"full_split_d6", HstuCascade::kD6, "full_split"},
 }};
 
-// The collective inventory the HSTU benchmark measured (nsys, 8x H100, one communicator): 11 NCCL
-// kernels per step. Byte counts are its orders of magnitude, for the planner, not exact sizes.
+// The HSTU benchmark's collective inventory, 11 NCCL kernels per step (docs/perf-hstu.md, "The
+// HSTU benchmark's figures"). Byte counts are its orders of magnitude, for the planner, not
+// exact sizes.
 constexpr std::size_t kKiB = 1024;
 constexpr std::size_t kMiB = 1024 * kKiB;
 

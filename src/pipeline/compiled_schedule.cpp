@@ -191,9 +191,6 @@ void CompiledSchedule::add_edges_of(TaskId c, const std::vector<TaskId>& writer)
     add_edge(producer_id(name, EdgeKind::kDependsOn), EdgeKind::kDependsOn);
   }
   for (const CrossIterEdge& x : task.cross_iter_depends_on()) {
-    WEFT_RULE_CHECK(x.offset < 0, c, "cross_iter_depends_on", "schedule: task '", task.name(),
-                    "' has cross_iter_depends_on '", x.producer, "' with offset ", x.offset,
-                    " (rule: cross_iter offsets are < 0; use depends_on for the same batch)");
     add_edge(producer_id(x.producer, EdgeKind::kCrossIter), EdgeKind::kCrossIter).offset = x.offset;
   }
   for (const SyncEdge& x : task.same_progress_sync()) {

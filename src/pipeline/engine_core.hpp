@@ -44,10 +44,7 @@ namespace weft::pipeline::detail {
 // `value` calls wake_all(); it makes the futex call only when some thread sleeps on the signal
 // (`num_sleepers`, read after a seq_cst fence, against the sleeper's seq_cst increment before
 // its last check, so one of the two always sees the other). The protocol does not go through
-// std::atomic::wait: the engine benchmark hung on a 32-core machine with it, never on 2 cores.
-// The likely cause: libstdc++'s notify skips the wake when its shared waiter count reads 0, and
-// reads it right after the caller's release store with no full fence between them — the one
-// reordering x86 allows (store then load), which can hide a sleeper that is about to sleep.
+// std::atomic::wait, whose notify can miss a thread that is about to sleep (docs/decisions.md).
 struct alignas(64) Signal {
   std::atomic<std::uint32_t> value{0};
   std::atomic<std::uint32_t> num_sleepers{0};

@@ -62,6 +62,9 @@ Task& Task::lookahead(int la) {
 }
 
 Task& Task::cross_iter_depends_on(std::string producer, int offset) {
+  WEFT_CHECK(offset < 0, "schedule: task '", name_, "' has cross_iter_depends_on '", producer,
+             "' with offset ", offset,
+             " (rule: cross_iter offsets are < 0; use depends_on for the same batch)");
   cross_iter_.push_back({std::move(producer), offset});
   return *this;
 }

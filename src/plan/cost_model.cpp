@@ -114,11 +114,8 @@ void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const 
 }
 
 CostModel CostModel::hstu_defaults() {
-  // Host figures: the relative CPU widths of the HSTU benchmark's Gantt page (HSTU on one 8xH100
-  // node, prefetch on), scaled so forward's host time is about 4 ms. GPU figures: forward and
-  // backward about 25 ms each on the default stream (the HSTU benchmark's measurement); collectives
-  // estimated from the HSTU benchmark's NCCL inventory payloads at intranode NVLink rates; copies
-  // at pinned PCIe rates.
+  // Rough figures taken from the HSTU benchmark; docs/planner.md ("Where the HSTU defaults come
+  // from") says where each comes from.
   CostModel model;
   model.default_host_us = 20;
   auto add = [&](const char* task, double host_us, std::vector<GpuSegment> gpu) {

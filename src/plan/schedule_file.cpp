@@ -1,6 +1,8 @@
 #include "weft/plan/schedule_file.hpp"
 
 #include <cstdint>
+#include <string>
+#include <utility>
 
 #include "core/json_input.hpp"
 #include "weft/core/error.hpp"
@@ -57,9 +59,12 @@ void parse_edges(const json& entry, const std::string& path, pipeline::Task& tas
     for_each_element(entry["cross_iter_depends_on"], path + ".cross_iter_depends_on",
                      "{producer, offset}", [&](const json& edge, const std::string& p) {
                        only_keys(edge, p, {"producer", "offset"});
-                       task.cross_iter_depends_on(
-                           name_at(required_member(edge, p, "producer"), p + ".producer"),
-                           int_at(required_member(edge, p, "offset"), p + ".offset"));
+                       std::string producer =
+                           name_at(required_member(edge, p, "producer"), p + ".producer");
+                       const int offset = int_at(required_member(edge, p, "offset"), p + ".offset");
+                       set_checked(p + ".offset", [&] {
+                         task.cross_iter_depends_on(std::move(producer), offset);
+                       });
                      });
   }
   if (entry.contains("same_progress_sync")) {

@@ -167,8 +167,8 @@ void print_run_header(const RankRun& run) {
 // traced one for the Chrome trace and the planner's calibration. Both compute the same bits.
 // Before the first variant, one more untraced run that nothing is taken from: the first pass over
 // the batches pays for what is loaded or chosen per new shape (kernel modules, cuBLAS heuristics
-// for each token count, NCCL's first use of each size), which made whichever variant ran first
-// look 16-34% slower than when run again.
+// for each token count, NCCL's first use of each size), which no variant's figures should carry
+// (docs/decisions.md).
 enum class Pass { kWarmUp, kMeasured, kTraced };
 
 pipeline::Trace run_variant_once(RankRun& run, hstu::HstuRank& rank, const RunVariant& v,

@@ -23,7 +23,7 @@ struct DeviceErrorRecord {
   uint32_t claimed;  // 0 until some thread wins the right to fill the record
   uint32_t code;     // 0 = no error; module-specific otherwise; written last
   int32_t rank;      // the rank that detected it, or -1
-  int32_t reserved;
+  int32_t reserved;  // unused: pads the header to 16 bytes, so args is 8-byte aligned
   int64_t args[3];   // code-specific details (the bad value, the bound, what was waited for)
 };
 

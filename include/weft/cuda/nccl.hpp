@@ -38,8 +38,8 @@ void check_nccl_runtime();
 // The libnccl.so.2 this process holds, if any (the dynamic linker matches it by its soname, so a
 // process holds at most one): its file and NCCL_VERSION_CODE. Loads nothing, binds nothing.
 struct LoadedNccl {
-  std::string path;
-  int version = 0;
+  std::string path;  // the file the dynamic linker mapped
+  int version = 0;   // its NCCL_VERSION_CODE, e.g. 22809 for 2.28.9
 };
 std::optional<LoadedNccl> loaded_nccl();
 

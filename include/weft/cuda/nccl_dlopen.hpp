@@ -20,7 +20,7 @@
 namespace weft::cuda::nccl_dlopen {
 
 struct BindResult {
-  bool bound = false;
+  bool bound = false;  // weft's NCCL calls now go to the library at path
   std::string path;   // the library bound or examined ("" when none could be loaded)
   int version = 0;    // its NCCL_VERSION_CODE (0 when unknown)
   std::string error;  // why nothing was bound ("" when bound)

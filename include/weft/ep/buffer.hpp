@@ -88,9 +88,9 @@ struct BufferOptions {
 // dispatch then throw: the layout it names has been overwritten). A cached dispatch returns the
 // handle it was given.
 struct Handle {
-  uint64_t buffer_id = 0;
+  uint64_t buffer_id = 0;  // the Buffer that made it (Buffer ids are unique in the process)
   uint64_t sequence = 0;  // the layout's number (counts uncached dispatches of the Buffer)
-  int64_t num_tokens = 0;
+  int64_t num_tokens = 0;  // T of the dispatch; a cached dispatch must pass the same T
   int64_t num_recv = -1;  // known only after wait_num_recv()
   ExpandOptions expand;   // the layout's DispatchInputs::expand (enabled: the expanded layout)
   // Known only after wait_num_recv() (-1 before): DispatchResult::tokens_required.
@@ -110,9 +110,9 @@ struct DispatchInputs {
   // group_stride) elements (row-major: (hidden / 128, 1); column-major: (1, T)), 4-byte aligned.
   // The rows are packed on the way (the received rows are packed fp8 rows, as with packed x).
   struct Fp8Scales {
-    const float* data = nullptr;
-    int64_t token_stride = 0;
-    int64_t group_stride = 0;
+    const float* data = nullptr;  // null: x is bf16 or packed fp8 rows
+    int64_t token_stride = 0;     // elements between the scales of consecutive tokens
+    int64_t group_stride = 0;     // elements between a token's consecutive groups
   } x_scales;
   // [T, top_k] int32 or int64, aligned to its element; -1 = no selection. Every pointer of a
   // call is device memory of this Buffer's device (checked; the Buffer's own window is too).
@@ -162,7 +162,7 @@ struct DispatchResult {
   // fp8 dispatch: [capacity, row_bytes] packed fp8 rows, and recv_x is null (bf16: the reverse).
   const uint8_t* recv_x_fp8 = nullptr;
   int64_t row_bytes = 0;                     // bytes per received row (the stride of both)
-  int64_t capacity = 0;
+  int64_t capacity = 0;                      // rows each array above has room for
   int64_t num_recv = -1;                     // set by wait_num_recv()
   // Expanded dispatch only (else null / -1), on the device like the counts:
   //  segment_begin [num_local_experts + 1] int64: expert e's rows are [segment_begin[e],
@@ -192,7 +192,7 @@ struct DispatchResult {
   // After wait_num_recv() of an uncached deduplicated dispatch: [num_local_experts] on the host,
   // valid until the next dispatch is launched (else null).
   const int32_t* tokens_per_local_expert_host = nullptr;
-  Handle handle;
+  Handle handle;  // names this layout for combine and a cached dispatch
 };
 
 // Owned copies of the latest dispatch's results (Buffer::copy_out): the first num_rows rows of
@@ -200,13 +200,13 @@ struct DispatchResult {
 // or past the received count (a worst-case num_rows) are padding: payload not written, src
 // (0, pad_token), topk_idx -1, topk_weights 0.
 struct CopyOutTargets {
-  int64_t num_rows = 0;
+  int64_t num_rows = 0;           // rows copied into each array given, >= 0
   void* x = nullptr;              // [num_rows, hidden] bf16, or the e4m3 bytes with x_scales
   float* x_scales = nullptr;      // fp8 dispatch: [num_rows, hidden / 128] row-major
   int32_t* src = nullptr;         // [num_rows, 2] (source rank, source token)
-  int32_t pad_token = 0;
+  int32_t pad_token = 0;          // the source token of the padding rows' src
   void* topk_idx = nullptr;       // [num_rows, num_topk] int32 or int64 (local expert or -1)
-  bool topk_idx_int64 = false;
+  bool topk_idx_int64 = false;    // topk_idx is int64 (else int32)
   float* topk_weights = nullptr;  // [num_rows, num_topk]
   int num_topk = 0;               // the first num_topk of the top_k selections
   int32_t* rank_prefix_matrix = nullptr;  // [R, R] (deduplicated layout)
@@ -290,8 +290,8 @@ struct AsyncState;
 // What the asynchronous dispatch returns: the results (as the synchronous form's) and the
 // completion Event (empty with async_finish = false).
 struct AsyncDispatchResult {
-  DispatchResult result;
-  Event event;
+  DispatchResult result;  // valid on the caller's stream once it waited on event
+  Event event;            // empty with async_finish = false
 };
 
 class Buffer {

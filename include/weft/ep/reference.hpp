@@ -48,7 +48,7 @@
 namespace weft::ep::reference {
 
 struct RankInput {
-  int64_t num_tokens = 0;
+  int64_t num_tokens = 0;              // T of this rank
   std::vector<uint16_t> x;             // [num_tokens, hidden] bf16 bits
   std::vector<uint8_t> x_fp8;          // fp8 dispatch: [num_tokens, Fp8RowLayout::row_bytes]
   std::vector<int64_t> topk_idx;       // [num_tokens, top_k], -1 = no selection
@@ -56,7 +56,7 @@ struct RankInput {
 };
 
 struct RankLayout {
-  int64_t num_recv = 0;
+  int64_t num_recv = 0;                   // rows this rank received (0 when it overflowed)
   std::vector<int32_t> recv_src_rank;     // [num_recv]
   std::vector<int32_t> recv_src_token;    // [num_recv]
   std::vector<int32_t> recv_expert_idx;   // [num_recv, top_k], local ids or -1
@@ -70,7 +70,7 @@ struct RankLayout {
   // Source side: send_slot[t * num_ranks + d] = the row of this rank's token t at rank d, or -1
   // (expanded: its first row there, the one of its lowest local expert).
   std::vector<int32_t> send_slot;         // [num_tokens, num_ranks]
-  int64_t num_tokens = 0;
+  int64_t num_tokens = 0;                 // this rank's T (RankInput::num_tokens)
   // Expanded layout only.
   bool expanded = false;
   std::vector<int64_t> segment_begin;     // [num_experts / num_ranks + 1]; last = aligned total
@@ -84,7 +84,7 @@ struct RankLayout {
 
 struct DispatchOptions {
   bool fp8 = false;  // move RankInput::x_fp8 (hidden must be a multiple of 128) instead of x
-  ExpandOptions expand{};
+  ExpandOptions expand{};  // enabled: the expanded layout (BufferConfig::expand_factor >= 1)
 };
 
 // Throws weft::Error on bad input (expert id out of range, sizes that do not match, T above
@@ -100,8 +100,8 @@ std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<c
 // The inverse of the packing: payload [num_tokens, hidden] e4m3 bytes and scales
 // [num_tokens, hidden / 128] from packed rows. Throws if a padding byte is not zero.
 struct Fp8Unpacked {
-  std::vector<uint8_t> payload;
-  std::vector<float> scales;
+  std::vector<uint8_t> payload;  // [num_tokens, hidden] e4m3 bytes
+  std::vector<float> scales;     // [num_tokens, hidden / 128], row-major
 };
 Fp8Unpacked unpack_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint8_t> rows);
 // payload * scale per element, [num_tokens, hidden] fp32.

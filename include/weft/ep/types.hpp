@@ -21,10 +21,10 @@ std::size_t dtype_size(DType dtype) noexcept;
 // A non-owning view of a contiguous row-major [rows, cols] array (device memory on the GPU path,
 // host memory for the reference). `data` may be null when rows == 0.
 struct TensorView {
-  const void* data = nullptr;
-  DType dtype = DType::kBFloat16;
-  int64_t rows = 0;
-  int64_t cols = 0;
+  const void* data = nullptr;      // the first element; rows * cols elements follow, no gaps
+  DType dtype = DType::kBFloat16;  // the element type
+  int64_t rows = 0;                // >= 0
+  int64_t cols = 0;                // elements per row, >= 0
 };
 
 // What one Buffer is sized for. Every rank of a communicator uses the same config.
@@ -66,7 +66,7 @@ struct BufferConfig {
 // reported: every rank derives every rank's need from the exchanged per-expert counts, so the
 // overflow is known before any payload moves.
 struct ExpandOptions {
-  bool enabled = false;
+  bool enabled = false;       // dispatch in this layout (needs BufferConfig::expand_factor >= 1)
   int expert_alignment = 1;   // each expert's segment is rounded up to a multiple of this (1..4096)
   bool zero_padding = false;  // padding rows' payload is zeroed (else left as it was)
 

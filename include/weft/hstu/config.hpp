@@ -11,11 +11,11 @@
 namespace weft::hstu {
 
 struct HstuConfig {
-  int world_size = 1;
-  int rank = 0;
+  int world_size = 1;            // ranks of the step, >= 1
+  int rank = 0;                  // this rank, in [0, world_size)
   int local_batch = 32;          // samples per rank per step, before and after the shuffle
   int max_seq_len = 4096;        // Zipf lengths are drawn from [1, max_seq_len]
-  double zipf_alpha = 1.2;
+  double zipf_alpha = 1.2;       // the length distribution's exponent, > 0
   int embedding_dim = 128;       // must be a multiple of 128 (one warp of float4 per row)
   std::int64_t num_items = 1 << 16;  // item ids in [0, num_items); row-wise sharded by id % world
   int num_layers = 10;           // dense layers (ReLU) of width `hidden`, then a 1-wide head
@@ -23,8 +23,8 @@ struct HstuConfig {
   // Gradient AllReduce buckets: bucket 1 holds layers [bucket_split_layer, num_layers] (and the
   // head), the last to get gradients; bucket 2 layers [0, bucket_split_layer).
   int bucket_split_layer = 3;
-  float dense_lr = 0.02f;
-  float embedding_lr = 2.0f;
+  float dense_lr = 0.02f;        // SGD step of the dense layers (master fp32 weights)
+  float embedding_lr = 2.0f;     // SGD step of the embedding rows
   std::uint64_t seed = 1;        // data, initial parameters and target all derive from it
   // One NCCL communicator per role (split from the given one): the default stream's AllReduces,
   // the input pipeline (shuffle, input distribution), the embedding all-to-alls. NCCL runs the

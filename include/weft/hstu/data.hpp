@@ -36,10 +36,10 @@ class ZipfSampler {
 
 // One rank's batch as it comes from the data loader (host memory).
 struct HostBatchView {
-  std::int64_t index = 0;
+  std::int64_t index = 0;                 // the batch's index in the run, from 0
   const std::int64_t* lengths = nullptr;  // [local_batch]
   const std::int64_t* ids = nullptr;      // [num_tokens], sample after sample
-  std::int64_t num_tokens = 0;
+  std::int64_t num_tokens = 0;            // sum of lengths, <= HstuConfig::max_local_tokens()
 };
 
 // Fills lengths[local_batch] and ids (capacity max_local_tokens); returns the number of tokens.
@@ -60,10 +60,10 @@ class HostDataset {
   HostBatchView batch(std::int64_t index) const;
 
  private:
-  int local_batch_;
+  int local_batch_;                  // samples per batch (HstuConfig::local_batch)
   std::int64_t* lengths_ = nullptr;  // [num_batches * local_batch]
   std::int64_t* ids_ = nullptr;      // all batches' ids back to back
-  std::vector<std::int64_t> offsets_;
+  std::vector<std::int64_t> offsets_;  // batch b's ids are ids_[offsets_[b], offsets_[b + 1])
 };
 
 // The balanced shuffle's partition: `workloads` holds every sample of the step, rank-major

@@ -27,8 +27,8 @@
 namespace weft::hstu {
 
 struct GradientBucket {
-  float* data;
-  std::int64_t num_elements;
+  float* data;                // device fp32 gradients, contiguous
+  std::int64_t num_elements;  // floats at data
 };
 
 class DenseMlp {

@@ -21,10 +21,10 @@
 namespace weft::hstu {
 
 struct LaunchEnv {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;
-  int local_world_size = 1;
+  int rank = 0;              // in [0, world_size)
+  int world_size = 1;        // >= 1
+  int local_rank = 0;        // this host's index of the rank, which picks its GPU
+  int local_world_size = 1;  // ranks on this host
   std::string launcher;    // "mpirun", "pmi", "env" or "single"
   std::string rendezvous;  // host:port; empty for world size 1
 };

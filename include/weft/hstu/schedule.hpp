@@ -27,7 +27,7 @@ enum class HstuCascade { kD3, kD6 };
 std::string_view to_string(HstuCascade cascade) noexcept;
 
 struct HstuOptions {
-  HstuCascade cascade = HstuCascade::kD3;
+  HstuCascade cascade = HstuCascade::kD3;  // the lookaheads (above)
   // With prefetch, prefetch_embeddings exists and backward same_progress_syncs on it (kBoth).
   bool prefetch = true;
   // Task name -> body; an unknown name is an error.
@@ -41,7 +41,7 @@ std::span<const std::string_view> hstu_task_names() noexcept;
 
 struct HstuVariant {
   std::string_view name;  // e.g. "full_split_d6"
-  HstuCascade cascade;
+  HstuCascade cascade;          // the lookaheads it runs with
   std::string_view thread_map;  // a ThreadMap::preset name
 };
 // legacy_none, default_d3, by_stream_d3, per_task_d3, io_prefetch_compute_d3,

@@ -25,10 +25,10 @@ namespace weft::pipeline {
 // A GPU span of one task run, in microseconds since the trace's reference point.
 struct GpuSpan {
   TaskId task = 0;
-  StreamId stream = 0;
-  std::int64_t batch = 0;
-  double begin_us = 0;
-  double end_us = 0;
+  StreamId stream = 0;      // the stream the task ran on in that progress (after any move)
+  std::int64_t batch = 0;   // the batch index the run worked on
+  double begin_us = 0;      // the first work the body enqueued began
+  double end_us = 0;        // the last of it ended; >= begin_us
   // The task's body threw: the span ends at the work the body had enqueued when it did.
   bool failed = false;
 };

@@ -13,7 +13,7 @@
 namespace weft::pipeline {
 
 struct MeasuredCollective {
-  std::string task;
+  std::string task;             // the task whose body recorded it
   std::string kind;             // as recorded, e.g. "AllReduce (grad bucket 1)"
   std::string stream;           // the stream the collective ran on
   double bytes_per_call = 0;    // payload per rank, averaged over the calls recorded

@@ -9,8 +9,8 @@
 //   writes; every edge names another task; a producer appears in at most one edge kind of a
 //   consumer; an ordering edge never points forward in time (the producer must run no later than
 //   its consumer, i.e. progress distance >= 0); a cross-stream ordering edge reaches back at most
-//   max_lookahead progresses (its event must still be in the ring); cross_iter offsets < 0; no
-//   cycle in the within-progress graph.
+//   max_lookahead progresses (its event must still be in the ring); no cycle in the
+//   within-progress graph. (cross_iter offsets < 0 is the Task's own rule, task.hpp.)
 //
 // Progress distance of an ordering edge (slot, depends_on, cross_iter with offset o, 0 otherwise):
 //   d = la(producer) - la(consumer) - o.
@@ -20,6 +20,9 @@
 //
 // Run order = topological order of the within-progress graph, declaration order breaking ties.
 // in_flight = max_lookahead + 1 ring slots.
+//
+// Thread safety: immutable once constructed (every public member function is const), so the
+// engine's threads and the planner read one CompiledSchedule concurrently without locks.
 //
 //   CompiledSchedule c(hstu::hstu_schedule({.cascade = hstu::HstuCascade::kD3}));
 //   for (auto id : c.run_order()) std::puts(c.task(id).name().c_str());
@@ -49,9 +52,9 @@ std::string_view to_string(EdgeKind kind) noexcept;
 // One resolved edge producer -> consumer. Several slots read from one producer form one edge.
 struct Edge {
   TaskId producer = 0;
-  TaskId consumer = 0;
+  TaskId consumer = 0;              // != producer
   EdgeKind kind = EdgeKind::kSlot;
-  std::vector<SlotId> slots;        // kSlot only
+  std::vector<SlotId> slots;        // kSlot only: every slot the consumer reads from producer
   int offset = 0;                   // kCrossIter only (< 0)
   SyncSide side = SyncSide::kBoth;  // kSameProgressSync only
   int progress_distance = 0;        // 0 = same progress; see the file comment

@@ -59,9 +59,9 @@ class HostStream {
   std::exception_ptr first_error_;
   std::atomic<std::uint64_t> num_enqueued_{0};
   std::atomic<std::uint64_t> num_completed_{0};
-  // wait_for() blocks on a condition variable, not on std::atomic<uint64_t>::wait: libstdc++
-  // emulates 64-bit atomic waits through a shared proxy pool, and the engine benchmark hung in a
-  // wait of that kind on a 32-core machine. The mutex guards only the hand-off of completions.
+  // wait_for() blocks on a condition variable, not on std::atomic<uint64_t>::wait, whose
+  // wake-ups libstdc++ may lose (docs/decisions.md). The mutex guards only the hand-off of
+  // completions.
   mutable std::mutex completed_mutex_;
   mutable std::condition_variable completed_;
   std::thread worker_;

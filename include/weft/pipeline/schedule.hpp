@@ -3,6 +3,8 @@
 // A Schedule is a builder and checks nothing; CompiledSchedule validates it. The stream "default"
 // always exists; other streams are declared with a priority (0 = normal, larger = more urgent).
 // Inputs are the slots the data source fills when a batch enters the ring.
+// Schedule and Task are plain values without synchronisation: build one on one thread; the engine
+// takes it by value into its CompiledSchedule.
 //
 //   Schedule s;
 //   s.add_stream("memcpy").add_input("batch_cpu");
@@ -20,7 +22,7 @@
 namespace weft::pipeline {
 
 struct StreamSpec {
-  std::string name;
+  std::string name;  // non-empty, unique in the schedule; "default" is always declared
   int priority = 0;  // 0 = normal; larger = more urgent (mapped onto the backend's range)
   bool operator==(const StreamSpec&) const = default;
 };

@@ -37,6 +37,7 @@
 
 namespace weft::pipeline {
 
+// A same_progress_sync edge a config sets: added to the consumer, or its side changed if present.
 struct SyncEdgeConfig {
   std::string producer;
   std::string consumer;
@@ -45,8 +46,8 @@ struct SyncEdgeConfig {
 };
 
 struct ScheduleConfig {
-  std::optional<ThreadMap> thread_map;
-  std::map<std::string, int> lookahead;
+  std::optional<ThreadMap> thread_map;        // empty: the run's own choice stays
+  std::map<std::string, int> lookahead;       // task -> lookahead, 0 <= la <= kMaxLookahead
   std::map<std::string, std::string> stream;  // task -> the stream it runs on
   std::vector<SyncEdgeConfig> same_progress_sync;
   // The file load() read, named in apply()'s errors; empty for a config from parse().

@@ -56,8 +56,8 @@ inline constexpr int kMaxLookahead = 1000;
 // `stream` names the stream the collective's kernel lands on, which may be a comm stream used
 // inside the task rather than the task's own stream; it must be a stream of the schedule.
 struct CollectiveOp {
-  std::string kind;             // e.g. "AllGather", "SendRecv", "AllReduce"
-  std::string stream;
+  std::string kind;             // e.g. "AllGather", "SendRecv", "AllReduce"; non-empty
+  std::string stream;           // a stream of the schedule (see above)
   std::size_t num_bytes = 0;    // payload per rank and call, an estimate where it varies
   int count = 1;                // calls per run of the task, >= 1
 
@@ -65,14 +65,14 @@ struct CollectiveOp {
 };
 
 struct CrossIterEdge {
-  std::string producer;
+  std::string producer;  // another task's name
   int offset = -1;  // the producer's batch is the consumer's batch + offset; offset < 0
   bool operator==(const CrossIterEdge&) const = default;
 };
 
 struct SyncEdge {
-  std::string producer;
-  SyncSide side = SyncSide::kBoth;
+  std::string producer;             // another task's name
+  SyncSide side = SyncSide::kBoth;  // where the producer must have run in this progress()
   bool operator==(const SyncEdge&) const = default;
 };
 
@@ -110,6 +110,8 @@ class Task {
     (depends_on_.emplace_back(std::string_view(producers)), ...);
     return *this;
   }
+  // Throws weft::Error unless offset < 0 (the same batch is depends_on): the one place the rule
+  // is checked, so CompiledSchedule and the bindings rely on it.
   Task& cross_iter_depends_on(std::string producer, int offset);
   Task& same_progress_sync(std::string producer, SyncSide side = SyncSide::kBoth);
   // Marks the task as enqueuing collectives: it runs holding this progress's ticket for it.

@@ -29,8 +29,8 @@
 namespace weft::pipeline {
 
 struct ThreadGroup {
-  std::string name;
-  std::vector<std::string> tasks;
+  std::string name;                // the engine thread's name (traces, reports)
+  std::vector<std::string> tasks;  // names of the tasks the thread runs
   bool operator==(const ThreadGroup&) const = default;
 };
 

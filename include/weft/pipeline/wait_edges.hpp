@@ -46,8 +46,8 @@ struct WaitEdge {
   int edge_index = -1;
   bool host_wait = false;    // the consumer's thread blocks in this progress until the producer ran
   bool stream_wait = false;  // the consumer's stream waits on the producer's event
-  int progress_distance = 0;
-  int batch_offset = 0;      // producer's batch minus consumer's batch
+  int progress_distance = 0;  // >= 0: how many progresses earlier the producer ran (Edge's)
+  int batch_offset = 0;       // producer's batch minus consumer's batch
 };
 
 // Every edge of the schedule, classified, then the kStreamOrder edges; in consumer run order.

@@ -27,22 +27,22 @@
 namespace weft::plan {
 
 struct GpuSegment {
-  std::string stream;
-  double us = 0;
+  std::string stream;  // a stream of the schedule
+  double us = 0;       // in [0, kMaxCostUs]
   bool operator==(const GpuSegment&) const = default;
 };
 
 struct TaskCost {
-  double host_us = 0;
-  std::vector<GpuSegment> gpu;
+  double host_us = 0;            // the body's time on its host thread, in [0, kMaxCostUs]
+  std::vector<GpuSegment> gpu;   // in the order they run, after the body has enqueued them
   bool operator==(const TaskCost&) const = default;
 };
 
 struct CostModel {
   static constexpr double kMaxCostUs = 1e9;
 
-  double default_host_us = 20;
-  std::map<std::string, TaskCost, std::less<>> tasks;
+  double default_host_us = 20;                          // host time of a task `tasks` lacks
+  std::map<std::string, TaskCost, std::less<>> tasks;   // task name -> its cost
 
   static CostModel parse(std::string_view json_text);
   static CostModel load(const std::string& path);

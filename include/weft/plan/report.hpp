@@ -29,11 +29,11 @@ struct VariantReport {
   std::string thread_map;  // human description, e.g. "io / data_dist / prefetch / compute (4)"
   std::string source;      // "simulated" or "trace <file>"
   std::vector<TaskPlacement> placement;  // in run order
-  Timeline timeline;
+  Timeline timeline;                     // the steady-state progress() drawn for the variant
 };
 
 struct ReportOptions {
-  std::string title = "weft plan";
+  std::string title = "weft plan";  // the page's title and heading
   // task -> the collectives it enqueues; drawn as the collective inventory table when non-empty.
   std::map<std::string, std::vector<CollectiveCall>> collectives;
 };

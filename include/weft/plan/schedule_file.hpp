@@ -41,10 +41,10 @@
 namespace weft::plan {
 
 struct ScheduleFile {
-  pipeline::Schedule schedule;
-  std::vector<std::string> thread_map_names;  // for the report: "by_stream", "explicit 1", ...
-  std::vector<pipeline::ThreadMap> thread_maps;
-  std::optional<CostModel> costs;
+  pipeline::Schedule schedule;                   // valid: parse() has compiled it once
+  std::vector<std::string> thread_map_names;     // for the report: "by_stream", "explicit 1", ...
+  std::vector<pipeline::ThreadMap> thread_maps;  // parallel to thread_map_names
+  std::optional<CostModel> costs;                // checked against the schedule; empty: none given
 
   static ScheduleFile parse(std::string_view json_text);
   static ScheduleFile load(const std::string& path);

@@ -49,7 +49,7 @@ struct SuggestOptions {
   int num_best = 3;        // suggestions returned, >= 1
   // Spaces of at most this many points are enumerated rather than searched locally.
   std::size_t exact_limit = 20000;
-  SimulationOptions simulation;
+  SimulationOptions simulation;  // how every candidate is simulated
   // More maps to start from (e.g. the presets); the result is never worse than any of them
   // under the schedule's own lookaheads.
   std::vector<pipeline::ThreadMap> start_maps;
@@ -60,12 +60,12 @@ struct Suggestion {
   // thread_map (legacy, or groups t0, t1, ... in order of their first tasks), every task's
   // lookahead and every movable task's stream.
   pipeline::ScheduleConfig config;
-  std::vector<TaskPlacement> placement;
-  double step_us = 0;
-  double host_step_us = 0;
-  std::size_t num_threads = 0;
+  std::vector<TaskPlacement> placement;  // in run order
+  double step_us = 0;                    // the predicted steady-state step (Timeline::step_us)
+  double host_step_us = 0;               // the predicted progress() makespan on the host
+  std::size_t num_threads = 0;           // engine threads of config's thread map
   std::string busiest_thread;  // the thread whose task bodies take longest in one progress()
-  double busiest_thread_busy_us = 0;
+  double busiest_thread_busy_us = 0;  // its bodies' time in that progress()
   // What bounds the step: "stream <name>" (the busiest stream is busy 99% of the step or more),
   // "host" (one progress() takes 99% of the step or more) or "GPU waits across streams
   // (busiest: <name>, <us> us)" (neither: streams wait for each other's work).
@@ -80,7 +80,7 @@ struct SuggestResult {
   Suggestion start;                   // the schedule as given, under the legacy map
   std::string method;                 // "exact" or "local"
   std::vector<std::string> searched;  // what the search covered, one line each
-  std::vector<std::string> not_searched;
+  std::vector<std::string> not_searched;  // what it left fixed or skipped, one line each
   std::size_t num_evaluated = 0;  // distinct candidates simulated
   std::size_t num_refused = 0;    // candidates the schedule's rules refused
 };

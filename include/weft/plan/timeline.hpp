@@ -27,17 +27,18 @@ bool is_lookahead_rule(WaitRule rule) noexcept;
 // The placement of one task: which stream it enqueues on, which thread runs it, how far ahead.
 struct TaskPlacement {
   std::string task;
-  std::string stream;
-  std::string thread;
+  std::string stream;        // after any move a config made
+  std::string thread;        // the engine thread's name under the variant's thread map
   int lookahead = 0;
-  bool collective = false;
+  bool collective = false;   // runs holding a collective ticket
 };
 
+// Times of the spans and waits below: microseconds from the start of the drawn progress().
 struct HostSpan {
   std::string task;
   std::string thread;
   double start_us = 0;
-  double end_us = 0;
+  double end_us = 0;     // >= start_us
   long long batch = -1;  // the batch index the task worked on; -1 when unknown
   int ticket = -1;       // collective ticket, -1 for non-collective tasks
 };
@@ -46,13 +47,13 @@ struct GpuSpan {
   std::string task;
   std::string stream;
   double start_us = 0;
-  double end_us = 0;
+  double end_us = 0;     // >= start_us
 };
 
 struct WaitEdge {
   std::string producer;
   std::string consumer;
-  std::string producer_thread;
+  std::string producer_thread;  // the engine thread of each side
   std::string consumer_thread;
   WaitRule rule = WaitRule::kSameLookahead;
   double released_at_us = 0;  // when the producer side finished and the consumer could go on
@@ -66,16 +67,16 @@ struct WaitEdge {
 struct Timeline {
   std::vector<std::string> threads;  // host threads, in drawing order
   std::vector<std::string> streams;  // GPU streams, in drawing order
-  std::vector<HostSpan> host;
-  std::vector<GpuSpan> gpu;
-  std::vector<WaitEdge> waits;
+  std::vector<HostSpan> host;        // every task run of the progress()
+  std::vector<GpuSpan> gpu;          // every GPU segment of those runs
+  std::vector<WaitEdge> waits;       // the cross-thread waits that held a consumer up
   double host_step_us = 0;  // makespan of the host threads in this progress()
   double step_us = 0;       // steady-state period of a training step (host or GPU bound)
 };
 
 // Per-thread accounting of one progress().
 struct ThreadLoad {
-  std::string thread;
+  std::string thread;  // one of Timeline::threads
   double busy_us = 0;  // running task bodies
   double wait_us = 0;  // idle before one of its tasks could start (waiting for other threads)
 };

@@ -41,18 +41,17 @@ def _affine(rows_a: int, us_a: float, rows_b: int, us_b: float) -> CallCost:
     return CallCost(us_a - slope * rows_a, slope)
 
 
-# weft.ep on 2x H200 (docs/perf-ep.md, current kernels, T tokens per rank, bf16 hidden 7168,
-# top-8 of 256; mid-range of the measured runs): dispatch 16.5-17.0 us at T=128, 342.2-344.2 at
-# T=8192; combine 18.7-18.9 and 344.6-345.1; cached dispatch 12.8-12.9 and 331.9-332.2.
+# weft.ep on 2x H200: the line through the mid-ranges at T = 128 and T = 8192 tokens per rank
+# (bf16 hidden 7168, top-8 of 256) of docs/perf-ep.md's current-kernels table.
 EP_2XH200: Mapping[str, CallCost] = {
     "dispatch": _affine(128, 16.75, 8192, 343.2),
     "combine": _affine(128, 18.8, 8192, 344.85),
     "dispatch_cached": _affine(128, 12.85, 8192, 332.05),
 }
 
-# The NCCL all_to_all dispatcher on 2x H200 (DESIGN.md's anchors at T=8192, bf16 hidden 7168:
-# dispatch 890-905 us, combine 1712-1717 us), proportional to the rows (no small-T figure);
-# its cached dispatch is one all_to_all of rows, taken as the dispatch's time.
+# The NCCL all_to_all dispatcher on 2x H200: proportional to the rows through its mid-ranges at
+# T = 8192 (docs/python.md, "Emulated communication"; there is no small-T figure); its cached
+# dispatch is one all_to_all of rows, taken as the dispatch's time.
 A2A_2XH200: Mapping[str, CallCost] = {
     "dispatch": CallCost(0.0, 897.5 / 8192),
     "combine": CallCost(0.0, 1714.5 / 8192),

@@ -24,8 +24,8 @@ Fields (docs/pipeline.md has the semantics): ``stream`` (default ``"default"``),
 count)`` tuples; ``nccl=True`` is the HSTU benchmark's spelling of ``collective=True``).
 
 A Task holds a bound weft::pipeline::Task, which holds and checks every field: a value of the
-wrong type is a TypeError, one C++ refuses a weft.Error (or ValueError for a cross_iter offset
->= 0), each naming the task and the field, raised where the value is given. The Python side
+wrong type is a TypeError, one C++ refuses a weft.Error (a lookahead out of range, a cross_iter
+offset >= 0), each naming the task and the field, raised where the value is given. The Python side
 keeps what C++ cannot: the body and init callables, a subclass's class attributes as its
 defaults, and the Python spellings above. Fields may be assigned after construction
 (``schedule.task("h2d").lookahead = 5``), checked the same way.

@@ -185,8 +185,6 @@ TEST(ScheduleValidation, ErrorsCarryTheTaskAndTheField) {
       {[](Schedule& s) { s.add(Task("a").reads("ghost")); }, 0, "reads"},
       {[](Schedule& s) { s.add(Task("a").writes("x")).add(Task("b").writes("x")); }, 1, "writes"},
       {[](Schedule& s) { s.add(Task("a")).add(Task("b").depends_on("c")); }, 1, "depends_on"},
-      {[](Schedule& s) { s.add(Task("a").cross_iter_depends_on("a", 1)); }, 0,
-       "cross_iter_depends_on"},
       {[](Schedule& s) { s.add(Task("a").same_progress_sync("a")); }, 0, "same_progress_sync"},
       {[](Schedule& s) { s.add(Task("a").writes("x")).add(Task("b").lookahead(1).reads("x")); }, 1,
        "reads"},
@@ -215,6 +213,12 @@ TEST(ScheduleValidation, ErrorsCarryTheTaskAndTheField) {
           << e.what();
     }
   }
+}
+
+TEST(ScheduleValidation, TaskRefusesACrossIterOffsetOfTheSameOrALaterBatch) {
+  EXPECT_THROW(Task("a").cross_iter_depends_on("p", 0), weft::Error);
+  EXPECT_THROW(Task("a").cross_iter_depends_on("p", 1), weft::Error);
+  EXPECT_EQ(Task("a").cross_iter_depends_on("p", -1).cross_iter_depends_on().size(), 1u);
 }
 
 TEST(ScheduleValidation, TaskRefusesALookaheadOutsideTheLimit) {

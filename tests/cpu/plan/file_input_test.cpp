@@ -162,7 +162,13 @@ TEST(FileInput, ScheduleRuleErrorsPointAtTheField) {
               ScheduleFile::parse(R"({"inputs": ["x", "x"], "tasks": [{"name": "a"}]})");
             }).rfind("$.inputs: ", 0),
             0u);
-  // The lookahead rule is the Task's own, the same as everywhere else.
+  // The lookahead and cross_iter offset rules are the Task's own, the same as everywhere else.
+  EXPECT_EQ(error_of([] {
+              ScheduleFile::parse(R"({"tasks": [{"name": "a", "cross_iter_depends_on":
+                                                  [{"producer": "a", "offset": 0}]}]})");
+            }).rfind("$.tasks[0].cross_iter_depends_on[0].offset: schedule: task 'a' has "
+                     "cross_iter_depends_on 'a' with offset 0", 0),
+            0u);
   EXPECT_EQ(error_of([] { ScheduleFile::parse(R"({"tasks": [{"name": "a", "lookahead": -1}]})"); }),
             "$.tasks[0].lookahead: schedule: task 'a' has lookahead -1 (rule: 0 <= lookahead <= "
             "1000)");
