@@ -75,7 +75,11 @@ export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared machines
 deepep_commit=""
 site=""
 if [[ -n "$deepep_src" ]]; then
-  deepep_commit=$(git -C "$deepep_src" rev-parse --short HEAD 2>/dev/null || echo unknown)
+  # Its own commit only: a checkout without .git inside another repository must not take that one's.
+  deepep_commit=unknown
+  if [[ "$(git -C "$deepep_src" rev-parse --show-toplevel 2>/dev/null)" == "$deepep_src" ]]; then
+    deepep_commit=$(git -C "$deepep_src" rev-parse --short HEAD)
+  fi
   site=${DEEPEP_SITE:-${XDG_CACHE_HOME:-$HOME/.cache}/weft-two-gpu/deepep-$deepep_commit}
 fi
 note "# two-gpu-runs: $(date -u +%Y-%m-%dT%H:%M:%SZ), weft $(git rev-parse --short HEAD 2>/dev/null)," \
