@@ -6,7 +6,7 @@
 # benchmarks; keep full logs in OUT_DIR, print a summary last.
 #
 #   scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python]
-#                       [--only REGEX] [--exclude-label LABEL] [--bench-list FILE]
+#                       [--no-pytest] [--only REGEX] [--exclude-label LABEL] [--bench-list FILE]
 #                       [--sanitize-only]
 #
 # OUT_DIR receives: build.log, gpu-tests.log, cpu-stress.log, sanitizer-memcheck.log,
@@ -18,7 +18,8 @@
 # failed test, or a run past SANITIZER_TIMEOUT seconds (default 600, per tool and test program)
 # fails it; SANITIZER_TOOLS picks the tools (default "memcheck racecheck synccheck"), and
 # --sanitize-only runs the build and this stage alone. The Python package is built by pip from this checkout against the
-# machine's python3 (its torch) and the same NCCL, and its pytest suite runs on the GPUs present.
+# machine's python3 (its torch) and the same NCCL, and its pytest suite runs on the GPUs present
+# (--no-pytest: installed, not tested; scripts/two-gpu-runs.sh runs the tests it picks).
 # The benchmarks run are the lines of bench/gpu-benchmarks.txt, or of the --bench-list FILEs (one
 # or more; e.g. bench/gpu-sweeps.txt, the parameter sweeps behind the defaults): commands relative
 # to the build folder, '#' starts a comment, each stopped after BENCH_TIMEOUT seconds (default 300).
@@ -26,12 +27,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--only REGEX] [--exclude-label LABEL] [--bench-list FILE] [--sanitize-only]}
+out=${1:?usage: scripts/gpu-test.sh OUT_DIR [--no-bench] [--no-cpp-tests] [--no-sanitize] [--no-python] [--no-pytest] [--only REGEX] [--exclude-label LABEL] [--bench-list FILE] [--sanitize-only]}
 shift
 run_bench=1
 run_cpp_tests=1
 run_sanitize=1
 run_python=1
+run_pytest=1
 sanitize_only=0
 only=""
 exclude_label=""  # e.g. ep-virtual: the EP tests again on virtual teams of 2, 4 and 8 ranks
@@ -42,6 +44,7 @@ while (($#)); do
     --no-cpp-tests) run_cpp_tests=0 ;;
     --no-sanitize) run_sanitize=0 ;;
     --no-python) run_python=0 ;;
+    --no-pytest) run_pytest=0 ;;
     --only) only=$2; shift ;;
     --exclude-label) exclude_label=$2; shift ;;
     --bench-list) bench_lists+=("$2"); shift ;;
@@ -55,14 +58,7 @@ summary="$out/summary.txt"
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
 
-if [[ -z "${NCCL_ROOT:-}" ]]; then
-  NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
-fi
-[[ -n "$NCCL_ROOT" && -f "$NCCL_ROOT/include/nccl_device.h" ]] || {
-  note "FAIL: no NCCL with nccl_device.h (set NCCL_ROOT)"; exit 1; }
-export NCCL_ROOT
-export LD_LIBRARY_PATH="$NCCL_ROOT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export NCCL_NVLS_ENABLE=0  # never NVLink multicast on shared machines
+source scripts/nccl-env.sh || { note "FAIL: no NCCL with nccl_device.h (set NCCL_ROOT)"; exit 1; }
 build_dir=${BUILD_DIR:-build-gpu}
 
 {
@@ -102,9 +98,13 @@ fi
 
 if ((run_python)); then
   if python3 -m pip install --no-build-isolation --no-deps -v . >"$out/python-build.log" 2>&1; then
-    python3 -m pytest python/tests -v -rs >"$out/pytest.log" 2>&1 || status=1
-    note "python tests: $(tail -1 "$out/pytest.log")"
-    grep -E '^(FAILED|ERROR)' "$out/pytest.log" | sed 's/^/  /' | tee -a "$summary"
+    if ((run_pytest)); then
+      python3 -m pytest python/tests -v -rs >"$out/pytest.log" 2>&1 || status=1
+      note "python tests: $(tail -1 "$out/pytest.log")"
+      grep -E '^(FAILED|ERROR)' "$out/pytest.log" | sed 's/^/  /' | tee -a "$summary"
+    else
+      note "python package: installed (no pytest: --no-pytest)"
+    fi
   else
     tail -30 "$out/python-build.log"
     note "FAIL: python package build (see python-build.log)"

@@ -2,12 +2,20 @@
 
     python bench/python/ep_bench.py --tokens 8192 --hidden 7168 --experts 256 --top-k 8
     torchrun --nproc-per-node 2 bench/python/ep_bench.py ...        # one process per GPU
+    torchrun --nproc-per-node 2 bench/python/ep_bench.py --backend deep_ep   # DeepEP itself
 
 Per API form: host us per call (the Python call's wall time while the GPU is busy, median over
 --iters back-to-back calls), the same for the bare extension call (weft's C++ host path), their
 difference (what the Python layer adds), and GPU us per call (CUDA events over the same calls).
 Bandwidth as weft-ep-bench defines it: logical GB/s = received rows x bf16 row bytes / GPU time
 (so an fp8 form's figure is what its bf16 equivalent would need).
+
+--backend deep_ep: the DeepEP-API forms (owned host-synced dispatch, num_worst_tokens, the fp8
+pair, cached dispatch, combine) against the `deep_ep` package that `import deep_ep` finds, with
+the same Buffer calls and the same timing; the weft-native forms are left out. Its configs are
+DeepEP's own for the rank count (Buffer.get_dispatch_config / get_combine_config at --deepep-sms
+SMs), its buffer sized by their hints, as Megatron-core sizes it. DeepEP's intranode kernels
+need 2, 4 or 8 ranks: run it under torchrun.
 """
 
 import argparse
@@ -21,7 +29,7 @@ import torch.distributed as dist
 
 import weft
 import weft.ep
-from launch import process_group_from_env
+from launch import process_group_from_env, world_group
 
 
 def parse():
@@ -33,6 +41,12 @@ def parse():
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--repeats", type=int, default=3, help="runs of every measurement (a range)")
+    p.add_argument("--backend", choices=("weft", "deep_ep"), default="weft",
+                   help="weft: weft.ep, native and DeepEP-API forms (default); deep_ep: the\n"
+                        "DeepEP-API forms on the deep_ep package")
+    p.add_argument("--deepep-sms", type=int, default=24,
+                   help="--backend deep_ep: SMs of DeepEP's kernels (Buffer.set_num_sms; its own\n"
+                        "tests/test_intranode.py uses 24)")
     p.add_argument("--kernels", metavar="TEXT[,TEXT...]", default="",
                    help="also time the GPU kernels (torch.profiler) of each form whose name\n"
                         "contains a TEXT: us per call of each kernel")
@@ -98,9 +112,33 @@ def profile(name, fn, iters, warmup):
         print(f"  {tt / iters * 1e6:8.2f}  ({cc / iters:4.1f})  {func}  {file.split('/')[-1]}:{line}")
 
 
+def deepep_buffer(group, world, hidden, num_sms):
+    """The deep_ep package's Buffer with its own dispatch and combine configs for world ranks at
+    num_sms SMs, sized by their hints for bf16 rows (as Megatron-core sizes it)."""
+    import deep_ep
+
+    deep_ep.Buffer.set_num_sms(num_sms)
+    dispatch_config = deep_ep.Buffer.get_dispatch_config(world)
+    combine_config = deep_ep.Buffer.get_combine_config(world)
+    nvl_bytes = max(c.get_nvl_buffer_size_hint(hidden * 2, world)
+                    for c in (dispatch_config, combine_config))
+    return deep_ep, deep_ep.Buffer(group, nvl_bytes), dispatch_config, combine_config
+
+
+def package_version(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
 def main():
     a = parse()
-    group = process_group_from_env()
+    on_weft = a.backend == "weft"
+    # weft.ep runs without a group at one rank; DeepEP's Buffer always needs one.
+    group = process_group_from_env() if on_weft else world_group(torch.device("cuda"))
     rank = dist.get_rank() if group else 0
     world = dist.get_world_size() if group else 1
     torch.manual_seed(rank)
@@ -108,60 +146,68 @@ def main():
     x = torch.randn((T, H), device="cuda").bfloat16()
     idx = torch.rand((T, E), device="cuda").topk(K, dim=1).indices
     w = torch.rand((T, K), device="cuda")
-    native = weft.ep.NativeBuffer(group, max_tokens=T, hidden=H, num_experts=E, top_k=K)
-    compat = weft.ep.Buffer(group, weft.ep.sizing.window_bytes_for(T, H, world, K, E))
-    config = weft.ep.Config(torch.cuda.get_device_properties(0).multi_processor_count)
+    if on_weft:
+        native = weft.ep.NativeBuffer(group, max_tokens=T, hidden=H, num_experts=E, top_k=K)
+        compat = weft.ep.Buffer(group, weft.ep.sizing.window_bytes_for(T, H, world, K, E))
+        config = combine_config = weft.ep.Config(
+            torch.cuda.get_device_properties(0).multi_processor_count)
+    else:
+        deep_ep, compat, config, combine_config = deepep_buffer(group, world, H, a.deepep_sms)
     per_rank, _, per_expert, in_rank, _ = compat.get_dispatch_layout(idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert)
-    res = native.dispatch(x, idx, w, sync_count=True)
-    n = res.num_recv
-    y = res.recv_x[:n].clone()
-    # The bare calls run on the current stream, where the events time them.
-    stream = torch.cuda.current_stream().cuda_stream
-    raw = native._native
-    dargs = weft._weft.ep.DispatchArgs()
-    dargs.x, dargs.num_tokens, dargs.x_cols = x.data_ptr(), T, H
-    dargs.topk_idx, dargs.topk_weights, dargs.stream = idx.data_ptr(), w.data_ptr(), stream
+    forms = {}
+    if on_weft:
+        res = native.dispatch(x, idx, w, sync_count=True)
+        n = res.num_recv
+        y = res.recv_x[:n].clone()
+        # The bare calls run on the current stream, where the events time them.
+        stream = torch.cuda.current_stream().cuda_stream
+        raw = native._native
+        dargs = weft._weft.ep.DispatchArgs()
+        dargs.x, dargs.num_tokens, dargs.x_cols = x.data_ptr(), T, H
+        dargs.topk_idx, dargs.topk_weights, dargs.stream = idx.data_ptr(), w.data_ptr(), stream
 
-    def raw_dispatch():
-        raw.dispatch(dargs, None)
+        def raw_dispatch():
+            raw.dispatch(dargs, None)
 
-    handle = native.dispatch(x, idx, w).handle
-    cargs = weft._weft.ep.CombineArgs()
+        handle = native.dispatch(x, idx, w).handle
+        cargs = weft._weft.ep.CombineArgs()
 
-    def raw_combine():
-        raw.combine(cargs, handle)
+        def raw_combine():
+            raw.combine(cargs, handle)
 
-    out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
-    cargs.expert_out, cargs.expert_out_rows, cargs.out, cargs.stream = y.data_ptr(), n, \
-        out.data_ptr(), stream
-    _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
-                                             **layout)
+        out = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+        cargs.expert_out, cargs.expert_out_rows, cargs.out, cargs.stream = y.data_ptr(), n, \
+            out.data_ptr(), stream
+        forms.update({
+            "bare extension dispatch (C++ host path)": raw_dispatch,
+            "native dispatch, zero-copy, count on device": lambda: native.dispatch(x, idx, w),
+            "native dispatch, zero-copy, on the current stream":
+                lambda: native.dispatch(x, idx, w, on_current_stream=True),
+            "native dispatch, zero-copy, count read (host sync)":
+                lambda: native.dispatch(x, idx, w, sync_count=True),
+        })
+    recv_x = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config, **layout)[0]
+    if not on_weft:  # the rows to combine: what this rank received
+        n = recv_x.shape[0]
+        y = recv_x.clone()
     # DeepEP's fp8 pair as its own test passes it: per-128 scales, column-major.
     amax = x.float().view(T, H // 128, 128).abs().amax(dim=2).clamp(min=1e-4)
     x_fp8 = ((x.float().view(T, H // 128, 128) * (448.0 / amax[..., None])).view(T, H)
              .to(torch.float8_e4m3fn), (amax / 448.0).t().contiguous().t())
-    forms = {
-        "bare extension dispatch (C++ host path)": raw_dispatch,
-        "native dispatch, zero-copy, count on device": lambda: native.dispatch(x, idx, w),
-        "native dispatch, zero-copy, on the current stream":
-            lambda: native.dispatch(x, idx, w, on_current_stream=True),
-        "native dispatch, zero-copy, count read (host sync)":
-            lambda: native.dispatch(x, idx, w, sync_count=True),
-        "DeepEP dispatch, owned tensors (host sync)":
-            lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config, **layout),
-        "DeepEP dispatch, owned, num_worst_tokens (no sync)":
-            lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
-                                    num_worst_tokens=n, **layout),
-        "native dispatch, fp8 pair, zero-copy, count on device":
-            lambda: native.dispatch(x_fp8, idx, w),
-        "DeepEP dispatch, fp8 pair, owned tensors (host sync)":
-            lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config,
-                                    **layout),
-        "one copy of the received rows (torch clone): the floor's second pass":
-            lambda: y.clone(),
-    }
+    forms["DeepEP dispatch, owned tensors (host sync)"] = \
+        lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config, **layout)
+    forms["DeepEP dispatch, owned, num_worst_tokens (no sync)"] = \
+        lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
+                                num_worst_tokens=n, **layout)
+    if on_weft:
+        forms["native dispatch, fp8 pair, zero-copy, count on device"] = \
+            lambda: native.dispatch(x_fp8, idx, w)
+    forms["DeepEP dispatch, fp8 pair, owned tensors (host sync)"] = \
+        lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config, **layout)
+    forms["one copy of the received rows (torch clone): the floor's second pass"] = \
+        lambda: y.clone()
     results = {}
     for name, fn in forms.items():
         results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
@@ -175,27 +221,35 @@ def main():
     results["DeepEP cached dispatch, owned"] = [
         timed(lambda: compat.dispatch(x, handle=chandle, config=config), a.iters, a.warmup)
         for _ in range(a.repeats)]
-    native.dispatch(x, idx, w)
-    handle = native.dispatch(x, idx, w).handle
-    results["bare extension combine (C++ host path)"] = [
-        timed(raw_combine, a.iters, a.warmup) for _ in range(a.repeats)]
-    results["native combine, into out=, on the current stream"] = [
-        timed(lambda: native.combine(y, handle, out=out, on_current_stream=True), a.iters,
-              a.warmup) for _ in range(a.repeats)]
-    results["native combine, into out="] = [
-        timed(lambda: native.combine(y, handle, out=out), a.iters, a.warmup)
-        for _ in range(a.repeats)]
+    if on_weft:
+        native.dispatch(x, idx, w)
+        handle = native.dispatch(x, idx, w).handle
+        results["bare extension combine (C++ host path)"] = [
+            timed(raw_combine, a.iters, a.warmup) for _ in range(a.repeats)]
+        results["native combine, into out=, on the current stream"] = [
+            timed(lambda: native.combine(y, handle, out=out, on_current_stream=True), a.iters,
+                  a.warmup) for _ in range(a.repeats)]
+        results["native combine, into out="] = [
+            timed(lambda: native.combine(y, handle, out=out), a.iters, a.warmup)
+            for _ in range(a.repeats)]
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
     results["DeepEP combine, owned output"] = [
-        timed(lambda: compat.combine(y, chandle, config=config), a.iters, a.warmup)
+        timed(lambda: compat.combine(y, chandle, config=combine_config), a.iters, a.warmup)
         for _ in range(a.repeats)]
     if wanted(a.profile, "DeepEP combine, owned output") and rank == 0:
-        profile("DeepEP combine, owned output", lambda: compat.combine(y, chandle, config=config),
-                a.iters * 10, a.warmup)
+        profile("DeepEP combine, owned output",
+                lambda: compat.combine(y, chandle, config=combine_config), a.iters * 10, a.warmup)
     if rank == 0:
-        info = weft.info()
-        print(f"# weft {info['version']}, NCCL {info['nccl_loaded']}, torch {torch.__version__}, "
+        if on_weft:
+            info = weft.info()
+            library = f"weft {info['version']}, NCCL {info['nccl_loaded']}"
+        else:
+            # Buffer's module says which package answered `import deep_ep` (weft.ep's alias or
+            # DeepEP itself).
+            library = (f"deep_ep {package_version('deep_ep')} ({deep_ep.Buffer.__module__}), "
+                       f"{a.deepep_sms} SMs, its configs for {world} ranks")
+        print(f"# {library}, torch {torch.__version__}, "
               f"{torch.cuda.get_device_name()} x {world}; T={T} H={H} E={E} top-{K}; "
               f"received rows on rank 0: {n}; {a.repeats} runs of {a.iters} calls")
         print(f"{'form':55s} {'host us/call':>14s} {'GPU us/call':>16s} {'logical GB/s':>14s}")
@@ -206,7 +260,8 @@ def main():
             gbps = [n * row_bytes / (g * 1e-6) / 1e9 for g in gpus]
             print(f"{name:55s} {min(hosts):6.1f}-{max(hosts):<7.1f} {min(gpus):7.1f}-{max(gpus):<8.1f}"
                   f" {min(gbps):6.0f}-{max(gbps):<6.0f}")
-    native.destroy()
+    if on_weft:
+        native.destroy()
     if group:
         dist.destroy_process_group()
 
