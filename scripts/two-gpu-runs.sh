@@ -9,7 +9,7 @@
 #
 # --deepep-src DIR  a DeepEP source checkout (V1, e.g. commit 567632d), outside this repository:
 #                   built here, intranode only (no NVSHMEM), into DEEPEP_SITE (default under
-#                   ~/.cache; reused while it holds a build of the same commit), never into the
+#                   ~/.cache; reused while it holds a build of the same known commit), never into the
 #                   repository (that folder is emptied before a build); its tests/ are run
 #                   against DeepEP and against weft.ep.
 # --mcore-site DIR  a folder with megatron-core (megatron/core) to put on PYTHONPATH, for
@@ -18,10 +18,10 @@
 #                   can runs at one rank and the steps that need two are reported as skipped, so
 #                   that the script can be checked on one GPU; at zero every step is skipped.
 # --steps REGEX     run only the steps whose names match (the others: "not selected"); e.g. a
-#                   second call after the builds, on a machine still warm.
+#                   second call after the builds.
 # --dry-run         print every step's command, run none.
 #
-# BUDGET (seconds, default 560: one device call of 600 s, less time to write the summary): a step
+# BUDGET (seconds, default 560): a step
 # gets its own timeout or what is left of the budget, whichever is less; once the budget is spent
 # the remaining steps are reported as skipped. The steps come in order of what the issue needs
 # most: the builds, DeepEP's tests and the side-by-side tables, then weft's own two-rank tests,
@@ -42,8 +42,8 @@ steps_regex=""
 dry_run=0
 while (($#)); do
   case "$1" in
-    --deepep-src) deepep_src=$(cd "$2" && pwd) || exit 2; shift ;;
-    --mcore-site) mcore_site=$(cd "$2" && pwd) || exit 2; shift ;;
+    --deepep-src) deepep_src=$(cd "$2" && pwd -P) || exit 2; shift ;;
+    --mcore-site) mcore_site=$(cd "$2" && pwd -P) || exit 2; shift ;;
     --num-gpus) num_gpus=$2; shift ;;
     --steps) steps_regex=$2; shift ;;
     --dry-run) dry_run=1 ;;
@@ -55,6 +55,10 @@ if [[ -z "$num_gpus" ]]; then
   num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 fi
 ranks=$((num_gpus < 2 ? num_gpus : 2))
+# Every step sees the first num_gpus GPUs only (the tests and benchmarks use all they see).
+if ((num_gpus > 0)) && [[ -z "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((num_gpus - 1)))
+fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 summary="$out/summary.txt"
@@ -196,8 +200,10 @@ sys.meta_path.insert(0, NoNvshmem())
 sys.argv[0] = "setup.py"
 runpy.run_path("setup.py", run_name="__main__")
 PY
-# The stamp keeps the build's "Sources:" line, shown again when the build is reused.
+# The stamp keeps the build's "Sources:" line, shown again when the build is reused; a checkout
+# whose commit is unknown is built every time (no stamp can say it is the same one).
 stamp="$site/.built-$deepep_commit"
+[[ "$deepep_commit" == unknown ]] && stamp="$site/.never-reused"
 step deepep-build 480 1 deepep_build \
   "if [[ -f '$stamp' ]]; then echo 'reused $site:'; cat '$stamp'; else cd '$deepep_src' && rm -rf '$site' '$site.tmp' && env -u NVSHMEM_DIR MAX_JOBS=\$(nproc) python3 '$setup_no_nvshmem' build --build-base '$site.tmp' --build-lib '$site' && grep -h 'Sources:' '$out/deepep-build/log' >'$stamp'; fi"
 deepep_env="PYTHONPATH='$site'\${PYTHONPATH:+:\$PYTHONPATH}"
@@ -246,7 +252,7 @@ done
 # --- weft-ep-bench: the real ranks (one process, one GPU per rank) and the virtual team of two
 # on GPU 0 at the same shapes, to set the virtual team's figures beside the real ones.
 shape="--tokens 128,8192 --hidden 7168 --topk 8 --experts 256 --warmup 20 --iters 100"
-step weft-ep-bench-real 180 1 weft_ep_bench \
+step weft-ep-bench-real 180 2 weft_ep_bench \
   "'$build_dir/bench/ep/weft-ep-bench' --gpus $ranks $shape && '$build_dir/bench/ep/weft-ep-bench' --gpus $ranks $shape --cached --no-baseline"
 step weft-ep-bench-virtual-2 180 1 weft_ep_bench \
   "'$build_dir/bench/ep/weft-ep-bench' --virtual-team 2 $shape"

@@ -79,8 +79,9 @@ def wanted(profile_arg: str, name: str) -> bool:
     return any(text and text in name for text in profile_arg.split(","))
 
 
-def kernel_times(name, fn, iters, warmup):
-    """Each GPU kernel fn launches, with its time per call of fn (us), from torch.profiler."""
+def kernel_times(name, fn, iters, warmup, show):
+    """Each GPU kernel fn launches, with its time per call of fn (us), from torch.profiler. Every
+    rank runs it (the calls are collectives); rank 0 prints (show)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -88,14 +89,17 @@ def kernel_times(name, fn, iters, warmup):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    if not show:
+        return
     print(f"# kernels of '{name}': GPU us per call (launches per call)")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total > 0:
             print(f"  {e.device_time_total / iters:8.2f}  ({e.count / iters:4.1f})  {e.key[:90]}")
 
 
-def profile(name, fn, iters, warmup):
-    """The functions that take the host's time in fn, by own time (us per call of fn)."""
+def profile(name, fn, iters, warmup, show):
+    """The functions that take the host's time in fn, by own time (us per call of fn). Every rank
+    runs it (the calls are collectives); rank 0 prints (show)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -105,6 +109,8 @@ def profile(name, fn, iters, warmup):
         fn()
     prof.disable()
     torch.cuda.synchronize()
+    if not show:
+        return
     stats = pstats.Stats(prof).stats
     rows = sorted(((tt, cc, f) for f, (_, cc, tt, _, _) in stats.items()), reverse=True)[:15]
     print(f"# profile of '{name}': own time per call, us (calls per call)")
@@ -211,10 +217,10 @@ def main():
     results = {}
     for name, fn in forms.items():
         results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
-        if wanted(a.profile, name) and rank == 0:
-            profile(name, fn, a.iters * 10, a.warmup)
-        if wanted(a.kernels, name) and rank == 0:
-            kernel_times(name, fn, a.iters, a.warmup)
+        if wanted(a.profile, name):
+            profile(name, fn, a.iters * 10, a.warmup, rank == 0)
+        if wanted(a.kernels, name):
+            kernel_times(name, fn, a.iters, a.warmup, rank == 0)
     # A cached dispatch and the combines need their layout to be the latest.
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
@@ -237,9 +243,10 @@ def main():
     results["DeepEP combine, owned output"] = [
         timed(lambda: compat.combine(y, chandle, config=combine_config), a.iters, a.warmup)
         for _ in range(a.repeats)]
-    if wanted(a.profile, "DeepEP combine, owned output") and rank == 0:
+    if wanted(a.profile, "DeepEP combine, owned output"):
         profile("DeepEP combine, owned output",
-                lambda: compat.combine(y, chandle, config=combine_config), a.iters * 10, a.warmup)
+                lambda: compat.combine(y, chandle, config=combine_config), a.iters * 10,
+                a.warmup, rank == 0)
     if rank == 0:
         if on_weft:
             info = weft.info()

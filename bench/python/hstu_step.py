@@ -121,6 +121,9 @@ def main() -> int:
     names = [v.name for v in variants] + (["suggested"] if a.suggest else [])
     if len(set(names)) != len(names):
         p.error(f"two variants of one name among {names} (rename a --schedule-config file)")
+    if any(v.name == CALIBRATION and v is not every[CALIBRATION] for v in variants):
+        p.error(f"a --schedule-config may not be named {CALIBRATION} (the preset traced for the "
+                f"costs has that name): rename the file")
     out = print if rank == 0 else (lambda *_: None)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     out(f"# hstu_step --config {a.config}: {name} x {world}, torch {torch.__version__}, "

@@ -375,3 +375,42 @@ def dispatch_on(buf, x, idx_gpu, w, num_experts):
     """dispatch() with the caller's own device selections (kept by the caller)."""
     return buf.dispatch(x.cuda(), topk_idx=idx_gpu, topk_weights=w.cuda(),
                         **deepep_layout(buf, idx_gpu, num_experts))
+
+
+@pytest.mark.parametrize("top_k", [8, 4])  # the window's top-k, and fewer columns (widened)
+def test_expert_alignment_rounds_each_count_up(top_k):
+    """num_recv_tokens_per_expert_list: each local expert's received rows rounded up to a
+    multiple of expert_alignment (rounded by the extension), on either dispatch path; an
+    alignment the extension cannot hold is a weft.Error."""
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(200, 256, 16, top_k, 0.2, seed=4)
+    (want,) = ref.dispatch([x], [idx], [w], 16)
+    exact = want.tokens_per_local_expert.tolist()
+    assert any(c % 4 for c in exact)  # the alignment changes something
+    for alignment in (1, 4, 7):
+        _, _, _, counts, _, _ = dispatch(buf, x, idx, w, 16, expert_alignment=alignment)
+        assert counts == [-(-c // alignment) * alignment for c in exact], alignment
+    for bad in (0, 2**31):
+        with pytest.raises(weft.Error, match="expert_alignment"):
+            dispatch(buf, x, idx, w, 16, expert_alignment=bad)
+
+
+def test_deepep_combine_adds_one_bias_or_a_pair_with_optional_members():
+    """DeepEP's combine(bias=...): one [T, hidden] tensor, or a pair whose members may be None,
+    added to every token's sum in fp32 (the reference); a bias of the wrong shape is a
+    weft.Error."""
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(150, 256, 16, 8, 0.2, seed=5)
+    (received,) = ref.dispatch([x], [idx], [w], 16)
+    recv_x, _, _, _, handle, _ = dispatch(buf, x, idx, w, 16)
+    g = torch.Generator().manual_seed(6)
+    b0, b1 = (torch.randn((150, 256), generator=g).bfloat16() for _ in range(2))
+    for bias, given in ((b0, [b0]), ((b0, b1), [b0, b1]), ((b0, None), [b0]),
+                        ((None, b1), [b1])):
+        cuda_bias = bias.cuda() if isinstance(bias, torch.Tensor) else \
+            tuple(None if b is None else b.cuda() for b in bias)
+        got, _, _ = buf.combine(recv_x, handle, bias=cuda_bias)
+        (want,) = ref.combine([received], [recv_x.cpu()], [150], [given])
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(weft.Error, match=r"bias\[0\]"):
+        buf.combine(recv_x, handle, bias=b0[:100].cuda())

@@ -472,9 +472,10 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
       own[t] = std::clamp(schedule.task(t).lookahead(), space.lo, space.hi);
     }
     const auto maps = start_maps(schedule, options, space, start_names);
+    const auto stream_starts = start_stream_assignments(space);
     for (const auto& lookaheads : {own, std::vector<int>(n, space.hi)}) {
       for (const auto& map : maps) {
-        for (const auto& streams : start_stream_assignments(space)) {
+        for (const auto& streams : stream_starts) {
           Candidate current{map, lookaheads, streams};
           if (!search.score(current)) continue;
           while (true) {

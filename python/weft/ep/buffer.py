@@ -36,6 +36,7 @@ from .sizing import max_tokens_for
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
 # are padded with -1 to the window's.
 _MIN_TOP_K = 8
+_MAX_ALIGNMENT = 2**31 - 1  # the extension's count_alignment is an int
 _MAX_TOP_K = 32
 # A grown window holds this many times the tokens that did not fit (so that slowly growing T
 # does not regrow at every call).
@@ -328,8 +329,9 @@ class Buffer:
         num_sms = self._num_sms(config, self.get_dispatch_config)
         if num_tokens_per_rdma_rank is not None:
             raise Error("num_tokens_per_rdma_rank: weft.ep is intranode only")
-        if not isinstance(expert_alignment, int) or expert_alignment < 1:
-            raise Error(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if not isinstance(expert_alignment, int) or not 1 <= expert_alignment <= _MAX_ALIGNMENT:
+            raise Error(f"expert_alignment must be an int in [1, {_MAX_ALIGNMENT}], got "
+                        f"{expert_alignment!r}")
         if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
             raise Error(f"num_worst_tokens must be an int >= 0, got {num_worst_tokens!r}")
         check_stream_options(previous_event, async_finish, allocate_on_comm_stream)

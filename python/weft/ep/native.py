@@ -210,7 +210,9 @@ class DispatchResult:
                              stream=_current_raw_stream(idx.device.index))
         return DispatchResult(
             recv_x, idx, w, src, self.tokens_per_local_expert.clone(),
-            self.num_recv_device.clone(), self.num_recv, self.tokens_per_local_expert_list,
+            self.num_recv_device.clone(), self.num_recv,
+            None if self.tokens_per_local_expert_list is None
+            else list(self.tokens_per_local_expert_list),
             None if self.segment_begin is None else self.segment_begin.clone(),
             self.rows_required,
             None if self.rank_prefix_matrix is None else self.rank_prefix_matrix.clone(),
@@ -707,14 +709,15 @@ class NativeBuffer:
 
     def check_biases(self, handle: NativeHandle, bias) -> list:
         """The checked bias tensors of a combine (bias: None, one [T, hidden] bf16 tensor, or a
-        pair of them)."""
+        pair of them whose members may be None, as DeepEP takes it), without the Nones."""
         biases = [] if bias is None else list(bias) if isinstance(bias, (tuple, list)) else [bias]
         if len(biases) > 2:
             raise Error(f"bias takes one tensor or a pair, got {len(biases)}")
         for i, b in enumerate(biases):
-            check_tensor(f"bias[{i}]", b, (torch.bfloat16,), self.device,
-                         (handle.num_tokens, self.hidden))
-        return biases
+            if b is not None:
+                check_tensor(f"bias[{i}]", b, (torch.bfloat16,), self.device,
+                             (handle.num_tokens, self.hidden))
+        return [b for b in biases if b is not None]
 
     def launch_combine(self, expert_out, handle, biases, out, num_sms: int,
                        stream: Optional[int] = None, comm_stream: int = 0,

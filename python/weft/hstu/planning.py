@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Union
 
 from .. import plan
 from .._weft import Error
@@ -72,10 +72,11 @@ def suggest_variant(costs, *, max_threads: int = 4, calibration: Optional[Calibr
     GIL): at most ``max_threads`` threads, every lookahead within [0, the SEARCH_CASCADE
     schedule's largest], the movable tasks on any of their streams.
 
-    The local search starts from every stream assignment of the movable tasks, so it reaches a
-    move that pays only together with a change of the map (h2d to the loader stream and onto a
-    thread of its own: either alone leaves start_shuffle waiting for h2d). The same costs give
-    the same suggestion."""
+    A move that pays only together with a change of the map (h2d to the loader stream and onto a
+    thread of its own: either alone leaves start_shuffle waiting for h2d) is reached two ways:
+    the local search starts from every stream assignment of the movable tasks, and start_maps()
+    gives it "h2d alone on a thread", one stream step away. The same costs give the same
+    suggestion."""
     calibration = calibration or Calibration()
     result = plan.suggest(step_schedule(cascade=SEARCH_CASCADE), costs, max_threads=max_threads,
                           num_best=1, wake_up_us=calibration.wake_up_us, gil=calibration.gil,

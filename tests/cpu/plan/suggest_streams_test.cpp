@@ -112,11 +112,13 @@ TEST(SuggestStreams, ASpaceMovableOnlyByStreamsIsSearched) {
   EXPECT_EQ(r.num_evaluated, 2u);  // b on s1, b on s2
 }
 
-// A loader (h2d: 1000 us on the host) shares the memcpy stream with shuffle, which runs on the
-// main thread with fwd (1000 us on the host): one thread takes 2010 us a step. The local search
-// (which starts from every stream assignment of the movable tasks, and says so) reaches the exact
-// search's step. (The HSTU step's search, where only a thread and a stream move together pay, is
-// python/tests/test_hstu_planning.py's.)
+// A loader (h2d: 1000 us on the host) shares the memcpy stream with shuffle (1000 us on the
+// host); fwd (10 us) is on the default stream. One thread takes 2010 us a step, and so does every
+// map that keeps h2d on memcpy (shuffle waits for h2d's body, and h2d for the previous shuffle's:
+// they share a stream), and h2d on the loader stream on shuffle's thread (one thread runs both
+// 1000 us bodies): only h2d on the loader stream *and* on a thread of its own halves the step, a
+// point that no single step of the local search reaches from the own streams. The local search
+// starts from every stream assignment of the movable tasks, and finds it.
 constexpr const char* kLoaderBesideShuffle = R"({
   "streams": ["memcpy", "loader"],
   "tasks": [
@@ -126,8 +128,8 @@ constexpr const char* kLoaderBesideShuffle = R"({
   ],
   "costs": {"default_host_us": 1, "tasks": {
     "h2d": {"host_us": 1000, "gpu": [{"stream": "memcpy", "us": 10}]},
-    "shuffle": {"host_us": 10, "gpu": [{"stream": "memcpy", "us": 10}]},
-    "fwd": {"host_us": 1000, "gpu": [{"stream": "default", "us": 10}]}}}
+    "shuffle": {"host_us": 1000, "gpu": [{"stream": "memcpy", "us": 10}]},
+    "fwd": {"host_us": 10, "gpu": [{"stream": "default", "us": 10}]}}}
 })";
 
 TEST(SuggestStreams, TheLocalSearchStartsFromEveryStreamAssignment) {
@@ -137,16 +139,23 @@ TEST(SuggestStreams, TheLocalSearchStartsFromEveryStreamAssignment) {
                                          {.max_threads = 2, .max_lookahead = 0, .exact_limit = 1});
   EXPECT_EQ(local.method, "local");
   ASSERT_FALSE(local.suggestions.empty());
+  const auto& best = local.suggestions[0];
   EXPECT_GE(local.start.step_us, 2000);
-  EXPECT_LT(local.suggestions[0].step_us, 0.6 * local.start.step_us);
+  EXPECT_LT(best.step_us, 0.6 * local.start.step_us) << best.step_us;
+  EXPECT_EQ(best.config.stream, (std::map<std::string, std::string>{{"h2d", "loader"}}));
+  EXPECT_NE(stream_of(best, "h2d"), stream_of(best, "shuffle"));
+  ASSERT_TRUE(best.config.thread_map.has_value());
+  const auto threads = best.config.thread_map->assign(compiled);
+  EXPECT_NE(threads.thread_of_task[0], threads.thread_of_task[1]);  // h2d apart from shuffle
   bool described = false;
   for (const auto& line : local.searched) {
     described |= line.find("from every stream assignment of the movable tasks") != std::string::npos;
   }
   EXPECT_TRUE(described);
+  // The exact search agrees.
   const auto exact = weft::plan::suggest(compiled, costs, {.max_threads = 2, .max_lookahead = 0});
   EXPECT_EQ(exact.method, "exact");
-  EXPECT_DOUBLE_EQ(exact.suggestions[0].step_us, local.suggestions[0].step_us);
+  EXPECT_DOUBLE_EQ(exact.suggestions[0].step_us, best.step_us);
 }
 
 TEST(ScheduleConfigStreams, RefusesMovingATaskTheScheduleDoesNotDeclareMovable) {
