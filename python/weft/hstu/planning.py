@@ -114,8 +114,8 @@ def rms_error_pct(measured_ms: Mapping[str, float], variants: Sequence[StepVaria
                   calibration: Optional[Calibration] = None) -> float:
     """The root mean square of the predictions' relative errors (%) over the ``variants`` that
     ``measured_ms`` (variant name -> measured step in ms) names; weft.Error if it names none."""
-    return _rms(_measured(measured_ms, variants), measured_ms, costs,
-                calibration or Calibration())
+    fitted = _measured(measured_ms, variants)
+    return _rms(fitted, measured_ms, _cost_model(costs, fitted), calibration or Calibration())
 
 
 def fit_calibration(measured_ms: Mapping[str, float], variants: Sequence[StepVariant],
@@ -126,6 +126,7 @@ def fit_calibration(measured_ms: Mapping[str, float], variants: Sequence[StepVar
     smaller wake-up. A grid, not a solver: the simulated step is a step function of the wake-up
     cost."""
     fitted = _measured(measured_ms, variants)
+    costs = _cost_model(costs, fitted)
     best = None
     for gil in (None, "all"):
         for wake_up_us in WAKE_UP_GRID_US:
@@ -143,6 +144,11 @@ def _measured(measured_ms, variants):
         raise Error("no measured step for any of the variants "
                     f"{[v.name for v in variants]}")
     return out
+
+
+def _cost_model(costs, fitted):
+    """costs as the CostModel every simulation of a fit takes (converted once, not per call)."""
+    return plan._cost_model(costs, fitted[0][1])
 
 
 def _rms(fitted, measured_ms, costs, calibration: Calibration) -> float:
