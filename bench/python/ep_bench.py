@@ -212,21 +212,30 @@ def main():
             lambda: native.dispatch(x_fp8, idx, w)
     forms["DeepEP dispatch, fp8 pair, owned tensors (host sync)"] = \
         lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config, **layout)
+    forms["DeepEP dispatch, fp8 pair, owned, num_worst_tokens (no sync)"] = \
+        lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config,
+                                num_worst_tokens=n, **layout)
     forms["one copy of the received rows (torch clone): the floor's second pass"] = \
         lambda: y.clone()
     results = {}
-    for name, fn in forms.items():
-        results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
-        if wanted(a.profile, name):
-            profile(name, fn, a.iters * 10, a.warmup, rank == 0)
-        if wanted(a.kernels, name):
-            kernel_times(name, fn, a.iters, a.warmup, rank == 0)
+
+    def measure(measured):
+        for name, fn in measured.items():
+            results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
+            if wanted(a.profile, name):
+                profile(name, fn, a.iters * 10, a.warmup, rank == 0)
+            if wanted(a.kernels, name):
+                kernel_times(name, fn, a.iters, a.warmup, rank == 0)
+
+    measure(forms)
     # A cached dispatch and the combines need their layout to be the latest.
     _, _, _, _, chandle, _ = compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                              **layout)
-    results["DeepEP cached dispatch, owned"] = [
-        timed(lambda: compat.dispatch(x, handle=chandle, config=config), a.iters, a.warmup)
-        for _ in range(a.repeats)]
+    measure({
+        "DeepEP cached dispatch, owned": lambda: compat.dispatch(x, handle=chandle, config=config),
+        "DeepEP cached dispatch, fp8 pair, owned":
+            lambda: compat.dispatch(x_fp8, handle=chandle, config=config),
+    })
     if on_weft:
         native.dispatch(x, idx, w)
         handle = native.dispatch(x, idx, w).handle

@@ -142,6 +142,7 @@ struct DispatchArgs {
   bool async_finish = false;
   // The call goes on with copy_out (owned results): `stream` is not ordered after it yet.
   bool hold = false;
+  bool defer_own_rows = false;  // ep::DispatchInputs::defer_own_rows (copy_out gets x again)
 };
 
 // Owned copies of the latest dispatch's results (ep::CopyOutTargets), on comm_stream (or
@@ -157,6 +158,15 @@ struct CopyOutArgs {
   std::uintptr_t topk_weights = 0;
   int num_topk = 0;
   std::uintptr_t rank_prefix_matrix = 0;
+  // The deferring dispatch's x, as in DispatchArgs (ep::CopyOutTargets::own_x).
+  bool deferred_own_rows = false;
+  std::uintptr_t own_x = 0;
+  ep::DType own_x_dtype = ep::DType::kBFloat16;
+  int64_t own_num_tokens = 0;
+  int64_t own_x_cols = 0;
+  std::uintptr_t own_x_scales = 0;
+  int64_t own_x_scales_token_stride = 0;
+  int64_t own_x_scales_group_stride = 0;
   std::uintptr_t stream = 0;
   std::uintptr_t comm_stream = 0;
   bool async_finish = false;
@@ -310,6 +320,7 @@ class PyBuffer {
     in.num_sms = a.num_sms;
     in.expand = {.enabled = a.expand, .expert_alignment = a.expert_alignment,
                  .zero_padding = a.zero_padding};
+    in.defer_own_rows = a.defer_own_rows;
     DispatchOut out;
     nb::gil_scoped_release release;  // pacing (pipeline_depth) and the count read wait
     DeviceGuard guard(core_->device);
@@ -396,6 +407,12 @@ class PyBuffer {
     t.topk_weights = reinterpret_cast<float*>(a.topk_weights);
     t.num_topk = a.num_topk;
     t.rank_prefix_matrix = reinterpret_cast<int32_t*>(a.rank_prefix_matrix);
+    t.deferred_own_rows = a.deferred_own_rows;
+    if (a.deferred_own_rows) {
+      t.own_x = {as_ptr(a.own_x), a.own_x_dtype, a.own_num_tokens, a.own_x_cols};
+      t.own_x_scales = {reinterpret_cast<const float*>(a.own_x_scales),
+                        a.own_x_scales_token_stride, a.own_x_scales_group_stride};
+    }
     DeviceGuard guard(core_->device);
     const cudaStream_t s = a.comm_stream != 0 ? as_stream(a.comm_stream) : as_stream(a.stream);
     b.copy_out(t, s);
@@ -536,6 +553,7 @@ void bind_ep(nb::module_& m) {
       .def_rw("x_scales_token_stride", &DispatchArgs::x_scales_token_stride)
       .def_rw("x_scales_group_stride", &DispatchArgs::x_scales_group_stride)
       .def_rw("hold", &DispatchArgs::hold)
+      .def_rw("defer_own_rows", &DispatchArgs::defer_own_rows)
       .def_rw("topk_idx", &DispatchArgs::topk_idx)
       .def_rw("topk_idx_int64", &DispatchArgs::topk_idx_int64)
       .def_rw("topk_weights", &DispatchArgs::topk_weights)
@@ -563,6 +581,14 @@ void bind_ep(nb::module_& m) {
       .def_rw("topk_weights", &CopyOutArgs::topk_weights)
       .def_rw("num_topk", &CopyOutArgs::num_topk)
       .def_rw("rank_prefix_matrix", &CopyOutArgs::rank_prefix_matrix)
+      .def_rw("deferred_own_rows", &CopyOutArgs::deferred_own_rows)
+      .def_rw("own_x", &CopyOutArgs::own_x)
+      .def_rw("own_x_dtype", &CopyOutArgs::own_x_dtype)
+      .def_rw("own_num_tokens", &CopyOutArgs::own_num_tokens)
+      .def_rw("own_x_cols", &CopyOutArgs::own_x_cols)
+      .def_rw("own_x_scales", &CopyOutArgs::own_x_scales)
+      .def_rw("own_x_scales_token_stride", &CopyOutArgs::own_x_scales_token_stride)
+      .def_rw("own_x_scales_group_stride", &CopyOutArgs::own_x_scales_group_stride)
       .def_rw("stream", &CopyOutArgs::stream)
       .def_rw("comm_stream", &CopyOutArgs::comm_stream)
       .def_rw("async_finish", &CopyOutArgs::async_finish);

@@ -106,6 +106,8 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     detail::check_pointer(in.topk_idx.data, "topk_idx", home, dtype_size(in.topk_idx.dtype));
     detail::check_pointer(in.topk_weights.data, "topk_weights", home, 4);
   }
+  WEFT_CHECK(!(in.defer_own_rows && in.expand.enabled),
+             "defer_own_rows is for the deduplicated layout, not an expanded dispatch");
   if (in.expand.enabled) {
     in.expand.validate();
     WEFT_CHECK(config_.expand_factor >= 1, "an expanded dispatch needs a Buffer built with ",
@@ -134,6 +136,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.report_overflow = mode == CountMode::kOnDevice;
   const bool publish = mode == CountMode::kExact && !in.expand.enabled;
   p.published = publish ? state_->published_device : nullptr;
+  p.defer_own_rows = in.defer_own_rows;
   if (in.expand.enabled) {
     detail::ExpandDispatchParams ep{};
     ep.dispatch = p;
@@ -151,7 +154,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   state_->layout = {id_, dispatch_sequence_, T, -1,
                     in.expand.enabled ? in.expand : ExpandOptions{}};
 
-  state_->latest_row_bytes = row_bytes;
+  note_latest(row_bytes, in);
   DispatchResult r = make_result(row_bytes, state_->layout);
   if (mode == CountMode::kExact) state_->count_published = publish;
   if (publish) {
@@ -207,10 +210,19 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   }
   p.layout_id = h.sequence;
   p.max_tokens = config_.max_tokens;
+  WEFT_CHECK(!(in.defer_own_rows && h.expand.enabled),
+             "cached dispatch: defer_own_rows is for the deduplicated layout, not an expanded one");
+  p.defer_own_rows = in.defer_own_rows;
   detail::launch_cached_dispatch(p, stream);
-  state_->latest_row_bytes = row_bytes;
+  note_latest(row_bytes, in);
   note_launched(stream);
   return make_result(row_bytes, *in.handle);
+}
+
+void Buffer::note_latest(int64_t row_bytes, const DispatchInputs& in) {
+  state_->latest_row_bytes = row_bytes;
+  state_->latest_deferred_own = in.defer_own_rows;
+  state_->latest_num_tokens = in.x.rows;
 }
 
 int64_t Buffer::wait_num_recv(DispatchResult& result) {
@@ -286,6 +298,29 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
     detail::check_pointer(t.topk_weights, "copy_out: topk_weights", home, 4);
   }
   detail::check_pointer(t.rank_prefix_matrix, "copy_out: rank_prefix_matrix", home, 4);
+  // The own rows' source: the deferring dispatch's x, in the form it was given.
+  const bool deferred = state_->latest_deferred_own;
+  WEFT_CHECK(deferred == t.deferred_own_rows,
+             deferred ? "copy_out: the latest dispatch deferred its own rows (defer_own_rows): "
+                        "give its x as own_x"
+                      : "copy_out: own_x is only for a dispatch that deferred its own rows");
+  detail::RowSource own{};
+  if (deferred) {
+    DispatchInputs source;
+    source.x = t.own_x;
+    source.x_scales = t.own_x_scales;
+    WEFT_CHECK(t.own_x.rows == state_->latest_num_tokens, "copy_out: own_x has ",
+               t.own_x.rows, " tokens, the deferring dispatch ", state_->latest_num_tokens);
+    const int64_t own_row_bytes = dispatch_row_bytes(source, config_);
+    WEFT_CHECK(own_row_bytes == state_->latest_row_bytes, "copy_out: own_x makes ",
+               own_row_bytes, "-byte rows, the deferring dispatch moved ",
+               state_->latest_row_bytes, "-byte rows");
+    if (t.own_x.rows > 0) {
+      detail::check_pointer(t.own_x.data, "copy_out: own_x", home, 16);
+      detail::check_pointer(t.own_x_scales.data, "copy_out: own_x_scales", home, 4);
+    }
+    own = row_source(source, own_row_bytes, config_.hidden);
+  }
   const auto& layout = group_->layout;
   const char* base = static_cast<const char*>(group_->team->window(index_));
   detail::CopyOutParams p{};
@@ -309,6 +344,8 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
   p.num_topk = t.num_topk;
   p.rank_prefix_matrix = state_->rank_prefix_matrix;
   p.rank_prefix_out = t.rank_prefix_matrix;
+  p.own_x = own;
+  p.own_begin = &state_->state->own_begin;
   p.num_ranks = num_ranks_;
   p.max_blocks = device_num_sms_ * 8;
   DeviceGuard guard(device_);

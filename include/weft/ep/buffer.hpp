@@ -140,6 +140,13 @@ struct DispatchInputs {
   // (num_recv 0, nothing written there) and reports its need in rows_required: a result, not an
   // error; the combine of such a dispatch is (see Buffer::combine).
   ExpandOptions expand{};
+  // Owned results in one pass over the rows this rank sends to itself (DeepEP's owned path):
+  // their metadata reaches the window, their payload does not; a copy_out given this call's x
+  // (CopyOutTargets::own_x) then writes them from x straight into the caller's tensors, where
+  // otherwise they would be written to the window and copied from there. Until that copy_out,
+  // the window's rows [own_begin, own_begin + own_count) of this rank hold no payload (a
+  // DispatchResult's recv_x views them stale). Deduplicated layout only (uncached or cached).
+  bool defer_own_rows = false;
 };
 
 // Worst-case sized views into the window (capacity = num_ranks * max_tokens rows, expanded:
@@ -210,6 +217,13 @@ struct CopyOutTargets {
   float* topk_weights = nullptr;  // [num_rows, num_topk]
   int num_topk = 0;               // the first num_topk of the top_k selections
   int32_t* rank_prefix_matrix = nullptr;  // [R, R] (deduplicated layout)
+  // Exactly where the latest dispatch deferred its own rows (DispatchInputs::defer_own_rows):
+  // true, and that dispatch's x and x_scales (or the same rows in another of x's forms: bf16,
+  // packed fp8, the fp8 pair), unchanged since: this copy reads the own rows' payload from them,
+  // at their source tokens.
+  bool deferred_own_rows = false;
+  TensorView own_x;
+  DispatchInputs::Fp8Scales own_x_scales;
 };
 
 enum class CountMode {
@@ -401,6 +415,8 @@ class Buffer {
                                  cudaStream_t stream, CountMode mode);
   DispatchResult make_result(int64_t row_bytes, const Handle& handle) const;
   void wait_published(DispatchResult& result);
+  // The latest dispatch's row size, whether it deferred its own rows, and its T (copy_out).
+  void note_latest(int64_t row_bytes, const DispatchInputs& in);
   // pipeline_depth: the host wait before a launch, and the bookkeeping after it.
   void pace_host();
   void note_launched(cudaStream_t stream);

@@ -409,14 +409,17 @@ class Buffer:
                       comm_stream: int = 0, previous_event: int = 0, async_finish: bool = False,
                       hold: bool = False):
         """The dispatch, and again on a grown window while some rank sent more tokens than the
-        window holds (every rank saw the same count exchange: every rank grows here)."""
+        window holds (every rank saw the same count exchange: every rank grows here). With
+        hold, the rows this rank sends to itself are deferred to copy_out (own_x=x), which
+        writes them from x into the owned tensors: one pass over them, not two."""
         res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync, stream,
-                                     comm_stream, previous_event, async_finish, hold, alignment)
+                                     comm_stream, previous_event, async_finish, hold, alignment,
+                                     hold)
         while sync and res.tokens_required:
             native = self._grow(res.tokens_required)
             res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
                                          stream, comm_stream, previous_event, async_finish, hold,
-                                         alignment)
+                                         alignment, hold)
         return native, res
 
     def _owned_results(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int,
@@ -459,7 +462,7 @@ class Buffer:
             recv_x, recv_src, prefix, recv_idx, recv_w = recv
             native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
                             topk_weights=recv_w, rank_prefix_matrix=prefix, stream=stream,
-                            comm_stream=comm_raw, async_finish=async_finish)
+                            comm_stream=comm_raw, async_finish=async_finish, own_x=x)
         except BaseException:
             # The kernel still reads the caller's inputs: the caller's stream must not run ahead.
             native.hand_back(stream)
@@ -578,11 +581,11 @@ class Buffer:
             stream = _current_raw_stream(native.device.index)
             native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
                                    False, stream, comm.cuda_stream, event_of(previous_event),
-                                   async_finish, hold=True)
+                                   async_finish, hold=True, defer_own_rows=True)
             try:
                 recv_x = self._owned_x(native, is_fp8, rows, allocate_on_comm_stream)
                 native.copy_out(rows, recv_x, stream=stream, comm_stream=comm.cuda_stream,
-                                async_finish=async_finish)
+                                async_finish=async_finish, own_x=x)
             except BaseException:  # the kernel still reads x (see _dispatch_owned)
                 native.hand_back(stream)
                 raise

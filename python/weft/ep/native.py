@@ -587,14 +587,15 @@ class NativeBuffer:
                         num_sms: int, expand: Optional[Expand], sync_count: bool,
                         stream: Optional[int] = None, comm_stream: int = 0,
                         previous_event: int = 0, async_finish: bool = False,
-                        hold: bool = False,
-                        count_alignment: int = 1) -> Union[DispatchResult, DispatchCounts]:
+                        hold: bool = False, count_alignment: int = 1,
+                        defer_own_rows: bool = False) -> Union[DispatchResult, DispatchCounts]:
         """The dispatch kernel of checked inputs (x: bf16 rows, packed fp8 rows, or the fp8 pair,
         whose scales the kernel reads at their strides) on stream (default: the current one), or
         on comm_stream handed off from stream (see DispatchArgs in the binding); with hold, the
         hand-off back to stream is left to copy_out, and the result is DispatchCounts (the
         caller copies the rows out: no views of the window are made); its counts are rounded
-        up to multiples of count_alignment."""
+        up to multiples of count_alignment. defer_own_rows (with hold): the rows this rank sends
+        to itself get no payload in the window; copy_out(own_x=x) writes them from x."""
         a = _weft.ep.DispatchArgs()
         if isinstance(x, (tuple, list)):
             x_e4m3, scales = x
@@ -624,6 +625,7 @@ class NativeBuffer:
         a.previous_event = previous_event
         a.async_finish = async_finish
         a.hold = hold
+        a.defer_own_rows = defer_own_rows
         out = self._native.dispatch(a, handle)
         result_handle = NativeHandle(*out.handle)
         if handle is None:
@@ -640,10 +642,12 @@ class NativeBuffer:
 
     def copy_out(self, num_rows: int, recv_x, *, src=None, pad_token: int = 0, topk_idx=None,
                  topk_weights=None, rank_prefix_matrix=None, stream: int = 0,
-                 comm_stream: int = 0, async_finish: bool = False) -> None:
+                 comm_stream: int = 0, async_finish: bool = False, own_x=None) -> None:
         """Owned copies of the latest dispatch's first num_rows rows into the given tensors (one
         kernel; rows past the count are padding, see ep::CopyOutTargets), on comm_stream (or
-        stream), then the hand-off back to stream that a dispatch with hold left out."""
+        stream), then the hand-off back to stream that a dispatch with hold left out. own_x:
+        exactly where that dispatch deferred its own rows, its x (the payload of those rows is
+        read from it)."""
         a = _weft.ep.CopyOutArgs()
         a.num_rows = num_rows
         if isinstance(recv_x, tuple):
@@ -662,6 +666,19 @@ class NativeBuffer:
             a.num_topk = topk_weights.shape[1]
         if rank_prefix_matrix is not None:
             a.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
+        if own_x is not None:
+            a.deferred_own_rows = True
+            if isinstance(own_x, (tuple, list)):
+                x_e4m3, scales = own_x
+                a.own_x = x_e4m3.data_ptr()
+                a.own_x_scales = scales.data_ptr()
+                a.own_x_scales_token_stride, a.own_x_scales_group_stride = scales.stride()
+                a.own_num_tokens, a.own_x_cols = x_e4m3.shape
+                a.own_x_dtype = _UINT8
+            else:
+                a.own_x = own_x.data_ptr()
+                a.own_num_tokens, a.own_x_cols = own_x.shape
+                a.own_x_dtype = _UINT8 if own_x.dtype == torch.uint8 else _BF16
         a.stream = stream
         a.comm_stream = comm_stream
         a.async_finish = async_finish

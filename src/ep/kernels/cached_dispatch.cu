@@ -53,7 +53,8 @@ __device__ void send_expanded_rows(const CachedDispatchParams& p, char* const* p
   }
 }
 
-// Scatter of a deduplicated layout: one warp per (token, destination) with send_slot >= 0.
+// Scatter of a deduplicated layout: one warp per (token, destination) with send_slot >= 0 (with
+// defer_own_rows, none to this rank: copy_out writes those).
 __device__ void send_rows(const CachedDispatchParams& p, char* const* peer, TokenChunk chunk) {
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
@@ -62,7 +63,7 @@ __device__ void send_rows(const CachedDispatchParams& p, char* const* peer, Toke
   for (int64_t item = chunk.begin * R + threadIdx.x / 32; item < chunk.end * R;
        item += kThreads / 32) {
     const int64_t row = p.send_slot[item];
-    if (row < 0) continue;
+    if (row < 0 || (p.defer_own_rows && item % R == c.rank)) continue;
     warp_send_row(reinterpret_cast<int4*>(peer[item % R] + c.layout.recv_x) + row * n16, p.x,
                   item / R, lane);
   }

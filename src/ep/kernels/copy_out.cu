@@ -14,10 +14,16 @@ namespace {
 constexpr int kCopyThreads = 256;
 
 // One warp per row (grid-stride): the payload (bf16 as it is; fp8 split into the e4m3 bytes and
-// the row-major scales), then the row's source and selections, or a padding row's values.
+// the row-major scales), then the row's source and selections, or a padding row's values. The
+// payload of a row from the own range of a dispatch that deferred it comes from that dispatch's
+// x (own_x) at the row's source token, in the same forms (a bf16 or packed row, or the fp8 pair
+// read at its scales' strides).
 __global__ void __launch_bounds__(kCopyThreads) copy_out_kernel(const CopyOutParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t num_recv = *p.num_recv;
+  const bool deferred = p.own_x.x != nullptr;
+  const int64_t own_lo = deferred ? p.own_begin[0] : 0;
+  const int64_t own_hi = deferred ? own_lo + p.own_begin[1] : 0;
   if (blockIdx.x == 0 && p.rank_prefix_out != nullptr) {
     for (int i = threadIdx.x; i < p.num_ranks * p.num_ranks; i += blockDim.x) {
       p.rank_prefix_out[i] = p.rank_prefix_matrix[i];
@@ -27,8 +33,20 @@ __global__ void __launch_bounds__(kCopyThreads) copy_out_kernel(const CopyOutPar
   for (int64_t row = int64_t(blockIdx.x) * (kCopyThreads / 32) + threadIdx.x / 32;
        row < p.num_rows; row += num_warps) {
     const bool received = row < num_recv && row < p.valid_rows;
-    if (received) {
-      const char* from = p.recv_x + row * p.row_bytes;
+    const bool own = received && row >= own_lo && row < own_hi;
+    if (own && p.own_x.scales != nullptr) {
+      const int64_t t = p.recv_src[row].y;
+      const int64_t n16 = p.hidden / 16;
+      warp_copy_row(static_cast<int4*>(p.x) + row * n16,
+                    static_cast<const int4*>(p.own_x.x) + t * n16, n16, lane);
+      const int64_t num_groups = p.hidden / kFp8GroupElements;
+      const float* scales = p.own_x.scales + t * p.own_x.scale_token_stride;
+      for (int64_t g = lane; g < num_groups; g += 32) {
+        p.x_scales[row * num_groups + g] = scales[g * p.own_x.scale_group_stride];
+      }
+    } else if (received) {
+      const char* from = own ? static_cast<const char*>(p.own_x.x) + p.recv_src[row].y * p.row_bytes
+                             : p.recv_x + row * p.row_bytes;
       if (p.x_scales == nullptr) {
         const int64_t n16 = p.hidden * 2 / 16;
         warp_copy_row(static_cast<int4*>(p.x) + row * n16, reinterpret_cast<const int4*>(from),

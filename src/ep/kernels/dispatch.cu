@@ -32,7 +32,8 @@ namespace {
 //     DeviceState::tokens_required = the largest T (what the caller regrows max_tokens to). The
 //     call still ends with the done flags, so the call numbers stay in step.
 //  3. scatter: one warp per (token, destination) writes row + metadata straight to the peer's
-//     window; the last block then raises kFlagDone at every peer and waits for all peers' done.
+//     window (defer_own_rows: metadata only where the destination is this rank); the last block
+//     then raises kFlagDone at every peer and waits for all peers' done.
 // Rows are opaque: row_bytes / 16 vectors each (bf16 rows, or packed fp8 rows).
 // kAccumulateStats: block 0 also adds the per-local-expert counts to p.cumulative_stats.
 
@@ -381,7 +382,8 @@ __device__ void assign_rows(const DispatchParams& p, const DispatchSmem& s, int6
 }
 
 // 3, every warp: pushes the sub-chunk's items (row, selections here, weights, source) straight
-// into the destinations' windows, one warp per item.
+// into the destinations' windows, one warp per item; with defer_own_rows, the rows to this rank
+// without their payload.
 __device__ void send_rows(const DispatchParams& p, const DispatchSmem& s, const DispatchCall& call,
                           int64_t sub) {
   const CommParams& c = p.comm;
@@ -391,8 +393,12 @@ __device__ void send_rows(const DispatchParams& p, const DispatchSmem& s, const 
   for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
     const int i = s.item[it] >> 8;
     const int d = s.item[it] & 0xff;
-    warp_send_token(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane,
-                    [&](int64_t e) { return e / call.epr == d; });
+    auto in_row = [&](int64_t e) { return e / call.epr == d; };
+    if (p.defer_own_rows && d == c.rank) {
+      warp_send_metadata(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane, in_row);
+    } else {
+      warp_send_token(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane, in_row);
+    }
   }
 }
 

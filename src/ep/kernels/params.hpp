@@ -204,6 +204,9 @@ struct DispatchParams {
   // only DeviceState::tokens_required (CountMode::kOnDevice; kExact reports it to the host).
   bool report_overflow;
   int32_t* published;          // optional (deduplicated only): the mapped counts (above)
+  // The rows this rank sends to itself get their metadata but no payload (copy_out writes them
+  // from x into the caller's tensors: CopyOutParams::own_x).
+  bool defer_own_rows;
 };
 
 // The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
@@ -246,6 +249,7 @@ struct CachedDispatchParams {
   bool zero_padding;
   uint64_t layout_id;          // the layout reused: must be DeviceState::layout_id
   int64_t max_tokens;          // for the report of an overflowed layout (kErrOverflowedLayout)
+  bool defer_own_rows;         // deduplicated only: as DispatchParams::defer_own_rows
 };
 
 // bf16 -> packed fp8 rows (weft::ep::Fp8RowLayout); see cast_to_fp8 in buffer.hpp.
@@ -311,6 +315,11 @@ struct CopyOutParams {
   int num_topk;                // <= top_k: the first num_topk selections
   const int32_t* rank_prefix_matrix;  // optional, with rank_prefix_out: [R][R]
   int32_t* rank_prefix_out;
+  // x.x non-null: the dispatch deferred its own rows (DispatchParams::defer_own_rows), so rows
+  // [*own_begin, *own_begin + own_begin[1]) (DeviceState's own_begin, own_count) are read from
+  // the dispatch's own x at token recv_src[row].y, not from the window.
+  RowSource own_x;
+  const int32_t* own_begin;
   int num_ranks;
   int max_blocks;              // the grid's cap (it strides over the rows)
 };

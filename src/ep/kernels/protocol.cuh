@@ -266,17 +266,15 @@ __device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowS
   }
 }
 
-// One warp pushes token t's row to row `row` of the window at `base` (rank dest's): the payload,
-// then (lanes k < top_k) selection k's local expert and weight where in_row(e) says selection k's
+// One warp writes token t's metadata into row `row` of the window at `base` (rank dest's):
+// (lanes k < top_k) selection k's local expert and weight where in_row(e) says selection k's
 // expert e (valid, in [0, num_experts)) belongs to this row (else -1 and 0), and (lane 0) the
 // row's source (this rank, t).
 template <typename InRow>
-__device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* base, int64_t row,
-                                                int64_t t, int dest, int epr, int lane,
-                                                InRow&& in_row) {
+__device__ __forceinline__ void warp_send_metadata(const DispatchParams& p, char* base,
+                                                   int64_t row, int64_t t, int dest, int epr,
+                                                   int lane, InRow&& in_row) {
   const CommParams& c = p.comm;
-  warp_send_row(reinterpret_cast<int4*>(base + c.layout.recv_x) + row * (p.x.row_bytes / 16), p.x,
-                t, lane);
   const int K = p.top_k;
   if (lane < K) {
     const int64_t e = load_expert(p, t * K + lane);
@@ -287,6 +285,17 @@ __device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* b
         mine ? p.topk_weights[t * K + lane] : 0.0f;
   }
   if (lane == 0) reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
+}
+
+// One warp pushes token t's row to row `row` of the window at `base`: the payload, then the
+// metadata (warp_send_metadata).
+template <typename InRow>
+__device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* base, int64_t row,
+                                                int64_t t, int dest, int epr, int lane,
+                                                InRow&& in_row) {
+  warp_send_row(reinterpret_cast<int4*>(base + p.comm.layout.recv_x) + row * (p.x.row_bytes / 16),
+                p.x, t, lane);
+  warp_send_metadata(p, base, row, t, dest, epr, lane, in_row);
 }
 
 // Tokens [begin, end) of block blockIdx.x when num_tokens are cut into gridDim.x equal chunks.

@@ -1,0 +1,298 @@
+// weft::ep's owned results (Buffer::copy_out), above all a dispatch that defers its own rows
+// (DispatchInputs::defer_own_rows: the rows a rank sends to itself are written once, by copy_out
+// from x): every form of x (bf16, packed fp8 rows, the fp8 pair with row- and column-major
+// scales), uncached and cached, padding rows, and the misuse copy_out refuses. Every element of
+// the owned arrays is checked against the CPU reference, in arrays poisoned before each call.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "weft/core/error.hpp"
+#include "weft/cuda/check.hpp"
+#include "weft/ep/buffer.hpp"
+#include "weft/ep/reference.hpp"
+#include "device_array.hpp"
+#include "ep_fixture.hpp"
+#include "payload.hpp"
+#include "team.hpp"
+
+namespace {
+
+using weft::ep::CopyOutTargets;
+using weft::ep::CountMode;
+using weft::ep::DispatchInputs;
+using weft::ep::DispatchResult;
+using weft::ep::DType;
+using weft::ep::Handle;
+using weft::ep::TensorView;
+namespace ref = weft::ep::reference;
+using weft::ep::testing::contains;
+using weft::ep::testing::DeviceArray;
+using weft::ep::testing::download;
+using weft::ep::testing::EpTest;
+using weft::ep::testing::error_of;
+using weft::ep::testing::make_inputs;
+using weft::ep::testing::rank_device;
+using weft::ep::testing::refill_x;
+using weft::ep::testing::RoutingSpec;
+using weft::ep::testing::team_size;
+using weft::ep::testing::upload;
+
+enum class Form { kBf16, kPacked, kPairRowMajor, kPairColumnMajor };
+
+const char* name_of(Form f) {
+  switch (f) {
+    case Form::kBf16: return "bf16";
+    case Form::kPacked: return "packed fp8";
+    case Form::kPairRowMajor: return "fp8 pair, row-major scales";
+    case Form::kPairColumnMajor: return "fp8 pair, column-major scales";
+  }
+  return "";
+}
+
+constexpr uint8_t kPoison = 0xa5;
+constexpr int kPaddingRows = 3;  // owned rows past the count (a worst-case num_rows)
+
+class EpCopyOutTest : public EpTest {
+ protected:
+  // One rank's x in a form, on its device.
+  struct RankX {
+    DeviceArray x, scales;
+    DispatchInputs::Fp8Scales view{};
+    TensorView x_view{};
+  };
+  RankX upload_x(int r, const ref::RankInput& in, Form form) const {
+    RankX o;
+    const int64_t T = in.num_tokens;
+    const int64_t H = config.hidden;
+    const int dev = rank_device(r);
+    if (form == Form::kBf16) {
+      o.x = upload(dev, in.x);
+      o.x_view = {o.x.ptr, DType::kBFloat16, T, H};
+      return o;
+    }
+    if (form == Form::kPacked) {
+      o.x = upload(dev, in.x_fp8);
+      o.x_view = {o.x.ptr, DType::kUInt8, T, weft::ep::fp8_row_layout(H).row_bytes};
+      return o;
+    }
+    const auto u = ref::unpack_fp8(H, T, in.x_fp8);
+    const int64_t G = H / weft::ep::kFp8GroupElements;
+    o.x = upload(dev, u.payload);
+    o.x_view = {o.x.ptr, DType::kUInt8, T, H};
+    if (form == Form::kPairRowMajor) {
+      o.scales = upload(dev, u.scales);
+      o.view = {static_cast<const float*>(o.scales.ptr), G, 1};
+    } else {
+      std::vector<float> column(u.scales.size());
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t g = 0; g < G; ++g) column[std::size_t(g * T + t)] = u.scales[std::size_t(t * G + g)];
+      }
+      o.scales = upload(dev, column);
+      o.view = {static_cast<const float*>(o.scales.ptr), 1, T};
+    }
+    return o;
+  }
+
+  // Owned arrays of one rank, poisoned.
+  struct Owned {
+    DeviceArray x, scales, src, idx, w, prefix;
+    int64_t rows = 0;
+  };
+  Owned poisoned(int r, int64_t rows, bool fp8) const {
+    Owned o;
+    o.rows = rows;
+    const int64_t H = config.hidden;
+    const int K = config.top_k;
+    const int dev = rank_device(r);
+    auto make = [&](std::size_t bytes) {
+      DeviceArray a(dev, bytes);
+      WEFT_CUDA_CHECK(cudaMemset(a.ptr, kPoison, bytes > 0 ? bytes : 16));
+      return a;
+    };
+    o.x = make(std::size_t(rows * H * (fp8 ? 1 : 2)));
+    if (fp8) o.scales = make(std::size_t(rows * (H / weft::ep::kFp8GroupElements) * 4));
+    o.src = make(std::size_t(rows * 8));
+    o.idx = make(std::size_t(rows * K * 8));
+    o.w = make(std::size_t(rows * K * 4));
+    o.prefix = make(std::size_t(R * R * 4));
+    return o;
+  }
+
+  CopyOutTargets targets(const Owned& o, bool fp8, bool metadata, const RankX* own) const {
+    CopyOutTargets t;
+    t.num_rows = o.rows;
+    t.x = o.x.ptr;
+    t.x_scales = fp8 ? static_cast<float*>(o.scales.ptr) : nullptr;
+    if (metadata) {
+      t.src = static_cast<int32_t*>(o.src.ptr);
+      t.pad_token = 7;
+      t.topk_idx = o.idx.ptr;
+      t.topk_idx_int64 = true;
+      t.topk_weights = static_cast<float*>(o.w.ptr);
+      t.num_topk = config.top_k;
+      t.rank_prefix_matrix = static_cast<int32_t*>(o.prefix.ptr);
+    }
+    if (own != nullptr) {
+      t.deferred_own_rows = true;
+      t.own_x = own->x_view;
+      t.own_x_scales = own->view;
+    }
+    return t;
+  }
+
+  // Rank r's owned arrays against its layout L (payload of the received rows; with metadata,
+  // every row's source, selections and weights, padding rows included, and the prefix matrix).
+  void check_owned(int r, const Owned& o, const ref::RankLayout& L, bool fp8, bool metadata) {
+    const int64_t n = L.num_recv;
+    const int64_t H = config.hidden;
+    const int K = config.top_k;
+    const int dev = rank_device(r);
+    ASSERT_EQ(o.rows, n + kPaddingRows);
+    if (!fp8) {
+      auto x = download<uint16_t>(dev, o.x.ptr, std::size_t(n * H));
+      EXPECT_EQ(x, L.recv_x) << "rank " << r << ": owned rows differ";
+    } else {
+      const auto want = ref::unpack_fp8(H, n, L.recv_x_fp8);
+      EXPECT_EQ(download<uint8_t>(dev, o.x.ptr, std::size_t(n * H)), want.payload)
+          << "rank " << r << ": owned e4m3 rows differ";
+      EXPECT_EQ(download<float>(dev, o.scales.ptr, want.scales.size()), want.scales)
+          << "rank " << r << ": owned scales differ";
+    }
+    if (!metadata) return;
+    const auto src = download<int32_t>(dev, o.src.ptr, std::size_t(o.rows * 2));
+    const auto idx = download<int64_t>(dev, o.idx.ptr, std::size_t(o.rows * K));
+    const auto w = download<float>(dev, o.w.ptr, std::size_t(o.rows * K));
+    for (int64_t row = 0; row < o.rows; ++row) {
+      const bool received = row < n;
+      ASSERT_EQ(src[std::size_t(2 * row)], received ? L.recv_src_rank[std::size_t(row)] : 0)
+          << "rank " << r << " row " << row;
+      ASSERT_EQ(src[std::size_t(2 * row + 1)], received ? L.recv_src_token[std::size_t(row)] : 7)
+          << "rank " << r << " row " << row;
+      for (int k = 0; k < K; ++k) {
+        const std::size_t i = std::size_t(row * K + k);
+        ASSERT_EQ(idx[i], received ? L.recv_expert_idx[i] : -1) << "rank " << r << " row " << row;
+        ASSERT_EQ(w[i], received ? L.recv_weights[i] : 0.0f) << "rank " << r << " row " << row;
+      }
+    }
+    EXPECT_EQ(download<int32_t>(dev, o.prefix.ptr, std::size_t(R * R)), L.rank_prefix_matrix);
+  }
+};
+
+// Uncached then cached dispatches (new payload each), every form, deferred or not: the owned
+// arrays equal the reference, element by element, at every rank.
+TEST_F(EpCopyOutTest, DeferredOwnRowsMatchTheReferenceInEveryForm) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 384, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 6});
+  std::mt19937 rng(std::random_device{}());
+  for (Form form : {Form::kBf16, Form::kPacked, Form::kPairRowMajor, Form::kPairColumnMajor}) {
+    const bool fp8 = form != Form::kBf16;
+    for (bool defer : {true, false}) {
+      for (int64_t T : {int64_t(1), int64_t(200), int64_t(384)}) {
+        SCOPED_TRACE(testing::Message() << name_of(form) << ", defer " << defer << ", T " << T);
+        RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.2};
+        for (int r = 1; r < R; ++r) spec.tokens[std::size_t(r)] -= (r * 37) % std::max<int64_t>(T, 1);
+        auto inputs = make_inputs(config, R, spec, rng);
+        for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(config.hidden, in.num_tokens, in.x);
+        put_inputs(inputs);  // the selections (x is per form, below)
+        std::vector<Handle> handles;
+        for (int pass = 0; pass < 2; ++pass) {  // 0: uncached, 1: cached with new payload
+          SCOPED_TRACE(pass == 0 ? "uncached" : "cached");
+          if (pass == 1) refill_x(config, inputs, 5);
+          const auto layouts = ref::dispatch(config, inputs, {.fp8 = fp8});
+          std::vector<RankX> xs;
+          std::vector<DispatchResult> res;
+          for (int r = 0; r < R; ++r) {
+            xs.push_back(upload_x(r, inputs[std::size_t(r)], form));
+            DispatchInputs in = inputs_of(r, inputs[std::size_t(r)].num_tokens);
+            in.x = xs.back().x_view;
+            in.x_scales = xs.back().view;
+            in.defer_own_rows = defer;
+            if (pass == 1) {
+              in.topk_idx = {};
+              in.topk_weights = {};
+              in.handle = &handles[std::size_t(r)];
+            }
+            res.push_back(eps[std::size_t(r)]->dispatch(
+                in, ranks[std::size_t(r)].stream, pass == 0 ? CountMode::kExact : CountMode::kOnDevice));
+          }
+          if (pass == 0) {
+            for (int r = 0; r < R; ++r) {
+              eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
+              handles.push_back(res[std::size_t(r)].handle);
+              ASSERT_EQ(res[std::size_t(r)].num_recv, layouts[std::size_t(r)].num_recv);
+            }
+          }
+          std::vector<Owned> owned;
+          for (int r = 0; r < R; ++r) {
+            owned.push_back(poisoned(r, layouts[std::size_t(r)].num_recv + kPaddingRows, fp8));
+            eps[std::size_t(r)]->copy_out(
+                targets(owned.back(), fp8, pass == 0, defer ? &xs[std::size_t(r)] : nullptr),
+                ranks[std::size_t(r)].stream);
+          }
+          sync_all();
+          for (int r = 0; r < R; ++r) {
+            eps[std::size_t(r)]->check();
+            check_owned(r, owned[std::size_t(r)], layouts[std::size_t(r)], fp8, pass == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+// copy_out refuses what would leave rows unwritten or read the wrong source: no own_x after a
+// deferring dispatch, own_x after one that did not defer, own_x of another T or row size; and a
+// deferring expanded dispatch is refused before anything is launched.
+TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 64, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4,
+        .expand_factor = 1});
+  std::mt19937 rng(std::random_device{}());
+  const int64_t T = 48;
+  auto inputs = make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), T)}, rng);
+  for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(config.hidden, in.num_tokens, in.x);
+  put_inputs(inputs);
+  const auto layouts = ref::dispatch(config, inputs);
+  auto dispatch_all_ranks = [&](bool defer) {
+    std::vector<DispatchResult> res;
+    for (int r = 0; r < R; ++r) {
+      DispatchInputs in = inputs_of(r, T);
+      in.defer_own_rows = defer;
+      res.push_back(eps[std::size_t(r)]->dispatch(in, ranks[std::size_t(r)].stream));
+    }
+    sync_all();
+    return res;
+  };
+  dispatch_all_ranks(true);
+  const RankX bf16 = upload_x(0, inputs[0], Form::kBf16);
+  const RankX packed = upload_x(0, inputs[0], Form::kPacked);
+  Owned o = poisoned(0, layouts[0].num_recv, false);
+  std::string what = error_of([&] { eps[0]->copy_out(targets(o, false, true, nullptr), nullptr); });
+  EXPECT_TRUE(contains(what, "deferred its own rows")) << what;
+  what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &packed), nullptr); });
+  EXPECT_TRUE(contains(what, "-byte rows")) << what;
+  RankX shorter = upload_x(0, inputs[0], Form::kBf16);
+  shorter.x_view.rows = T - 1;
+  what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &shorter), nullptr); });
+  EXPECT_TRUE(contains(what, "tokens")) << what;
+  // The refusals launched nothing: the right copy still gives every row.
+  eps[0]->copy_out(targets(o, false, false, &bf16), ranks[0].stream);
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
+  EXPECT_EQ(download<uint16_t>(rank_device(0), o.x.ptr, layouts[0].recv_x.size()), layouts[0].recv_x);
+
+  dispatch_all_ranks(false);
+  what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &bf16), nullptr); });
+  EXPECT_TRUE(contains(what, "only for a dispatch that deferred")) << what;
+
+  DispatchInputs in = inputs_of(0, T);
+  in.defer_own_rows = true;
+  in.expand = {.enabled = true};
+  what = error_of([&] { eps[0]->dispatch(in, ranks[0].stream); });
+  EXPECT_TRUE(contains(what, "deduplicated layout")) << what;
+}
+
+}  // namespace
