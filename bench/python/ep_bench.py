@@ -53,6 +53,9 @@ def parse():
     p.add_argument("--profile", metavar="TEXT[,TEXT...]", default="",
                    help="also profile (cProfile) each form whose name contains a TEXT: the top\n"
                         "functions by own time, in us per call (profiling overhead included)")
+    p.add_argument("--default-device", action="store_true",
+                   help="time every form under torch.set_default_device('cuda'), as DeepEP's\n"
+                        "own tests run (a torch function mode over every torch call)")
     return p.parse_args()
 
 
@@ -162,6 +165,8 @@ def main():
     per_rank, _, per_expert, in_rank, _ = compat.get_dispatch_layout(idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                   num_tokens_per_expert=per_expert)
+    if a.default_device:
+        torch.set_default_device("cuda")
     forms = {}
     if on_weft:
         res = native.dispatch(x, idx, w, sync_count=True)
@@ -267,7 +272,8 @@ def main():
                        f"{a.deepep_sms} SMs, its configs for {world} ranks")
         print(f"# {library}, torch {torch.__version__}, "
               f"{torch.cuda.get_device_name()} x {world}; T={T} H={H} E={E} top-{K}; "
-              f"received rows on rank 0: {n}; {a.repeats} runs of {a.iters} calls")
+              f"received rows on rank 0: {n}; {a.repeats} runs of {a.iters} calls"
+              f"{'; under torch.set_default_device(cuda)' if a.default_device else ''}")
         print(f"{'form':55s} {'host us/call':>14s} {'GPU us/call':>16s} {'logical GB/s':>14s}")
         row_bytes = H * 2
         for name, runs in results.items():

@@ -414,3 +414,34 @@ def test_deepep_combine_adds_one_bias_or_a_pair_with_optional_members():
         assert torch.equal(got.cpu(), want)
     with pytest.raises(weft.Error, match=r"bias\[0\]"):
         buf.combine(recv_x, handle, bias=b0[:100].cuda())
+
+
+def test_calls_under_a_default_device_match_the_reference():
+    """DeepEP's tests set torch.set_default_device('cuda') (a torch function mode): the calls run
+    outside it (weft/ep/torch_modes.py) and give the same rows, owned and cached, bf16 and fp8."""
+    num_tokens, hidden, experts, top_k = 64, 256, 16, 4
+    buf = weft.ep.Buffer(None, int(1e9))
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
+    idx = ref.random_routing(num_tokens, experts, top_k, g, 0.2)
+    w = torch.rand((num_tokens, top_k), generator=g)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    x8, scales = ref.per_token_cast_to_fp8(x)
+    x_fp8 = (x8.cuda(), scales.t().contiguous().t().cuda())  # DeepEP's column-major scales
+    torch.set_default_device("cuda")
+    try:
+        rx, ridx, rw, _, handle, _ = dispatch(buf, x, idx, w, experts)
+        cached = buf.dispatch(x.cuda(), handle=handle)[0]
+        fp8 = dispatch(buf, x_fp8, idx, w, experts)[0]
+        combined, _, _ = buf.combine(rx, handle)
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(rx.cpu(), want.x)
+    assert torch.equal(ridx.cpu(), want.expert_idx.long())
+    assert torch.equal(rw.cpu(), want.weights)
+    assert torch.equal(cached.cpu(), want.x)
+    rows = want.src[:, 1].long()
+    assert torch.equal(fp8[0].cpu().view(torch.uint8), x8.view(torch.uint8)[rows])
+    assert torch.equal(fp8[1].cpu(), scales[rows])
+    sent = (idx >= 0).any(dim=1)
+    assert torch.equal(combined.cpu()[sent], x[sent])

@@ -28,6 +28,7 @@ from . import _group
 from .communicator import Communicator
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap
+from .torch_modes import outside_torch_function_modes
 from .layout import dispatch_layout
 from .native import (_NO_EVENT, CommCall, NativeBuffer, _current_raw_stream, async_event,
                      check_stream_options, check_tensor, check_x, event_of, flat)
@@ -265,6 +266,7 @@ class Buffer:
                              n.num_experts, n.top_k)
 
     # -- layout ---------------------------------------------------------------------------------
+    @outside_torch_function_modes
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -311,6 +313,7 @@ class Buffer:
         return _StreamOnly(self._comm_stream, self._device)
 
     # -- dispatch -------------------------------------------------------------------------------
+    @outside_torch_function_modes
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Handle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
@@ -615,6 +618,7 @@ class Buffer:
                             device=native.device))
 
     # -- combine --------------------------------------------------------------------------------
+    @outside_torch_function_modes
     def combine(self, x: torch.Tensor, handle: Handle,
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,

@@ -30,6 +30,7 @@ from .. import Error, _weft
 from . import lifetime
 from .communicator import Communicator
 from .event import EventHandle, EventOverlap
+from .torch_modes import outside_torch_function_modes
 
 _FP8_GROUP = 128
 _BF16 = _weft.ep.DType.bfloat16 if hasattr(_weft.ep, "DType") else None
@@ -531,6 +532,7 @@ class NativeBuffer:
             out.tokens_required if out.num_recv >= 0 else None,
             handle, _NO_EVENT, self)
 
+    @outside_torch_function_modes
     def dispatch(self, x, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, *, handle=None,
                  expand: Optional[Expand] = None, num_sms: int = 0,
@@ -685,6 +687,7 @@ class NativeBuffer:
         self._native.copy_out(a)
 
     # -- combine --------------------------------------------------------------------------------
+    @outside_torch_function_modes
     def combine(self, expert_out: torch.Tensor, handle, *,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 out: Optional[torch.Tensor] = None, num_sms: int = 0,
