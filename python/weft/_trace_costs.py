@@ -20,6 +20,8 @@ What a cost means (docs/planner.md "Costs from a trace"):
   A release counts only inside the span: one at or before ``begin`` held nothing back, and one
   after ``end`` cannot have held the run (it finished first). So a run that waited for nothing
   keeps its whole span, and a run whose span is mostly a wait keeps what followed the release.
+  An end inside a span by chance, without a wait, is taken for a release; the median over the
+  runs keeps a few such runs from setting the figure.
 - with ``gpu="span"``: the median of the spans themselves.
 
 The busy time is what the simulator charges a stream for the task: the simulator adds the waits
@@ -30,8 +32,8 @@ streams' kernels slowed its own (sharing the GPU's SMs is in the time, not a wai
 shows).
 
 Needs neither torch nor numpy: ``trace`` is a weft.pipeline Trace or any object with its fields
-(task_names, stream_names, host_spans with task, batch, iteration, ticket, begin_us, end_us;
-gpu_spans with task, stream, batch, begin_us, end_us, failed).
+(task_names, stream_names, host_spans with task, batch, iteration, ticket, begin_us, end_us,
+failed; gpu_spans with task, stream, batch, begin_us, end_us, failed).
 """
 
 from __future__ import annotations
