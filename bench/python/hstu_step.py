@@ -12,8 +12,9 @@ if any differ). With --suggest, also the schedule weft.plan.suggest finds for th
     torchrun --nproc-per-node 2 bench/python/hstu_step.py --config gpu-bound
 
 First one traced run of each (not timed): the loop's, then legacy_none's, whose trace gives the
-planner its costs (each task's median host span, its median GPU span per stream; rank 0's, on
-every rank), then the other variants'. From them:
+planner its costs (each task's median host span and, per stream, its median GPU busy time: the
+GPU span less the waits inside it, weft.plan.trace_costs; --gpu-costs span: the span itself;
+rank 0's, on every rank), then the other variants'. From them:
  - busy %: the union of the engine trace's GPU spans on the default stream (CUDA events at each
    body's start and end on its stream, so an upper bound: a span includes the stream's idle time
    while its body enqueues) over the traced run's wall time; the loop's from events around each
@@ -71,6 +72,11 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _gpu_ms(costs: dict) -> float:
+    """The sum of a cost model's GPU segments, in ms."""
+    return sum(g["us"] for t in costs["tasks"].values() for g in t.get("gpu", [])) / 1e3
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", choices=["gpu-bound", "host-bound"], default="host-bound")
@@ -83,6 +89,9 @@ def main() -> int:
     p.add_argument("--suggest", action="store_true",
                    help="run the schedule weft.plan.suggest finds for the measured costs too")
     p.add_argument("--max-threads", type=int, default=4, help="--suggest: the thread bound")
+    p.add_argument("--gpu-costs", choices=["busy", "span"], default="busy",
+                   help="the planner's GPU cost of a task: its busy time (the span less the "
+                        "waits inside it) or its whole span (docs/planner.md)")
     p.add_argument("--calibrate", action="store_true",
                    help="fit a thread wake-up cost and the GIL model to the traced runs' steps; "
                         "the planner's fitted prediction is shown too, and --suggest uses it")
@@ -156,7 +165,11 @@ def main() -> int:
 
     trace(None)  # the loop's run first: the reference every other run's bits are checked against
     trace(every[CALIBRATION])
-    costs = rank0_value(measured_costs(traced[CALIBRATION].trace), group)
+    costs = rank0_value(measured_costs(traced[CALIBRATION].trace, every[CALIBRATION].schedule(),
+                                       a.gpu_costs), group)
+    spans = measured_costs(traced[CALIBRATION].trace, gpu="span")
+    out(f"# costs: {CALIBRATION}'s traced run, GPU {a.gpu_costs} time per task: "
+        f"{_gpu_ms(costs):.2f} ms of GPU work per step (the spans: {_gpu_ms(spans):.2f} ms)")
     for v in variants:
         if v.name not in traced:
             trace(v)

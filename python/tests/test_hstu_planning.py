@@ -154,6 +154,42 @@ TINY = ["--device", "cpu", "--warmup", "1", "--iters", "3", "--repeats", "1",
         "--mlp-dim", "32", "--num-negatives", "16", "--events-per-token", "4"]
 
 
+@pytest.mark.timeout(60)
+def test_measured_costs_charge_wait_input_dist_its_busy_time_not_the_wait_behind_backward():
+    # The pattern of a GPU-bound traced run: wait_input_dist's all-to-alls, enqueued after the
+    # previous progress's backward (a collective, its all-to-all last), run only once backward's
+    # GPU work ended; the span on data_dist holds that wait.
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from weft.hstu.step import measured_costs
+    schedule = step_schedule(cascade="d3")
+    names = [t.name for t in schedule.tasks]
+    streams = ["default", "memcpy", "data_dist", "prefetch", LOADER_STREAM]
+    task, stream = names.index, streams.index
+
+    def host(name, batch, iteration, begin_us, ticket):
+        return SimpleNamespace(task=task(name), batch=batch, iteration=iteration, ticket=ticket,
+                               begin_us=begin_us, end_us=begin_us + 100, failed=False)
+
+    def gpu(name, on, batch, begin_us, end_us):
+        return SimpleNamespace(task=task(name), stream=stream(on), batch=batch,
+                               begin_us=begin_us, end_us=end_us, failed=False)
+
+    trace = SimpleNamespace(
+        task_names=names, stream_names=streams,
+        host_spans=[host("backward", 0, 0, 0, 5), host("start_input_dist", 2, 1, 1000, 3),
+                    host("wait_input_dist", 2, 1, 2000, 4)],
+        gpu_spans=[gpu("backward", "default", 0, 0, 60000),
+                   gpu("start_input_dist", "data_dist", 2, 1000, 2000),
+                   gpu("wait_input_dist", "data_dist", 2, 2000, 60050)])
+    busy = measured_costs(trace, schedule)["tasks"]
+    assert busy["wait_input_dist"]["gpu"] == [{"stream": "data_dist", "us": 50}]
+    assert busy["start_input_dist"]["gpu"] == [{"stream": "data_dist", "us": 1000}]
+    assert busy["backward"]["gpu"] == [{"stream": "default", "us": 60000}]
+    spans = measured_costs(trace, schedule, gpu="span")["tasks"]
+    assert spans["wait_input_dist"]["gpu"] == [{"stream": "data_dist", "us": 58050}]
+
+
 def run_bench(args, timeout_s):
     env = dict(os.environ)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
@@ -185,6 +221,7 @@ def test_hstu_step_suggest_runs_the_suggestion_and_prints_each_error(tmp_path):
     assert "planner ms" in header and "err %" in header and "fit err %" in header
     assert "# calibration, fitted on the traced runs of 10 variants: wake-up" in run.stdout
     assert "# planner error over the 11 engine rows (timed medians): rms" in run.stdout
+    assert "# costs: legacy_none's traced run, GPU busy time per task: " in run.stdout
     assert list(rows)[0] == "plain loop" and list(rows)[-1] == "suggested"
     assert len(rows) == 12  # the loop, the nine variants, loader_split_d6, the suggestion
     for name, fields in rows.items():
@@ -203,9 +240,10 @@ def test_hstu_step_suggest_runs_the_suggestion_and_prints_each_error(tmp_path):
     assert config.thread_map is not None and set(config.stream) == {"h2d"}
 
     # The written config reruns as a variant of its own.
-    rerun = run_bench(["--variants", "legacy_none", "--schedule-config", str(config_path)],
-                      timeout_s=280)
+    rerun = run_bench(["--variants", "legacy_none", "--schedule-config", str(config_path),
+                       "--gpu-costs", "span"], timeout_s=280)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "# costs: legacy_none's traced run, GPU span time per task: " in rerun.stdout
     _, rows = table_rows(rerun.stdout)
     assert list(rows) == ["plain loop", "legacy_none", "hstu_host-bound_suggested"]
     assert rows["hstu_host-bound_suggested"][-1] == "identical"

@@ -7,6 +7,7 @@
     plan.write_report("hstu.html")                           # the page `weft plan` writes
     plan.report_from_trace("run.trace.json", "run.html")    # a real run, drawn the same way
     r = plan.suggest("full_split_d6", trace="run.trace.json")  # search maps and lookaheads
+    costs = plan.trace_costs(engine.take_trace(), schedule)  # per task: host span, GPU busy time
     print(r); r.suggestions[0].config.to_json()              # a ScheduleConfig to load
 
 simulate() follows the engine's own wait rules in steady state (weft::plan::simulate); its
@@ -24,6 +25,7 @@ import tempfile
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _checks, _weft
+from ._trace_costs import GPU_COST_KINDS, trace_costs
 from .pipeline import HSTU_TASK_NAMES, Schedule, ThreadMap, hstu_schedule, hstu_variant
 
 _native = _weft.plan
@@ -32,8 +34,9 @@ CostModel = _native.CostModel
 VariantReport = _native.VariantReport
 Timeline = _native.Timeline
 
-__all__ = ["CostModel", "Suggestion", "SuggestResult", "Timeline", "VariantReport",
-           "report_from_trace", "simulate", "suggest", "write_report"]
+__all__ = ["CostModel", "GPU_COST_KINDS", "Suggestion", "SuggestResult", "Timeline",
+           "VariantReport", "report_from_trace", "simulate", "suggest", "trace_costs",
+           "write_report"]
 
 HSTU_TITLE = "weft plan: HSTU thread-map presets"
 

@@ -2,7 +2,7 @@
 as one more StepVariant, and what the simulator predicts for any variant, with its error against
 the measured step. bench/python/hstu_step.py --suggest is the command line over it.
 
-    costs = measured_costs(traced_run.trace)          # weft.hstu.step: a cost file's dict
+    costs = measured_costs(run.trace, traced.schedule())  # weft.hstu.step: a cost file's dict
     found = suggest_variant(costs)                    # .variant (a StepVariant), .suggestion
     found.suggestion.write_config("suggested.json")   # variant_from_config() reads it back
     ms = predicted_ms(variant, costs)

@@ -9,13 +9,13 @@ for the planner). bench/python/hstu_step.py is the command line over it (docs/py
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import plan
 from ..pipeline import Engine
 from .data import ZipfLoader
 from .tasks import HstuConfig, HstuStep
@@ -145,24 +145,12 @@ def trace_figures(run: Run, wall_ms: float, iters: int):
     return busy, None
 
 
-def measured_costs(trace) -> dict:
+def measured_costs(trace, schedule=None, gpu: str = "busy") -> dict:
     """A cost model (docs/planner.md "Cost files") from a trace: per task its median host span
-    and its median GPU span per stream."""
-    tasks: Dict[str, dict] = {}
-    for i, name in enumerate(trace.task_names):
-        host = [s.end_us - s.begin_us for s in trace.host_spans if s.task == i]
-        if not host:
-            continue
-        entry = {"host_us": statistics.median(host)}
-        gpu = []
-        for j, stream in enumerate(trace.stream_names):
-            us = [s.end_us - s.begin_us for s in trace.gpu_spans if s.task == i and s.stream == j]
-            if us:
-                gpu.append({"stream": stream, "us": statistics.median(us)})
-        if gpu:
-            entry["gpu"] = gpu
-        tasks[name] = entry
-    return {"default_host_us": 0, "tasks": tasks}
+    and, per stream, its median GPU busy time (``gpu="busy"``: the span less the waits inside
+    it that the trace shows, weft.plan.trace_costs; ``schedule``, the traced schedule, names the
+    producers waited for) or its median GPU span (``gpu="span"``)."""
+    return plan.trace_costs(trace, schedule, gpu=gpu)
 
 
 def rank0_value(value, group):
