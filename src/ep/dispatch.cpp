@@ -316,6 +316,7 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
                own_row_bytes, "-byte rows, the deferring dispatch moved ",
                state_->latest_row_bytes, "-byte rows");
     if (t.own_x.rows > 0) {
+      WEFT_CHECK(t.own_x.data != nullptr, "copy_out: own_x is null");
       detail::check_pointer(t.own_x.data, "copy_out: own_x", home, 16);
       detail::check_pointer(t.own_x_scales.data, "copy_out: own_x_scales", home, 4);
     }

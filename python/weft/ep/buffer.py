@@ -426,30 +426,41 @@ class Buffer:
         return native, res
 
     def _owned_results(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int,
-                       idx_dtype) -> tuple:
-        """Empty owned tensors for a dispatch's results (on the current stream). Sizes go
-        positionally: torch parses them faster than a shape tuple."""
+                       idx_dtype, prefix: Optional[torch.Tensor] = None) -> tuple:
+        """Empty owned tensors for a dispatch's results (on the current stream; prefix, the
+        rank_prefix_matrix, may be made before the count is known). Sizes go positionally:
+        torch parses them faster than a shape tuple."""
         device = native.device
         recv_x = self._owned_x(native, is_fp8, rows)
         recv_src = torch.empty(rows, 2, dtype=torch.int32, device=device)
-        prefix = torch.empty(self.group_size, self.group_size, dtype=torch.int32, device=device)
+        if prefix is None:
+            prefix = self._owned_prefix(device)
         recv_idx = recv_w = None
         if top_k:
             recv_idx = torch.empty(rows, top_k, dtype=idx_dtype, device=device)
             recv_w = torch.empty(rows, top_k, dtype=torch.float32, device=device)
         return recv_x, recv_src, prefix, recv_idx, recv_w
 
+    def _owned_prefix(self, device) -> torch.Tensor:
+        return torch.empty(self.group_size, self.group_size, dtype=torch.int32, device=device)
+
     def _dispatch_owned(self, native, x, is_fp8, topk_idx, topk_weights, num_sms, num_tokens,
                         num_worst_tokens, alignment, previous_event, async_finish,
                         allocate_on_comm_stream):
         """The common call (the caller's selections fit the window): the kernel on the comm
         stream, the counts read as soon as its count exchange ends (host sync only without
-        num_worst_tokens), the owned tensors allocated meanwhile and filled by one copy kernel,
+        num_worst_tokens), the owned tensors allocated meanwhile (what needs no count, before
+        the launch: the GPU waits for what comes after the count) and filled by one copy kernel,
         then the hand-off back (all stream work inside the extension)."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
         comm_raw = comm.cuda_stream
         stream = _current_raw_stream(native.device.index)
+        if allocate_on_comm_stream:
+            with torch.cuda.stream(comm):
+                prefix = self._owned_prefix(native.device)
+        else:
+            prefix = self._owned_prefix(native.device)
         native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
                                          alignment, stream, comm_raw, event_of(previous_event),
                                          async_finish, True)
@@ -458,10 +469,10 @@ class Buffer:
             if allocate_on_comm_stream:
                 with torch.cuda.stream(comm):
                     recv = self._owned_results(native, is_fp8, rows, topk_idx.shape[1],
-                                               topk_idx.dtype)
+                                               topk_idx.dtype, prefix)
             else:
                 recv = self._owned_results(native, is_fp8, rows, topk_idx.shape[1],
-                                           topk_idx.dtype)
+                                           topk_idx.dtype, prefix)
             recv_x, recv_src, prefix, recv_idx, recv_w = recv
             native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
                             topk_weights=recv_w, rank_prefix_matrix=prefix, stream=stream,

@@ -279,6 +279,10 @@ TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
   shorter.x_view.rows = T - 1;
   what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &shorter), nullptr); });
   EXPECT_TRUE(contains(what, "tokens")) << what;
+  RankX null_x = upload_x(0, inputs[0], Form::kBf16);
+  null_x.x_view.data = nullptr;
+  what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &null_x), nullptr); });
+  EXPECT_TRUE(contains(what, "own_x is null")) << what;
   // The refusals launched nothing: the right copy still gives every row.
   eps[0]->copy_out(targets(o, false, false, &bf16), ranks[0].stream);
   WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
