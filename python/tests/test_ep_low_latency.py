@@ -238,7 +238,8 @@ def _check_dispatch(res, x, idx, num_experts, m, use_fp8=False, round_scale=Fals
             "the device's cast differs from the host's"
         q, scales = q.cpu(), scales.cpu()
         got_q, got_s = recv_x
-        assert got_q.dtype == torch.float8_e4m3fn and got_q.shape == (num_experts, stride, x.shape[1])
+        assert got_q.dtype == torch.float8_e4m3fn
+        assert got_q.shape == (num_experts, stride, x.shape[1])
         g = x.shape[1] // 128
         if use_ue8m0:
             assert got_s.dtype == torch.int32 and got_s.shape == (num_experts, stride, g // 4)
@@ -259,7 +260,8 @@ def _check_dispatch(res, x, idx, num_experts, m, use_fp8=False, round_scale=Fals
         assert src_info[e, :n].tolist() == tokens, f"expert {e}"
         tt = torch.tensor(tokens, dtype=torch.long)
         if use_fp8:
-            assert torch.equal(got_q[e, :n].view(torch.uint8), q[tt].view(torch.uint8)), f"expert {e}"
+            assert torch.equal(got_q[e, :n].view(torch.uint8), q[tt].view(torch.uint8)), \
+                f"expert {e}"
             assert torch.equal(got_s[e, :n], scales[tt]), f"expert {e} scales"
         else:
             assert torch.equal(got[e, :n].view(torch.int16), x[tt].view(torch.int16)), f"expert {e}"
@@ -433,3 +435,96 @@ def test_a_cuda_graph_of_dispatch_expert_matmul_combine_replays_with_new_inputs(
         want = _expected_combine(y.cpu(), idx, w, rows)
         assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), \
             f"replay {replay}"
+
+
+# -- one process per GPU over an NCCL group -------------------------------------------------------
+def _body_ranks(rank, world):
+    import torch.distributed as dist
+
+    import weft.ep
+    from weft.ep import low_latency as ll
+
+    from test_ep_ranks import _gather
+
+    m, hidden, top_k = 32, 512, 3
+    num_experts = 4 * world
+    e_local, stride = num_experts // world, m * world
+    group = dist.group.WORLD
+    hint = weft.ep.Buffer.get_low_latency_rdma_size_hint(m, hidden, world, num_experts)
+    buf = weft.ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True,
+                         explicitly_destroy=True)
+    # T >= 1 (every rank's inputs are all-gathered for the reference); T = 0 is a one-GPU case.
+    for round_, t in enumerate((m, 1, 2, 17, m, 5)):
+        g = torch.Generator().manual_seed(round_ * 100 + rank)
+        x = (torch.randn((t, hidden), generator=g) * 2).to(torch.bfloat16)
+        idx = _routing(t, num_experts, top_k, g, empty_tokens=range(0, t, 7))
+        w = _weights(t, top_k, g)
+        use_fp8, hook = round_ % 2 == 1, round_ % 3 == 2
+        round_scale = use_fp8 and round_ % 4 == 3
+        res = buf.low_latency_dispatch(x.cuda(), idx.cuda(), m, num_experts, use_fp8=use_fp8,
+                                       round_scale=round_scale, return_recv_hook=hook)
+        if hook:
+            res[4]()
+        xs, idxs, ws = (_gather(v.cuda(), world) for v in (x, idx, w))
+        if use_fp8:
+            sent = [tuple(p.cpu() for p in ll.cast_fp8(v.cuda(), round_scale)) for v in xs]
+        # Rank d's segment of its local expert e: (source rank, token) in that order.
+        segments = {}
+        for d in range(world):
+            for e in range(e_local):
+                gid = d * e_local + e
+                segments[(d, e)] = [(s, tt) for s in range(world) for tt in range(t)
+                                    if bool((idxs[s][tt] == gid).any())]
+        recv_x, recv_count, handle = res[0], res[1].cpu(), res[2]
+        src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+        got = tuple(v.cpu() for v in recv_x) if use_fp8 else recv_x.cpu()
+        for e in range(e_local):
+            seg = segments[(rank, e)]
+            assert int(recv_count[e]) == len(seg), f"round {round_} expert {e}"
+            assert src_info[e, :len(seg)].tolist() == [tt for _, tt in seg]
+            for s in range(world):
+                begin = sum(1 for s2, _ in seg if s2 < s)
+                count = sum(1 for s2, _ in seg if s2 == s)
+                assert int(layout_range[e, s]) == (begin << 32) | count
+            for i, (s, tt) in enumerate(seg):
+                if use_fp8:
+                    assert torch.equal(got[0][e, i].view(torch.uint8),
+                                       sent[s][0][tt].view(torch.uint8))
+                    assert torch.equal(got[1][e, i], sent[s][1][tt])
+                else:
+                    assert torch.equal(got[e, i].view(torch.int16), xs[s][tt].view(torch.int16))
+        # Combine: every rank's expert outputs, gathered for the reference.
+        y = torch.randn((e_local, stride, hidden), generator=g).to(torch.bfloat16)
+        ys = _gather(y.cuda(), world)
+        out, event, chook = buf.low_latency_combine(y.cuda(), idx.cuda(), w.cuda(), handle,
+                                                    return_recv_hook=hook)
+        if hook:
+            chook()
+        want = torch.zeros((t, hidden), dtype=torch.float32)
+        for tt in range(t):
+            for d in range(world):
+                partial = torch.zeros(hidden, dtype=torch.float32)
+                sent_here = False
+                for e in range(e_local):
+                    seg = segments[(d, e)]
+                    if (rank, tt) not in seg:
+                        continue
+                    sent_here = True
+                    we = torch.zeros((), dtype=torch.float32)
+                    for k in range(top_k):
+                        if int(idx[tt, k]) == d * e_local + e:
+                            we = we + w[tt, k]
+                    partial = partial + we * ys[d][e, seg.index((rank, tt))].float()
+                if sent_here:
+                    want[tt] = want[tt] + partial.to(torch.bfloat16).float()
+        want = want.to(torch.bfloat16)
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), f"round {round_}"
+    buf.destroy()
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("world", sorted({1, min(torch.cuda.device_count() if
+                                                 torch.cuda.is_available() else 0, 2)} - {0}))
+def test_every_rank_matches_the_reference_over_an_nccl_group(world):
+    from test_ep_ranks import run_ranks
+    run_ranks(_body_ranks, world)

@@ -214,7 +214,7 @@ __device__ void lay_out_segments(const ExpandDispatchParams& ep, const ExpandSme
     if (lane == 0) {
       s.required[d] = running;
       s.largest[d] = largest;
-      if (d == c.rank) s.seg[call.epr] = stride > 0 ? int64_t(call.epr) * stride : running;
+      if (d == c.rank) s.seg[call.epr] = running;  // = E/R * stride unless overflowed
     }
   }
   __syncthreads();

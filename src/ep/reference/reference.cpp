@@ -121,6 +121,7 @@ void expand_destination(const BufferConfig& config, std::span<const RankInput> i
   if (stride > 0) {
     dst.rows_required = int64_t(epr) * std::max(stride, largest);
     dst.overflowed = largest > stride || dst.rows_required > capacity;
+    dst.segment_begin.back() = dst.rows_required;  // as packed: the last is rows_required
   } else {
     dst.rows_required = dst.segment_begin.back();
     dst.overflowed = dst.rows_required > capacity;

@@ -340,6 +340,7 @@ TEST(EpExpanded, FixedStrideOverflowsWhereAnExpertExceedsIt) {
   EXPECT_TRUE(layouts[0].overflowed);
   EXPECT_EQ(layouts[0].rows_required, 2 * 16);
   EXPECT_EQ(layouts[0].num_recv, 0);
+  EXPECT_EQ(layouts[0].segment_begin, (std::vector<int64_t>{0, 12, 32}));
   EXPECT_FALSE(layouts[1].overflowed);
   EXPECT_EQ(layouts[1].num_recv, 2 * 12);
   EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .segment_stride = -1}}),
