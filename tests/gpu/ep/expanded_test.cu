@@ -684,6 +684,20 @@ TEST_F(EpExpandedTest, FixedStrideOverflowIsReported) {
   EXPECT_THROW(eps[0]->dispatch(din, streams[0]), weft::Error);
   din.expand = {.enabled = true, .segment_stride = -1};
   EXPECT_THROW(eps[0]->dispatch(din, streams[0]), weft::Error);
+  // source_weights: [T, top_k] float32, without bias (checked before anything is launched).
+  const int64_t T = 32;
+  DeviceArray w(rank_device(0), std::size_t(T * config.top_k * 4));
+  DeviceArray out(rank_device(0), std::size_t(T * config.hidden * 2));
+  weft::ep::CombineInputs cin;
+  cin.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, config.hidden};
+  cin.source_weights = {w.ptr, DType::kFloat32, T, config.top_k};
+  cin.bias0 = {out.ptr, DType::kBFloat16, T, config.hidden};
+  EXPECT_THROW(eps[0]->combine(cin, res[0].handle, out.ptr, streams[0]), weft::Error);
+  cin.bias0 = {};
+  cin.source_weights = {w.ptr, DType::kFloat32, T, config.top_k - 1};
+  EXPECT_THROW(eps[0]->combine(cin, res[0].handle, out.ptr, streams[0]), weft::Error);
+  cin.source_weights = {w.ptr, DType::kInt32, T, config.top_k};
+  EXPECT_THROW(eps[0]->combine(cin, res[0].handle, out.ptr, streams[0]), weft::Error);
 }
 
 // Thousands of back-to-back calls with changing routing and no host sync in between, on one
