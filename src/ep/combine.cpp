@@ -111,6 +111,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     p.num_local_experts = config_.num_local_experts(num_ranks_);
     p.expand_capacity = expand_capacity();
     p.source_weighted = source_weighted;
+    p.sparse_rows = layout.expand.segment_stride > 0;
   }
   if (source_weighted && T > 0) {
     // The window's comb_w region holds R * max_tokens * top_k floats (>= T * top_k); the

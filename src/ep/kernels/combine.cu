@@ -187,23 +187,27 @@ __device__ void mark_rows_failed(const CombineParams& p, const CombineCall& call
 // Send warps, expanded: every row that heads its (source, token)'s chain here sends the chain's
 // sum to the source's comb_x[rank][token] (padding rows and chain members other than the head
 // are skipped). A chain ascends and has at most min(top_k, E/R) <= 32 rows; the walk is bounded
-// by that and by num_recv regardless.
+// by that and by num_recv regardless. A claim covers up to kMaxSendBatch rows (most rows head a
+// chain: few per claim spread a small call over many warps) or, with sparse_rows (fixed-stride
+// segments, mostly padding), up to 32, whose heads the warp finds with one load per lane.
 __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call) {
   const CommParams& c = p.comm;
   const int lane = threadIdx.x % 32;
   const int2* chain = reinterpret_cast<const int2*>(call.peer[c.rank] + c.layout.expand_chain);
   const int64_t num_recv = call.num_recv;
   const int total_warps = int(gridDim.x) * p.num_send_warps;
+  const int64_t max_batch = p.sparse_rows ? 32 : int64_t(kMaxSendBatch);
   const int64_t batch =
-      min(int64_t(kMaxSendBatch), max(int64_t(1), (num_recv + total_warps - 1) / total_warps));
+      min(max_batch, max(int64_t(1), (num_recv + total_warps - 1) / total_warps));
   const int64_t num_batches = (num_recv + batch - 1) / batch;
   for (int64_t b = work_claim(c, lane); b < num_batches; b = work_claim(c, lane)) {
     const int64_t r0 = b * batch;
     const int64_t r1 = min(num_recv, r0 + batch);
-    bool any_head = false;  // a batch of padding rows and chain members needs no fence
-    for (int64_t j = r0; j < r1; ++j) {
-      if (chain[j].y == 0) continue;
-      any_head = true;
+    // Bit i: row r0 + i heads its chain (the same mask in every lane). A batch of padding rows
+    // and chain members needs no fence.
+    const uint32_t heads = __ballot_sync(0xffffffffu, r0 + lane < r1 && chain[r0 + lane].y != 0);
+    for (uint32_t rest = heads; rest != 0; rest &= rest - 1) {
+      const int64_t j = r0 + __ffs(int(rest)) - 1;
       const int2 src = call.recv_src[j];
       if (!call.source_in_range(p, src)) continue;  // reported with the flags below
       int32_t lane_row = -1;                        // lane i: the chain's i-th row
@@ -237,10 +241,10 @@ __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call)
       }
     }
     __syncwarp();
-    if (lane == 0 && any_head) {
+    if (lane == 0 && heads != 0) {
       __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
-      for (int64_t j = r0; j < r1; ++j) {
-        if (chain[j].y == 0) continue;
+      for (uint32_t rest = heads; rest != 0; rest &= rest - 1) {
+        const int64_t j = r0 + __ffs(int(rest)) - 1;
         if (uint64_t* flag = call.source_flag(p, j, call.recv_src[j]))
           st_relaxed_sys(flag, call.seq);
       }

@@ -291,6 +291,9 @@ struct CombineParams {
   // comb_w region (CombineInputs::source_weights; copied there before the kernel, so published
   // by the source's entry flag); each row's sum term is scaled by its selections' weights.
   bool source_weighted;
+  // Expanded only: the layout has fixed-stride segments (mostly padding rows): the send warps
+  // scan 32 rows per claim.
+  bool sparse_rows;
   uint64_t layout_id;          // the layout combined: must be DeviceState::layout_id
 };
 
