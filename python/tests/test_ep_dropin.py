@@ -190,7 +190,9 @@ def test_an_event_overlap_without_an_event_is_no_previous_event():
 
 
 @pytest.mark.parametrize("method", ["get_local_buffer_tensor", "internode_dispatch",
-                                    "internode_combine"])
+                                    "internode_combine", "low_latency_update_mask_buffer",
+                                    "low_latency_query_mask_buffer",
+                                    "low_latency_clean_mask_buffer"])
 def test_what_weft_lacks_is_refused_with_what_to_use(method):
     buf = weft.ep.Buffer.__new__(weft.ep.Buffer)  # the refusals need no window
     with pytest.raises(weft.Error, match=method):

@@ -213,6 +213,15 @@ class Buffer:
     def internode_combine(self, *args, **kwargs):
         raise Error("internode_combine: weft.ep is intranode only (NVLink within one node)")
 
+    def low_latency_update_mask_buffer(self, *args, **kwargs):
+        raise Error("low_latency_update_mask_buffer: weft.ep has no rank masking (shrink mode)")
+
+    def low_latency_query_mask_buffer(self, *args, **kwargs):
+        raise Error("low_latency_query_mask_buffer: weft.ep has no rank masking (shrink mode)")
+
+    def low_latency_clean_mask_buffer(self, *args, **kwargs):
+        raise Error("low_latency_clean_mask_buffer: weft.ep has no rank masking (shrink mode)")
+
     # -- low-latency mode (low_latency.py) ------------------------------------------------------
     def _ll(self, what: str) -> LowLatency:
         self._check_alive(what)
