@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import Error
+from . import _group
 from .event import EventHandle, EventOverlap
 from .native import Expand, NativeBuffer, check_tensor
 from .sizing import window_bytes_for
@@ -173,6 +174,9 @@ class LowLatency:
         if self._shapes == shapes:
             return
         b = self._buffer
+        # Every rank must lay out the same windows (NCCL registers them collectively): a rank
+        # whose call has other shapes is named here instead of hanging the registration.
+        _group.share(b.group, None, ("low-latency windows", shapes))
         need = window_bytes(num_max_tokens, hidden, b.group_size, num_experts, top_k)
         if b.num_rdma_bytes and need > b.num_rdma_bytes:
             raise Error(f"low-latency mode: num_rdma_bytes={b.num_rdma_bytes} is below the "
