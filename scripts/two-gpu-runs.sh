@@ -26,8 +26,7 @@
 # the remaining steps are reported as skipped. The steps come in order of what the issue needs
 # most: the builds, DeepEP's tests and the side-by-side tables, then weft's own two-rank tests,
 # Megatron, the MoE step, the C++ benchmark.
-# Exit status: non-zero when a step failed (the expected failure of test_low_latency.py on
-# weft.ep, which has no low-latency API, does not count).
+# Exit status: non-zero when a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -102,7 +101,11 @@ figures_pytest() { tail -1 "$1/log"; }
 figures_deepep_test() {  # DeepEP's harness: its checks, its tuned bests ("[tuning] Best ...")
   echo "$(grep -c ' passed' "$1/log") checks passed; $(grep -o 'Best .*' "$1/log" | paste -sd'|' -)"
 }
-figures_low_latency() { grep -E 'Error|error' "$1/log" | tail -1 | cut -c1-200; }
+figures_low_latency() {  # DeepEP's low-latency harness: rank 0's timings, else the last error
+  local f
+  f=$(grep -E '^\[rank 0\] (Dispatch|Combine)' "$1/log" | sed 's/^\[rank 0\] //' | paste -sd'|' -)
+  if [[ -n "$f" ]]; then echo "$f" | cut -c1-300; else grep -E 'Error|error' "$1/log" | tail -1 | cut -c1-200; fi
+}
 figures_ep_bench() {  # ep_bench.py's table: GPU us per call (range) of the DeepEP-API forms
   awk '/^DeepEP dispatch, owned tensors/ {f[1] = "owned " $(NF-1)}
        /^DeepEP dispatch, owned, num_worst/ {f[2] = "num_worst_tokens " $(NF-1)}
@@ -209,15 +212,14 @@ step deepep-build 480 1 deepep_build \
 deepep_env="PYTHONPATH='$site'\${PYTHONPATH:+:\$PYTHONPATH}"
 
 # --- DeepEP's own tests: test_intranode.py on DeepEP, then on weft.ep with only the import
-# changed (scripts/deepep-intranode-test.sh); test_low_latency.py on weft.ep, which has no
-# low-latency API: it fails, and the run goes on. DeepEP's intranode kernels need 2, 4 or 8 ranks.
+# changed (scripts/deepep-intranode-test.sh); test_low_latency.py on weft.ep
+# (scripts/deepep-low-latency-test.sh). DeepEP's intranode kernels need 2, 4 or 8 ranks.
 step deepep-intranode-on-deepep 300 2 deepep_test \
   "cd '$deepep_src/tests' && $deepep_env python3 test_intranode.py --num-processes $ranks"
 step deepep-intranode-on-weft 300 1 deepep_test \
   "bash scripts/deepep-intranode-test.sh '$deepep_src' $ranks"
-step deepep-low-latency-on-weft 120 1 low_latency \
-  "cd '$deepep_src/tests' && python3 -m weft.ep.as_deep_ep test_low_latency.py --num-processes $ranks" \
-  "weft.ep has no low-latency API"
+step deepep-low-latency-on-weft 300 1 low_latency \
+  "bash scripts/deepep-low-latency-test.sh '$deepep_src' $ranks"
 
 # --- "weft.ep at weft's speed" beside DeepEP: the same script, the same forms, each library
 # (DeepEP first, so that its figures and weft's come from one run of the machine).

@@ -129,6 +129,7 @@ struct DispatchArgs {
   bool expand = false;
   int expert_alignment = 1;
   bool zero_padding = false;
+  int64_t segment_stride = 0;   // expanded: 0 packed segments, > 0 segment e at e * stride
   bool read_counts = false;     // copy the counts to the host and wait for them
   // read_counts: each returned per-expert count rounded up to a multiple of this (DeepEP's
   // expert_alignment of num_recv_tokens_per_expert_list); >= 1.
@@ -184,6 +185,8 @@ struct CombineArgs {
   int64_t topk_weights_rows = 0;
   int64_t topk_weights_cols = 0;
   std::uintptr_t combined_weights = 0;
+  // Optional [T, top_k] fp32 (expanded layout): each row weighted by its selections' weights.
+  std::uintptr_t source_weights = 0;
   int num_sms = 0;
   std::uintptr_t stream = 0;      // as in DispatchArgs
   std::uintptr_t comm_stream = 0;
@@ -192,20 +195,23 @@ struct CombineArgs {
 };
 
 // A dispatch's handle as a plain tuple (buffer_id, sequence, num_tokens, num_recv, expanded,
-// expert_alignment, zero_padding, tokens_required): the Python layer keeps handles in objects
+// expert_alignment, zero_padding, tokens_required, segment_stride): the Python layer keeps handles in objects
 // that may outlive the extension's types (an autograd graph alive at interpreter exit), so a
 // handle holds no instance of them.
-using HandleTuple = std::tuple<uint64_t, uint64_t, int64_t, int64_t, bool, int, bool, int64_t>;
+using HandleTuple =
+    std::tuple<uint64_t, uint64_t, int64_t, int64_t, bool, int, bool, int64_t, int64_t>;
 
 HandleTuple to_tuple(const ep::Handle& h) {
   return {h.buffer_id, h.sequence, h.num_tokens, h.num_recv, h.expand.enabled,
-          h.expand.expert_alignment, h.expand.zero_padding, h.tokens_required};
+          h.expand.expert_alignment, h.expand.zero_padding, h.tokens_required,
+          h.expand.segment_stride};
 }
 
 ep::Handle from_tuple(const HandleTuple& t) {
   ep::Handle h;
   std::tie(h.buffer_id, h.sequence, h.num_tokens, h.num_recv, h.expand.enabled,
-           h.expand.expert_alignment, h.expand.zero_padding, h.tokens_required) = t;
+           h.expand.expert_alignment, h.expand.zero_padding, h.tokens_required,
+           h.expand.segment_stride) = t;
   return h;
 }
 
@@ -319,7 +325,7 @@ class PyBuffer {
     in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(a.stats);
     in.num_sms = a.num_sms;
     in.expand = {.enabled = a.expand, .expert_alignment = a.expert_alignment,
-                 .zero_padding = a.zero_padding};
+                 .zero_padding = a.zero_padding, .segment_stride = a.segment_stride};
     in.defer_own_rows = a.defer_own_rows;
     DispatchOut out;
     nb::gil_scoped_release release;  // pacing (pipeline_depth) and the count read wait
@@ -383,6 +389,9 @@ class PyBuffer {
       in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.topk_weights_rows,
                          a.topk_weights_cols};
       in.combined_weights = reinterpret_cast<float*>(a.combined_weights);
+    }
+    if (a.source_weights != 0) {
+      in.source_weights = {as_ptr(a.source_weights), ep::DType::kFloat32, T, b.config().top_k};
     }
     in.num_sms = a.num_sms;
     nb::gil_scoped_release release;  // pacing (pipeline_depth)
@@ -562,6 +571,7 @@ void bind_ep(nb::module_& m) {
       .def_rw("expand", &DispatchArgs::expand)
       .def_rw("expert_alignment", &DispatchArgs::expert_alignment)
       .def_rw("zero_padding", &DispatchArgs::zero_padding)
+      .def_rw("segment_stride", &DispatchArgs::segment_stride)
       .def_rw("read_counts", &DispatchArgs::read_counts)
       .def_rw("count_alignment", &DispatchArgs::count_alignment)
       .def_rw("stream", &DispatchArgs::stream)
@@ -604,6 +614,7 @@ void bind_ep(nb::module_& m) {
       .def_rw("topk_weights_rows", &CombineArgs::topk_weights_rows)
       .def_rw("topk_weights_cols", &CombineArgs::topk_weights_cols)
       .def_rw("combined_weights", &CombineArgs::combined_weights)
+      .def_rw("source_weights", &CombineArgs::source_weights)
       .def_rw("num_sms", &CombineArgs::num_sms)
       .def_rw("stream", &CombineArgs::stream)
       .def_rw("comm_stream", &CombineArgs::comm_stream)

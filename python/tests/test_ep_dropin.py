@@ -30,7 +30,7 @@ def test_the_constructor_takes_deepeps_parameters_in_deepeps_order():
 
 @pytest.mark.parametrize("args,kwargs,name", [
     ((None, int(1e9), 1 << 20), {}, "num_rdma_bytes"),
-    ((None, int(1e9), 0, True), {}, "low_latency_mode"),
+    ((None, int(1e9), 0, True, 24, False), {}, "allow_nvlink_for_low_latency_mode"),
     ((None, int(1e9), 0, False, 24, True, True), {}, "allow_mnnvl"),
     ((None, int(1e9), 0, False, 24, True, False, True), {}, "use_fabric"),
     ((None, int(1e9)), {"use_fabric": True}, "use_fabric"),
@@ -190,8 +190,9 @@ def test_an_event_overlap_without_an_event_is_no_previous_event():
 
 
 @pytest.mark.parametrize("method", ["get_local_buffer_tensor", "internode_dispatch",
-                                    "internode_combine", "low_latency_dispatch",
-                                    "low_latency_combine", "clean_low_latency_buffer"])
+                                    "internode_combine", "low_latency_update_mask_buffer",
+                                    "low_latency_query_mask_buffer",
+                                    "low_latency_clean_mask_buffer"])
 def test_what_weft_lacks_is_refused_with_what_to_use(method):
     buf = weft.ep.Buffer.__new__(weft.ep.Buffer)  # the refusals need no window
     with pytest.raises(weft.Error, match=method):

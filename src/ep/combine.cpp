@@ -5,6 +5,7 @@
 #include "checks.hpp"
 #include "kernels/params.hpp"
 #include "weft/core/error.hpp"
+#include "weft/cuda/check.hpp"
 #include "weft/cuda/device_guard.hpp"
 #include "weft/ep/buffer.hpp"
 
@@ -56,6 +57,14 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     WEFT_CHECK(in.combined_weights == nullptr,
                "combined_weights is given but topk_weights is not (cols == 0)");
   }
+  const bool source_weighted = in.source_weights.data != nullptr;
+  if (source_weighted) {
+    WEFT_CHECK(layout.expand.enabled, "combine: source_weights needs an expanded layout (its rows "
+               "are per (token, expert)); the deduplicated one takes topk_weights");
+    WEFT_CHECK(in.bias0.data == nullptr && in.bias1.data == nullptr,
+               "combine: source_weights takes no bias");
+    detail::check_view(in.source_weights, "source_weights", {DType::kFloat32}, T, config_.top_k);
+  }
   if (in.bias0.data != nullptr) detail::check_view(in.bias0, "bias0", {DType::kBFloat16}, T, config_.hidden);
   if (in.bias1.data != nullptr) detail::check_view(in.bias1, "bias1", {DType::kBFloat16}, T, config_.hidden);
   WEFT_CHECK(T == 0 || out != nullptr, "out is null");
@@ -67,6 +76,7 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     detail::check_pointer(out, "out", home, 16);
     detail::check_pointer(in.combined_weights, "combined_weights", home, 4);
   }
+  if (source_weighted && T > 0) detail::check_pointer(in.source_weights.data, "source_weights", home, 4);
   if (with_weights && in.topk_weights.rows > 0) {
     detail::check_pointer(in.topk_weights.data, "topk_weights", home, 4);
   }
@@ -100,6 +110,16 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     p.expand_info = state_->expand_info;
     p.num_local_experts = config_.num_local_experts(num_ranks_);
     p.expand_capacity = expand_capacity();
+    p.source_weighted = source_weighted;
+    p.sparse_rows = layout.expand.segment_stride > 0;
+  }
+  if (source_weighted && T > 0) {
+    // The window's comb_w region holds R * max_tokens * top_k floats (>= T * top_k); the
+    // expanded combine uses it for nothing else.
+    char* window = group_->team->window(index_);
+    WEFT_CUDA_CHECK(cudaMemcpyAsync(window + group_->layout.comb_w, in.source_weights.data,
+                                    std::size_t(T) * std::size_t(config_.top_k) * sizeof(float),
+                                    cudaMemcpyDeviceToDevice, stream));
   }
   detail::launch_combine(p, stream);
   note_launched(stream);

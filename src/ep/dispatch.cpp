@@ -112,6 +112,11 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     in.expand.validate();
     WEFT_CHECK(config_.expand_factor >= 1, "an expanded dispatch needs a Buffer built with ",
                "BufferConfig::expand_factor >= 1 (it sizes the window's receive region)");
+    const int64_t fixed_rows = in.expand.segment_stride * config_.num_local_experts(num_ranks_);
+    WEFT_CHECK(fixed_rows <= expand_capacity(), "segment_stride ", in.expand.segment_stride,
+               " x ", config_.num_local_experts(num_ranks_), " local experts = ", fixed_rows,
+               " rows, above the expanded capacity ", expand_capacity(),
+               " (raise BufferConfig::expand_factor)");
   }
   DeviceGuard guard(device_);
   detail::DispatchParams p{};
@@ -145,6 +150,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     ep.capacity = expand_capacity();
     ep.expert_alignment = in.expand.expert_alignment;
     ep.zero_padding = in.expand.zero_padding;
+    ep.segment_stride = in.expand.segment_stride;
     ep.expand_rows = state_->expand_rows;
     detail::launch_expand_dispatch(ep, stream);
   } else {

@@ -276,6 +276,13 @@ struct CombineInputs {
   // reference::combine_weights); 0 for a token sent nowhere. Written with out (not where out is
   // not written).
   float* combined_weights = nullptr;
+  // Optional (data null: none), expanded layout only (DeepEP's low-latency combine): [T, top_k]
+  // float32, 4-byte aligned, this rank's weights of its tokens' selections. Each received row
+  // then counts with the weight of its own selections (reference::combine_weighted): the
+  // expert rank multiplies the row by 0.0f + source_weights[t][k] over the k its
+  // recv_expert_idx marks, reading the weights from the source's window, where the call copies
+  // them (comb_w) on `stream` before the kernel. No biases with it.
+  TensorView source_weights{};
 };
 
 // The send warps of a deduplicated combine block at num_ranks ranks, from BufferOptions::

@@ -119,6 +119,17 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
                               std::span<const std::vector<uint16_t>> expert_out,
                               std::span<const uint16_t> bias0, std::span<const uint16_t> bias1);
 
+// The weighted combine of an expanded dispatch (CombineInputs::source_weights, DeepEP's
+// low-latency combine): as combine of an expanded layout without biases, except that rank d's
+// partial sum of source token t is, over the token's rows there in row order, from 0 in fp32:
+//   partial = fma(w(row), float(y[row]), partial),  w(row) = 0.0f + source_weights[s][t][k]
+// over the selections k the row's recv_expert_idx marks (k ascending), then rounded once to
+// bf16. source_weights[s]: rank s's [T_s, top_k] fp32.
+std::vector<uint16_t> combine_weighted(const BufferConfig& config, int rank,
+                                       std::span<const RankLayout> layouts,
+                                       std::span<const std::vector<uint16_t>> expert_out,
+                                       std::span<const std::vector<float>> source_weights);
+
 // combine's top-k weights (DeepEP's combined_topk_weights) of `rank`: [num_tokens of rank,
 // num_weights] fp32, out[t][k] = 0.0f + topk_weights[d][row of t at d][k] over the ranks d that t
 // was sent to, in ascending d, each addition in fp32 (0 where t was sent nowhere).

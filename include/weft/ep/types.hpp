@@ -69,6 +69,14 @@ struct ExpandOptions {
   bool enabled = false;       // dispatch in this layout (needs BufferConfig::expand_factor >= 1)
   int expert_alignment = 1;   // each expert's segment is rounded up to a multiple of this (1..4096)
   bool zero_padding = false;  // padding rows' payload is zeroed (else left as it was)
+  // 0: segments packed as above. > 0: fixed-stride segments (DeepEP's low-latency layout):
+  //   segment_begin[e] = e * segment_stride (e < E/R),
+  //   segment_begin[E/R] = rows_required = E/R * max(segment_stride, A)
+  // where A is the largest aligned count of the rank's experts, so the receive region is a
+  // [E/R, segment_stride, row] array whatever the counts. A rank where A > segment_stride, or
+  // rows_required > the capacity, overflows (as above). With expert_alignment 1, T <= max_tokens
+  // and segment_stride = num_ranks * max_tokens no rank can overflow. 0..2^31 - 1.
+  int64_t segment_stride = 0;
 
   // Throws weft::Error naming the first violated invariant.
   void validate() const;

@@ -3,7 +3,9 @@
 Two APIs over the same kernels:
 - DeepEP V1's intranode API: `Buffer`, `Config`, `EventOverlap`, `EventHandle`, `topk_idx_t`
   and `utils`; code written for `deep_ep` runs unchanged after `register_as_deep_ep()` (or with
-  `python -m weft.ep.as_deep_ep script.py`, or `import weft.ep as deep_ep`; docs/python.md).
+  `python -m weft.ep.as_deep_ep script.py`, or `import weft.ep as deep_ep`; docs/python.md),
+  and its low-latency calls (`Buffer(..., low_latency_mode=True)`: `low_latency_dispatch`,
+  `low_latency_combine`; low_latency.py).
 - The native API: `NativeBuffer` (sized by tokens; zero-copy results, the count on the device,
   the expanded layout, receive statistics, per-call num_sms).
 """

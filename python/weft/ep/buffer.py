@@ -28,8 +28,10 @@ from . import _group
 from .communicator import Communicator
 from .config import Config, combine_config, dispatch_config
 from .event import EventHandle, EventOverlap
+from . import low_latency
 from .torch_modes import outside_torch_function_modes
 from .layout import dispatch_layout
+from .low_latency import LowLatency
 from .native import (_NO_EVENT, CommCall, NativeBuffer, _current_raw_stream, async_event,
                      check_stream_options, check_tensor, check_x, event_of, flat)
 from .sizing import max_tokens_for
@@ -110,12 +112,15 @@ class Buffer:
         if comm is not None:
             raise Error("Buffer(comm=...): weft.ep takes a torch.distributed group (or None for "
                         "one GPU), not an mpi4py communicator")
-        if low_latency_mode:
-            raise Error("Buffer(low_latency_mode=True): weft.ep supports DeepEP's intranode "
-                        "(normal) mode only")
-        if num_rdma_bytes:
+        if low_latency_mode and not allow_nvlink_for_low_latency_mode:
+            raise Error("Buffer(allow_nvlink_for_low_latency_mode=False): weft.ep's "
+                        "low-latency mode runs over NVLink only (no RDMA)")
+        if num_rdma_bytes and not low_latency_mode:
             raise Error(f"Buffer(num_rdma_bytes={num_rdma_bytes}): weft.ep is intranode only "
-                        f"(no RDMA buffer); pass 0")
+                        f"(no RDMA buffer); pass 0, or low_latency_mode=True, where it bounds "
+                        f"the low-latency windows")
+        if int(num_rdma_bytes) < 0:
+            raise Error(f"Buffer(num_rdma_bytes={num_rdma_bytes}): must be >= 0")
         if allow_mnnvl:
             raise Error("Buffer(allow_mnnvl=True): weft.ep runs the ranks of one node over "
                         "NVLink; multi-node NVLink is not supported")
@@ -124,15 +129,17 @@ class Buffer:
                         "(ncclMemAlloc); fabric handles are not supported")
         if enable_shrink:
             raise Error("Buffer(enable_shrink=True): weft.ep has no rank masking (shrink mode)")
-        if max_tokens is None and int(num_nvl_bytes) <= 0:
+        if max_tokens is None and int(num_nvl_bytes) <= 0 and not low_latency_mode:
             raise Error("Buffer needs num_nvl_bytes > 0 (or max_tokens=...) to size its window")
         if max_tokens is not None and int(max_tokens) < 1:
             raise Error(f"Buffer(max_tokens={max_tokens}): must be >= 1")
         self.rank, self.group_size = _group.group_rank_size(group)
+        if low_latency_mode:
+            low_latency.refuse_internode(group)
         self.group = group
         self.num_nvl_bytes = int(num_nvl_bytes)
-        self.num_rdma_bytes = 0
-        self.low_latency_mode = False
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = False
         self._max_tokens = None if max_tokens is None else int(max_tokens)
@@ -147,6 +154,7 @@ class Buffer:
         Buffer._next_serial += 1
         self.num_relayouts = 0
         self.num_regrowths = 0
+        self._low_latency = LowLatency(self) if self.low_latency_mode else None
 
     # -- DeepEP's static helpers ------------------------------------------------------------------
     @staticmethod
@@ -178,9 +186,11 @@ class Buffer:
         return combine_config(Buffer.num_sms, num_ranks)
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(*args, **kwargs) -> int:
-        raise Error("get_low_latency_rdma_size_hint: weft.ep has no low-latency mode yet; use "
-                    "dispatch/combine (normal mode)")
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes for num_rdma_bytes: weft's two low-latency windows of one rank (any top-k)."""
+        return low_latency.rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                          num_experts)
 
     def get_comm_stream(self) -> torch.cuda.Stream:
         self._check_alive("get_comm_stream")
@@ -204,14 +214,63 @@ class Buffer:
     def internode_combine(self, *args, **kwargs):
         raise Error("internode_combine: weft.ep is intranode only (NVLink within one node)")
 
-    def clean_low_latency_buffer(self, *args, **kwargs):
-        raise Error("clean_low_latency_buffer: weft.ep has no low-latency mode yet")
+    def low_latency_update_mask_buffer(self, *args, **kwargs):
+        raise Error("low_latency_update_mask_buffer: weft.ep has no rank masking (shrink mode)")
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise Error("low_latency_dispatch: weft.ep has no low-latency mode yet")
+    def low_latency_query_mask_buffer(self, *args, **kwargs):
+        raise Error("low_latency_query_mask_buffer: weft.ep has no rank masking (shrink mode)")
 
-    def low_latency_combine(self, *args, **kwargs):
-        raise Error("low_latency_combine: weft.ep has no low-latency mode yet")
+    def low_latency_clean_mask_buffer(self, *args, **kwargs):
+        raise Error("low_latency_clean_mask_buffer: weft.ep has no rank masking (shrink mode)")
+
+    # -- low-latency mode (low_latency.py) ------------------------------------------------------
+    def _ll(self, what: str) -> LowLatency:
+        self._check_alive(what)
+        if getattr(self, "_low_latency", None) is None:
+            raise Error(f"{what} needs a Buffer made with low_latency_mode=True")
+        return self._low_latency
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean in weft: its flags carry call numbers, so no call leaves state a
+        later one must see zeroed. Checks the arguments and returns (no collective)."""
+        self._ll("clean_low_latency_buffer")
+        low_latency.check_shapes(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
+                                 num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """DeepEP's low-latency dispatch: (recv_x, recv_count, handle, event, hook); recv_x
+        [E_local, M * R, hidden] bf16, or with use_fp8 (e4m3 [E_local, M * R, hidden], scales
+        fp32 [E_local, M * R, hidden / 128] column-major; use_ue8m0: int32
+        [E_local, M * R, hidden / 512] of UE8M0 exponent bytes); recv_count [E_local] int32.
+        See weft.ep.low_latency for the layout, the two-latest-calls rule and the hook."""
+        return self._ll("low_latency_dispatch").dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """DeepEP's low-latency combine: (combined_x [T, hidden] bf16, event, hook), where
+        combined_x[t] = sum over k with topk_idx[t, k] >= 0 of topk_weights[t, k] times the
+        expert's output row of (t, k) in x [E_local, M * R, hidden] bf16."""
+        return self._ll("low_latency_combine").combine(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """[E_local, M * R, hidden] bf16 that low_latency_combine(..., zero_copy=True) of this
+        handle reads the expert outputs from (one per window, allocated at the first call)."""
+        return self._ll("get_next_low_latency_combine_buffer").next_combine_buffer(handle)
 
     def destroy(self) -> None:
         if not self.explicitly_destroy:
@@ -219,6 +278,8 @@ class Buffer:
         self._release()
 
     def _release(self) -> None:
+        if getattr(self, "_low_latency", None) is not None:
+            self._low_latency.destroy()
         if self._native is not None:
             self._native.destroy()
         self._native = None

@@ -127,7 +127,8 @@ def unpack_fp8(packed: torch.Tensor, hidden: int) -> Tuple[torch.Tensor, torch.T
 class NativeHandle(NamedTuple):
     """A dispatch's layout as weft::ep::Handle names it (what combine and a cached dispatch take):
     the Buffer's id, the layout's number, T, the rows received (-1: not read), the expanded
-    layout's options, and tokens_required (-1: not read; > 0: the dispatch moved no rows)."""
+    layout's options, and tokens_required (-1: not read; > 0: the dispatch moved no rows);
+    segment_stride (expanded): 0 packed segments, > 0 segment e at e * segment_stride."""
 
     buffer_id: int
     sequence: int
@@ -137,6 +138,7 @@ class NativeHandle(NamedTuple):
     expert_alignment: int
     zero_padding: bool
     tokens_required: int
+    segment_stride: int = 0
 
 
 class DispatchCounts(NamedTuple):
@@ -158,6 +160,9 @@ class Expand:
 
     expert_alignment: int = 1
     zero_padding: bool = False
+    # > 0: fixed-stride segments, segment e at row e * segment_stride (a [E_local, stride, row]
+    # array: DeepEP's low-latency layout); needs expand_factor * R * max_tokens >= E_local * stride.
+    segment_stride: int = 0
 
 
 @dataclass
@@ -620,6 +625,7 @@ class NativeBuffer:
             a.expand = True
             a.expert_alignment = expand.expert_alignment
             a.zero_padding = expand.zero_padding
+            a.segment_stride = expand.segment_stride
         a.read_counts = bool(sync_count and handle is None)
         a.count_alignment = count_alignment
         a.stream = _current_raw_stream(self.device.index) if stream is None else stream
@@ -743,10 +749,13 @@ class NativeBuffer:
                        stream: Optional[int] = None, comm_stream: int = 0,
                        previous_event: int = 0, async_finish: bool = False,
                        topk_weights: Optional[torch.Tensor] = None,
-                       combined_weights: Optional[torch.Tensor] = None) -> None:
+                       combined_weights: Optional[torch.Tensor] = None,
+                       source_weights: Optional[torch.Tensor] = None) -> None:
         """The combine kernel of checked inputs (streams as in launch_dispatch). With
         topk_weights [>= num_recv, K] fp32, combined_weights [T, K] fp32 receives per token the
-        fp32 sum of the weights rows of the ranks it was sent to."""
+        fp32 sum of the weights rows of the ranks it was sent to. With source_weights
+        [T, top_k] fp32 contiguous (an expanded layout, no bias), each received row counts with
+        the weights of its own selections (ep::CombineInputs::source_weights)."""
         a = _weft.ep.CombineArgs()
         a.expert_out = expert_out.data_ptr()
         a.expert_out_rows = expert_out.shape[0]
@@ -759,6 +768,8 @@ class NativeBuffer:
             a.topk_weights = topk_weights.data_ptr()
             a.topk_weights_rows, a.topk_weights_cols = topk_weights.shape
             a.combined_weights = combined_weights.data_ptr()
+        if source_weights is not None:
+            a.source_weights = source_weights.data_ptr()
         a.num_sms = num_sms
         a.stream = _current_raw_stream(self.device.index) if stream is None else stream
         a.comm_stream = comm_stream

@@ -31,11 +31,24 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   return make_int4(int(w[0]), int(w[1]), int(w[2]), int(w[3]));
 }
 
+// acc[0..8) = fma(w, the 8 bf16 of one 16-byte vector, acc), in fp32.
+__device__ __forceinline__ void fma_bf16x8(float (&acc)[8], float w, const int4 q) {
+  const uint32_t u[4] = {uint32_t(q.x), uint32_t(q.y), uint32_t(q.z), uint32_t(q.w)};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    acc[2 * e] = __fmaf_rn(w, __uint_as_float(u[e] << 16), acc[2 * e]);
+    acc[2 * e + 1] = __fmaf_rn(w, __uint_as_float(u[e] & 0xffff0000u), acc[2 * e + 1]);
+  }
+}
+
 // One warp: dst[v] = bf16(sum of the num_rows rows of `rows` whose indices lanes 0..num_rows-1
 // hold in `lane_row`), summed in fp32 from 0 in lane order and rounded once to nearest even: the
-// reference's per-destination partial sum of an expanded dispatch.
+// reference's per-destination partial sum of an expanded dispatch. kWeighted: each row's term is
+// fma(lane_weight of its lane, row, acc) (reference::combine_weighted).
+template <bool kWeighted>
 __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ rows,
-                              int32_t lane_row, int num_rows, int64_t n16, int lane) {
+                              int32_t lane_row, float lane_weight, int num_rows, int64_t n16,
+                              int lane) {
   // Each lane owns kCols vectors per step and loads kRows rows of each before adding, so
   // kCols * kRows 16-byte loads per lane are in flight (the walk is otherwise latency-bound).
   constexpr int kRows = 4, kCols = 4;
@@ -48,9 +61,11 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
     }
     for (int i0 = 0; i0 < num_rows; i0 += kRows) {
       int4 q[kRows][kCols];
+      float w[kRows];
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
         const int32_t r = __shfl_sync(0xffffffffu, lane_row, (i0 + u) & 31);
+        w[u] = __shfl_sync(0xffffffffu, lane_weight, (i0 + u) & 31);
 #pragma unroll
         for (int k = 0; k < kCols; ++k) {
           const int64_t v = v0 + k * 32 + lane;
@@ -61,7 +76,13 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
       for (int u = 0; u < kRows; ++u) {
 #pragma unroll
         for (int k = 0; k < kCols; ++k) {
-          if (i0 + u < num_rows && v0 + k * 32 + lane < n16) add_bf16x8(acc[k], q[u][k]);
+          if (i0 + u < num_rows && v0 + k * 32 + lane < n16) {
+            if constexpr (kWeighted) {
+              fma_bf16x8(acc[k], w[u], q[u][k]);
+            } else {
+              add_bf16x8(acc[k], q[u][k]);
+            }
+          }
         }
       }
     }
@@ -166,23 +187,27 @@ __device__ void mark_rows_failed(const CombineParams& p, const CombineCall& call
 // Send warps, expanded: every row that heads its (source, token)'s chain here sends the chain's
 // sum to the source's comb_x[rank][token] (padding rows and chain members other than the head
 // are skipped). A chain ascends and has at most min(top_k, E/R) <= 32 rows; the walk is bounded
-// by that and by num_recv regardless.
+// by that and by num_recv regardless. A claim covers up to kMaxSendBatch rows (most rows head a
+// chain: few per claim spread a small call over many warps) or, with sparse_rows (fixed-stride
+// segments, mostly padding), up to 32, whose heads the warp finds with one load per lane.
 __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call) {
   const CommParams& c = p.comm;
   const int lane = threadIdx.x % 32;
   const int2* chain = reinterpret_cast<const int2*>(call.peer[c.rank] + c.layout.expand_chain);
   const int64_t num_recv = call.num_recv;
   const int total_warps = int(gridDim.x) * p.num_send_warps;
+  const int64_t max_batch = p.sparse_rows ? 32 : int64_t(kMaxSendBatch);
   const int64_t batch =
-      min(int64_t(kMaxSendBatch), max(int64_t(1), (num_recv + total_warps - 1) / total_warps));
+      min(max_batch, max(int64_t(1), (num_recv + total_warps - 1) / total_warps));
   const int64_t num_batches = (num_recv + batch - 1) / batch;
   for (int64_t b = work_claim(c, lane); b < num_batches; b = work_claim(c, lane)) {
     const int64_t r0 = b * batch;
     const int64_t r1 = min(num_recv, r0 + batch);
-    bool any_head = false;  // a batch of padding rows and chain members needs no fence
-    for (int64_t j = r0; j < r1; ++j) {
-      if (chain[j].y == 0) continue;
-      any_head = true;
+    // Bit i: row r0 + i heads its chain (the same mask in every lane). A batch of padding rows
+    // and chain members needs no fence.
+    const uint32_t heads = __ballot_sync(0xffffffffu, r0 + lane < r1 && chain[r0 + lane].y != 0);
+    for (uint32_t rest = heads; rest != 0; rest &= rest - 1) {
+      const int64_t j = r0 + __ffs(int(rest)) - 1;
       const int2 src = call.recv_src[j];
       if (!call.source_in_range(p, src)) continue;  // reported with the flags below
       int32_t lane_row = -1;                        // lane i: the chain's i-th row
@@ -191,16 +216,35 @@ __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call)
         if (lane == num_rows) lane_row = r;
         ++num_rows;
       }
-      warp_sum_rows(reinterpret_cast<int4*>(call.peer[src.x] + c.layout.comb_x) +
-                        (int64_t(c.rank) * p.max_tokens + src.y) * call.n16,
-                    reinterpret_cast<const int4*>(p.expert_out), lane_row, num_rows, call.n16,
-                    lane);
+      int4* dst = reinterpret_cast<int4*>(call.peer[src.x] + c.layout.comb_x) +
+                  (int64_t(c.rank) * p.max_tokens + src.y) * call.n16;
+      const auto* y = reinterpret_cast<const int4*>(p.expert_out);
+      if (p.source_weighted) {
+        // Lane i: its row's weight, 0 + the source's weights of the selections the row marks
+        // (k ascending), read from the source's window (written before its entry flag, which
+        // this warp's block waited for).
+        float lane_weight = 0.0f;
+        if (lane_row >= 0) {
+          const int32_t* idx = reinterpret_cast<const int32_t*>(call.peer[c.rank] +
+                                                                c.layout.recv_expert_idx) +
+                               int64_t(lane_row) * p.top_k;
+          const volatile float* w = reinterpret_cast<const volatile float*>(
+                                        call.peer[src.x] + c.layout.comb_w) +
+                                    int64_t(src.y) * p.top_k;
+          for (int k = 0; k < p.top_k; ++k) {
+            if (idx[k] >= 0) lane_weight += w[k];
+          }
+        }
+        warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, lane);
+      } else {
+        warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, lane);
+      }
     }
     __syncwarp();
-    if (lane == 0 && any_head) {
+    if (lane == 0 && heads != 0) {
       __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before flags
-      for (int64_t j = r0; j < r1; ++j) {
-        if (chain[j].y == 0) continue;
+      for (uint32_t rest = heads; rest != 0; rest &= rest - 1) {
+        const int64_t j = r0 + __ffs(int(rest)) - 1;
         if (uint64_t* flag = call.source_flag(p, j, call.recv_src[j]))
           st_relaxed_sys(flag, call.seq);
       }

@@ -40,6 +40,7 @@ static_assert(kExpandSubChunkTokens <= 128, "an item packs its token index in 7 
 struct ExpandSmem {
   char** peer;           // [kMaxRanks] window bases
   int64_t* required;     // [kMaxRanks] rows_required of every rank
+  int64_t* largest;      // [kMaxRanks] every rank's largest aligned count (fixed stride)
   int64_t* next;         // [E] this block's next row per expert
   int64_t* seg;          // [E/R + 1] this rank's segment_begin
   int32_t* hist;         // [E] this block's prefix per expert (block 0: the rank's totals)
@@ -59,6 +60,7 @@ struct ExpandSmem {
     ExpandSmem s;
     s.peer = m.take<char*>(kMaxRanks);
     s.required = m.take<int64_t>(kMaxRanks);
+    s.largest = m.take<int64_t>(kMaxRanks);
     s.next = m.take<int64_t>(E);
     s.seg = m.take<int64_t>(E / std::size_t(num_ranks) + 1);
     s.hist = m.take<int32_t>(E);
@@ -174,43 +176,54 @@ __device__ bool exchange_counts(const DispatchParams& p, const ExpandSmem& s,
   return *s.ok != 0;
 }
 
-// Warps d < R: destination d's segments, a warp scan of its aligned totals; s.next advances to
-// the rows' final indices, s.required[d] = its rows_required, s.seg = this rank's segment_begin.
-// Then s.overflowed.
+// Warps d < R: destination d's segments, a warp scan of its aligned totals (or, with a fixed
+// segment_stride, e * stride and the largest aligned total); s.next advances to the rows' final
+// indices, s.required[d] = its rows_required, s.seg = this rank's segment_begin. Then
+// s.overflowed (types.hpp ExpandOptions::segment_stride).
 __device__ void lay_out_segments(const ExpandDispatchParams& ep, const ExpandSmem& s,
                                  const ExpandCall& call) {
   const CommParams& c = ep.dispatch.comm;
   const int R = c.num_ranks;
   const int lane = threadIdx.x % 32;
   const int d = int(threadIdx.x / 32);
+  const int64_t stride = ep.segment_stride;
   if (d < R) {
     int64_t running = 0;
+    int64_t largest = 0;
     for (int e0 = 0; e0 < call.epr; e0 += 32) {
       const int e = e0 + lane;
       const int64_t n = e < call.epr ? int64_t(s.total[d * call.epr + e]) : 0;
       const int64_t aligned =
           (n + ep.expert_alignment - 1) / ep.expert_alignment * ep.expert_alignment;
       int64_t inclusive = aligned;
+      int64_t most = aligned;
       for (int o = 1; o < 32; o *= 2) {
         const int64_t v = __shfl_up_sync(0xffffffffu, inclusive, o);
         if (lane >= o) inclusive += v;
+        most = max(most, __shfl_xor_sync(0xffffffffu, most, o));
       }
       if (e < call.epr) {
-        const int64_t begin = running + inclusive - aligned;
+        const int64_t begin = stride > 0 ? int64_t(e) * stride : running + inclusive - aligned;
         s.next[d * call.epr + e] += begin;
         if (d == c.rank) s.seg[e] = begin;
       }
       running += __shfl_sync(0xffffffffu, inclusive, 31);
+      largest = max(largest, most);
     }
+    if (stride > 0) running = int64_t(call.epr) * max(stride, largest);
     if (lane == 0) {
       s.required[d] = running;
-      if (d == c.rank) s.seg[call.epr] = running;
+      s.largest[d] = largest;
+      if (d == c.rank) s.seg[call.epr] = running;  // = E/R * stride unless overflowed
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t overflowed = 0;
-    for (int r = 0; r < R; ++r) overflowed |= uint32_t(s.required[r] > ep.capacity) << r;
+    for (int r = 0; r < R; ++r) {
+      const bool over = s.required[r] > ep.capacity || (stride > 0 && s.largest[r] > stride);
+      overflowed |= uint32_t(over) << r;
+    }
     *s.overflowed = overflowed;
   }
   __syncthreads();
@@ -374,8 +387,10 @@ __device__ void mark_unsent(const ExpandDispatchParams& ep, const ExpandCall& ca
   if (blockIdx.x == 0 && threadIdx.x == 0) p.comm.state->num_recv = 0;
 }
 
+// Named dispatch_*: profilers that total kernels by name (DeepEP's bench_kineto looks for
+// "::dispatch" and "::combine") find it as the dispatch.
 __global__ void __launch_bounds__(kThreads, 1)
-    expand_dispatch_kernel(const ExpandDispatchParams ep) {
+    dispatch_expanded_kernel(const ExpandDispatchParams ep) {
   extern __shared__ __align__(16) char smem[];
   const DispatchParams& p = ep.dispatch;
   const CommParams& c = p.comm;
@@ -422,7 +437,7 @@ void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t str
   const DispatchParams& p = params.dispatch;
   SmemCarver sizer{nullptr};
   ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k);
-  launch_cooperative(expand_dispatch_kernel, params, p.num_blocks, sizer.bytes, stream);
+  launch_cooperative(dispatch_expanded_kernel, params, p.num_blocks, sizer.bytes, stream);
 }
 
 }  // namespace weft::ep::detail

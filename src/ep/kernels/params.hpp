@@ -78,7 +78,9 @@ enum WaitKind : int64_t {
 //                that is larger (BufferConfig::expand_factor: the expanded layout's capacity)
 //   comb_x       [R][max_tokens][hidden] bf16: rank r's expert output for our token t
 //   comb_w       [R][max_tokens][top_k] fp32: rank r's top-k weights for our token t (the first
-//                K of each row; combine with topk_weights), published by the comb_flags as comb_x
+//                K of each row; combine with topk_weights), published by the comb_flags as comb_x;
+//                in a weighted expanded combine its first [T][top_k] hold this rank's own
+//                source_weights (copied before the kernel, published by the entry flag)
 //   expand_matrix[2 (call parity)][R source][E] uint64 tagged words: the source's rows per expert
 //                (expanded dispatch; every rank receives every source's whole histogram)
 //   expand_chain [cap] int2 (expanded dispatch): per received row, {the next row of the same
@@ -221,6 +223,7 @@ struct ExpandDispatchParams {
   int64_t capacity;  // rows of the receive region (expand_factor * R * max_tokens)
   int expert_alignment;
   bool zero_padding;
+  int64_t segment_stride;  // 0: packed segments; > 0: segment e at e * segment_stride
   // [max_tokens][top_k] out: {row, destination rank} of selection k of token t, {-1, -1} where
   // it has no row (no selection, a repeat in the token, an overflowed destination): what a
   // cached dispatch of this layout moves.
@@ -288,6 +291,13 @@ struct CombineParams {
   const int64_t* expand_info;
   int num_local_experts;
   int64_t expand_capacity;
+  // Expanded only: each source's [num_tokens][top_k] fp32 weights are at the start of its own
+  // comb_w region (CombineInputs::source_weights; copied there before the kernel, so published
+  // by the source's entry flag); each row's sum term is scaled by its selections' weights.
+  bool source_weighted;
+  // Expanded only: the layout has fixed-stride segments (mostly padding rows): the send warps
+  // scan 32 rows per claim.
+  bool sparse_rows;
   uint64_t layout_id;          // the layout combined: must be DeviceState::layout_id
 };
 

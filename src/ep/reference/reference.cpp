@@ -52,6 +52,8 @@ void BufferConfig::validate(int num_ranks) const {
 void ExpandOptions::validate() const {
   WEFT_CHECK(expert_alignment >= 1 && expert_alignment <= 4096,
              "expert_alignment must be in 1..4096, got ", expert_alignment);
+  WEFT_CHECK(segment_stride >= 0 && segment_stride <= int64_t(INT32_MAX),
+             "segment_stride must be in 0..2^31 - 1 (0: packed segments), got ", segment_stride);
 }
 
 Fp8RowLayout fp8_row_layout(int64_t hidden) {
@@ -106,15 +108,24 @@ void expand_destination(const BufferConfig& config, std::span<const RankInput> i
     }
   }
   dst.segment_begin.assign(static_cast<std::size_t>(epr) + 1, 0);
+  const int64_t stride = options.expand.segment_stride;
+  int64_t largest = 0;  // the largest aligned count
   for (int e = 0; e < epr; ++e) {
+    const int64_t aligned = align_up(dst.tokens_per_local_expert[static_cast<std::size_t>(e)],
+                                     options.expand.expert_alignment);
+    largest = std::max(largest, aligned);
     dst.segment_begin[static_cast<std::size_t>(e) + 1] =
-        dst.segment_begin[static_cast<std::size_t>(e)] +
-        align_up(dst.tokens_per_local_expert[static_cast<std::size_t>(e)],
-                 options.expand.expert_alignment);
+        stride > 0 ? int64_t(e + 1) * stride : dst.segment_begin[static_cast<std::size_t>(e)] + aligned;
   }
-  dst.rows_required = dst.segment_begin.back();
   const int64_t capacity = config.expand_capacity(num_ranks);
-  dst.overflowed = dst.rows_required > capacity;
+  if (stride > 0) {
+    dst.rows_required = int64_t(epr) * std::max(stride, largest);
+    dst.overflowed = largest > stride || dst.rows_required > capacity;
+    dst.segment_begin.back() = dst.rows_required;  // as packed: the last is rows_required
+  } else {
+    dst.rows_required = dst.segment_begin.back();
+    dst.overflowed = dst.rows_required > capacity;
+  }
   if (dst.overflowed) return;  // nothing moves; the sources' send slots stay -1
 
   dst.num_recv = dst.rows_required;
@@ -290,6 +301,7 @@ namespace {
 void combine_expanded(const BufferConfig& config, int rank, std::span<const RankLayout> layouts,
                       std::span<const std::vector<uint16_t>> expert_out,
                       std::span<const uint16_t> bias0, std::span<const uint16_t> bias1,
+                      std::span<const std::vector<float>> source_weights,
                       std::vector<uint16_t>& out) {
   const int num_ranks = static_cast<int>(layouts.size());
   const auto hidden = static_cast<std::size_t>(config.hidden);
@@ -321,7 +333,20 @@ void combine_expanded(const BufferConfig& config, int rank, std::span<const Rank
       if (L.recv_src_rank[j] != rank) continue;
       const auto t = static_cast<std::size_t>(L.recv_src_token[j]);
       sent[t] = true;
-      for (std::size_t h = 0; h < hidden; ++h) partial[t * hidden + h] += bf16_to_float(y[j * hidden + h]);
+      if (source_weights.empty()) {
+        for (std::size_t h = 0; h < hidden; ++h) partial[t * hidden + h] += bf16_to_float(y[j * hidden + h]);
+        continue;
+      }
+      const auto top_k = static_cast<std::size_t>(config.top_k);
+      float w = 0.0f;  // the weights of the row's own selections, k ascending
+      for (std::size_t k = 0; k < top_k; ++k) {
+        if (L.recv_expert_idx[j * top_k + k] >= 0) {
+          w += source_weights[static_cast<std::size_t>(rank)][t * top_k + k];
+        }
+      }
+      for (std::size_t h = 0; h < hidden; ++h) {
+        partial[t * hidden + h] = std::fma(w, bf16_to_float(y[j * hidden + h]), partial[t * hidden + h]);
+      }
     }
     for (std::size_t t = 0; t < t_count; ++t) {
       if (!sent[t]) continue;
@@ -357,7 +382,7 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
   std::vector<uint16_t> out(t_count * hidden);
   std::vector<float> acc(hidden);
   if (src.expanded) {
-    combine_expanded(config, rank, layouts, expert_out, bias0, bias1, out);
+    combine_expanded(config, rank, layouts, expert_out, bias0, bias1, {}, out);
     return out;
   }
   for (std::size_t t = 0; t < t_count; ++t) {
@@ -375,6 +400,31 @@ std::vector<uint16_t> combine(const BufferConfig& config, int rank,
     }
     for (std::size_t h = 0; h < hidden; ++h) out[t * hidden + h] = float_to_bf16(acc[h]);
   }
+  return out;
+}
+
+std::vector<uint16_t> combine_weighted(const BufferConfig& config, int rank,
+                                       std::span<const RankLayout> layouts,
+                                       std::span<const std::vector<uint16_t>> expert_out,
+                                       std::span<const std::vector<float>> source_weights) {
+  const int num_ranks = static_cast<int>(layouts.size());
+  WEFT_CHECK(rank >= 0 && rank < num_ranks, "rank ", rank, " out of range");
+  WEFT_CHECK(expert_out.size() == layouts.size(), "one expert output per rank is needed");
+  WEFT_CHECK(source_weights.size() == layouts.size(), "one source_weights per rank is needed");
+  const auto hidden = static_cast<std::size_t>(config.hidden);
+  const RankLayout& src = layouts[static_cast<std::size_t>(rank)];
+  WEFT_CHECK(src.expanded, "combine_weighted: the layout is not expanded");
+  for (int d = 0; d < num_ranks; ++d) {
+    const auto du = static_cast<std::size_t>(d);
+    WEFT_CHECK(expert_out[du].size() == static_cast<std::size_t>(layouts[du].num_recv) * hidden,
+               "expert_out of rank ", d, " must be [num_recv, hidden]");
+    WEFT_CHECK(source_weights[du].size() ==
+                   static_cast<std::size_t>(layouts[du].num_tokens) *
+                       static_cast<std::size_t>(config.top_k),
+               "source_weights of rank ", d, " must be [T, top_k]");
+  }
+  std::vector<uint16_t> out(static_cast<std::size_t>(src.num_tokens) * hidden);
+  combine_expanded(config, rank, layouts, expert_out, {}, {}, source_weights, out);
   return out;
 }
 

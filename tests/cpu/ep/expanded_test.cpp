@@ -254,6 +254,153 @@ TEST(EpExpanded, BadOptionsAreClearErrors) {
   EXPECT_THROW(ref::combine(c, 0, mixed, expert_out, {}, {}), weft::Error);
 }
 
+// Fixed-stride segments hold exactly the rows of the packed layout's segments, each at
+// e * segment_stride, followed by padding rows up to the next stride.
+TEST(EpExpanded, FixedStrideSegmentsHoldThePackedSegmentsRows) {
+  std::mt19937 rng(41);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int R = 1 + trial % 4;
+    const BufferConfig c{.max_tokens = 24,
+                         .hidden = 8 * (1 + trial % 3),
+                         .num_experts = R * (1 + trial % 5),
+                         .top_k = std::min(1 + trial % 6, R * (1 + trial % 5)),
+                         .expand_factor = 1 + trial % 5};
+    const int epr = c.num_experts / R;
+    const int alignment = trial % 2 == 0 ? 1 : 4;
+    const int64_t stride = (int64_t(R) * c.max_tokens + alignment - 1) / alignment * alignment;
+    std::vector<int64_t> tokens;
+    for (int r = 0; r < R; ++r) tokens.push_back(int64_t(rng() % 25));
+    const auto inputs = make_inputs(c, R, tokens, (trial % 3) * 0.3, rng);
+    const ExpandOptions packed{.enabled = true, .expert_alignment = alignment, .zero_padding = true};
+    ExpandOptions fixed = packed;
+    fixed.segment_stride = stride;
+    BufferConfig big = c;
+    big.expand_factor = epr * (alignment == 1 ? 1 : 2);
+    const auto p_layouts = ref::dispatch(big, inputs, {.expand = packed});
+    const auto f_layouts = ref::dispatch(big, inputs, {.expand = fixed});
+    SCOPED_TRACE(testing::Message() << "trial " << trial);
+    for (int d = 0; d < R; ++d) {
+      const auto& P = p_layouts[std::size_t(d)];
+      const auto& F = f_layouts[std::size_t(d)];
+      ASSERT_FALSE(F.overflowed);
+      ASSERT_EQ(F.num_recv, epr * stride);
+      ASSERT_EQ(F.rows_required, epr * stride);
+      ASSERT_EQ(F.tokens_per_local_expert, P.tokens_per_local_expert);
+      const auto H = std::size_t(c.hidden);
+      const auto K = std::size_t(c.top_k);
+      for (int e = 0; e < epr; ++e) {
+        ASSERT_EQ(F.segment_begin[std::size_t(e)], e * stride);
+        const auto count = std::size_t(P.tokens_per_local_expert[std::size_t(e)]);
+        const auto pb = std::size_t(P.segment_begin[std::size_t(e)]);
+        const auto fb = std::size_t(e) * std::size_t(stride);
+        for (std::size_t i = 0; i < std::size_t(stride); ++i) {
+          const std::size_t f = fb + i;
+          if (i >= count) {
+            ASSERT_EQ(F.recv_src_rank[f], -1) << "padding row " << f;
+            continue;
+          }
+          const std::size_t p = pb + i;
+          ASSERT_EQ(F.recv_src_rank[f], P.recv_src_rank[p]);
+          ASSERT_EQ(F.recv_src_token[f], P.recv_src_token[p]);
+          for (std::size_t k = 0; k < K; ++k) {
+            ASSERT_EQ(F.recv_expert_idx[f * K + k], P.recv_expert_idx[p * K + k]);
+            ASSERT_EQ(F.recv_weights[f * K + k], P.recv_weights[p * K + k]);
+          }
+          for (std::size_t h = 0; h < H; ++h) ASSERT_EQ(F.recv_x[f * H + h], P.recv_x[p * H + h]);
+        }
+      }
+      ASSERT_EQ(F.segment_begin[std::size_t(epr)], epr * stride);
+    }
+    // The sources' send slots point at the same (segment, index) in both layouts.
+    for (int s = 0; s < R; ++s) {
+      for (int64_t t = 0; t < tokens[std::size_t(s)]; ++t) {
+        for (int d = 0; d < R; ++d) {
+          const auto i = std::size_t(t * R + d);
+          const int32_t ps = p_layouts[std::size_t(s)].send_slot[i];
+          const int32_t fs = f_layouts[std::size_t(s)].send_slot[i];
+          ASSERT_EQ(ps < 0, fs < 0);
+          if (ps < 0) continue;
+          const auto& P = p_layouts[std::size_t(d)];
+          int e = 0;
+          while (P.segment_begin[std::size_t(e) + 1] <= ps) ++e;
+          ASSERT_EQ(fs, e * stride + (ps - P.segment_begin[std::size_t(e)]));
+        }
+      }
+    }
+  }
+}
+
+TEST(EpExpanded, FixedStrideOverflowsWhereAnExpertExceedsIt) {
+  std::mt19937 rng(5);
+  // Every token selects both of rank 0's 2 experts: 8 + 8 rows each, against a stride of 12.
+  const BufferConfig c{
+      .max_tokens = 8, .hidden = 16, .num_experts = 4, .top_k = 2, .expand_factor = 4};
+  const auto inputs = make_inputs(c, 2, {8, 8}, 0.0, rng, false, /*crowd_rank0=*/true);
+  const auto layouts = ref::dispatch(c, inputs, {.expand = {.enabled = true, .segment_stride = 12}});
+  EXPECT_TRUE(layouts[0].overflowed);
+  EXPECT_EQ(layouts[0].rows_required, 2 * 16);
+  EXPECT_EQ(layouts[0].num_recv, 0);
+  EXPECT_EQ(layouts[0].segment_begin, (std::vector<int64_t>{0, 12, 32}));
+  EXPECT_FALSE(layouts[1].overflowed);
+  EXPECT_EQ(layouts[1].num_recv, 2 * 12);
+  EXPECT_THROW(ref::dispatch(c, inputs, {.expand = {.enabled = true, .segment_stride = -1}}),
+               weft::Error);
+  const auto fits = ref::dispatch(c, inputs, {.expand = {.enabled = true, .segment_stride = 16}});
+  EXPECT_FALSE(fits[0].overflowed);
+}
+
+// combine_weighted with exact values (small integers, power-of-two weights) against the
+// contract stated directly: out[t] = sum over selections k with an expert of w[t][k] * row.
+TEST(EpExpanded, WeightedCombineIsTheWeightedSumOfTheSelections) {
+  std::mt19937 rng(12);
+  for (int trial = 0; trial < 30; ++trial) {
+    const int R = 1 + trial % 3;
+    const BufferConfig c{.max_tokens = 16,
+                         .hidden = 8,
+                         .num_experts = R * (2 + trial % 3),
+                         .top_k = std::min(1 + trial % 4, R * (2 + trial % 3)),
+                         .expand_factor = 2 + trial % 3};
+    std::vector<int64_t> tokens;
+    for (int r = 0; r < R; ++r) tokens.push_back(int64_t(rng() % 17));
+    auto inputs = make_inputs(c, R, tokens, 0.3, rng);
+    std::vector<std::vector<float>> weights(static_cast<std::size_t>(R));
+    for (int r = 0; r < R; ++r) {
+      auto& in = inputs[std::size_t(r)];
+      for (auto& v : in.x) v = float_to_bf16(float(1 + rng() % 8));
+      for (std::size_t i = 0; i < in.topk_idx.size(); ++i) {
+        if (trial % 4 == 0 && i > 0 && rng() % 5 == 0) in.topk_idx[i] = in.topk_idx[i - 1];
+        weights[std::size_t(r)].push_back(std::vector<float>{0.25f, 0.5f, 1.0f, 2.0f}[rng() % 4]);
+      }
+    }
+    const int64_t stride = int64_t(R) * c.max_tokens;
+    BufferConfig big = c;
+    big.expand_factor = c.num_experts / R;
+    for (const ExpandOptions& o :
+         {ExpandOptions{.enabled = true}, ExpandOptions{.enabled = true, .segment_stride = stride}}) {
+      const auto layouts = ref::dispatch(big, inputs, {.expand = o});
+      std::vector<std::vector<uint16_t>> expert_out;
+      for (const auto& L : layouts) expert_out.push_back(L.recv_x);  // each row is its token's x
+      SCOPED_TRACE(testing::Message() << "trial " << trial << " stride " << o.segment_stride);
+      for (int s = 0; s < R; ++s) {
+        const auto y = ref::combine_weighted(big, s, layouts, expert_out, weights);
+        const auto& in = inputs[std::size_t(s)];
+        for (int64_t t = 0; t < in.num_tokens; ++t) {
+          float w = 0.0f;
+          for (int k = 0; k < c.top_k; ++k) {
+            if (in.topk_idx[std::size_t(t * c.top_k + k)] >= 0) {
+              w += weights[std::size_t(s)][std::size_t(t * c.top_k + k)];
+            }
+          }
+          for (int64_t h = 0; h < c.hidden; ++h) {
+            const auto i = std::size_t(t * c.hidden + h);
+            ASSERT_EQ(bf16_to_float(y[i]), w * bf16_to_float(in.x[i])) << "rank " << s << " token " << t;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Accumulated over three dispatches with masked selections, against an independent count.
 TEST(EpStats, CumulativeLocalExpertRecvStatsAccumulates) {
   std::mt19937 rng(17);

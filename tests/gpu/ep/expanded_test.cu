@@ -339,6 +339,52 @@ class EpExpandedTest : public ::testing::Test {
     }
   }
 
+  // The weighted combine (CombineInputs::source_weights) with fresh random expert outputs and
+  // per-rank weights, every element against reference::combine_weighted.
+  void check_weighted_combine(const std::vector<ref::RankLayout>& layouts,
+                              const std::vector<weft::ep::DispatchResult>& res,
+                              std::mt19937& rng) {
+    const int64_t H = config.hidden;
+    const int64_t K = config.top_k;
+    const auto num = static_cast<std::size_t>(R);
+    std::vector<std::vector<uint16_t>> expert_out(num);
+    std::vector<std::vector<float>> source_weights(num);
+    std::vector<DeviceArray> expert_dev(num), weights_dev(num), out(num);
+    std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = layouts[std::size_t(r)].num_recv;
+      const int64_t T = layouts[std::size_t(r)].num_tokens;
+      auto& e = expert_out[std::size_t(r)];
+      e.resize(std::size_t(n * H));
+      for (auto& v : e) v = identity_value(9 + r, int64_t(rng() % 100000), 5);
+      expert_dev[std::size_t(r)] = upload(rank_device(r), e);
+      auto& w = source_weights[std::size_t(r)];
+      w.resize(std::size_t(T * K));
+      for (auto& v : w) v = uni(rng);
+      weights_dev[std::size_t(r)] = upload(rank_device(r), w);
+      out[std::size_t(r)] = DeviceArray(rank_device(r), std::size_t(T * H * 2));
+      WEFT_CUDA_CHECK(cudaMemset(out[std::size_t(r)].ptr, 0xFF, std::size_t(T * H * 2)));
+      WEFT_CUDA_CHECK(cudaDeviceSynchronize());
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t T = layouts[std::size_t(r)].num_tokens;
+      weft::ep::CombineInputs cin;
+      cin.expert_out = {expert_dev[std::size_t(r)].ptr, DType::kBFloat16,
+                        layouts[std::size_t(r)].num_recv, H};
+      cin.source_weights = {weights_dev[std::size_t(r)].ptr, DType::kFloat32, T, K};
+      eps[std::size_t(r)]->combine(cin, res[std::size_t(r)].handle, out[std::size_t(r)].ptr,
+                                   streams[std::size_t(r)]);
+    }
+    sync_all();
+    for (int r = 0; r < R; ++r) {
+      const auto want = ref::combine_weighted(config, r, layouts, expert_out, source_weights);
+      const auto got = download<uint16_t>(rank_device(r), out[std::size_t(r)].ptr, want.size());
+      std::size_t wrong = 0;
+      for (std::size_t i = 0; i < want.size(); ++i) wrong += got[i] != want[i];
+      ASSERT_EQ(wrong, 0u) << "rank " << r << ": weighted combine differs from the reference";
+    }
+  }
+
   BufferConfig config;
   int R = 0;
   std::vector<std::unique_ptr<weft::ep::Buffer>> eps;
@@ -564,6 +610,94 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
     check_layout(fit_layouts, fit_res, call);
     check_combine(fit_layouts, fit_res, 1, round == 0, rng);
   }
+}
+
+// Fixed-stride segments (ExpandOptions::segment_stride = R * max_tokens, DeepEP's low-latency
+// layout: segment e at e * S whatever the counts) and the weighted combine, over T from 0 to
+// max_tokens, masked and repeated selections, tokens that select nothing, both count modes,
+// one block and the default grid; the same Buffer also runs packed expanded dispatches between.
+TEST_F(EpExpandedTest, FixedStrideSegmentsAndWeightedCombine) {
+  const int num_ranks = team_size();
+  const int64_t M = 48;
+  const int epr = 6;
+  make({.max_tokens = M, .hidden = 256, .num_experts = epr * num_ranks, .top_k = 4,
+        .expand_factor = epr});
+  std::mt19937 rng(std::random_device{}());
+  int trial = 0;
+  for (int64_t T : {int64_t(0), int64_t(1), int64_t(5), int64_t(M)}) {
+    for (int alignment : {1, 8}) {
+      ++trial;
+      SCOPED_TRACE(testing::Message() << "T " << T << " alignment " << alignment);
+      RoutingSpec spec{.tokens = tokens(T), .mask_ratio = 0.3, .repeat_ratio = 0.1};
+      if (trial % 3 == 0) spec.max_selections = 0;  // no token selects anything
+      const int64_t stride = (R * M + alignment - 1) / alignment * alignment;
+      Call call{.expand = {.enabled = true, .expert_alignment = alignment,
+                           .segment_stride = stride},
+                .idx64 = trial % 2 == 0,
+                .mode = trial % 2 == 1 ? weft::ep::CountMode::kExact : weft::ep::CountMode::kOnDevice,
+                .num_sms = trial % 4 == 0 ? 1 : 0};
+      if (stride * epr > config.expand_capacity(R)) continue;  // alignment 8 at some R
+      const auto inputs = make_inputs(config, spec, rng, false);
+      const auto layouts = ref::dispatch(config, inputs, {.expand = call.expand});
+      for (const auto& L : layouts) {
+        ASSERT_FALSE(L.overflowed);
+        ASSERT_EQ(L.num_recv, epr * stride);
+        for (int e = 0; e <= epr; ++e) ASSERT_EQ(L.segment_begin[std::size_t(e)], e * stride);
+      }
+      const auto res = dispatch(inputs, call);
+      check_layout(layouts, res, call);
+      check_weighted_combine(layouts, res, rng);
+      if (trial % 2 == 0) check_combine(layouts, res, 0, false, rng);  // unweighted, same layout
+      // A packed expanded dispatch in between: the fixed stride is per call.
+      const Call packed{.expand = {.enabled = true}};
+      const auto p_layouts = ref::dispatch(config, inputs, {.expand = packed.expand});
+      check_layout(p_layouts, dispatch(inputs, packed), packed);
+    }
+  }
+}
+
+// A fixed stride below an expert's count overflows that rank as the capacity does: reported,
+// nothing written, the combine refused on the device.
+TEST_F(EpExpandedTest, FixedStrideOverflowIsReported) {
+  const int num_ranks = team_size();
+  make({.max_tokens = 32, .hidden = 128, .num_experts = 2 * num_ranks, .top_k = 2,
+        .expand_factor = 2});
+  std::mt19937 rng(std::random_device{}());
+  const auto inputs =
+      make_inputs(config, {.tokens = std::vector<int64_t>(std::size_t(R), 32), .crowd_rank0 = true},
+                  rng, false);
+  const Call call{.expand = {.enabled = true, .segment_stride = 8},
+                  .mode = weft::ep::CountMode::kExact};
+  const auto layouts = ref::dispatch(config, inputs, {.expand = call.expand});
+  ASSERT_TRUE(layouts[0].overflowed);
+  ASSERT_EQ(layouts[0].rows_required, 2 * 32 * R);  // 2 experts x the largest count
+  const auto res = dispatch(inputs, call);
+  EXPECT_EQ(res[0].num_recv, 0);
+  EXPECT_EQ(res[0].rows_required, layouts[0].rows_required);
+  check_layout(layouts, res, call);
+  // A stride whose rows exceed the capacity is refused on the host.
+  weft::ep::DispatchInputs din;
+  din.x = {x[0].ptr, DType::kBFloat16, 0, config.hidden};
+  din.topk_idx = {idx[0].ptr, DType::kInt64, 0, config.top_k};
+  din.topk_weights = {weights[0].ptr, DType::kFloat32, 0, config.top_k};
+  din.expand = {.enabled = true, .segment_stride = 32 * R + 1};
+  EXPECT_THROW(eps[0]->dispatch(din, streams[0]), weft::Error);
+  din.expand = {.enabled = true, .segment_stride = -1};
+  EXPECT_THROW(eps[0]->dispatch(din, streams[0]), weft::Error);
+  // source_weights: [T, top_k] float32, without bias (checked before anything is launched).
+  const int64_t T = 32;
+  DeviceArray w(rank_device(0), std::size_t(T * config.top_k * 4));
+  DeviceArray out(rank_device(0), std::size_t(T * config.hidden * 2));
+  weft::ep::CombineInputs cin;
+  cin.expert_out = {res[0].recv_x, DType::kBFloat16, res[0].capacity, config.hidden};
+  cin.source_weights = {w.ptr, DType::kFloat32, T, config.top_k};
+  cin.bias0 = {out.ptr, DType::kBFloat16, T, config.hidden};
+  EXPECT_THROW(eps[0]->combine(cin, res[0].handle, out.ptr, streams[0]), weft::Error);
+  cin.bias0 = {};
+  cin.source_weights = {w.ptr, DType::kFloat32, T, config.top_k - 1};
+  EXPECT_THROW(eps[0]->combine(cin, res[0].handle, out.ptr, streams[0]), weft::Error);
+  cin.source_weights = {w.ptr, DType::kInt32, T, config.top_k};
+  EXPECT_THROW(eps[0]->combine(cin, res[0].handle, out.ptr, streams[0]), weft::Error);
 }
 
 // Thousands of back-to-back calls with changing routing and no host sync in between, on one

@@ -1,0 +1,358 @@
+"""DeepEP's low-latency API (`low_latency_dispatch` / `low_latency_combine`) on weft's expanded
+dispatch with fixed-stride segments (Expand.segment_stride) and its weighted combine.
+
+    buf = weft.ep.Buffer(group, num_rdma_bytes=weft.ep.Buffer.get_low_latency_rdma_size_hint(
+        M, hidden, num_ranks, num_experts), low_latency_mode=True)
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(x, topk_idx, M, num_experts)
+    y = experts(recv_x, recv_count)           # [E_local, M * R, hidden]
+    out, event, hook = buf.low_latency_combine(y, topk_idx, topk_weights, handle)
+
+Layout (every shape fixed by M = num_max_dispatch_tokens_per_rank, R ranks, E_local experts per
+rank, so that one CUDA graph serves every step): rank d's expert e receives its rows at
+[e, 0 .. recv_count[e]) of a [E_local, M * R, row] array, in (source rank, source token) order,
+the rest of the segment padding. It is the expanded layout of weft's dispatch with segment e at
+row e * M * R (no second protocol, no copy of the rows).
+
+Double buffering (DeepEP's rule that a call's results stay valid for the two latest calls): two
+windows (slots) alternate per dispatch; a dispatch's results (recv_x, recv_count, the handle's
+tensors) live in its slot and stay valid until the dispatch after the next one. A combine must
+use the handle of one of the two latest dispatches: an older one is refused (weft.Error), not
+combined from overwritten rows.
+
+Streams: every call runs on the Buffer's comm stream after the work queued so far on the
+current stream. async_finish=False and return_recv_hook=False: the current stream then waits
+for it. async_finish=True: the returned EventOverlap orders it. return_recv_hook=True: the call
+is issued and returns; hook() makes the current stream wait for the arrivals (weft's dispatch
+and combine are one kernel each, so the hook waits for that kernel rather than launching a
+receive kernel).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import Error
+from . import _group
+from .event import EventHandle, EventOverlap
+from .native import Expand, NativeBuffer, check_tensor
+from .sizing import window_bytes_for
+
+_FP8_GROUP = 128
+_E4M3_MAX = 448.0
+_MIN_AMAX = 1e-4
+# The top-k the size hint assumes (its per-row metadata grows with it): the most weft takes.
+_HINT_TOP_K = 32
+_NUM_SLOTS = 2
+
+
+def window_bytes(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int,
+                 top_k: int) -> int:
+    """Bytes of the low-latency windows of one rank (both slots)."""
+    return _NUM_SLOTS * window_bytes_for(num_max_tokens, hidden, num_ranks, top_k, num_experts,
+                                         num_experts // num_ranks)
+
+
+def rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                   num_experts: int) -> int:
+    check_shapes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    return window_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts,
+                        _HINT_TOP_K)
+
+
+def refuse_internode(group) -> None:
+    """weft.Error unless every rank of group runs on this host (collective over group)."""
+    if group is None:
+        return
+    hosts = [None] * group.size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) > 1:
+        raise Error(f"Buffer(low_latency_mode=True): the group spans {len(set(hosts))} hosts; "
+                    f"weft.ep's low-latency mode is intranode (NVLink) only")
+
+
+def check_shapes(num_max_tokens, hidden, num_ranks: int, num_experts) -> None:
+    for name, v in (("num_max_dispatch_tokens_per_rank", num_max_tokens), ("hidden", hidden),
+                    ("num_experts", num_experts)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise Error(f"low-latency mode: {name} must be an int >= 1, got {v!r}")
+    if num_experts % num_ranks != 0:
+        raise Error(f"low-latency mode: num_experts {num_experts} must be a multiple of the "
+                    f"number of ranks {num_ranks}")
+    if hidden % 8 != 0:
+        raise Error(f"low-latency mode: hidden {hidden} must be a multiple of 8 (rows move as "
+                    f"16-byte vectors)")
+
+
+def cast_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's per-token cast of x [T, H] bf16: (e4m3 [T, H], scales fp32 [T, H / 128]
+    row-major). Per group of 128: amax = max(|x|, 1e-4); scale = amax / 448 (round_scale: the
+    next power of two at or above it, exact), q = e4m3(x * (448 / amax)) (round_scale:
+    x / scale, exact), saturated to +-448."""
+    num_tokens, hidden = x.shape
+    g = x.view(num_tokens, hidden // _FP8_GROUP, _FP8_GROUP).float()
+    amax = g.abs().amax(dim=-1).clamp_(min=_MIN_AMAX)
+    if round_scale:
+        scale = power_of_two_at_or_above(amax / _E4M3_MAX)
+        q = g * (1.0 / scale).unsqueeze(-1)
+    else:
+        scale = amax / _E4M3_MAX
+        q = g * (_E4M3_MAX / amax).unsqueeze(-1)
+    q = q.clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(num_tokens, hidden)
+    return q, scale
+
+
+def power_of_two_at_or_above(v: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 v) of positive normal fp32 values, by their bits (exact on every device)."""
+    bits = v.view(torch.int32)
+    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP's low-latency handle: (src_info [E_local, M * R] int32: the source token of each
+    received row, -1 for padding; layout_range [E_local, R] int64: per (local expert, source
+    rank) begin << 32 | count of its rows in the segment; M; hidden; num_experts)."""
+
+    def __new__(cls, src_info: torch.Tensor, layout_range: torch.Tensor, num_max_tokens: int,
+                hidden: int, num_experts: int, owner: "_Slot", serial: int, native,
+                num_tokens: int, num_topk: int) -> "LowLatencyHandle":
+        h = super().__new__(cls, (src_info, layout_range, num_max_tokens, hidden, num_experts))
+        h.owner, h.serial, h.native = owner, serial, native
+        h.num_tokens, h.num_topk = num_tokens, num_topk
+        return h
+
+
+class _Slot:
+    """One of the two windows, with the persistent tensors of its results."""
+
+    def __init__(self, native: NativeBuffer, num_max_tokens: int) -> None:
+        self.native = native
+        self.serial = -1  # the number of the latest dispatch laid out here
+        r, e, h = native.num_ranks, native.num_local_experts, native.hidden
+        self.stride = num_max_tokens * r
+        dev = native.device
+        self.src_info = torch.empty((e, self.stride), dtype=torch.int32, device=dev)
+        self.layout_range = torch.empty((e, r), dtype=torch.int64, device=dev)
+        self.ranks = torch.arange(r, dtype=torch.int32, device=dev)
+        self.no_weights = torch.zeros((num_max_tokens, native.top_k), dtype=torch.float32,
+                                      device=dev)
+        g = h // _FP8_GROUP
+        # DeepEP's scale layouts: column-major in the last two dims.
+        self.scales = torch.empty_strided((e, self.stride, g), (self.stride * g, 1, self.stride),
+                                          dtype=torch.float32, device=dev) if h % _FP8_GROUP == 0 \
+            else None
+        self.ue8m0 = torch.empty_strided((e, self.stride, g // 4),
+                                         (self.stride * (g // 4), 1, self.stride),
+                                         dtype=torch.int32, device=dev) \
+            if h % (4 * _FP8_GROUP) == 0 else None
+        self.combine_buffer: Optional[torch.Tensor] = None
+
+
+class LowLatency:
+    """The low-latency state of one weft.ep.Buffer: its two slots, laid out at the first call
+    for the call's shapes (M, hidden, num_experts, top-k) and again, on every rank alike, when
+    they change."""
+
+    def __init__(self, buffer) -> None:
+        self._buffer = buffer
+        self._slots: List[_Slot] = []
+        self._shapes: Optional[Tuple[int, int, int, int]] = None
+        self._num_dispatches = 0
+
+    def destroy(self) -> None:
+        for s in self._slots:
+            s.native.destroy()
+        self._slots = []
+        self._shapes = None
+
+    # -- windows ----------------------------------------------------------------------------
+    def _lay_out(self, num_max_tokens: int, hidden: int, num_experts: int, top_k: int) -> None:
+        shapes = (num_max_tokens, hidden, num_experts, top_k)
+        if self._shapes == shapes:
+            return
+        b = self._buffer
+        # Every rank must lay out the same windows (NCCL registers them collectively): a rank
+        # whose call has other shapes is named here instead of hanging the registration.
+        _group.share(b.group, None, ("low-latency windows", shapes))
+        need = window_bytes(num_max_tokens, hidden, b.group_size, num_experts, top_k)
+        if b.num_rdma_bytes and need > b.num_rdma_bytes:
+            raise Error(f"low-latency mode: num_rdma_bytes={b.num_rdma_bytes} is below the "
+                        f"{need} bytes of two windows of M={num_max_tokens}, hidden={hidden}, "
+                        f"{num_experts} experts, top-{top_k} at {b.group_size} ranks; size it "
+                        f"with Buffer.get_low_latency_rdma_size_hint")
+        self.destroy()
+        for _ in range(_NUM_SLOTS):
+            native = NativeBuffer(b.group, max_tokens=num_max_tokens, hidden=hidden,
+                                  num_experts=num_experts, top_k=top_k,
+                                  expand_factor=num_experts // b.group_size,
+                                  timeout_s=b._timeout_s, communicator=b._communicator,
+                                  comm_stream=b._comm_stream)
+            self._slots.append(_Slot(native, num_max_tokens))
+        self._shapes = shapes
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                 round_scale, use_ue8m0, async_finish, return_recv_hook):
+        b = self._buffer
+        device = b._device
+        num_ranks = b.group_size
+        m = num_max_dispatch_tokens_per_rank
+        check_tensor("x", x, (torch.bfloat16,), device, (None, None))
+        num_tokens, hidden = x.shape
+        check_shapes(m, hidden, num_ranks, num_experts)
+        if num_tokens > m:
+            raise Error(f"low_latency_dispatch: x has {num_tokens} tokens, above "
+                        f"num_max_dispatch_tokens_per_rank={m}")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (num_tokens, None))
+        num_topk = topk_idx.shape[1]
+        if not 1 <= num_topk <= 32:
+            raise Error(f"low_latency_dispatch: topk_idx has {num_topk} columns; 1..32 allowed")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise Error("low_latency_dispatch(dispatch_wait_recv_cost_stats=...): weft.ep does "
+                        "not measure per-rank wait times; pass None")
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                         (torch.int32,), device, (num_experts // num_ranks,))
+        if use_ue8m0 and not round_scale:
+            raise Error("low_latency_dispatch(use_ue8m0=True) needs round_scale=True (UE8M0 "
+                        "scales are powers of two)")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise Error("low_latency_dispatch: round_scale / use_ue8m0 need use_fp8=True")
+        if use_fp8 and hidden % _FP8_GROUP != 0:
+            raise Error(f"low_latency_dispatch(use_fp8=True) needs hidden a multiple of "
+                        f"{_FP8_GROUP}, got {hidden}")
+        if use_ue8m0 and hidden % (4 * _FP8_GROUP) != 0:
+            raise Error(f"low_latency_dispatch(use_ue8m0=True) packs 4 scales per int32: hidden "
+                        f"must be a multiple of {4 * _FP8_GROUP}, got {hidden}")
+        self._lay_out(m, hidden, num_experts, num_topk)
+        serial = self._num_dispatches
+        slot = self._slots[serial % _NUM_SLOTS]
+        native = slot.native
+        e_local, stride = native.num_local_experts, slot.stride
+
+        comm = b._comm_stream
+        comm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(comm):
+            payload = cast_fp8(x, round_scale) if use_fp8 else x
+            res = native.dispatch(
+                payload, topk_idx, slot.no_weights[:num_tokens],
+                expand=Expand(segment_stride=stride),
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                on_current_stream=True)
+            src = res.recv_src.view(e_local, stride, 2)
+            slot.src_info.copy_(src[:, :, 1])
+            # Per (expert, source rank): its rows, and the rows of lower ranks before them
+            # (padding rows have source -1). Reductions only: no scan kernel in the call.
+            src_rank = src[:, :, :1]
+            counts = (src_rank == slot.ranks).sum(dim=1)  # [E_local, R] int64
+            begins = ((src_rank >= 0) & (src_rank < slot.ranks)).sum(dim=1)
+            slot.layout_range.copy_((begins << 32) | counts)
+            if use_fp8:
+                q, scales = res.recv_x
+                recv_q = q.view(e_local, stride, hidden)
+                scales = scales.view(e_local, stride, hidden // _FP8_GROUP)
+                if use_ue8m0:
+                    exponents = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                    slot.ue8m0.copy_(exponents.view(torch.int32))
+                    recv_x = (recv_q, slot.ue8m0)
+                else:
+                    slot.scales.copy_(scales)
+                    recv_x = (recv_q, slot.scales)
+            else:
+                recv_x = res.recv_x.view(e_local, stride, hidden)
+        slot.serial = serial
+        self._num_dispatches += 1
+        handle = LowLatencyHandle(slot.src_info, slot.layout_range, m, hidden, num_experts,
+                                  slot, serial, res.handle, num_tokens, num_topk)
+        keep = [x, topk_idx, payload, cumulative_local_expert_recv_stats]
+        event, hook = self._finish(async_finish, return_recv_hook, keep)
+        return recv_x, res.tokens_per_local_expert, handle, event, hook
+
+    # -- combine ------------------------------------------------------------------------------
+    def _slot_of(self, handle, what: str) -> _Slot:
+        if not isinstance(handle, LowLatencyHandle):
+            raise Error(f"{what}: handle must be a low_latency_dispatch handle, got "
+                        f"{type(handle).__name__}")
+        slot = handle.owner
+        if not any(slot is s for s in self._slots):
+            raise Error(f"{what}: the handle is of windows laid out for other shapes (or of "
+                        f"another Buffer)")
+        if slot.serial != handle.serial:
+            raise Error(f"{what}: the handle is of low-latency dispatch {handle.serial}, but "
+                        f"dispatch {slot.serial} has reused its window since: results stay valid "
+                        f"for the two latest dispatches only")
+        return slot
+
+    def next_combine_buffer(self, handle) -> torch.Tensor:
+        slot = self._slot_of(handle, "get_next_low_latency_combine_buffer")
+        if slot.combine_buffer is None:
+            n = slot.native
+            slot.combine_buffer = torch.empty((n.num_local_experts, slot.stride, n.hidden),
+                                              dtype=torch.bfloat16, device=n.device)
+        return slot.combine_buffer
+
+    def combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                return_recv_hook, out, combine_wait_recv_cost_stats):
+        b = self._buffer
+        device = b._device
+        if use_logfmt:
+            raise Error("low_latency_combine(use_logfmt=True): weft.ep combines bf16 rows only "
+                        "(no LogFMT)")
+        if combine_wait_recv_cost_stats is not None:
+            raise Error("low_latency_combine(combine_wait_recv_cost_stats=...): weft.ep does "
+                        "not measure per-rank wait times; pass None")
+        slot = self._slot_of(handle, "low_latency_combine")
+        native = slot.native
+        shape = (native.num_local_experts, slot.stride, native.hidden)
+        check_tensor("x", x, (torch.bfloat16,), device, shape)
+        if zero_copy:
+            if slot.combine_buffer is None:
+                raise Error("low_latency_combine(zero_copy=True) needs the rows written into "
+                            "get_next_low_latency_combine_buffer(handle) first")
+            expert_out = slot.combine_buffer
+        else:
+            expert_out = x if x.is_contiguous() else x.contiguous()
+        t, k = handle.num_tokens, handle.num_topk
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (t, k))
+        check_tensor("topk_weights", topk_weights, (torch.float32,), device, (t, k))
+        weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+        if out is None:
+            out = torch.empty((t, native.hidden), dtype=torch.bfloat16, device=device)
+        else:
+            check_tensor("out", out, (torch.bfloat16,), device, (t, native.hidden))
+            if not out.is_contiguous():
+                raise Error("low_latency_combine: out must be contiguous")
+        comm = b._comm_stream
+        comm.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(comm):
+            native.launch_combine(expert_out.view(-1, native.hidden), handle.native, [], out, 0,
+                                  comm.cuda_stream, source_weights=weights)
+        keep = [x, expert_out, topk_idx, topk_weights, weights, out]
+        event, hook = self._finish(async_finish, return_recv_hook, keep)
+        return out, event, hook
+
+    # -- streams ------------------------------------------------------------------------------
+    def _finish(self, async_finish: bool, return_recv_hook: bool,
+                keep) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
+        """The call's completion on the comm stream: the current stream waits now (neither
+        async_finish nor the hook), or the EventOverlap / the hook does."""
+        comm = self._buffer._comm_stream
+        done = EventHandle(comm)
+        tensors = [t for t in keep if isinstance(t, torch.Tensor)]
+        if not async_finish and not return_recv_hook:
+            done.current_stream_wait()
+            return EventOverlap(None), None
+        event = EventOverlap(done, tensors) if async_finish else EventOverlap(None)
+        hook = None
+        if return_recv_hook:
+            held = [tensors]
+
+            def hook() -> None:
+                done.current_stream_wait()
+                held.clear()
+
+        return event, hook
