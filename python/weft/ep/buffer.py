@@ -238,6 +238,7 @@ class Buffer:
         low_latency.check_shapes(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
                                  num_experts)
 
+    @outside_torch_function_modes
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -255,6 +256,7 @@ class Buffer:
             cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
             round_scale, use_ue8m0, async_finish, return_recv_hook)
 
+    @outside_torch_function_modes
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False,
