@@ -15,7 +15,7 @@ import torch
 
 import weft
 import weft.ep
-from ep_bench import timed
+from ep_bench import kernel_times, timed, wanted
 
 
 def main():
@@ -29,6 +29,9 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernels", metavar="TEXT[,TEXT...]", default="",
+                   help="also time the GPU kernels (torch.profiler) of each form whose name\n"
+                        "contains a TEXT: us per call of each kernel")
     a = p.parse_args()
     T, M, H, E, K = a.tokens, a.max_tokens, a.hidden, a.experts, a.top_k
     torch.manual_seed(0)
@@ -46,12 +49,17 @@ def main():
         "low_latency_dispatch, fp8, return_recv_hook (hook called)":
             lambda: buf.low_latency_dispatch(x, idx, M, E, return_recv_hook=True)[4](),
     }
-    results = {name: [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
-               for name, fn in forms.items()}
+    results = {}
+
+    def measure(measured):
+        for name, fn in measured.items():
+            results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
+            if wanted(a.kernels, name):
+                kernel_times(name, fn, a.iters, a.warmup, True)
+
+    measure(forms)
     _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-    results["low_latency_combine"] = [
-        timed(lambda: buf.low_latency_combine(y, idx, w, handle), a.iters, a.warmup)
-        for _ in range(a.repeats)]
+    measure({"low_latency_combine": lambda: buf.low_latency_combine(y, idx, w, handle)})
     info = weft.info()
     print(f"# weft {info['version']}, NCCL {info['nccl_loaded']}, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()} x 1; T={T} M={M} H={H} E={E} top-{K}; "

@@ -20,12 +20,16 @@ using cuda::DeviceGuard;
 namespace {
 
 // Bytes per received row of dispatch's x: bf16 [T, hidden], packed fp8 [T, fp8 row_bytes] uint8,
-// or the fp8 pair's payload [T, hidden] uint8 with x_scales (packed on the way).
+// or the fp8 pair's payload [T, hidden] uint8 with x_scales (packed on the way). The pair is
+// told from packed rows by its width (a packed row is wider than hidden), since an empty pair's
+// scales may have no address.
 int64_t dispatch_row_bytes(const DispatchInputs& in, const BufferConfig& config) {
   const TensorView& x = in.x;
-  if (in.x_scales.data != nullptr) {
+  if (in.x_scales.data != nullptr || (x.dtype == DType::kUInt8 && x.cols == config.hidden)) {
     const Fp8RowLayout l = fp8_row_layout(config.hidden);
     detail::check_view(x, "x (fp8 payload)", {DType::kUInt8}, x.rows, config.hidden);
+    WEFT_CHECK(x.rows == 0 || in.x_scales.data != nullptr, "x_scales is null, but x is the fp8 ",
+               "payload of ", x.rows, " tokens (a pair needs its scales)");
     WEFT_CHECK(in.x_scales.token_stride >= 0 && in.x_scales.group_stride >= 0,
                "x_scales strides must not be negative, got (", in.x_scales.token_stride, ", ",
                in.x_scales.group_stride, ")");
@@ -322,7 +326,6 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
                own_row_bytes, "-byte rows, the deferring dispatch moved ",
                state_->latest_row_bytes, "-byte rows");
     if (t.own_x.rows > 0) {
-      WEFT_CHECK(t.own_x.data != nullptr, "copy_out: own_x is null");
       detail::check_pointer(t.own_x.data, "copy_out: own_x", home, 16);
       detail::check_pointer(t.own_x_scales.data, "copy_out: own_x_scales", home, 4);
     }

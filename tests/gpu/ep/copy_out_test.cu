@@ -282,7 +282,7 @@ TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
   RankX null_x = upload_x(0, inputs[0], Form::kBf16);
   null_x.x_view.data = nullptr;
   what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &null_x), nullptr); });
-  EXPECT_TRUE(contains(what, "own_x is null")) << what;
+  EXPECT_TRUE(contains(what, "x is null")) << what;
   // The refusals launched nothing: the right copy still gives every row.
   eps[0]->copy_out(targets(o, false, false, &bf16), ranks[0].stream);
   WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
