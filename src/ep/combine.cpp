@@ -112,6 +112,10 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     p.expand_capacity = expand_capacity();
     p.source_weighted = source_weighted;
     p.sparse_rows = layout.expand.segment_stride > 0;
+    // A fixed-stride layout's rows (mostly padding, scanned for chain heads) are known here,
+    // and outnumber the tokens many times over: the grid follows them.
+    const int64_t fixed_rows = layout.expand.segment_stride * p.num_local_experts;
+    if (fixed_rows > T) p.num_blocks = num_blocks(fixed_rows, in.num_sms);
   }
   if (source_weighted && T > 0) {
     // The window's comb_w region holds R * max_tokens * top_k floats (>= T * top_k); the

@@ -134,7 +134,12 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
   p.max_tokens = config_.max_tokens;
   p.top_k = config_.top_k;
   p.num_experts = config_.num_experts;
-  p.num_blocks = num_blocks(T, in.num_sms);
+  // A fixed-stride expanded layout writes the metadata of every padding row of its segments
+  // (write_padding): the grid follows those rows where they outnumber the tokens.
+  p.num_blocks = num_blocks(std::max(T, in.expand.enabled ? in.expand.segment_stride *
+                                                                config_.num_local_experts(num_ranks_)
+                                                          : int64_t(0)),
+                            in.num_sms);
   p.block_counts = state_->block_counts;
   p.expert_counts = state_->expert_counts;
   p.send_slot = state_->send_slot;
