@@ -8,9 +8,13 @@ whole serial step (the stages, the loss sum and the SGD step).
     python bench/python/moe_op_counts.py --shape comm --tokens 4096 --device cuda
 
 Columns: ops, every aten call; compute, those that are not views or aliases (transpose, view,
-slice, split, detach, ...: no kernel); both per stage per micro-batch and layer (loss: per
-micro-batch), then per step. Op counts do not depend on the sizes but for the experts' fallback
-(no torch._grouped_mm: one matmul per expert); they are host counts, not GPU timings.
+slice, split, detach, ...: no kernel); expert-weight, the compute ops that return a tensor of
+an expert weight's shape (w13 or w2: the expert weight gradients' GEMMs and any accumulation
+of them; on a GPU each a memory-bound pass over a whole weight's gradient; the SGD step's
+multi-tensor update returns nothing and is not among them). Per stage per micro-batch and layer
+(loss: per micro-batch), then per step. Op counts do not depend on the sizes but for the
+experts' fallback (no torch._grouped_mm: one matmul per expert); they are host counts, not GPU
+timings.
 """
 
 import argparse
@@ -22,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import weft.moe as moe
 from weft.moe.step import _Stages, chain, micro_batches
 
-# hidden, experts, top-k, expert FFN. comm_small: the comm shape's experts and top-k at a hidden
-# size a CPU runs in seconds.
-SHAPES = {"comm_small": (64, 128, 8, 32), "comm": (2048, 128, 8, 768),
+# hidden, experts, top-k, expert FFN. comm_small: the comm shape's experts, top-k and FFN at a
+# hidden size a CPU runs in seconds.
+SHAPES = {"comm_small": (64, 128, 8, 768), "comm": (2048, 128, 8, 768),
           "dsv3": (7168, 256, 8, 2048), "tiny": (64, 16, 4, 32)}
 NO_KERNEL = {"detach", "_unsafe_view", "lift_fresh"}
 
@@ -38,19 +42,25 @@ def makes_no_kernel(func) -> bool:
 
 
 class OpCount(TorchDispatchMode):
-    """Counts the aten ops run under it: ops (all), compute (those makes_no_kernel leaves)."""
+    """Counts the aten ops run under it: ops (all), compute (those makes_no_kernel leaves),
+    weight_shaped (compute ops returning a tensor of one of weight_shapes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight_shapes) -> None:
         super().__init__()
-        self.ops, self.compute = 0, 0
+        self.weight_shapes = set(weight_shapes)
+        self.ops, self.compute, self.weight_shaped = 0, 0, 0
         self.by_name = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         self.ops += 1
         if not makes_no_kernel(func):
             self.compute += 1
             self.by_name[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            self.weight_shaped += any(isinstance(t, torch.Tensor) and tuple(t.shape) in
+                                      self.weight_shapes for t in outs)
+        return out
 
 
 def main() -> None:
@@ -73,32 +83,36 @@ def main() -> None:
     moe.serial_step(model, x, target, 0.0, M, slots)  # warm-up: lazy initialisation
     stages = _Stages(model, slots)
     stages.begin_step()
-    for p_ in model.parameters():
-        p_.grad = None
-    per_stage = collections.defaultdict(lambda: [0, 0, collections.Counter(), 0])
+    for param in model.parameters():
+        param.grad = None
+    weight_shapes = [tuple(w.shape) for m in model.moe for w in (m.w13, m.w2)]
+    per_stage = collections.defaultdict(lambda: [0, 0, 0, collections.Counter(), 0])
     for mb in micro_batches(x, target, M, a.layers):
         for _, stage, layer in chain(a.layers):
-            with OpCount() as c:
+            with OpCount(weight_shapes) as c:
                 stages.run(mb, stage, layer)
             row = per_stage[stage]
             row[0] += c.ops
             row[1] += c.compute
-            row[2] += c.by_name
-            row[3] += 1
-    with OpCount() as step:
+            row[2] += c.weight_shaped
+            row[3] += c.by_name
+            row[4] += 1
+    with OpCount(weight_shapes) as step:
         moe.serial_step(model, x, target, 0.0, M, slots)
     print(f"# shape {a.shape} (hidden {hidden}, {num_experts} experts, top-{top_k}, FFN {ffn}), "
           f"T={a.tokens}, {a.layers} layers, {M} micro-batches, {a.device}; aten ops "
-          f"(CPU-side counts, not GPU timings)")
-    print(f"{'stage':18s} {'ops':>8s} {'compute':>8s}   (per micro-batch and layer)")
-    total_ops = total_compute = 0
-    for stage, (ops, compute, names, n) in per_stage.items():
-        total_ops, total_compute = total_ops + ops, total_compute + compute
-        print(f"{stage:18s} {ops / n:8.1f} {compute / n:8.1f}")
+          f"(host-side counts, not GPU timings)")
+    print(f"{'stage':18s} {'ops':>8s} {'compute':>8s} {'expert-weight':>13s}   (per micro-batch "
+          f"and layer)")
+    totals = [0, 0, 0]
+    for stage, (ops, compute, weight_shaped, names, n) in per_stage.items():
+        totals = [t + v for t, v in zip(totals, (ops, compute, weight_shaped))]
+        print(f"{stage:18s} {ops / n:8.2f} {compute / n:8.2f} {weight_shaped / n:13.2f}")
         if a.detail:
             print("    " + ", ".join(f"{k} {v / n:g}" for k, v in names.most_common()))
-    print(f"{'stages, a step':18s} {total_ops:8d} {total_compute:8d}")
-    print(f"{'serial step':18s} {step.ops:8d} {step.compute:8d}   (stages + loss sum + SGD)")
+    print(f"{'stages, a step':18s} {totals[0]:8d} {totals[1]:8d} {totals[2]:13d}")
+    print(f"{'serial step':18s} {step.ops:8d} {step.compute:8d} {step.weight_shaped:13d}   "
+          f"(stages + loss sum + SGD)")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,41 @@ def test_one_buffer_per_live_layout_means_no_layout_is_re_run():
         step.close()
 
 
+def _expert_weight_shaped_ops(model, x, target, num_micro_batches):
+    """The aten ops of one serial step that return a tensor of an expert weight's shape: the
+    expert weight gradients' GEMMs and any accumulation of them. Views are not counted, nor is
+    the SGD step's multi-tensor update, which returns nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {tuple(w.shape) for m in model.moe for w in (m.w13, m.w2)}
+
+    class Count(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            views = func.is_view or func.overloadpacket.__name__ in ("detach", "_unsafe_view")
+            if not views and any(isinstance(t, torch.Tensor) and tuple(t.shape) in shapes
+                                 for t in outs):
+                self.names.append(func.overloadpacket.__name__)
+            return out
+
+    with Count() as c:
+        moe.serial_step(model, x, target, 0.0, num_micro_batches)
+    return c.names
+
+
+def test_expert_weight_gradients_are_written_once_per_layer_and_step():
+    """One grouped GEMM per expert weight and step, whatever the micro-batch count: no
+    per-micro-batch weight gradient and no accumulation of one."""
+    x, target = _inputs(0)
+    for num_micro_batches in (1, 4):
+        model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+        names = _expert_weight_shaped_ops(model, x, target, num_micro_batches)
+        assert names == ["_grouped_mm"] * 2 * SMALL["num_layers"], (num_micro_batches, names)
+
+
 def test_lookaheads_layout_slots_and_bad_arguments():
     assert moe.stage_lookaheads(2, 1) == {
         "dense_router_0": 1, "dispatch_0": 1, "experts_0": 0, "combine_0": 0,
