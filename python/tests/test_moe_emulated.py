@@ -254,3 +254,29 @@ def test_trace_shows_backward_communication_under_another_micro_batchs_gemms():
     # (combine_bwd: a cached dispatch) of some micro-batch run under another one's GEMMs.
     assert {n.rsplit("_", 1)[0] for n in hits} == {"combine_bwd", "dispatch_bwd"}, sorted(hits)
     step.close()
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("depth", [0, moe.max_depth(2)])
+def test_trace_shows_the_deferred_wgrad_under_its_backward_dispatch(depth):
+    """The step's expert weight gradients (experts_wgrad_l of the last micro-batch: the grouped
+    GEMMs over every micro-batch) run on the compute stream while that micro-batch's
+    dispatch_bwd_l is on the comm stream, at depth 0 as at full depth."""
+    T, M = 2048, 4
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=3, **GPU_SHAPE)
+    long_calls = {c: moe.CallCost(500.0, 0.0) for c in ("dispatch", "combine", "dispatch_cached")}
+    step = moe.PipelinedStep(model, _emulated_ep_slots(moe.num_layout_slots(2, depth), T // M,
+                                                       long_calls, num_sms=8),
+                             M, depth=depth, backend="torch", trace=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn((T, 256), generator=g, device="cuda").bfloat16()
+    step(x, torch.randn((T, 256), generator=g, device="cuda").bfloat16(), lr=0.0)
+    step.engine.synchronize()
+    trace = step.engine.take_trace()
+    step.close()
+    spans = {(trace.task_names[s.task], s.batch): s for s in trace.gpu_spans}
+    last = max(b for _, b in spans)
+    for layer in range(2):
+        wgrad, comm = spans[f"experts_wgrad_{layer}", last], spans[f"dispatch_bwd_{layer}", last]
+        assert wgrad.end_us > wgrad.begin_us and _overlaps(wgrad, comm), layer

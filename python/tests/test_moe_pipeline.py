@@ -5,6 +5,7 @@ bit for bit at every depth; both agree with the full-batch step of the same laye
 below; and with one Buffer per live layout no layout is ever re-run."""
 
 import copy
+import time
 
 import pytest
 
@@ -240,6 +241,46 @@ def test_lookaheads_layout_slots_and_bad_arguments():
         moe.serial_step(m, *_inputs(0, tokens=3), lr=0.0, num_micro_batches=4)
     with pytest.raises(ValueError, match="num_slots"):
         moe.LayoutSlots(lambda layer, s: None, [1, 0])
+
+
+class SlowBackwardCombine(moe.LocalDispatcher):
+    """LocalDispatcher whose combine of gradients (dispatch_bwd's call, the only combine with
+    weights) holds the comm thread for hold_s first: a backward dispatch that takes long."""
+
+    def __init__(self, num_experts, hold_s):
+        super().__init__(num_experts)
+        self.hold_s = hold_s
+
+    def combine(self, y, handle, weights=None):
+        if weights is not None:
+            time.sleep(self.hold_s)
+        return super().combine(y, handle, weights=weights)
+
+
+@pytest.mark.parametrize("depth", [0, moe.max_depth(2)])
+def test_deferred_wgrad_runs_while_its_backward_dispatch_is_in_flight(depth):
+    """experts_wgrad_l needs only experts_bwd_l: on the compute thread it starts while the comm
+    thread is still in the same micro-batch's dispatch_bwd_l, whose consumer
+    (dense_router_bwd_l) starts only after it; at every depth, and with the same bits as the
+    serial step."""
+    M = 4
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=5, **SMALL)
+    piped = copy.deepcopy(serial)
+    slow = SlowBackwardCombine(8, hold_s=0.05)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(slow, 2), M, depth=depth, trace=True)
+    x, target = _inputs(0)
+    assert torch.equal(step(x, target, lr=0.05), moe.serial_step(serial, x, target, 0.05, M))
+    assert _same_bits(serial.parameters(), piped.parameters())
+    trace = step.engine.take_trace()
+    step.close()
+    spans = {(trace.task_names[s.task], s.batch): s for s in trace.host_spans}
+    batches = sorted({b for _, b in spans})
+    assert len(batches) == M
+    for layer in range(2):
+        for b in batches:
+            comm = spans[f"dispatch_bwd_{layer}", b]
+            assert spans[f"experts_wgrad_{layer}", b].begin_us < comm.end_us, (layer, b)
+            assert spans[f"dense_router_bwd_{layer}", b].begin_us >= comm.end_us, (layer, b)
 
 
 STAGE_US = {"dense_router": 300, "dispatch": 400, "experts": 900, "combine": 400, "loss": 200,
