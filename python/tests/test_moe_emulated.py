@@ -103,17 +103,25 @@ def test_the_planner_predicts_the_step_from_compute_and_the_target_tables():
                                   "combine": moe.EP_2XH200["combine"].us(2048, 7168),
                                   "combine_bwd": moe.EP_2XH200["dispatch_cached"].us(2048, 7168),
                                   "dispatch_bwd": moe.EP_2XH200["combine"].us(2048, 7168)})
-    compute = {"dense_router": 300.0, "experts": 900.0, "loss": 200.0, "experts_bwd": 1800.0,
-               "dense_router_bwd": 600.0}
+    compute = {"dense_router": 300.0, "experts": 900.0, "loss": 200.0, "experts_bwd": 1200.0,
+               "experts_wgrad": 600.0, "dense_router_bwd": 600.0}
     step = predict_step_us(2, range(9), compute, comm, host_us=1.0)
     compute_sum = 2 * (300 + 900 + 1800 + 600) + 200
-    assert step[0] == pytest.approx(compute_sum + 2 * sum(comm.values()))
+    # Depth 0: serial but for each layer's dispatch_bwd, under its micro-batch's deferred wgrad.
+    assert step[0] == pytest.approx(compute_sum + 2 * sum(comm.values())
+                                    - 2 * min(compute["experts_wgrad"], comm["dispatch_bwd"]))
     assert step[8] == pytest.approx(compute_sum)  # every call (< 300 us) under compute
     assert all(step[d + 1] <= step[d] for d in range(8))
 
 
 def _overlaps(a, b):
     return a.begin_us < b.end_us and b.begin_us < a.end_us
+
+
+def _is_gemm_task(name):
+    """Tasks that run GEMMs for every micro-batch: the experts' (not experts_wgrad, which runs
+    its GEMMs at the step's last micro-batch only) and the dense block's, forward or backward."""
+    return name.startswith(("experts", "dense_router")) and not name.startswith("experts_wgrad")
 
 
 def _backward_comm_under_other_gemms(trace, spans):
@@ -123,7 +131,7 @@ def _backward_comm_under_other_gemms(trace, spans):
     names = trace.task_names
     named = [(names[s.task], s) for s in spans]
     comm = [(n, s) for n, s in named if n.startswith(("combine_bwd", "dispatch_bwd"))]
-    gemms = [s for n, s in named if n.startswith(("experts", "dense_router"))]
+    gemms = [s for n, s in named if _is_gemm_task(n)]
     hits = {n for n, c in comm if any(c.batch != e.batch and _overlaps(c, e) for e in gemms)}
     return hits, {n for n, _ in comm}
 
@@ -133,7 +141,7 @@ def _issued_under_backward_calls(depth):
     some micro-batch's call is followed, before the task that consumes it starts, by a GEMM task
     (experts, dense block) of another micro-batch on the compute thread (the work that runs
     under the call on a GPU); and all the backward comm tasks."""
-    from weft.moe.step import stage_task_names
+    from weft.moe.step import stage_reads, stage_task_names
 
     model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=4, **SMALL)
     emulated = moe.EmulatedDispatcher(moe.LocalDispatcher(8), moe.EP_2XH200, 20, hold=Holds())
@@ -146,11 +154,11 @@ def _issued_under_backward_calls(depth):
     step.close()
     names = stage_task_names(2)
     spans = {(trace.task_names[s.task], s.batch): s for s in trace.host_spans}
-    gemms = [(b, s) for (n, b), s in spans.items() if n.startswith(("experts", "dense_router"))]
+    gemms = [(b, s) for (n, b), s in spans.items() if _is_gemm_task(n)]
     backward_comm = {n for n in names if n.startswith(("combine_bwd", "dispatch_bwd"))}
     hits = set()
     for name in backward_comm:
-        consumer = names[names.index(name) + 1]
+        consumer, = (n for n, read in stage_reads(2).items() if read == name)
         if any(n == name and any(b != batch and c.begin_us <= s.begin_us <
                                  spans[consumer, batch].begin_us for b, s in gemms)
                for (n, batch), c in spans.items()):
@@ -246,3 +254,29 @@ def test_trace_shows_backward_communication_under_another_micro_batchs_gemms():
     # (combine_bwd: a cached dispatch) of some micro-batch run under another one's GEMMs.
     assert {n.rsplit("_", 1)[0] for n in hits} == {"combine_bwd", "dispatch_bwd"}, sorted(hits)
     step.close()
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("depth", [0, moe.max_depth(2)])
+def test_trace_shows_the_deferred_wgrad_under_its_backward_dispatch(depth):
+    """The step's expert weight gradients (experts_wgrad_l of the last micro-batch: the grouped
+    GEMMs over every micro-batch) run on the compute stream while that micro-batch's
+    dispatch_bwd_l is on the comm stream, at depth 0 as at full depth."""
+    T, M = 2048, 4
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=3, **GPU_SHAPE)
+    long_calls = {c: moe.CallCost(500.0, 0.0) for c in ("dispatch", "combine", "dispatch_cached")}
+    step = moe.PipelinedStep(model, _emulated_ep_slots(moe.num_layout_slots(2, depth), T // M,
+                                                       long_calls, num_sms=8),
+                             M, depth=depth, backend="torch", trace=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn((T, 256), generator=g, device="cuda").bfloat16()
+    step(x, torch.randn((T, 256), generator=g, device="cuda").bfloat16(), lr=0.0)
+    step.engine.synchronize()
+    trace = step.engine.take_trace()
+    step.close()
+    spans = {(trace.task_names[s.task], s.batch): s for s in trace.gpu_spans}
+    last = max(b for _, b in spans)
+    for layer in range(2):
+        wgrad, comm = spans[f"experts_wgrad_{layer}", last], spans[f"dispatch_bwd_{layer}", last]
+        assert wgrad.end_us > wgrad.begin_us and _overlaps(wgrad, comm), layer

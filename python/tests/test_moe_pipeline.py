@@ -5,6 +5,7 @@ bit for bit at every depth; both agree with the full-batch step of the same laye
 below; and with one Buffer per live layout no layout is ever re-run."""
 
 import copy
+import time
 
 import pytest
 
@@ -165,20 +166,58 @@ def test_one_buffer_per_live_layout_means_no_layout_is_re_run():
         step.close()
 
 
+def _expert_weight_shaped_ops(model, x, target, num_micro_batches):
+    """The aten ops of one serial step that return a tensor of an expert weight's shape: the
+    expert weight gradients' GEMMs and any accumulation of them. Views are not counted, nor is
+    the SGD step's multi-tensor update, which returns nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    shapes = {tuple(w.shape) for m in model.moe for w in (m.w13, m.w2)}
+
+    class Count(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            views = func.is_view or func.overloadpacket.__name__ in ("detach", "_unsafe_view")
+            if not views and any(isinstance(t, torch.Tensor) and tuple(t.shape) in shapes
+                                 for t in outs):
+                self.names.append(func.overloadpacket.__name__)
+            return out
+
+    with Count() as c:
+        moe.serial_step(model, x, target, 0.0, num_micro_batches)
+    return c.names
+
+
+def test_expert_weight_gradients_are_written_once_per_layer_and_step():
+    """One grouped GEMM per expert weight and step, whatever the micro-batch count: no
+    per-micro-batch weight gradient and no accumulation of one."""
+    x, target = _inputs(0)
+    for num_micro_batches in (1, 4):
+        model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+        names = _expert_weight_shaped_ops(model, x, target, num_micro_batches)
+        assert names == ["_grouped_mm"] * 2 * SMALL["num_layers"], (num_micro_batches, names)
+
+
 def test_lookaheads_layout_slots_and_bad_arguments():
     assert moe.stage_lookaheads(2, 1) == {
         "dense_router_0": 1, "dispatch_0": 1, "experts_0": 0, "combine_0": 0,
         "dense_router_1": 0, "dispatch_1": 0, "experts_1": 0, "combine_1": 0, "loss": 0,
-        "combine_bwd_1": 0, "experts_bwd_1": 0, "dispatch_bwd_1": 0, "dense_router_bwd_1": 0,
-        "combine_bwd_0": 0, "experts_bwd_0": 0, "dispatch_bwd_0": 0, "dense_router_bwd_0": 0}
+        "combine_bwd_1": 0, "experts_bwd_1": 0, "dispatch_bwd_1": 0, "experts_wgrad_1": 0,
+        "dense_router_bwd_1": 0, "combine_bwd_0": 0, "experts_bwd_0": 0, "dispatch_bwd_0": 0,
+        "experts_wgrad_0": 0, "dense_router_bwd_0": 0}
     la = moe.stage_lookaheads(2, 8)
     # Each comm task shares the lookahead of the compute task before it; its consumer is one less.
+    # The deferred wgrad shares its experts_bwd's (it runs under that layer's dispatch_bwd).
     assert [la[n] for n in ("dense_router_0", "dispatch_0", "experts_0", "combine_0",
                             "dense_router_1", "dispatch_1", "experts_1", "combine_1", "loss",
                             "combine_bwd_1", "experts_bwd_1", "dispatch_bwd_1",
-                            "dense_router_bwd_1", "combine_bwd_0", "experts_bwd_0",
-                            "dispatch_bwd_0", "dense_router_bwd_0")] == \
-        [8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0]
+                            "experts_wgrad_1", "dense_router_bwd_1", "combine_bwd_0",
+                            "experts_bwd_0", "dispatch_bwd_0", "experts_wgrad_0",
+                            "dense_router_bwd_0")] == \
+        [8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1, 0]
     assert moe.stage_lookaheads(2, 4)["combine_bwd_1"] == 0
     assert moe.stage_lookaheads(2, 5)["combine_bwd_1"] == 1
     assert moe.num_layout_slots(2, 0) == [1, 1]
@@ -204,8 +243,48 @@ def test_lookaheads_layout_slots_and_bad_arguments():
         moe.LayoutSlots(lambda layer, s: None, [1, 0])
 
 
+class SlowBackwardCombine(moe.LocalDispatcher):
+    """LocalDispatcher whose combine of gradients (dispatch_bwd's call, the only combine with
+    weights) holds the comm thread for hold_s first: a backward dispatch that takes long."""
+
+    def __init__(self, num_experts, hold_s):
+        super().__init__(num_experts)
+        self.hold_s = hold_s
+
+    def combine(self, y, handle, weights=None):
+        if weights is not None:
+            time.sleep(self.hold_s)
+        return super().combine(y, handle, weights=weights)
+
+
+@pytest.mark.parametrize("depth", [0, moe.max_depth(2)])
+def test_deferred_wgrad_runs_while_its_backward_dispatch_is_in_flight(depth):
+    """experts_wgrad_l needs only experts_bwd_l: on the compute thread it starts while the comm
+    thread is still in the same micro-batch's dispatch_bwd_l, whose consumer
+    (dense_router_bwd_l) starts only after it; at every depth, and with the same bits as the
+    serial step."""
+    M = 4
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=5, **SMALL)
+    piped = copy.deepcopy(serial)
+    slow = SlowBackwardCombine(8, hold_s=0.05)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(slow, 2), M, depth=depth, trace=True)
+    x, target = _inputs(0)
+    assert torch.equal(step(x, target, lr=0.05), moe.serial_step(serial, x, target, 0.05, M))
+    assert _same_bits(serial.parameters(), piped.parameters())
+    trace = step.engine.take_trace()
+    step.close()
+    spans = {(trace.task_names[s.task], s.batch): s for s in trace.host_spans}
+    batches = sorted({b for _, b in spans})
+    assert len(batches) == M
+    for layer in range(2):
+        for b in batches:
+            comm = spans[f"dispatch_bwd_{layer}", b]
+            assert spans[f"experts_wgrad_{layer}", b].begin_us < comm.end_us, (layer, b)
+            assert spans[f"dense_router_bwd_{layer}", b].begin_us >= comm.end_us, (layer, b)
+
+
 STAGE_US = {"dense_router": 300, "dispatch": 400, "experts": 900, "combine": 400, "loss": 200,
-            "combine_bwd": 400, "experts_bwd": 1800, "dispatch_bwd": 400,
+            "combine_bwd": 400, "experts_bwd": 1200, "dispatch_bwd": 400, "experts_wgrad": 600,
             "dense_router_bwd": 600}
 
 
@@ -228,10 +307,20 @@ def test_the_planner_draws_what_overlaps_what():
                 for c in (s for s in spans if s.task == name):
                     assert any(o.task.rsplit("_", 1)[0] not in comm and o.start_us < c.end_us
                                and c.start_us < o.end_us for o in spans), name
-    # Serial at depth 0; at full depth the compute alone (each comm fits under compute).
-    assert step_us[0] == compute_us + comm_us
+    # At depth 0 the serial sum but for each layer's dispatch_bwd, which runs under the deferred
+    # wgrad of its micro-batch (which does not wait for it); at full depth the compute alone
+    # (each comm fits under compute).
+    assert step_us[0] == compute_us + comm_us - 2 * min(STAGE_US["experts_wgrad"],
+                                                        STAGE_US["dispatch_bwd"])
     assert step_us[moe.max_depth(2)] == compute_us
-    assert all(step_us[d + 1] < step_us[d] for d in range(moe.max_depth(2)))
+    # Each deeper schedule puts one more comm task beside other micro-batches' compute: a
+    # shorter step, but where that task is a dispatch_bwd (depths 5 and 7 -> 6 and 8), which
+    # already ran under its wgrad (600 us >= 400 us).
+    for d in range(moe.max_depth(2)):
+        if d in (5, 7):
+            assert step_us[d + 1] == step_us[d], d
+        else:
+            assert step_us[d + 1] < step_us[d], d
 
 
 def _is_expert(name):

@@ -33,10 +33,11 @@ def uses_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
             and a.shape[1] % align == 0 and w.shape[1] % align == 0)
 
 
-def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor):
+def grouped_matmul(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """[rows, k] x [G, n, k]^T -> [rows, n], rows grouped by expert, ends[g] (int32, on the
     device) the end of group g, ends[-1] == rows. Weights are [G, n, k] (nn.Linear's layout):
-    transposed, the column-major operand grouped GEMMs take."""
+    transposed, the column-major operand grouped GEMMs take (a transposed view of [G, k, n]
+    weights is their own row-major layout)."""
     # Under torch.compile the row count is an unbacked size: assumed non-zero there (no guard),
     # which torch._grouped_mm serves as well (zero rows are an empty product).
     if guard_or_true(a.shape[0] > 0) and uses_grouped_mm(a, w):
@@ -47,20 +48,94 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor):
     return torch.cat([p @ w[g].t() for g, p in enumerate(parts)])
 
 
+def grouped_weight_grad(grad: torch.Tensor, a: torch.Tensor, ends: torch.Tensor,
+                        grouped: bool) -> torch.Tensor:
+    """Per group g, the sum over its rows of grad_r^T a_r: [rows, n] and [rows, k] grouped as
+    grouped_matmul's rows (ends) -> [G, n, k], the gradient of grouped_matmul's weights (zeros
+    for an empty group). grouped: one torch._grouped_mm (the call autograd makes for
+    grouped_matmul's weights); else one matmul per group (reads the group sizes to the host)."""
+    num_groups = ends.shape[0]
+    if grouped and a.shape[0] > 0:
+        return torch._grouped_mm(grad.t(), a, offs=ends)
+    if a.shape[0] == 0:
+        return grad.new_zeros((num_groups, grad.shape[1], a.shape[1]))
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.stack([g.t() @ p for g, p in zip(torch.split(grad, counts),
+                                                  torch.split(a, counts))])
+
+
 def expert_entries(recv_idx: torch.Tensor, num_local: int):
     """(entries, ends): entries the flat (row * top_k + slot) indices of every slot, those with a
     local expert first, sorted by expert (stable), then the rest; ends [num_local] int32, the end
     of each expert's group within them. Device ops only."""
-    key = torch.where(recv_idx >= 0, recv_idx, num_local).flatten().long()
-    entries = torch.argsort(key, stable=True)
-    groups = torch.arange(num_local, device=key.device)
-    ends = torch.searchsorted(key[entries], groups, right=True).to(torch.int32)
+    entries, ends, _ = sorted_entries(recv_idx, num_local)
     return entries, ends
+
+
+def sorted_entries(recv_idx: torch.Tensor, num_local: int):
+    """(entries, ends, keys): expert_entries' two and keys, the expert of each of the entries
+    (num_local for a slot without a local expert; ascending). Recv ids are in [-1, num_local):
+    -1 (no local expert) maps to num_local, past every local expert. Device ops only."""
+    keys, entries = torch.sort(recv_idx.flatten().long().remainder(num_local + 1), stable=True)
+    groups = torch.arange(num_local, device=keys.device)
+    ends = torch.searchsorted(keys, groups, right=True, out_int32=True)
+    return entries, ends, keys
 
 
 def count_entries(recv_idx: torch.Tensor) -> int:
     """The received slots with a local expert, on the host (a sync: once per layout)."""
     return int((recv_idx >= 0).sum())
+
+
+class ExpertActivations:
+    """What expert_forward kept of one call for an explicit backward (expert_backward.py): the
+    entries' indices and the GEMMs' inputs and outputs, all on the device.
+
+    entries [n] int64: the flat (row * top_k + slot) index of each entry, grouped by expert.
+    rows [n] int64: entries // top_k. keys [n]: each entry's expert (ascending).
+    ends [local experts] int32: the end of each expert's group. x [n, hidden]: the gathered
+    rows. gate, up [n, ffn]: the first GEMM's halves. silu_gate [n, ffn]: silu(gate).
+    act [n, ffn]: silu(gate) * up.
+    y [n, hidden]: the second GEMM's output. weights [n] fp32: each entry's router weight.
+    num_rows, top_k: recv_idx's shape. grouped: whether the GEMMs ran as torch._grouped_mm."""
+
+    __slots__ = ("entries", "rows", "keys", "ends", "x", "gate", "up", "silu_gate", "act", "y",
+                 "weights", "num_rows", "top_k", "grouped")
+
+    def __init__(self, **fields) -> None:
+        for name in self.__slots__:
+            setattr(self, name, fields[name])
+
+
+def expert_forward(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor,
+                   w13: torch.Tensor, w2: torch.Tensor, num_entries: Optional[int] = None):
+    """(expert_ffn's output, the ExpertActivations of the call). Under autograd the output is
+    differentiable as expert_ffn's is; under no_grad the activations serve the explicit
+    backward of expert_backward.py."""
+    rows, hidden = recv_x.shape
+    top_k = recv_idx.shape[1]
+    if num_entries is None:
+        num_entries = count_entries(recv_idx)
+    entries, ends, keys = sorted_entries(recv_idx, w13.shape[0])
+    entries, keys = entries[:num_entries], keys[:num_entries]
+    entry_rows = entries // top_k
+    x = recv_x[entry_rows]
+    h = grouped_matmul(x, w13, ends)
+    gate, up = h.chunk(2, dim=1)
+    silu_gate = F.silu(gate)
+    act = silu_gate * up
+    y = grouped_matmul(act, w2, ends)
+    grouped = uses_grouped_mm(x, w13) and uses_grouped_mm(act, w2)
+    weights = recv_w.flatten()[entries].float()
+    # Back to (row, slot) order, zeros for slots without a local expert; each index once, so the
+    # copy is deterministic where an index_add over rows would race.
+    slots = torch.zeros((rows * top_k, hidden), dtype=torch.float32, device=recv_x.device)
+    slots.index_copy_(0, entries, y * weights.unsqueeze(1))  # bf16 x fp32: an fp32 product
+    out = slots.view(rows, top_k, hidden).sum(dim=1).to(recv_x.dtype)
+    return out, ExpertActivations(entries=entries, rows=entry_rows, keys=keys, ends=ends, x=x,
+                                  gate=gate, up=up, silu_gate=silu_gate, act=act, y=y,
+                                  weights=weights,
+                                  num_rows=rows, top_k=top_k, grouped=grouped)
 
 
 def expert_ffn(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor,
@@ -71,18 +146,4 @@ def expert_ffn(recv_x: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tenso
     the top-k slots by a fixed-order reduction (deterministic), in recv_x's dtype [rows, hidden].
     num_entries: the received slots with a local expert (the dispatch's count; None: counted
     here, one sync)."""
-    rows, hidden = recv_x.shape
-    top_k = recv_idx.shape[1]
-    if num_entries is None:
-        num_entries = count_entries(recv_idx)
-    entries, ends = expert_entries(recv_idx, w13.shape[0])
-    entries = entries[:num_entries]
-    h = _grouped(recv_x[entries // top_k], w13, ends)
-    gate, up = h.chunk(2, dim=1)
-    y = _grouped(F.silu(gate) * up, w2, ends)
-    y = y.float() * recv_w.flatten()[entries].unsqueeze(1)
-    # Back to (row, slot) order, zeros for slots without a local expert; each index once, so the
-    # copy is deterministic where an index_add over rows would race.
-    slots = torch.zeros((rows * top_k, hidden), dtype=torch.float32, device=recv_x.device)
-    slots = slots.index_copy(0, entries, y)
-    return slots.view(rows, top_k, hidden).sum(dim=1).to(recv_x.dtype)
+    return expert_forward(recv_x, recv_idx, recv_w, w13, w2, num_entries)[0]

@@ -10,19 +10,26 @@ micro-batch is a chain of stages, cut at every communication, forward and backwa
     combine_l          the expert outputs back, summed per token                        comm
     loss               residual, loss, its gradient at the last layer's output          compute
     combine_bwd_l      the output gradient to the rows (a cached dispatch)              comm
-    experts_bwd_l      the experts' backward: row and weight gradients, expert wgrad    compute
+    experts_bwd_l      the experts' data gradients: the rows' and router weights'       compute
     dispatch_bwd_l     the row and weight gradients back to their tokens (a combine)    comm
+    experts_wgrad_l    the expert weights' gradients (computed at the step's last       compute
+                       micro-batch, over all of the step's micro-batches)
     dense_router_bwd_l the router's and dense block's backward, the residual            compute
 
-(forward for l = 0 .. L-1, then loss, then backward for l = L-1 .. 0). Each compute stage is an
-autograd graph of its own, rooted at leaves detached from the stage before it, and run backward
-by its own backward stage; the communication runs outside autograd (the dispatcher's calls, as
-the autograd Functions of layer.py make them). serial_step runs the chain micro-batch after
+(forward for l = 0 .. L-1, then loss, then backward for l = L-1 .. 0). Each dense, router and
+loss stage is an autograd graph of its own, rooted at leaves detached from the stage before it,
+and run backward by its own backward stage; the experts run without autograd, forward and
+backward by hand (experts.expert_forward, expert_backward.expert_dgrad), their weight gradients
+deferred: experts_wgrad_l reads experts_bwd_l's output, not dispatch_bwd_l's, so the compute
+stream has it to run while dispatch_bwd_l's communication is in flight, and dense_router_bwd_l
+(which waits for that communication) is not queued behind it. The communication runs outside
+autograd (the dispatcher's calls, as the autograd Functions of layer.py make them). serial_step runs the chain micro-batch after
 micro-batch; PipelinedStep runs its stages as weft.pipeline tasks, one engine batch per
 micro-batch, the first stages of the chain at decreasing lookaheads (stage_lookaheads), so that
 the communication of one micro-batch, forward or backward, is enqueued beside compute of another.
 Both run the same functions on the same tensors, and each parameter's gradient gets its
-micro-batches' parts in micro-batch order (a layer's expert weights only in experts_bwd_l, its
+micro-batches' parts in micro-batch order (a layer's expert weights only in experts_wgrad_l, one
+grouped GEMM per weight over the micro-batches' entries collected in micro-batch order; its
 router and dense block only in dense_router_bwd_l): the same bits.
 
     slots = LayoutSlots.ep(group, 128, num_layout_slots(2, depth=8), max_tokens=T // 4)
@@ -36,13 +43,21 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .experts import expert_ffn
+from weft import Error
+from .expert_backward import ExpertWgrad, expert_dgrad
+from .experts import expert_forward
 from .slots import LayoutSlots
 
 FORWARD_STAGES = ("dense_router", "dispatch", "experts", "combine")
-BACKWARD_STAGES = ("combine_bwd", "experts_bwd", "dispatch_bwd", "dense_router_bwd")
+BACKWARD_STAGES = ("combine_bwd", "experts_bwd", "dispatch_bwd", "experts_wgrad",
+                   "dense_router_bwd")
 COMM_STAGES = ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
 STAGES = FORWARD_STAGES + ("loss",) + BACKWARD_STAGES
+# Stages that read the output of a stage other than the one before them in the chain:
+# experts_wgrad_l reads experts_bwd_l's, dense_router_bwd_l dispatch_bwd_l's (not the wgrad's).
+READS = {"experts_wgrad": "experts_bwd", "dense_router_bwd": "dispatch_bwd"}
+# Stages that share the chain position (so the lookahead) of another stage of their layer.
+SHARES_POSITION = {"experts_wgrad": "experts_bwd"}
 
 
 class MicroBatch:
@@ -52,11 +67,12 @@ class MicroBatch:
     backward stages read the forward's graphs and leaves from them."""
 
     def __init__(self, index: int, x: torch.Tensor, target: torch.Tensor, num_layers: int,
-                 denominator: int) -> None:
+                 denominator: int, last: bool = True) -> None:
         def per_layer():
             return [None] * num_layers
 
         self.index = index               # within the step: picks the layout slot
+        self.last = last                 # the step's last micro-batch: computes the wgrad
         self.x, self.target = x, target
         self.denominator = denominator   # the step's element count: the loss is the step's mean
         self.loss: Optional[torch.Tensor] = None
@@ -64,12 +80,13 @@ class MicroBatch:
         self.h = per_layer()             # dense block output (graph from x_in)
         self.route = per_layer()         # (topk_idx, topk_weights), the weights' graph from h
         self.recv = per_layer()          # (recv_x, recv_idx, recv_w, handle, num_entries)
-        self.expert_in = per_layer()     # (recv_x, recv_w) as the experts' leaves
-        self.y = per_layer()             # expert outputs (graph from expert_in)
+        self.expert_act = per_layer()    # the experts' ExpertActivations
+        self.y = per_layer()             # expert outputs
         self.combined = per_layer()
         self.grad_out = per_layer()      # gradient at h_l + combined_l (the next layer's input)
         self.grad_y = per_layer()
         self.grad_recv = per_layer()     # (grad recv_x, grad recv_w)
+        self.wgrad_inputs = per_layer()  # the experts' WgradInputs, until experts_wgrad_l
         self.grad_h = per_layer()        # (grad h from the dispatch, grad topk_weights)
 
 
@@ -81,7 +98,7 @@ def micro_batches(x: torch.Tensor, target: torch.Tensor, num_micro_batches: int,
                          f"{num_micro_batches}")
     if x.shape != target.shape:
         raise ValueError(f"x {tuple(x.shape)} and target {tuple(target.shape)} differ in shape")
-    return [MicroBatch(i, xs, ts, num_layers, x.numel())
+    return [MicroBatch(i, xs, ts, num_layers, x.numel(), i == num_micro_batches - 1)
             for i, (xs, ts) in enumerate(zip(torch.tensor_split(x, num_micro_batches),
                                              torch.tensor_split(target, num_micro_batches)))]
 
@@ -101,6 +118,17 @@ def stage_task_names(num_layers: int) -> List[str]:
     return [name for name, _, _ in chain(num_layers)]
 
 
+def stage_reads(num_layers: int) -> Dict[str, str]:
+    """Task -> the task whose output it reads (the first: "micro_batch", the step's input):
+    the task before it in the chain, but experts_wgrad_l reads experts_bwd_l's and
+    dense_router_bwd_l dispatch_bwd_l's."""
+    out, previous = {}, "micro_batch"
+    for name, stage, layer in chain(num_layers):
+        out[name] = f"{READS[stage]}_{layer}" if stage in READS else previous
+        previous = name
+    return out
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_()
 
@@ -110,6 +138,11 @@ class _Stages:
 
     def __init__(self, model, slots) -> None:
         self.model, self.slots = model, slots
+        self.wgrad = [ExpertWgrad() for _ in model.moe]
+
+    def begin_step(self) -> None:
+        """Forget what an earlier step that did not finish collected."""
+        self.wgrad = [ExpertWgrad() for _ in self.model.moe]
 
     def run(self, mb: MicroBatch, stage: str, layer: Optional[int]) -> None:
         if layer is None:
@@ -139,8 +172,9 @@ class _Stages:
     def experts(self, mb: MicroBatch, layer: int) -> None:
         recv_x, recv_idx, recv_w, _, num_entries = mb.recv[layer]
         moe = self.model.moe[layer]
-        recv_x, recv_w = mb.expert_in[layer] = (_leaf(recv_x), _leaf(recv_w))
-        mb.y[layer] = expert_ffn(recv_x, recv_idx, recv_w, moe.w13, moe.w2, num_entries)
+        with torch.no_grad():
+            mb.y[layer], mb.expert_act[layer] = expert_forward(recv_x, recv_idx, recv_w,
+                                                               moe.w13, moe.w2, num_entries)
 
     def combine(self, mb: MicroBatch, layer: int) -> None:
         with torch.no_grad():
@@ -148,11 +182,13 @@ class _Stages:
                                                                         mb.recv[layer][3])
 
     def loss(self, mb: MicroBatch) -> None:
+        # sum((out - target)^2) / denominator in fp32 and its gradient 2 (out - target) /
+        # denominator, in out's dtype, without an autograd graph.
         with torch.no_grad():
-            out = _leaf(mb.h[-1] + mb.combined[-1])
-        loss = (out.float() - mb.target.float()).pow(2).sum() / mb.denominator
-        mb.grad_out[-1], = torch.autograd.grad(loss, out)
-        mb.loss = loss.detach()
+            out = mb.h[-1] + mb.combined[-1]
+            diff = out.float() - mb.target
+            mb.loss = diff.pow(2).sum() / mb.denominator
+            mb.grad_out[-1] = (diff * (2.0 / mb.denominator)).to(out.dtype)
 
     def combine_bwd(self, mb: MicroBatch, layer: int) -> None:
         with torch.no_grad():
@@ -160,15 +196,30 @@ class _Stages:
                 mb.grad_out[layer].contiguous(), mb.recv[layer][3])
 
     def experts_bwd(self, mb: MicroBatch, layer: int) -> None:
-        torch.autograd.backward(mb.y[layer], mb.grad_y[layer])
-        recv_x, recv_w = mb.expert_in[layer]
-        mb.grad_recv[layer] = (recv_x.grad, recv_w.grad)
+        moe = self.model.moe[layer]
+        with torch.no_grad():
+            grad_x, grad_w, mb.wgrad_inputs[layer] = expert_dgrad(
+                mb.grad_y[layer], mb.expert_act[layer], moe.w13, moe.w2)
+        mb.grad_recv[layer] = (grad_x, grad_w)
 
     def dispatch_bwd(self, mb: MicroBatch, layer: int) -> None:
         grad_x, grad_w = mb.grad_recv[layer]
         with torch.no_grad():
             mb.grad_h[layer] = self._dispatcher(mb, layer).combine(
                 grad_x.contiguous(), mb.recv[layer][3], weights=grad_w.contiguous())
+
+    def experts_wgrad(self, mb: MicroBatch, layer: int) -> None:
+        wgrad = self.wgrad[layer]
+        if wgrad.num_micro_batches != mb.index:
+            raise Error(f"experts_wgrad_{layer}: micro-batch {mb.index} after "
+                             f"{wgrad.num_micro_batches} (they must come in order)")
+        wgrad.add(mb.wgrad_inputs[layer])
+        mb.wgrad_inputs[layer] = None
+        if mb.last:
+            moe = self.model.moe[layer]
+            with torch.no_grad():
+                for p, g in zip((moe.w13, moe.w2), wgrad.compute()):
+                    p.grad = g if p.grad is None else p.grad + g
 
     def dense_router_bwd(self, mb: MicroBatch, layer: int) -> None:
         grad_h, grad_w = mb.grad_h[layer]
@@ -185,9 +236,10 @@ def _zero_grads(model) -> None:
 
 
 def _sgd(model, lr: float) -> None:
+    """p -= lr * p.grad for every parameter, in one multi-tensor op."""
+    params = list(model.parameters())
     with torch.no_grad():
-        for p in model.parameters():
-            p.sub_(lr * p.grad)
+        torch._foreach_add_(params, [p.grad for p in params], alpha=-lr)
 
 
 def serial_step(model, x: torch.Tensor, target: torch.Tensor, lr: float,
@@ -202,6 +254,7 @@ def serial_step(model, x: torch.Tensor, target: torch.Tensor, lr: float,
         slots = LayoutSlots(lambda layer, s: model.moe[layer].dispatcher, [1] * num_layers)
     slots.check([1] * num_layers)
     stages = _Stages(model, slots)
+    stages.begin_step()
     _zero_grads(model)
     total = None
     for mb in micro_batches(x, target, num_micro_batches, num_layers):
@@ -215,9 +268,13 @@ def serial_step(model, x: torch.Tensor, target: torch.Tensor, lr: float,
 def _chain_positions(num_layers: int) -> Dict[str, int]:
     """Task -> its position k in the chain of (compute, comm) pairs: a comm task shares the
     position of the compute task before it, so that at lookahead depth - k its consumer, one
-    position on, runs in a later progress() than it."""
+    position on, runs in a later progress() than it; experts_wgrad_l shares experts_bwd_l's
+    (it reads that, and runs under dispatch_bwd_l's communication)."""
     out, k = {}, -1
-    for name, stage, _ in chain(num_layers):
+    for name, stage, layer in chain(num_layers):
+        if stage in SHARES_POSITION:
+            out[name] = out[f"{SHARES_POSITION[stage]}_{layer}"]
+            continue
         if stage not in COMM_STAGES:
             k += 1
         out[name] = k
@@ -256,22 +313,22 @@ def moe_schedule(num_layers: int, depth: int,
                  bodies: Optional[Mapping[str, Callable]] = None):
     """The weft.pipeline Schedule of the step: the tasks in chain order (the run order), compute
     on stream "default", the communication, forward and backward, as collective tasks on stream
-    "comm"; each task reads its predecessor's slot and writes its own (the MicroBatch), the last
-    (dense_router_bwd_0) writes step_result. bodies: task name -> fn(ctx) (None: no bodies, for
-    the planner)."""
+    "comm"; each task reads the slot of the task stage_reads names and writes its own (the
+    MicroBatch), the last (dense_router_bwd_0) writes step_result. bodies: task name -> fn(ctx)
+    (None: no bodies, for the planner)."""
     from weft.pipeline import Schedule, Task
 
     la = stage_lookaheads(num_layers, depth)
     bodies = bodies or {}
-    tasks, previous = [], "micro_batch"
+    tasks = []
     names = stage_task_names(num_layers)
+    reads = stage_reads(num_layers)
     for name, stage, _ in chain(num_layers):
         comm = stage in COMM_STAGES
         writes = "step_result" if name == names[-1] else name
         tasks.append(Task.from_fn(name, bodies.get(name, _no_body),
                                   stream="comm" if comm else "default", lookahead=la[name],
-                                  reads=[previous], writes=[writes], collective=comm))
-        previous = name
+                                  reads=[reads[name]], writes=[writes], collective=comm))
     return Schedule(tasks, streams={"comm": 1}, inputs=["micro_batch"])
 
 
@@ -325,7 +382,7 @@ class PipelinedStep:
         if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
         self.num_micro_batches = num_micro_batches
-        stages = _Stages(model, slots)
+        self.stages = stages = _Stages(model, slots)
         self.schedule = moe_schedule(self.num_layers, depth, self._bodies(stages))
         if backend == "torch" and streams is None:
             streams = {"default": torch.cuda.current_stream()}
@@ -334,10 +391,10 @@ class PipelinedStep:
 
     def _bodies(self, stages: _Stages) -> Dict[str, Callable]:
         names = stage_task_names(self.num_layers)
+        reads = stage_reads(self.num_layers)
         bodies = {}
-        for previous, (name, stage, layer) in zip(["micro_batch"] + names[:-1],
-                                                  chain(self.num_layers)):
-            last = name == names[-1]
+        for name, stage, layer in chain(self.num_layers):
+            last, previous = name == names[-1], reads[name]
 
             def body(ctx, stage=stage, layer=layer, name=name, previous=previous, last=last):
                 mb = ctx.get(previous)
@@ -348,6 +405,7 @@ class PipelinedStep:
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor, lr: float) -> torch.Tensor:
         """One step; returns the loss as serial_step does (the same bits)."""
+        self.stages.begin_step()
         _zero_grads(self.model)
         it = iter(micro_batches(x, target, self.num_micro_batches, self.num_layers))
         total = None
