@@ -15,7 +15,7 @@ import torch
 
 import weft
 import weft.ep
-from ep_bench import kernel_times, timed, wanted
+from ep_bench import kernel_times, profile, timed, wanted
 
 
 def main():
@@ -32,6 +32,9 @@ def main():
     p.add_argument("--kernels", metavar="TEXT[,TEXT...]", default="",
                    help="also time the GPU kernels (torch.profiler) of each form whose name\n"
                         "contains a TEXT: us per call of each kernel")
+    p.add_argument("--profile", metavar="TEXT[,TEXT...]", default="",
+                   help="also profile (cProfile) each form whose name contains a TEXT: the top\n"
+                        "functions by own time, in us per call (profiling overhead included)")
     a = p.parse_args()
     T, M, H, E, K = a.tokens, a.max_tokens, a.hidden, a.experts, a.top_k
     torch.manual_seed(0)
@@ -54,6 +57,8 @@ def main():
     def measure(measured):
         for name, fn in measured.items():
             results[name] = [timed(fn, a.iters, a.warmup) for _ in range(a.repeats)]
+            if wanted(a.profile, name):
+                profile(name, fn, a.iters * 5, a.warmup, True)
             if wanted(a.kernels, name):
                 kernel_times(name, fn, a.iters, a.warmup, True)
 
