@@ -13,7 +13,7 @@
 # sanitizer-racecheck.log, sanitizer-synccheck.log, python-build.log, pytest.log, bench.log,
 # machine.txt, summary.txt, deepep-intranode.log and deepep-low-latency.log (with DEEPEP_DIR:
 # DeepEP's test_intranode.py and test_low_latency.py run on weft.ep by
-# scripts/deepep-intranode-test.sh and scripts/deepep-low-latency-test.sh), and bench-files.tar.gz (what the benchmarks wrote under the build
+# scripts/deepep-test.sh intranode and scripts/deepep-test.sh low_latency), and bench-files.tar.gz (what the benchmarks wrote under the build
 # folder's bench-out/). The sanitizer stage (not run with --only or --no-cpp-tests) runs the tests
 # of sanitize_tests below on GPU 0 alone under memcheck, racecheck and synccheck; any report, a
 # failed test, or a run past SANITIZER_TIMEOUT seconds (default 600, per tool and test program)
@@ -116,14 +116,14 @@ fi
 # DeepEP's own intranode test against weft.ep, when DEEPEP_DIR names a DeepEP checkout (its
 # tests/ folder is all it needs; nothing is fetched here).
 if ((run_python)) && [[ -n "${DEEPEP_DIR:-}" ]]; then
-  if bash scripts/deepep-intranode-test.sh "$DEEPEP_DIR" >"$out/deepep-intranode.log" 2>&1; then
+  if bash scripts/deepep-test.sh intranode "$DEEPEP_DIR" >"$out/deepep-intranode.log" 2>&1; then
     note "DeepEP test_intranode.py on weft.ep: ok ($(grep -c ' passed' "$out/deepep-intranode.log") checks passed)"
   else
     note "FAIL: DeepEP test_intranode.py on weft.ep (see deepep-intranode.log)"
     tail -20 "$out/deepep-intranode.log" | sed 's/^/  /' | tee -a "$summary"
     status=1
   fi
-  if bash scripts/deepep-low-latency-test.sh "$DEEPEP_DIR" >"$out/deepep-low-latency.log" 2>&1; then
+  if bash scripts/deepep-test.sh low_latency "$DEEPEP_DIR" >"$out/deepep-low-latency.log" 2>&1; then
     note "DeepEP test_low_latency.py on weft.ep: ok"
   else
     note "FAIL: DeepEP test_low_latency.py on weft.ep (see deepep-low-latency.log)"

@@ -212,14 +212,14 @@ step deepep-build 480 1 deepep_build \
 deepep_env="PYTHONPATH='$site'\${PYTHONPATH:+:\$PYTHONPATH}"
 
 # --- DeepEP's own tests: test_intranode.py on DeepEP, then on weft.ep with only the import
-# changed (scripts/deepep-intranode-test.sh); test_low_latency.py on weft.ep
-# (scripts/deepep-low-latency-test.sh). DeepEP's intranode kernels need 2, 4 or 8 ranks.
+# changed (scripts/deepep-test.sh intranode); test_low_latency.py on weft.ep
+# (scripts/deepep-test.sh low_latency). DeepEP's intranode kernels need 2, 4 or 8 ranks.
 step deepep-intranode-on-deepep 300 2 deepep_test \
   "cd '$deepep_src/tests' && $deepep_env python3 test_intranode.py --num-processes $ranks"
 step deepep-intranode-on-weft 300 1 deepep_test \
-  "bash scripts/deepep-intranode-test.sh '$deepep_src' $ranks"
+  "bash scripts/deepep-test.sh intranode '$deepep_src' $ranks"
 step deepep-low-latency-on-weft 300 1 low_latency \
-  "bash scripts/deepep-low-latency-test.sh '$deepep_src' $ranks"
+  "bash scripts/deepep-test.sh low_latency '$deepep_src' $ranks"
 
 # --- "weft.ep at weft's speed" beside DeepEP: the same script, the same forms, each library
 # (DeepEP first, so that its figures and weft's come from one run of the machine).
