@@ -87,13 +87,16 @@ Buffer::Buffer(std::shared_ptr<detail::BufferGroup> group, std::size_t index,
     const std::size_t info_words = std::size_t(config.num_local_experts(num_ranks_)) + 3;
     const std::size_t num_selections = std::size_t(config.max_tokens) * std::size_t(config.top_k);
     const std::size_t count_words = std::size_t(device_num_sms_) * std::size_t(config.num_experts);
-    const std::size_t bytes = info_words * 8 + num_selections * sizeof(int2) + count_words * 4;
+    const std::size_t num_heads = R * std::size_t(config.max_tokens);
+    const std::size_t bytes = info_words * 8 + (num_selections + num_heads) * sizeof(int2) +
+                              count_words * 4;
     void* expand = nullptr;
     WEFT_CUDA_CHECK(cudaMalloc(&expand, bytes));
     WEFT_CUDA_CHECK(cudaMemset(expand, 0, bytes));
     state_->expand_info = static_cast<int64_t*>(expand);
     state_->expand_rows = reinterpret_cast<int2*>(state_->expand_info + info_words);
-    state_->block_expert_counts = reinterpret_cast<int32_t*>(state_->expand_rows + num_selections);
+    state_->sparse_heads = state_->expand_rows + num_selections;
+    state_->block_expert_counts = reinterpret_cast<int32_t*>(state_->sparse_heads + num_heads);
   }
   void* host = nullptr;
   WEFT_CUDA_CHECK(cudaHostAlloc(&host, 2 * sizeof(int64_t), cudaHostAllocDefault));

@@ -33,9 +33,10 @@ struct BufferState {
   int32_t* rank_prefix_matrix = nullptr;  // [R][R] (DispatchParams::rank_prefix_matrix)
   // Expanded dispatch only (BufferConfig::expand_factor > 0), one cudaMalloc:
   // expand_info [E/R + 3] int64, expand_rows [max_tokens][top_k] int2 (ExpandDispatchParams),
-  // block_expert_counts [SMs][E] int32.
+  // sparse_heads [R * max_tokens] int2 (CombineParams), block_expert_counts [SMs][E] int32.
   int64_t* expand_info = nullptr;
   int2* expand_rows = nullptr;
+  int2* sparse_heads = nullptr;
   int32_t* block_expert_counts = nullptr;
   // Pinned, 16 bytes: the count and tokens_required (one 8-byte copy of DeviceState::num_recv
   // and the word after it), then at byte 8 an expanded dispatch's rows_required.

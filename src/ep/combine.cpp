@@ -92,9 +92,13 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   p.hidden = config_.hidden;
   p.max_tokens = config_.max_tokens;
   // The grid follows the rows this rank stores back as well as its tokens (a rank with few
-  // tokens may have received many rows): num_recv where the host knows it (wait_num_recv), else
-  // T alone (CountMode::kOnDevice: the count is on the device).
-  p.num_blocks = num_blocks(std::max<int64_t>(T, layout.num_recv), in.num_sms);
+  // tokens may have received many rows): num_recv where the host knows it (wait_num_recv), or a
+  // fixed-stride layout's rows (mostly padding, scanned for chain heads, and many times the
+  // tokens), else T alone (CountMode::kOnDevice: the count is on the device).
+  const int64_t fixed_rows =
+      layout.expand.enabled
+          ? layout.expand.segment_stride * config_.num_local_experts(num_ranks_) : 0;
+  p.num_blocks = num_blocks(std::max({T, layout.num_recv, fixed_rows}), in.num_sms);
   p.send_slot = state_->send_slot;
   p.num_send_warps = combine_send_warps(options_.combine_send_warps, num_ranks_);
   if (with_weights) {
@@ -112,10 +116,8 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     p.expand_capacity = expand_capacity();
     p.source_weighted = source_weighted;
     p.sparse_rows = layout.expand.segment_stride > 0;
-    // A fixed-stride layout's rows (mostly padding, scanned for chain heads) are known here,
-    // and outnumber the tokens many times over: the grid follows them.
-    const int64_t fixed_rows = layout.expand.segment_stride * p.num_local_experts;
-    if (fixed_rows > T) p.num_blocks = num_blocks(fixed_rows, in.num_sms);
+    p.sparse_heads = state_->sparse_heads;
+    p.max_sparse_heads = int64_t(num_ranks_) * config_.max_tokens;
   }
   if (source_weighted && T > 0) {
     // The window's comb_w region holds R * max_tokens * top_k floats (>= T * top_k); the

@@ -43,16 +43,17 @@ __device__ __forceinline__ void fma_bf16x8(float (&acc)[8], float w, const int4 
 
 // One warp: dst[v] = bf16(sum of the num_rows rows of `rows` whose indices lanes 0..num_rows-1
 // hold in `lane_row`), summed in fp32 from 0 in lane order and rounded once to nearest even: the
-// reference's per-destination partial sum of an expanded dispatch. kWeighted: each row's term is
+// reference's per-destination partial sum of an expanded dispatch, for the vectors
+// [v_begin, v_end) of rows of n16 vectors. kWeighted: each row's term is
 // fma(lane_weight of its lane, row, acc) (reference::combine_weighted).
 template <bool kWeighted>
 __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ rows,
                               int32_t lane_row, float lane_weight, int num_rows, int64_t n16,
-                              int lane) {
+                              int64_t v_begin, int64_t v_end, int lane) {
   // Each lane owns kCols vectors per step and loads kRows rows of each before adding, so
   // kCols * kRows 16-byte loads per lane are in flight (the walk is otherwise latency-bound).
   constexpr int kRows = 4, kCols = 4;
-  for (int64_t v0 = 0; v0 < n16; v0 += 32 * kCols) {  // uniform: the shuffles need every lane
+  for (int64_t v0 = v_begin; v0 < v_end; v0 += 32 * kCols) {  // uniform: the shuffles need every lane
     float acc[kCols][8];
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
@@ -69,14 +70,14 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
 #pragma unroll
         for (int k = 0; k < kCols; ++k) {
           const int64_t v = v0 + k * 32 + lane;
-          if (i0 + u < num_rows && v < n16) q[u][k] = ld_stream(rows + int64_t(r) * n16 + v);
+          if (i0 + u < num_rows && v < v_end) q[u][k] = ld_stream(rows + int64_t(r) * n16 + v);
         }
       }
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
 #pragma unroll
         for (int k = 0; k < kCols; ++k) {
-          if (i0 + u < num_rows && v0 + k * 32 + lane < n16) {
+          if (i0 + u < num_rows && v0 + k * 32 + lane < v_end) {
             if constexpr (kWeighted) {
               fma_bf16x8(acc[k], w[u], q[u][k]);
             } else {
@@ -89,7 +90,7 @@ __device__ void warp_sum_rows(int4* __restrict__ dst, const int4* __restrict__ r
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
       const int64_t v = v0 + k * 32 + lane;
-      if (v < n16) dst[v] = pack_bf16x8(acc[k]);
+      if (v < v_end) dst[v] = pack_bf16x8(acc[k]);
     }
   }
 }
@@ -184,21 +185,45 @@ __device__ void mark_rows_failed(const CombineParams& p, const CombineCall& call
   }
 }
 
+// A received row's weight in a source-weighted combine: 0 + the source's weights of the
+// selections the row marks (k ascending), read from the source's window (written before its
+// entry flag, which the caller's block waited for).
+__device__ float source_row_weight(const CombineParams& p, const CombineCall& call, int32_t row,
+                                   int2 src) {
+  const CommParams& c = p.comm;
+  const int32_t* idx =
+      reinterpret_cast<const int32_t*>(call.peer[c.rank] + c.layout.recv_expert_idx) +
+      int64_t(row) * p.top_k;
+  const volatile float* w =
+      reinterpret_cast<const volatile float*>(call.peer[src.x] + c.layout.comb_w) +
+      int64_t(src.y) * p.top_k;
+  float weight = 0.0f;
+  for (int k = 0; k < p.top_k; ++k) {
+    if (idx[k] >= 0) weight += w[k];
+  }
+  return weight;
+}
+
+// Where the chain sum of the row heading (src.x, src.y)'s chain goes: the source's comb_x row
+// of this rank.
+__device__ int4* chain_sum_dst(const CombineParams& p, const CombineCall& call, int2 src) {
+  return reinterpret_cast<int4*>(call.peer[src.x] + p.comm.layout.comb_x) +
+         (int64_t(p.comm.rank) * p.max_tokens + src.y) * call.n16;
+}
+
 // Send warps, expanded: every row that heads its (source, token)'s chain here sends the chain's
 // sum to the source's comb_x[rank][token] (padding rows and chain members other than the head
 // are skipped). A chain ascends and has at most min(top_k, E/R) <= 32 rows; the walk is bounded
-// by that and by num_recv regardless. A claim covers up to kMaxSendBatch rows (most rows head a
-// chain: few per claim spread a small call over many warps) or, with sparse_rows (fixed-stride
-// segments, mostly padding), up to 32, whose heads the warp finds with one load per lane.
+// by that and by num_recv regardless. A claim covers up to kMaxSendBatch rows: most rows head a
+// chain, and few per claim spread a small call over many warps.
 __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call) {
   const CommParams& c = p.comm;
   const int lane = threadIdx.x % 32;
   const int2* chain = reinterpret_cast<const int2*>(call.peer[c.rank] + c.layout.expand_chain);
   const int64_t num_recv = call.num_recv;
   const int total_warps = int(gridDim.x) * p.num_send_warps;
-  const int64_t max_batch = p.sparse_rows ? 32 : int64_t(kMaxSendBatch);
   const int64_t batch =
-      min(max_batch, max(int64_t(1), (num_recv + total_warps - 1) / total_warps));
+      min(int64_t(kMaxSendBatch), max(int64_t(1), (num_recv + total_warps - 1) / total_warps));
   const int64_t num_batches = (num_recv + batch - 1) / batch;
   for (int64_t b = work_claim(c, lane); b < num_batches; b = work_claim(c, lane)) {
     const int64_t r0 = b * batch;
@@ -216,28 +241,13 @@ __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call)
         if (lane == num_rows) lane_row = r;
         ++num_rows;
       }
-      int4* dst = reinterpret_cast<int4*>(call.peer[src.x] + c.layout.comb_x) +
-                  (int64_t(c.rank) * p.max_tokens + src.y) * call.n16;
+      int4* dst = chain_sum_dst(p, call, src);
       const auto* y = reinterpret_cast<const int4*>(p.expert_out);
       if (p.source_weighted) {
-        // Lane i: its row's weight, 0 + the source's weights of the selections the row marks
-        // (k ascending), read from the source's window (written before its entry flag, which
-        // this warp's block waited for).
-        float lane_weight = 0.0f;
-        if (lane_row >= 0) {
-          const int32_t* idx = reinterpret_cast<const int32_t*>(call.peer[c.rank] +
-                                                                c.layout.recv_expert_idx) +
-                               int64_t(lane_row) * p.top_k;
-          const volatile float* w = reinterpret_cast<const volatile float*>(
-                                        call.peer[src.x] + c.layout.comb_w) +
-                                    int64_t(src.y) * p.top_k;
-          for (int k = 0; k < p.top_k; ++k) {
-            if (idx[k] >= 0) lane_weight += w[k];
-          }
-        }
-        warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, lane);
+        const float lane_weight = lane_row >= 0 ? source_row_weight(p, call, lane_row, src) : 0.0f;
+        warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, 0, call.n16, lane);
       } else {
-        warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, lane);
+        warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, 0, call.n16, lane);
       }
     }
     __syncwarp();
@@ -247,6 +257,87 @@ __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call)
         const int64_t j = r0 + __ffs(int(rest)) - 1;
         if (uint64_t* flag = call.source_flag(p, j, call.recv_src[j]))
           st_relaxed_sys(flag, call.seq);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Send warps, expanded with fixed-stride segments (sparse_rows: mostly padding rows and few
+// chains, as in a decode step), in two phases over every send warp of the grid, since one warp
+// summing a whole chain alone is bound by its own issue rate (tens of microseconds a chain at
+// hidden 7168) and a small call has too few chains to keep the other warps busy:
+//  1. find: each warp takes 32-row batches (one load per lane) and appends the rows heading a
+//     chain to sparse_heads (DeviceState::num_sparse_heads counts them; each entry's done count
+//     starts at 0); then a barrier over the send warps of every block.
+//  2. sum: units of (head, kSparseUnitVecs vectors) spread over the warps; each unit's warp walks
+//     the chain, sums its vectors (the rows in chain order, as the one-warp path: bit-identical),
+//     fences, and counts the unit done; the warp that completes a head fences again (after the
+//     atomic that observed every other unit's fenced count) and raises the head's flag.
+__device__ void send_chain_sums_sparse(const CombineParams& p, const CombineCall& call) {
+  constexpr int64_t kSparseUnitVecs = 64;
+  const CommParams& c = p.comm;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t(blockIdx.x) * p.num_send_warps + threadIdx.x / 32;
+  const int64_t num_warps = int64_t(gridDim.x) * p.num_send_warps;
+  const int2* chain = reinterpret_cast<const int2*>(call.peer[c.rank] + c.layout.expand_chain);
+  const int64_t num_recv = call.num_recv;
+  for (int64_t b = warp; b * 32 < num_recv; b += num_warps) {
+    const int64_t r = b * 32 + lane;
+    const uint32_t heads = __ballot_sync(0xffffffffu, r < num_recv && chain[r].y != 0);
+    if (heads == 0) continue;
+    uint32_t first = 0;
+    if (lane == 0) first = atomicAdd(&c.state->num_sparse_heads, uint32_t(__popc(heads)));
+    first = __shfl_sync(0xffffffffu, first, 0);
+    // More heads than (source, token) pairs: not this layout's chains; those past the list are
+    // dropped, and their sources time out waiting for them.
+    if (lane < __popc(heads) && int64_t(first) + lane < p.max_sparse_heads) {
+      p.sparse_heads[first + lane] = make_int2(int(b * 32 + __fns(heads, 0, lane + 1)), 0);
+    }
+  }
+  const int num_send_threads = p.num_send_warps * 32;
+  if (!grid_barrier_of(c, call.seq, [&] {
+        asm volatile("bar.sync 1, %0;" ::"r"(num_send_threads) : "memory");
+      })) {
+    return;  // reported; the heads' sources time out waiting for them
+  }
+  const int64_t num_heads =
+      min(p.max_sparse_heads,
+          int64_t(*reinterpret_cast<volatile uint32_t*>(&c.state->num_sparse_heads)));
+  const int64_t units_per_head = (call.n16 + kSparseUnitVecs - 1) / kSparseUnitVecs;
+  const auto* y = reinterpret_cast<const int4*>(p.expert_out);
+  for (int64_t unit = warp; unit < num_heads * units_per_head; unit += num_warps) {
+    const int64_t h = unit / units_per_head;
+    const int64_t piece = unit % units_per_head;
+    const int32_t j = __ldcg(&p.sparse_heads[h]).x;  // written by other blocks in phase 1
+    const int2 src = call.recv_src[j];
+    if (!call.source_in_range(p, src)) {
+      if (piece == 0 && lane == 0) call.source_flag(p, j, src);  // reports it
+      continue;
+    }
+    int32_t lane_row = -1;  // lane i: the chain's i-th row
+    int num_rows = 0;
+    for (int32_t row = j; row >= 0 && row < num_recv && num_rows < 32; row = chain[row].x) {
+      if (lane == num_rows) lane_row = row;
+      ++num_rows;
+    }
+    int4* dst = chain_sum_dst(p, call, src);
+    const int64_t v_begin = piece * kSparseUnitVecs;
+    const int64_t v_end = min(call.n16, v_begin + kSparseUnitVecs);
+    if (p.source_weighted) {
+      const float lane_weight = lane_row >= 0 ? source_row_weight(p, call, lane_row, src) : 0.0f;
+      warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, v_begin, v_end,
+                          lane);
+    } else {
+      warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, v_begin, v_end, lane);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before its count
+      if (atomicAdd(reinterpret_cast<uint32_t*>(&p.sparse_heads[h].y), 1u) ==
+          uint32_t(units_per_head - 1)) {
+        __threadfence_system();
+        st_relaxed_sys(call.source_flag(p, j, src), call.seq);
       }
     }
     __syncwarp();
@@ -489,6 +580,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
                            int64_t(rows_given < p.expert_out_rows));
       }
       mark_rows_failed<kExpanded>(p, call, seq | kFlagFailed | (s_ok ? 0 : kFlagFatal));
+    } else if (kExpanded && p.sparse_rows) {
+      send_chain_sums_sparse(p, call);
     } else if (kExpanded) {
       send_chain_sums(p, call);
     } else {

@@ -122,6 +122,9 @@ struct DeviceState {
   // Units of work handed out so far in the running kernel (combine's store-back batches:
   // work_claim); the last block resets it.
   uint32_t work_counter;
+  // Entries of CombineParams::sparse_heads found so far by the running combine (fixed-stride
+  // segments); the last block resets it.
+  uint32_t num_sparse_heads;
   // Bit d: a wait for rank d timed out in the running kernel (later waits for d are skipped, so
   // a dead peer costs one timeout per call); the last block resets it.
   uint32_t dead_peers;
@@ -296,8 +299,11 @@ struct CombineParams {
   // by the source's entry flag); each row's sum term is scaled by its selections' weights.
   bool source_weighted;
   // Expanded only: the layout has fixed-stride segments (mostly padding rows): the send warps
-  // scan 32 rows per claim.
+  // first list the rows that head a chain into sparse_heads [<= num_ranks * max_tokens] as
+  // (row, units done), then sum them together (send_chain_sums_sparse).
   bool sparse_rows;
+  int2* sparse_heads;
+  int64_t max_sparse_heads;
   uint64_t layout_id;          // the layout combined: must be DeviceState::layout_id
 };
 

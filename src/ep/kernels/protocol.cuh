@@ -106,10 +106,13 @@ __device__ inline bool wait_all_peers(const CommParams& c, char* local, int kind
   return true;
 }
 
-// Barrier over the blocks of this (cooperative) grid; false on timeout. All threads call it.
-__device__ inline bool grid_barrier(const CommParams& c, uint64_t seq) {
+// Barrier over the blocks of this (cooperative) grid; false on timeout. Every thread that
+// block_sync() synchronises calls it (one group per block: all threads, or the send warps of a
+// named barrier); thread 0 of the block must be one of them. One barrier runs at a time.
+template <typename BlockSync>
+__device__ inline bool grid_barrier_of(const CommParams& c, uint64_t seq, BlockSync&& block_sync) {
   __shared__ int ok;
-  __syncthreads();
+  block_sync();
   if (threadIdx.x == 0) {
     ok = 1;
     DeviceState* st = c.state;
@@ -126,8 +129,13 @@ __device__ inline bool grid_barrier(const CommParams& c, uint64_t seq) {
     }
     __threadfence();
   }
-  __syncthreads();
+  block_sync();
   return ok != 0;
+}
+
+// The barrier over every thread of the grid.
+__device__ inline bool grid_barrier(const CommParams& c, uint64_t seq) {
+  return grid_barrier_of(c, seq, [] { __syncthreads(); });
 }
 
 // Called by every block once its last store is issued. The last block to arrive resets the
@@ -143,6 +151,7 @@ __device__ inline bool finish_block(const CommParams& c, uint64_t seq) {
     if (last) {
       atomicExch(&c.state->done_counter, 0u);
       atomicExch(&c.state->work_counter, 0u);
+      atomicExch(&c.state->num_sparse_heads, 0u);
       atomicExch(&c.state->dead_peers, 0u);
       // Orders every block's stores (each fenced before its arrival, which this block's atomic
       // observed) before what the last block stores next: finish_dispatch's done flags are

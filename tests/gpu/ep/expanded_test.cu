@@ -615,12 +615,13 @@ TEST_F(EpExpandedTest, OverflowIsReportedAndNothingCorrupts) {
 // Fixed-stride segments (ExpandOptions::segment_stride = R * max_tokens, DeepEP's low-latency
 // layout: segment e at e * S whatever the counts) and the weighted combine, over T from 0 to
 // max_tokens, masked and repeated selections, tokens that select nothing, both count modes,
-// one block and the default grid; the same Buffer also runs packed expanded dispatches between.
+// one block and the default grid, rows of several 64-vector units (the sparse combine's split);
+// the same Buffer also runs packed expanded dispatches between.
 TEST_F(EpExpandedTest, FixedStrideSegmentsAndWeightedCombine) {
   const int num_ranks = team_size();
   const int64_t M = 48;
   const int epr = 6;
-  make({.max_tokens = M, .hidden = 256, .num_experts = epr * num_ranks, .top_k = 4,
+  make({.max_tokens = M, .hidden = 1152, .num_experts = epr * num_ranks, .top_k = 4,
         .expand_factor = epr});
   std::mt19937 rng(std::random_device{}());
   int trial = 0;
