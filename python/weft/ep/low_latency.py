@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .. import Error
 from . import _group
 from .event import EventHandle, EventOverlap
-from .native import Expand, NativeBuffer, check_tensor
+from .native import Expand, NativeBuffer, _current_raw_stream, check_tensor
 from .sizing import window_bytes_for
 
 _FP8_GROUP = 128
@@ -326,11 +326,14 @@ class LowLatency:
             check_tensor("out", out, (torch.bfloat16,), device, (t, native.hidden))
             if not out.is_contiguous():
                 raise Error("low_latency_combine: out must be contiguous")
-        comm = b._comm_stream
-        comm.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(comm):
-            native.launch_combine(expert_out.view(-1, native.hidden), handle.native, [], out, 0,
-                                  comm.cuda_stream, source_weights=weights)
+        # The hand-off to the comm stream and, for a plain call, back, inside the one binding
+        # call; out belongs to the current stream, which (plain) waits for the kernel.
+        plain = not async_finish and not return_recv_hook
+        native.launch_combine(expert_out.view(-1, native.hidden), handle.native, [], out, 0,
+                              _current_raw_stream(device.index), b._comm_stream.cuda_stream,
+                              async_finish=not plain, source_weights=weights)
+        if plain:
+            return out, EventOverlap(None), None
         keep = [x, expert_out, topk_idx, topk_weights, weights, out]
         event, hook = self._finish(async_finish, return_recv_hook, keep)
         return out, event, hook
