@@ -50,10 +50,9 @@ struct BufferState {
   int32_t* published_device = nullptr;
   bool count_published = false;   // the count_sequence dispatch publishes there
   int64_t latest_row_bytes = 0;   // of the latest dispatch (copy_out)
-  // The latest dispatch deferred its own rows (DispatchInputs::defer_own_rows) and its T:
-  // copy_out must be given its x.
+  // The latest dispatch deferred its own rows (DispatchInputs::defer_own_rows): copy_out must
+  // be given its x (layout.num_tokens rows: a cached dispatch moves its handle's T).
   bool latest_deferred_own = false;
-  int64_t latest_num_tokens = 0;
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable

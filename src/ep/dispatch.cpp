@@ -237,7 +237,6 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
 void Buffer::note_latest(int64_t row_bytes, const DispatchInputs& in) {
   state_->latest_row_bytes = row_bytes;
   state_->latest_deferred_own = in.defer_own_rows;
-  state_->latest_num_tokens = in.x.rows;
 }
 
 int64_t Buffer::wait_num_recv(DispatchResult& result) {
@@ -324,8 +323,8 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
     DispatchInputs source;
     source.x = t.own_x;
     source.x_scales = t.own_x_scales;
-    WEFT_CHECK(t.own_x.rows == state_->latest_num_tokens, "copy_out: own_x has ",
-               t.own_x.rows, " tokens, the deferring dispatch ", state_->latest_num_tokens);
+    WEFT_CHECK(t.own_x.rows == state_->layout.num_tokens, "copy_out: own_x has ",
+               t.own_x.rows, " tokens, the deferring dispatch ", state_->layout.num_tokens);
     const int64_t own_row_bytes = dispatch_row_bytes(source, config_);
     WEFT_CHECK(own_row_bytes == state_->latest_row_bytes, "copy_out: own_x makes ",
                own_row_bytes, "-byte rows, the deferring dispatch moved ",
