@@ -88,6 +88,9 @@ struct ExpandOptions {
 //   amax  = max(fmax over the group of |x|, kFp8MinAmax)       (NaN elements do not count)
 //   q[i]  = e4m3_satfinite_rn(float(x[i]) * (448.0f / amax))   (every operation in fp32)
 //   scale = amax / 448.0f;  x[i] ~ e4m3_to_float(q[i]) * scale
+// or, with round_scale (DeepEP's round_scale), the scale a power of two:
+//   scale = fp8_round_scale(amax / 448.0f)                      (2^ceil(log2), exact)
+//   q[i]  = e4m3_satfinite_rn(float(x[i]) * (1.0f / scale))     (exact: a power of two)
 // One packed row per token, which dispatch moves as opaque bytes in one store:
 //   [0, hidden)                       e4m3 payload, one byte per element
 //   [hidden, hidden + 4 * groups)     fp32 scales, groups = hidden / 128 (4-byte aligned, since
@@ -103,6 +106,18 @@ constexpr float kFp8MinAmax = 1e-4f;
 // The 512-byte rule's threshold: the padding never makes a dispatch faster, and at most 5% more
 // bytes keeps its time cost small (the measurements: docs/perf-ep.md, "fp8 row padding").
 constexpr double kFp8Row512MaxPaddingFraction = 0.05;
+
+// The smallest power of two at or above a positive normal fp32 value v (or +inf), by its bits:
+// (bits + 0x7FFFFF) & ~0x7FFFFF (an exact power of two stays, any other mantissa carries into
+// the exponent). v = amax / 448 with amax >= kFp8MinAmax is always normal.
+inline float fp8_round_scale(float v) noexcept {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7FFFFFu) & 0xFF800000u;
+  float rounded;
+  std::memcpy(&rounded, &bits, sizeof(rounded));
+  return rounded;
+}
 
 struct Fp8RowLayout {
   int64_t hidden = 0;          // elements
