@@ -13,9 +13,10 @@ namespace {
 
 // bf16 -> packed fp8 rows, bit-identical to reference::cast_to_fp8 (formulas in types.hpp, with
 // or without round_scale): one warp per (token, group of 128 elements), lane l owning elements
-// [4l, 4l + 4) of the group (one 8-byte load, one 4-byte store). Every operation is the reference's, in fp32: fmaxf ignores NaN
-// like std::fmax, and IEEE division (no fast-math in weft's CUDA flags). The warp of group 0
-// also zeroes the row's padding bytes, so whole rows are deterministic.
+// [4l, 4l + 4) of the group (one 8-byte load, one 4-byte store). Every operation is the
+// reference's, in fp32: fmaxf ignores NaN like std::fmax, and IEEE reciprocals and products
+// (__frcp_rn, __fmul_rn: nothing fused). The warp of group 0 also zeroes the row's padding
+// bytes, so whole rows are deterministic.
 __global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
   const int lane = threadIdx.x % 32;
   const int64_t unit = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -33,13 +34,13 @@ __global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   amax = fmaxf(amax, kFp8MinAmax);
-  float scale = __fdiv_rn(amax, kFp8E4M3Max);
+  float scale = __fmul_rn(amax, kFp8InverseE4M3Max);
   float inverse;
   if (p.round_scale) {
     scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0xFF800000u);
-    inverse = __fdiv_rn(1.0f, scale);
+    inverse = __frcp_rn(scale);
   } else {
-    inverse = __fdiv_rn(kFp8E4M3Max, amax);
+    inverse = __fmul_rn(__frcp_rn(amax), kFp8E4M3Max);
   }
   uint32_t packed = 0;
 #pragma unroll

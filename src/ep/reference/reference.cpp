@@ -479,8 +479,9 @@ std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<c
         amax = std::fmax(amax, std::fabs(bf16_to_float(group[i])));
       }
       amax = std::fmax(amax, kFp8MinAmax);
-      const float scale = round_scale ? fp8_round_scale(amax / kFp8E4M3Max) : amax / kFp8E4M3Max;
-      const float inverse = round_scale ? 1.0f / scale : kFp8E4M3Max / amax;
+      const float plain_scale = amax * kFp8InverseE4M3Max;
+      const float scale = round_scale ? fp8_round_scale(plain_scale) : plain_scale;
+      const float inverse = round_scale ? 1.0f / scale : (1.0f / amax) * kFp8E4M3Max;
       for (int64_t i = 0; i < kFp8GroupElements; ++i) {
         row[g * kFp8GroupElements + i] = float_to_e4m3(bf16_to_float(group[i]) * inverse);
       }

@@ -447,8 +447,9 @@ TEST(EpExpanded, LowLatencyLayoutOfFixedStrideSegments) {
   std::mt19937 rng(43);
   for (int trial = 0; trial < 12; ++trial) {
     const int R = 1 + trial % 4;
+    const int num_experts = R * (1 + trial % 3);
     const BufferConfig c{.max_tokens = 12, .hidden = trial % 2 == 0 ? 512 : 384,
-                         .num_experts = R * (1 + trial % 3), .top_k = std::min(3, R * (1 + trial % 3)),
+                         .num_experts = num_experts, .top_k = std::min(3, num_experts),
                          .expand_factor = 1 + trial % 3};
     const int epr = c.num_experts / R;
     const int64_t S = int64_t(R) * c.max_tokens;

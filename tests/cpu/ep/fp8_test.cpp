@@ -128,14 +128,16 @@ TEST(EpFp8, CastMatchesTheStatedFormulaAndUnpacks) {
         for (int64_t i = 0; i < 128; ++i) {
           amax = std::max(amax, std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
         }
-        const float want_scale = std::max(amax, 1e-4f) / 448.0f;
+        // torch's amax / 448.0 and 448.0 / amax on the GPU: products with reciprocals.
+        const float want_scale = std::max(amax, 1e-4f) * (1.0f / 448.0f);
         float scale;
         std::memcpy(&scale, row + hidden + 4 * g, 4);
         ASSERT_EQ(scale, want_scale);
         ASSERT_EQ(unpacked.scales[std::size_t(t * (hidden / 128) + g)], scale);
         for (int64_t i = 0; i < 128; ++i) {
           const auto h = std::size_t(t * hidden + g * 128 + i);
-          const float v = weft::ep::bf16_to_float(x[h]) * (448.0f / std::max(amax, 1e-4f));
+          const float v =
+              weft::ep::bf16_to_float(x[h]) * ((1.0f / std::max(amax, 1e-4f)) * 448.0f);
           ASSERT_EQ(row[g * 128 + i], nearest_e4m3(v)) << "token " << t << " col " << g * 128 + i;
           ASSERT_EQ(unpacked.payload[h], row[g * 128 + i]);
           // Dequantised: within e4m3's half step (2^-4 relative, or half a subnormal step).
@@ -231,11 +233,16 @@ TEST(EpFp8, CastWithRoundScaleMatchesHandComputedGroups) {
   EXPECT_EQ(q(6, 1), 0x00);
   EXPECT_EQ(q(7, 0), 0x78);
   EXPECT_EQ(q(7, 1), 0x18);
-  // Without round_scale the same groups take amax / 448 (group 0: 1 / 448, q = 448 = 0x7E).
+  // Without round_scale the same groups take amax * (1 / 448) (group 0: 1 / 448, q = 448).
   const auto plain = ref::cast_to_fp8(hidden, 1, x);
   EXPECT_EQ(scale_of(plain, hidden, 0), 1.0f / 448.0f);
   EXPECT_EQ(int(plain[0]), 0x7E);
-  EXPECT_EQ(scale_of(plain, hidden, 1), 1e-4f / 448.0f);
+  EXPECT_EQ(scale_of(plain, hidden, 1), 1e-4f * (1.0f / 448.0f));
+  // amax 3 is where the orders differ: the scale is 3 * (1 / 448), not the quotient 3 / 448.
+  const std::vector<uint16_t> threes(128, float_to_bf16(3.0f));
+  const float three_scale = scale_of(ref::cast_to_fp8(128, 1, threes), 128, 0);
+  EXPECT_EQ(three_scale, 3.0f * (1.0f / 448.0f));
+  EXPECT_NE(three_scale, 3.0f / 448.0f);
 }
 
 // round_scale on random rows against an independent statement: the scale is the least 2^k at or
@@ -257,7 +264,7 @@ TEST(EpFp8, CastWithRoundScaleMatchesTheStatedFormula) {
           amax = std::max(
               amax, std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
         }
-        const float target = std::max(amax, 1e-4f) / 448.0f;
+        const float target = std::max(amax, 1e-4f) * (1.0f / 448.0f);
         int k = -40;
         while (std::ldexp(1.0f, k) < target) ++k;
         const float want_scale = std::ldexp(1.0f, k);
