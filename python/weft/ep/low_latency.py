@@ -163,8 +163,9 @@ class _Slot:
                                          (self.stride * (g // 4), 1, self.stride),
                                          dtype=torch.int32, device=dev) \
             if h % (4 * _FP8_GROUP) == 0 else None
-        # The fp8 cast's packed rows (what an fp8 dispatch moves), made at the first fp8 call.
-        self.packed: Optional[torch.Tensor] = None
+        # The fp8 cast's packed rows (what an fp8 dispatch moves).
+        self.packed = torch.empty((num_max_tokens, native.fp8_row_bytes), dtype=torch.uint8,
+                                  device=dev) if h % _FP8_GROUP == 0 else None
         self.combine_buffer: Optional[torch.Tensor] = None
         # The views of the window that every call of this slot returns (recv_x bf16, the fp8
         # payload, recv_count), made at the slot's first call of each kind.
@@ -178,13 +179,6 @@ class _Slot:
         a.layout_range = self.layout_range.data_ptr()
         a.comm_stream = native.comm_stream.cuda_stream
         self.args = a
-
-    def packed_rows(self) -> torch.Tensor:
-        if self.packed is None:
-            n = self.native
-            self.packed = torch.empty((n.max_tokens, n.fp8_row_bytes), dtype=torch.uint8,
-                                      device=n.device)
-        return self.packed
 
     def views(self, out, use_fp8: bool):
         """(recv_x, recv_count) of the slot's window (made once per kind of call)."""
@@ -287,7 +281,7 @@ class LowLatency:
         a = slot.args
         a.x = x.data_ptr()
         a.num_tokens = num_tokens
-        a.packed = slot.packed_rows().data_ptr() if use_fp8 else 0
+        a.packed = slot.packed.data_ptr() if use_fp8 else 0
         a.round_scale = round_scale
         a.scales = slot.scales.data_ptr() if use_fp8 and not use_ue8m0 else 0
         a.ue8m0 = slot.ue8m0.data_ptr() if use_ue8m0 else 0
