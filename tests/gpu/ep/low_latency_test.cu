@@ -152,15 +152,20 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
         scales.push_back(poisoned(dev, std::size_t(epr * S * G * 4)));
         ue8m0.push_back(poisoned(dev, std::size_t(epr * S * G)));
       }
-      // Every rank's dispatch before anything waits (the ranks wait for each other on device).
+      // Each step on every rank before the next (every rank's dispatch before anything that
+      // waits for one: the ranks' kernels wait for each other on the device, and a virtual
+      // team's streams share the device's hardware queues).
+      for (int r = 0; r < R; ++r) {
+        if (!fp8) break;
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
+        weft::ep::cast_to_fp8(x[std::size_t(r)].ptr, inputs[std::size_t(r)].num_tokens, H,
+                              packed[std::size_t(r)].ptr, streams[std::size_t(r)], round_scale);
+      }
       for (int r = 0; r < R; ++r) {
         WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         const int64_t n = inputs[std::size_t(r)].num_tokens;
-        const cudaStream_t s = streams[std::size_t(r)];
         weft::ep::DispatchInputs in;
         if (fp8) {
-          weft::ep::cast_to_fp8(x[std::size_t(r)].ptr, n, H, packed[std::size_t(r)].ptr, s,
-                                round_scale);
           in.x = {packed[std::size_t(r)].ptr, DType::kUInt8, n, l.row_bytes};
         } else {
           in.x = {x[std::size_t(r)].ptr, DType::kBFloat16, n, H};
@@ -168,7 +173,10 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
         in.topk_idx = {idx[std::size_t(r)].ptr, DType::kInt64, n, config.top_k};
         in.topk_weights = {w[std::size_t(r)].ptr, DType::kFloat32, n, config.top_k};
         in.expand = {.enabled = true, .segment_stride = S};
-        results.push_back(eps[std::size_t(r)]->dispatch(in, s));
+        results.push_back(eps[std::size_t(r)]->dispatch(in, streams[std::size_t(r)]));
+      }
+      for (int r = 0; r < R; ++r) {
+        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         weft::ep::LowLatencyTargets t;
         t.src_info = static_cast<int32_t*>(src_info[std::size_t(r)].ptr);
         t.layout_range = static_cast<int64_t*>(layout_range[std::size_t(r)].ptr);
@@ -176,7 +184,7 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
           t.scales = static_cast<float*>(scales[std::size_t(r)].ptr);
           t.ue8m0 = static_cast<int32_t*>(ue8m0[std::size_t(r)].ptr);
         }
-        eps[std::size_t(r)]->low_latency_layout(t, s);
+        eps[std::size_t(r)]->low_latency_layout(t, streams[std::size_t(r)]);
       }
       for (int r = 0; r < R; ++r) {
         WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
@@ -201,8 +209,15 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
         const auto got_ue8m0 = download<int32_t>(dev, ue8m0[std::size_t(r)].ptr,
                                                  std::size_t(epr * S * G / 4));
         std::size_t wrong = 0;
+        std::size_t wrong_rows = 0;  // the device's cast, as received
         for (int64_t e = 0; e < epr; ++e) {
           const int64_t count = int64_t(L.tokens_per_local_expert[std::size_t(e)]);
+          for (int64_t s = 0; s < count; ++s) {
+            const auto row = std::size_t((e * S + s) * l.row_bytes);
+            wrong_rows += !std::equal(window.begin() + std::ptrdiff_t(row),
+                                      window.begin() + std::ptrdiff_t(row + l.row_bytes),
+                                      L.recv_x_fp8.begin() + std::ptrdiff_t(row));
+          }
           for (int64_t s = 0; s < S; ++s) {
             for (int64_t g = 0; g < G; ++g) {
               const auto i = std::size_t((e * G + g) * S + s);
@@ -231,6 +246,7 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
             }
           }
         }
+        EXPECT_EQ(wrong_rows, 0u) << "rank " << r << ": received fp8 rows differ";
         EXPECT_EQ(wrong, 0u) << "rank " << r << ": scales / ue8m0 differ";
       }
     }
