@@ -173,6 +173,31 @@ struct CopyOutArgs {
   bool async_finish = false;
 };
 
+// DeepEP's low_latency_dispatch as one call (weft/ep/low_latency.py): with `packed`, the fp8
+// cast of x into it (ep::cast_to_fp8); the expanded dispatch of x, or of the packed rows, with
+// fixed-stride segments (alignment 1, no zero padding) and the count on the device; then the
+// layout of its results (ep::Buffer::low_latency_layout). All on comm_stream after the work
+// queued so far on `stream`, which then waits for it unless async_finish.
+struct LowLatencyArgs {
+  std::uintptr_t x = 0;             // [num_tokens, hidden] bf16
+  int64_t num_tokens = 0;
+  // fp8: [>= num_tokens, fp8_row_bytes(hidden)] uint8, the cast's rows (what moves); 0: x moves
+  std::uintptr_t packed = 0;
+  bool round_scale = false;         // the cast's power-of-two scales
+  std::uintptr_t topk_idx = 0;      // [num_tokens, top_k] int32 / int64
+  bool topk_idx_int64 = true;
+  std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
+  std::uintptr_t stats = 0;         // optional [num_local_experts] int32, accumulated into
+  int64_t segment_stride = 0;       // > 0
+  std::uintptr_t src_info = 0;      // ep::LowLatencyTargets
+  std::uintptr_t layout_range = 0;
+  std::uintptr_t scales = 0;
+  std::uintptr_t ue8m0 = 0;
+  std::uintptr_t stream = 0;
+  std::uintptr_t comm_stream = 0;
+  bool async_finish = false;
+};
+
 struct CombineArgs {
   std::uintptr_t expert_out = 0;  // [expert_out_rows, hidden] bf16
   int64_t expert_out_rows = 0;
@@ -236,6 +261,22 @@ struct DispatchOut {
   int64_t row_bytes = 0;
   int64_t capacity = 0;
 };
+
+// out's handle and window addresses, from r.
+void set_window_fields(const ep::DispatchResult& r, DispatchOut& out) {
+  out.handle = r.handle;
+  out.recv_x = as_int(r.recv_x != nullptr ? static_cast<const void*>(r.recv_x)
+                                          : static_cast<const void*>(r.recv_x_fp8));
+  out.recv_expert_idx = as_int(r.recv_expert_idx);
+  out.recv_weights = as_int(r.recv_weights);
+  out.recv_src = as_int(r.recv_src);
+  out.tokens_per_local_expert_device = as_int(r.tokens_per_local_expert);
+  out.num_recv_device = as_int(r.num_recv_device);
+  out.segment_begin = as_int(r.segment_begin);
+  out.rank_prefix_matrix = as_int(r.rank_prefix_matrix);
+  out.row_bytes = r.row_bytes;
+  out.capacity = r.capacity;
+}
 
 // A Buffer's window, its communicator and the host-side objects of its calls; shared by the
 // Python Buffer and the capsules of its window.
@@ -361,18 +402,44 @@ class PyBuffer {
     } else if (!a.hold) {
       leave(a.stream, a.comm_stream, a.async_finish);
     }
-    out.handle = r.handle;
-    out.recv_x = as_int(r.recv_x != nullptr ? static_cast<const void*>(r.recv_x)
-                                            : static_cast<const void*>(r.recv_x_fp8));
-    out.recv_expert_idx = as_int(r.recv_expert_idx);
-    out.recv_weights = as_int(r.recv_weights);
-    out.recv_src = as_int(r.recv_src);
-    out.tokens_per_local_expert_device = as_int(r.tokens_per_local_expert);
-    out.num_recv_device = as_int(r.num_recv_device);
-    out.segment_begin = as_int(r.segment_begin);
-    out.rank_prefix_matrix = as_int(r.rank_prefix_matrix);
-    out.row_bytes = r.row_bytes;
-    out.capacity = r.capacity;
+    set_window_fields(r, out);
+    return out;
+  }
+
+  // DeepEP's low_latency_dispatch (LowLatencyArgs): cast, dispatch and layout in one call.
+  DispatchOut low_latency_dispatch(const LowLatencyArgs& a) {
+    ep::Buffer& b = live();
+    const ep::BufferConfig& c = b.config();
+    ep::DispatchInputs in;
+    if (a.packed != 0) {
+      in.x = {as_ptr(a.packed), ep::DType::kUInt8, a.num_tokens,
+              ep::fp8_row_layout(c.hidden).row_bytes};
+    } else {
+      in.x = {as_ptr(a.x), ep::DType::kBFloat16, a.num_tokens, c.hidden};
+    }
+    in.topk_idx = {as_ptr(a.topk_idx), a.topk_idx_int64 ? ep::DType::kInt64 : ep::DType::kInt32,
+                   a.num_tokens, c.top_k};
+    in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.num_tokens, c.top_k};
+    in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(a.stats);
+    in.expand = {.enabled = true, .expert_alignment = 1, .zero_padding = false,
+                 .segment_stride = a.segment_stride};
+    ep::LowLatencyTargets t;
+    t.src_info = reinterpret_cast<int32_t*>(a.src_info);
+    t.layout_range = reinterpret_cast<int64_t*>(a.layout_range);
+    t.scales = reinterpret_cast<float*>(a.scales);
+    t.ue8m0 = reinterpret_cast<int32_t*>(a.ue8m0);
+    DispatchOut out;
+    nb::gil_scoped_release release;  // pacing (pipeline_depth)
+    DeviceGuard guard(core_->device);
+    const cudaStream_t s = enter(a.stream, a.comm_stream, 0);
+    if (a.packed != 0) {
+      ep::cast_to_fp8(as_ptr(a.x), a.num_tokens, c.hidden, reinterpret_cast<void*>(a.packed), s,
+                      a.round_scale);
+    }
+    const ep::DispatchResult r = b.dispatch(in, s, ep::CountMode::kOnDevice);
+    b.low_latency_layout(t, s);
+    leave(a.stream, a.comm_stream, a.async_finish);
+    set_window_fields(r, out);
     return out;
   }
 
@@ -603,6 +670,25 @@ void bind_ep(nb::module_& m) {
       .def_rw("comm_stream", &CopyOutArgs::comm_stream)
       .def_rw("async_finish", &CopyOutArgs::async_finish);
 
+  nb::class_<LowLatencyArgs>(m, "LowLatencyArgs")
+      .def(nb::init<>())
+      .def_rw("x", &LowLatencyArgs::x)
+      .def_rw("num_tokens", &LowLatencyArgs::num_tokens)
+      .def_rw("packed", &LowLatencyArgs::packed)
+      .def_rw("round_scale", &LowLatencyArgs::round_scale)
+      .def_rw("topk_idx", &LowLatencyArgs::topk_idx)
+      .def_rw("topk_idx_int64", &LowLatencyArgs::topk_idx_int64)
+      .def_rw("topk_weights", &LowLatencyArgs::topk_weights)
+      .def_rw("stats", &LowLatencyArgs::stats)
+      .def_rw("segment_stride", &LowLatencyArgs::segment_stride)
+      .def_rw("src_info", &LowLatencyArgs::src_info)
+      .def_rw("layout_range", &LowLatencyArgs::layout_range)
+      .def_rw("scales", &LowLatencyArgs::scales)
+      .def_rw("ue8m0", &LowLatencyArgs::ue8m0)
+      .def_rw("stream", &LowLatencyArgs::stream)
+      .def_rw("comm_stream", &LowLatencyArgs::comm_stream)
+      .def_rw("async_finish", &LowLatencyArgs::async_finish);
+
   nb::class_<CombineArgs>(m, "CombineArgs")
       .def(nb::init<>())
       .def_rw("expert_out", &CombineArgs::expert_out)
@@ -669,6 +755,7 @@ void bind_ep(nb::module_& m) {
       .def("dispatch", &PyBuffer::dispatch, nb::arg("args"), nb::arg("handle").none())
       .def("combine", &PyBuffer::combine, nb::arg("args"), nb::arg("handle"))
       .def("copy_out", &PyBuffer::copy_out, nb::arg("args"))
+      .def("low_latency_dispatch", &PyBuffer::low_latency_dispatch, nb::arg("args"))
       .def("enter_comm", &PyBuffer::enter_comm, nb::arg("stream"), nb::arg("comm_stream"),
            nb::arg("previous_event"))
       .def("leave_comm", &PyBuffer::leave_comm, nb::arg("stream"), nb::arg("comm_stream"))

@@ -70,9 +70,11 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, generator: tor
 
 
 def per_token_cast_to_fp8(x: torch.Tensor):
-    """DeepEP's per-token fp8 cast (types.hpp): (x_e4m3 [T, H], scales fp32 [T, H / 128])."""
+    """DeepEP's per-token fp8 cast (types.hpp): (x_e4m3 [T, H], scales fp32 [T, H / 128]).
+    amax / 448 as the product amax * (1 / 448), which is what torch computes on the GPU (on the
+    CPU it divides)."""
     t, h = x.shape
     g = x.float().view(t, h // 128, 128)
     amax = g.abs().amax(dim=2).clamp(min=1e-4)
     q = (g * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
-    return q.view(t, h), (amax / 448.0)
+    return q.view(t, h), amax * (1.0 / 448.0)

@@ -174,6 +174,41 @@ def test_the_fp8_cast_follows_deepeps_per_token_cast(round_scale):
     assert torch.allclose(back, x.float(), rtol=2**-3, atol=1e-6)
 
 
+def _special_groups(hidden=8 * 128, non_finite=True):
+    """One token whose groups of 128 are the hand-computed cases of the C++ reference's test
+    (tests/cpu/ep/fp8_test.cpp, CastWithRoundScaleMatchesHandComputedGroups); without
+    non_finite, groups 5 and 6 hold no NaN or inf (the sign of a NaN that torch's cast writes
+    differs between devices, where weft's kernel writes 0x7F)."""
+    x = torch.ones((1, hidden), dtype=torch.float32)
+    grp = x.view(hidden // 128, 128)
+    grp[1] = 0.0                                    # amax clamps to 1e-4
+    grp[2] = 2.0 ** -16                             # amax below 1e-4
+    grp[3, 0], grp[3, 1] = 448.0, -448.0
+    grp[4], grp[4, 0] = 3.0, 464.0                  # 232 = a tie of 224 and 240
+    grp[5], grp[5, 0] = -2.0, float("nan") if non_finite else -1.0  # the NaN does not count
+    grp[6, 0] = float("inf") if non_finite else 0.5
+    grp[7, 1] = 2.0 ** -12
+    return x.to(torch.bfloat16)
+
+
+def test_the_fp8_cast_matches_the_hand_computed_groups():
+    x = _special_groups()
+    q, scales = ll.cast_fp8(x, True)
+    q = q.view(torch.uint8).view(8, 128)
+    assert scales.view(8).tolist() == [2.0 ** -8, 2.0 ** -22, 2.0 ** -22, 1.0, 2.0, 2.0 ** -7,
+                                       float("inf"), 2.0 ** -8]
+    want = {(0, 0): 0x78, (0, 127): 0x78, (1, 0): 0x00, (2, 5): 0x68, (3, 0): 0x7E,
+            (3, 1): 0xFE, (3, 2): 0x38, (4, 0): 0x76, (4, 1): 0x3C, (5, 0): 0x7F, (5, 1): 0xF8,
+            (6, 0): 0x7F, (6, 1): 0x00, (7, 0): 0x78, (7, 1): 0x18}
+    for (g, i), code in want.items():
+        got = int(q[g, i])
+        assert (got & 0x7F if code == 0x7F else got) == code, (g, i)  # a NaN of either sign
+    q, scales = ll.cast_fp8(x, False)
+    assert int(q.view(torch.uint8)[0, 0]) == 0x7E
+    assert float(scales[0, 0]) == torch.tensor(1.0 / 448.0, dtype=torch.float32).item()
+    assert float(scales[0, 5]) == torch.tensor(2.0, dtype=torch.float32).div(448.0).item()
+
+
 # -- on one GPU -----------------------------------------------------------------------------------
 def _routing(num_tokens, num_experts, top_k, g, mask_fraction=0.2, empty_tokens=()):
     idx = ref.random_routing(num_tokens, num_experts, top_k, g, mask_fraction)
@@ -298,6 +333,8 @@ def test_dispatch_and_combine_match_the_reference(gpu_buffer, fmt, hook):
         fmt == "fp8_ue8m0"
     for t in (0, 1, 7, 40, m):  # M far above T, and T = M
         x = (torch.randn((t, hidden), generator=g) * 3).to(torch.bfloat16)
+        if t >= 7:  # the cast's edge cases: the minimum amax, +-448, a tie
+            x[3] = _special_groups(hidden, non_finite=False)[0]
         idx = _routing(t, num_experts, top_k, g, empty_tokens=range(0, t, 5))
         w = _weights(t, top_k, g)
         stats = torch.zeros(num_experts, dtype=torch.int32, device="cuda")

@@ -367,7 +367,7 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
 }
 
 void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
-                 cudaStream_t stream) {
+                 cudaStream_t stream, bool round_scale) {
   const Fp8RowLayout l = fp8_row_layout(hidden);
   WEFT_CHECK(num_tokens >= 0, "cast_to_fp8: num_tokens must not be negative");
   WEFT_CHECK(num_tokens == 0 || (x != nullptr && out != nullptr), "cast_to_fp8: null pointer");
@@ -378,7 +378,7 @@ void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
     detail::check_pointer(out, "cast_to_fp8: out", home, 16);
   }
   detail::launch_cast_fp8({static_cast<const uint16_t*>(x), static_cast<uint8_t*>(out), num_tokens,
-                           hidden, l.raw_bytes, l.row_bytes},
+                           hidden, l.raw_bytes, l.row_bytes, round_scale},
                           stream);
 }
 

@@ -226,6 +226,24 @@ struct CopyOutTargets {
   DispatchInputs::Fp8Scales own_x_scales;
 };
 
+// DeepEP's low_latency_dispatch results of the latest dispatch (Buffer::low_latency_layout),
+// which must be an expanded one with fixed-stride segments: E = num_local_experts segments of
+// S = ExpandOptions::segment_stride rows, G = hidden / 128. Device arrays of the Buffer's device,
+// every element written, padding rows included (from what the window holds there):
+struct LowLatencyTargets {
+  int32_t* src_info = nullptr;      // [E, S]: each row's source token, -1 for padding rows
+  // [E, R]: per (local expert e, source rank r), (rows of e from ranks < r) << 32 | (rows of e
+  // from rank r), the rows of e being in (source rank, source token) order.
+  int64_t* layout_range = nullptr;
+  // Optional, an fp8 dispatch's: fp32 [E, S, G] at strides (S * G, 1, S) elements (column-major
+  // in the last two dims), the received rows' scales.
+  float* scales = nullptr;
+  // Optional, an fp8 dispatch's, G a multiple of 4: int32 [E, S, G / 4] at strides
+  // (S * G / 4, 1, S), the scales' exponent bytes (bits >> 23) & 0xFF (UE8M0; exact for
+  // power-of-two scales), group 4w + i in byte i (little-endian) of word w.
+  int32_t* ue8m0 = nullptr;
+};
+
 enum class CountMode {
   kOnDevice,  // the count stays on the device: no host sync, graph-capturable
   kExact,     // also copies the count to pinned host memory; wait_num_recv() returns it
@@ -297,10 +315,11 @@ struct CombineInputs {
 int combine_send_warps(int send_warps_at_two_ranks, int num_ranks);
 
 // Packs x [num_tokens, hidden] bf16 into fp8 rows out [num_tokens, fp8_row_layout(hidden).
-// row_bytes] (types.hpp), bit-identical to reference::cast_to_fp8; both device pointers on the
-// current device, 16-byte aligned; hidden a multiple of 128. Enqueued on stream, no host sync.
+// row_bytes] (types.hpp; round_scale: power-of-two scales), bit-identical to
+// reference::cast_to_fp8; both device pointers on the current device, 16-byte aligned; hidden a
+// multiple of 128. Enqueued on stream, no host sync.
 void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,
-                 cudaStream_t stream);
+                 cudaStream_t stream, bool round_scale = false);
 
 namespace detail {
 struct BufferGroup;
@@ -365,6 +384,10 @@ class Buffer {
   // (which must be ordered after that dispatch), before the next dispatch or combine is
   // launched. fp8 (x_scales given) needs the latest dispatch to be an fp8 one.
   void copy_out(const CopyOutTargets& targets, cudaStream_t stream);
+
+  // DeepEP's low-latency results (LowLatencyTargets) of the latest dispatch, in one kernel on
+  // stream (which must be ordered after that dispatch), before the next dispatch is launched.
+  void low_latency_layout(const LowLatencyTargets& targets, cudaStream_t stream);
 
   // out: [handle.num_tokens, hidden] bf16, fully written (not at all after an overflowed
   // expanded dispatch: see CombineInputs).

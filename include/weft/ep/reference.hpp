@@ -94,8 +94,27 @@ struct DispatchOptions {
 std::vector<RankLayout> dispatch(const BufferConfig& config, std::span<const RankInput> inputs,
                                  const DispatchOptions& options = {});
 
-// The packed fp8 rows of x ([num_tokens, hidden] bf16): [num_tokens, row_bytes], see types.hpp.
-std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x);
+// The packed fp8 rows of x ([num_tokens, hidden] bf16): [num_tokens, row_bytes], see types.hpp
+// (round_scale: power-of-two scales).
+std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x,
+                                 bool round_scale = false);
+
+// DeepEP's low_latency_dispatch results (weft::ep::LowLatencyTargets, buffer.hpp) of rank
+// layout's fixed-stride expanded dispatch: E = num_local_experts segments of S = segment_stride
+// rows, G = hidden / 128, every array dense in DeepEP's element order.
+struct LowLatencyLayout {
+  std::vector<int32_t> src_info;      // [E, S]: source token, -1 for padding rows
+  std::vector<int64_t> layout_range;  // [E, R]: rows from ranks < r << 32 | rows from rank r
+  // fp8 only: scales[(e * G + g) * S + s] (fp32 [E, S, G] at strides (S * G, 1, S)); padding
+  // rows hold the reference's zero rows' scales (0), which are not part of the contract.
+  std::vector<float> scales;
+  // fp8 with G a multiple of 4 only: ue8m0[(e * G / 4 + w) * S + s] (int32 [E, S, G / 4] at
+  // strides (S * G / 4, 1, S)), byte i of word w = (bits of scale 4w + i >> 23) & 0xFF.
+  std::vector<int32_t> ue8m0;
+};
+// Throws unless layout is an expanded dispatch with segment_begin[e] = e * segment_stride.
+LowLatencyLayout low_latency_layout(const BufferConfig& config, int num_ranks,
+                                    int64_t segment_stride, const RankLayout& layout);
 
 // The inverse of the packing: payload [num_tokens, hidden] e4m3 bytes and scales
 // [num_tokens, hidden / 128] from packed rows. Throws if a padding byte is not zero.

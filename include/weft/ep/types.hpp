@@ -84,10 +84,15 @@ struct ExpandOptions {
 };
 
 // fp8 rows (DeepEP's per-token cast, per_token_cast_to_fp8): each group of kFp8GroupElements
-// consecutive elements of a token has its own fp32 scale, computed from the group's bf16 values:
-//   amax  = max(fmax over the group of |x|, kFp8MinAmax)       (NaN elements do not count)
-//   q[i]  = e4m3_satfinite_rn(float(x[i]) * (448.0f / amax))   (every operation in fp32)
-//   scale = amax / 448.0f;  x[i] ~ e4m3_to_float(q[i]) * scale
+// consecutive elements of a token has its own fp32 scale, computed from the group's bf16 values,
+// every operation in fp32 rounded to nearest, in torch's order of DeepEP's
+// `x * (448.0 / amax)` and `amax / 448.0` on the GPU (a reciprocal, then a product):
+//   amax  = max(fmax over the group of |x|, kFp8MinAmax)            (NaN elements do not count)
+//   q[i]  = e4m3_satfinite_rn(float(x[i]) * ((1.0f / amax) * 448.0f))
+//   scale = amax * kFp8InverseE4M3Max;  x[i] ~ e4m3_to_float(q[i]) * scale
+// or, with round_scale (DeepEP's round_scale), the scale a power of two:
+//   scale = fp8_round_scale(amax * kFp8InverseE4M3Max)               (2^ceil(log2), exact)
+//   q[i]  = e4m3_satfinite_rn(float(x[i]) * (1.0f / scale))          (exact: a power of two)
 // One packed row per token, which dispatch moves as opaque bytes in one store:
 //   [0, hidden)                       e4m3 payload, one byte per element
 //   [hidden, hidden + 4 * groups)     fp32 scales, groups = hidden / 128 (4-byte aligned, since
@@ -99,10 +104,23 @@ struct ExpandOptions {
 // of raw_bytes.
 constexpr int64_t kFp8GroupElements = 128;
 constexpr float kFp8E4M3Max = 448.0f;
+constexpr float kFp8InverseE4M3Max = 1.0f / kFp8E4M3Max;  // rounded to nearest
 constexpr float kFp8MinAmax = 1e-4f;
 // The 512-byte rule's threshold: the padding never makes a dispatch faster, and at most 5% more
 // bytes keeps its time cost small (the measurements: docs/perf-ep.md, "fp8 row padding").
 constexpr double kFp8Row512MaxPaddingFraction = 0.05;
+
+// The smallest power of two at or above a positive normal fp32 value v (or +inf), by its bits:
+// (bits + 0x7FFFFF) & ~0x7FFFFF (an exact power of two stays, any other mantissa carries into
+// the exponent). v = amax * kFp8InverseE4M3Max with amax >= kFp8MinAmax is always normal.
+inline float fp8_round_scale(float v) noexcept {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7FFFFFu) & 0xFF800000u;
+  float rounded;
+  std::memcpy(&rounded, &bits, sizeof(rounded));
+  return rounded;
+}
 
 struct Fp8RowLayout {
   int64_t hidden = 0;          // elements

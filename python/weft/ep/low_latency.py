@@ -13,6 +13,16 @@ rank, so that one CUDA graph serves every step): rank d's expert e receives its 
 the rest of the segment padding. It is the expanded layout of weft's dispatch with segment e at
 row e * M * R (no second protocol, no copy of the rows).
 
+One call into C++ per dispatch (_weft.ep.Buffer.low_latency_dispatch, after the argument checks
+here), which queues on the comm stream: with use_fp8 the cast of x into the slot's packed fp8
+rows (ep::cast_to_fp8, DeepEP's per-128 cast, round_scale: power-of-two scales), the expanded
+dispatch of x or of those rows, and the layout kernel (ep::Buffer::low_latency_layout) that
+writes the handle's src_info and layout_range and the scales in DeepEP's layouts (fp32
+column-major, or the UE8M0 exponent bytes) into the slot's tensors, padding rows included. No
+torch kernel runs in the call (async_finish or the hook record one event): recv_x, recv_count
+and the handle's tensors are made once per slot. x must be 16-byte aligned (rows move as
+16-byte vectors; the cast reads it so too).
+
 Double buffering (DeepEP's rule that a call's results stay valid for the two latest calls): two
 windows (slots) alternate per dispatch; a dispatch's results (recv_x, recv_count, the handle's
 tensors) live in its slot and stay valid until the dispatch after the next one. A combine must
@@ -21,10 +31,10 @@ combined from overwritten rows.
 
 Streams: every call runs on the Buffer's comm stream after the work queued so far on the
 current stream. async_finish=False and return_recv_hook=False: the current stream then waits
-for it. async_finish=True: the returned EventOverlap orders it. return_recv_hook=True: the call
-is issued and returns; hook() makes the current stream wait for the arrivals (weft's dispatch
-and combine are one kernel each, so the hook waits for that kernel rather than launching a
-receive kernel).
+for it (a dispatch's binding call queues that wait). async_finish=True: the returned
+EventOverlap orders it. return_recv_hook=True: the call is issued and returns; hook() makes the
+current stream wait for the arrivals (weft's dispatch and combine are one kernel each, so the
+hook waits for that kernel rather than launching a receive kernel).
 """
 
 from __future__ import annotations
@@ -35,10 +45,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import Error
+from .. import Error, _weft
 from . import _group
 from .event import EventHandle, EventOverlap
-from .native import Expand, NativeBuffer, _current_raw_stream, check_tensor
+from .native import NativeBuffer, NativeHandle, _current_raw_stream, check_tensor
 from .sizing import window_bytes_for
 
 _FP8_GROUP = 128
@@ -47,6 +57,7 @@ _MIN_AMAX = 1e-4
 # The top-k the size hint assumes (its per-row metadata grows with it): the most weft takes.
 _HINT_TOP_K = 32
 _NUM_SLOTS = 2
+_NO_EVENT = EventOverlap(None)
 
 
 def window_bytes(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int,
@@ -88,19 +99,23 @@ def check_shapes(num_max_tokens, hidden, num_ranks: int, num_experts) -> None:
 
 
 def cast_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's per-token cast of x [T, H] bf16: (e4m3 [T, H], scales fp32 [T, H / 128]
-    row-major). Per group of 128: amax = max(|x|, 1e-4); scale = amax / 448 (round_scale: the
-    next power of two at or above it, exact), q = e4m3(x * (448 / amax)) (round_scale:
-    x / scale, exact), saturated to +-448."""
+    """DeepEP's per-token cast of x [T, H] bf16 in torch ops: (e4m3 [T, H], scales fp32
+    [T, H / 128] row-major), what the dispatch's cast kernel (ep::cast_to_fp8, types.hpp) writes,
+    on any device (NaN codes aside: torch's may carry a sign). Per group of 128, in fp32: amax =
+    max(|x|, 1e-4), NaN elements not counted; scale = amax * (1 / 448) (torch's amax / 448.0
+    on the GPU; round_scale: the next power of two at or above it, exact), q = e4m3(x *
+    (1 / amax * 448)) (torch's x * (448.0 / amax); round_scale: x * (1 / scale), exact),
+    saturated to +-448."""
     num_tokens, hidden = x.shape
     g = x.view(num_tokens, hidden // _FP8_GROUP, _FP8_GROUP).float()
-    amax = g.abs().amax(dim=-1).clamp_(min=_MIN_AMAX)
+    magnitude = g.abs()
+    amax = magnitude.masked_fill_(magnitude.isnan(), 0.0).amax(dim=-1).clamp_(min=_MIN_AMAX)
+    scale = amax * (1.0 / _E4M3_MAX)
     if round_scale:
-        scale = power_of_two_at_or_above(amax / _E4M3_MAX)
-        q = g * (1.0 / scale).unsqueeze(-1)
+        scale = power_of_two_at_or_above(scale)
+        q = g * scale.reciprocal().unsqueeze(-1)
     else:
-        scale = amax / _E4M3_MAX
-        q = g * (_E4M3_MAX / amax).unsqueeze(-1)
+        q = g * (amax.reciprocal() * _E4M3_MAX).unsqueeze(-1)
     q = q.clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(num_tokens, hidden)
     return q, scale
 
@@ -126,7 +141,8 @@ class LowLatencyHandle(tuple):
 
 
 class _Slot:
-    """One of the two windows, with the persistent tensors of its results."""
+    """One of the two windows, with the persistent tensors of its results and the reused
+    arguments of its one binding call."""
 
     def __init__(self, native: NativeBuffer, num_max_tokens: int) -> None:
         self.native = native
@@ -136,7 +152,6 @@ class _Slot:
         dev = native.device
         self.src_info = torch.empty((e, self.stride), dtype=torch.int32, device=dev)
         self.layout_range = torch.empty((e, r), dtype=torch.int64, device=dev)
-        self.ranks = torch.arange(r, dtype=torch.int32, device=dev)
         self.no_weights = torch.zeros((num_max_tokens, native.top_k), dtype=torch.float32,
                                       device=dev)
         g = h // _FP8_GROUP
@@ -148,7 +163,36 @@ class _Slot:
                                          (self.stride * (g // 4), 1, self.stride),
                                          dtype=torch.int32, device=dev) \
             if h % (4 * _FP8_GROUP) == 0 else None
+        # The fp8 cast's packed rows (what an fp8 dispatch moves).
+        self.packed = torch.empty((num_max_tokens, native.fp8_row_bytes), dtype=torch.uint8,
+                                  device=dev) if h % _FP8_GROUP == 0 else None
         self.combine_buffer: Optional[torch.Tensor] = None
+        # The views of the window that every call of this slot returns (recv_x bf16, the fp8
+        # payload, recv_count), made at the slot's first call of each kind.
+        self.recv_bf16: Optional[torch.Tensor] = None
+        self.recv_q: Optional[torch.Tensor] = None
+        self.recv_count: Optional[torch.Tensor] = None
+        a = _weft.ep.LowLatencyArgs()
+        a.topk_weights = self.no_weights.data_ptr()
+        a.segment_stride = self.stride
+        a.src_info = self.src_info.data_ptr()
+        a.layout_range = self.layout_range.data_ptr()
+        a.comm_stream = native.comm_stream.cuda_stream
+        self.args = a
+
+    def views(self, out, use_fp8: bool):
+        """(recv_x, recv_count) of the slot's window (made once per kind of call)."""
+        n = self.native
+        if self.recv_count is None or (self.recv_q if use_fp8 else self.recv_bf16) is None:
+            res = n._results(out, NativeHandle(*out.handle), use_fp8, out.capacity)
+            rows = n.num_local_experts * self.stride
+            shape = (n.num_local_experts, self.stride, n.hidden)
+            if use_fp8:
+                self.recv_q = res.recv_x[0][:rows].view(shape)
+            else:
+                self.recv_bf16 = res.recv_x[:rows].view(shape)
+            self.recv_count = res.tokens_per_local_expert
+        return (self.recv_q if use_fp8 else self.recv_bf16), self.recv_count
 
 
 class LowLatency:
@@ -232,45 +276,39 @@ class LowLatency:
         serial = self._num_dispatches
         slot = self._slots[serial % _NUM_SLOTS]
         native = slot.native
-        e_local, stride = native.num_local_experts, slot.stride
-
-        comm = b._comm_stream
-        comm.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(comm):
-            payload = cast_fp8(x, round_scale) if use_fp8 else x
-            res = native.dispatch(
-                payload, topk_idx, slot.no_weights[:num_tokens],
-                expand=Expand(segment_stride=stride),
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                on_current_stream=True)
-            src = res.recv_src.view(e_local, stride, 2)
-            slot.src_info.copy_(src[:, :, 1])
-            # Per (expert, source rank): its rows, and the rows of lower ranks before them
-            # (padding rows have source -1). Reductions only: no scan kernel in the call.
-            src_rank = src[:, :, :1]
-            counts = (src_rank == slot.ranks).sum(dim=1)  # [E_local, R] int64
-            begins = ((src_rank >= 0) & (src_rank < slot.ranks)).sum(dim=1)
-            slot.layout_range.copy_((begins << 32) | counts)
-            if use_fp8:
-                q, scales = res.recv_x
-                recv_q = q.view(e_local, stride, hidden)
-                scales = scales.view(e_local, stride, hidden // _FP8_GROUP)
-                if use_ue8m0:
-                    exponents = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-                    slot.ue8m0.copy_(exponents.view(torch.int32))
-                    recv_x = (recv_q, slot.ue8m0)
-                else:
-                    slot.scales.copy_(scales)
-                    recv_x = (recv_q, slot.scales)
-            else:
-                recv_x = res.recv_x.view(e_local, stride, hidden)
+        # One call: the cast (fp8) into the slot's packed rows, the dispatch, the layout of its
+        # results into the slot's tensors, on the comm stream after the current stream's work.
+        a = slot.args
+        a.x = x.data_ptr()
+        a.num_tokens = num_tokens
+        a.packed = slot.packed.data_ptr() if use_fp8 else 0
+        a.round_scale = round_scale
+        a.scales = slot.scales.data_ptr() if use_fp8 and not use_ue8m0 else 0
+        a.ue8m0 = slot.ue8m0.data_ptr() if use_ue8m0 else 0
+        a.topk_idx = topk_idx.data_ptr()
+        a.topk_idx_int64 = topk_idx.dtype == torch.int64
+        stats = cumulative_local_expert_recv_stats
+        a.stats = 0 if stats is None else stats.data_ptr()
+        a.stream = _current_raw_stream(device.index)
+        waits = async_finish or return_recv_hook
+        a.async_finish = waits  # else the binding makes the current stream wait
+        out = native._native.low_latency_dispatch(a)
+        native_handle = NativeHandle(*out.handle)
+        native._layout_key = (native_handle.buffer_id, native_handle.sequence)
+        recv_q, recv_count = slot.views(out, use_fp8)
+        if use_fp8:
+            recv_x = (recv_q, slot.ue8m0 if use_ue8m0 else slot.scales)
+        else:
+            recv_x = recv_q
         slot.serial = serial
         self._num_dispatches += 1
         handle = LowLatencyHandle(slot.src_info, slot.layout_range, m, hidden, num_experts,
-                                  slot, serial, res.handle, num_tokens, num_topk)
-        keep = [x, topk_idx, payload, cumulative_local_expert_recv_stats]
+                                  slot, serial, native_handle, num_tokens, num_topk)
+        if not waits:
+            return recv_x, recv_count, handle, _NO_EVENT, None
+        keep = [x, topk_idx, stats]
         event, hook = self._finish(async_finish, return_recv_hook, keep)
-        return recv_x, res.tokens_per_local_expert, handle, event, hook
+        return recv_x, recv_count, handle, event, hook
 
     # -- combine ------------------------------------------------------------------------------
     def _slot_of(self, handle, what: str) -> _Slot:
@@ -333,7 +371,7 @@ class LowLatency:
                               _current_raw_stream(device.index), b._comm_stream.cuda_stream,
                               async_finish=not plain, source_weights=weights)
         if plain:
-            return out, EventOverlap(None), None
+            return out, _NO_EVENT, None
         keep = [x, expert_out, topk_idx, topk_weights, weights, out]
         event, hook = self._finish(async_finish, return_recv_hook, keep)
         return out, event, hook

@@ -11,11 +11,12 @@
 namespace weft::ep::detail {
 namespace {
 
-// bf16 -> packed fp8 rows, bit-identical to reference::cast_to_fp8 (formula in types.hpp): one
-// warp per (token, group of 128 elements), lane l owning elements [4l, 4l + 4) of the group (one
-// 8-byte load, one 4-byte store). Every operation is the reference's, in fp32: fmaxf ignores NaN
-// like std::fmax, and IEEE division (no fast-math in weft's CUDA flags). The warp of group 0
-// also zeroes the row's padding bytes, so whole rows are deterministic.
+// bf16 -> packed fp8 rows, bit-identical to reference::cast_to_fp8 (formulas in types.hpp, with
+// or without round_scale): one warp per (token, group of 128 elements), lane l owning elements
+// [4l, 4l + 4) of the group (one 8-byte load, one 4-byte store). Every operation is the
+// reference's, in fp32: fmaxf ignores NaN like std::fmax, and IEEE reciprocals and products
+// (__frcp_rn, __fmul_rn: nothing fused). The warp of group 0 also zeroes the row's padding
+// bytes, so whole rows are deterministic.
 __global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
   const int lane = threadIdx.x % 32;
   const int64_t unit = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -33,7 +34,14 @@ __global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   amax = fmaxf(amax, kFp8MinAmax);
-  const float inverse = __fdiv_rn(kFp8E4M3Max, amax);
+  float scale = __fmul_rn(amax, kFp8InverseE4M3Max);
+  float inverse;
+  if (p.round_scale) {
+    scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0xFF800000u);
+    inverse = __frcp_rn(scale);
+  } else {
+    inverse = __fmul_rn(__frcp_rn(amax), kFp8E4M3Max);
+  }
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -43,7 +51,7 @@ __global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
   uint8_t* row = p.out + t * p.row_bytes;
   reinterpret_cast<uint32_t*>(row + g * kFp8GroupElements)[lane] = packed;
   if (lane == 0) {
-    reinterpret_cast<float*>(row + p.hidden)[g] = __fdiv_rn(amax, kFp8E4M3Max);
+    reinterpret_cast<float*>(row + p.hidden)[g] = scale;
   }
   if (g == 0) {
     for (int64_t b = p.raw_bytes + lane; b < p.row_bytes; b += 32) row[b] = 0;

@@ -266,6 +266,31 @@ struct CastFp8Params {
   int64_t hidden;              // a multiple of 128
   int64_t raw_bytes;           // hidden + 4 * hidden / 128
   int64_t row_bytes;
+  bool round_scale;            // power-of-two scales (weft::ep::fp8_round_scale)
+};
+
+// DeepEP's low-latency results from the rows of a fixed-stride expanded dispatch in the window:
+// E = num_local_experts segments of S = segment_stride rows, row e * S + s; recv_src's padding
+// rows are (-1, -1). Every row of every segment is written (padding rows from what the window
+// holds there):
+//   src_info     [E, S] int32: recv_src[row].y (the source token; -1 for padding)
+//   layout_range [E, R] int64: (rows of e from ranks < r) << 32 | (rows of e from rank r)
+//   scales       optional fp32 [E, S, G] at strides (S * G, 1, S): the packed fp8 rows' scales
+//   ue8m0        optional int32 [E, S, G / 4] at strides (S * G / 4, 1, S): the exponent bytes
+//                (bits >> 23) & 0xFF of the scales, group 4w + i in byte i of word w
+// G = hidden / 128. scales / ue8m0 need fp8 rows (Fp8RowLayout, row_bytes apart at recv_x).
+struct LowLatencyLayoutParams {
+  const int2* recv_src;        // [E * S]
+  const char* recv_x;          // [E * S] packed fp8 rows (with scales or ue8m0)
+  int64_t row_bytes;
+  int64_t hidden;
+  int num_local_experts;
+  int num_ranks;               // <= kMaxRanks
+  int64_t segment_stride;
+  int32_t* src_info;
+  int64_t* layout_range;
+  float* scales;               // null: not written
+  int32_t* ue8m0;              // null: not written; needs G a multiple of 4
 };
 
 struct CombineParams {
@@ -356,6 +381,7 @@ void launch_combine(const CombineParams& params, cudaStream_t stream);
 // Ordinary launches (no peer involved).
 void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream);
 void launch_copy_out(const CopyOutParams& params, cudaStream_t stream);
+void launch_low_latency_layout(const LowLatencyLayoutParams& params, cudaStream_t stream);
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream);
 // out[r] = NCCL's LSA pointer of rank r's window (offset 0), for r < num_ranks: the
 // CommParams::peers of a Buffer on an NCCL window.

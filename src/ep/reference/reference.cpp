@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "weft/core/error.hpp"
 
@@ -463,7 +464,8 @@ std::vector<float> combine_weights(const BufferConfig& config, int rank,
   return out;
 }
 
-std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x) {
+std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint16_t> x,
+                                 bool round_scale) {
   const Fp8RowLayout l = fp8_row_layout(hidden);
   WEFT_CHECK(num_tokens >= 0 && x.size() == static_cast<std::size_t>(num_tokens * hidden),
              "cast_to_fp8: x has ", x.size(), " elements, expected ", num_tokens, " x ", hidden);
@@ -477,15 +479,74 @@ std::vector<uint8_t> cast_to_fp8(int64_t hidden, int64_t num_tokens, std::span<c
         amax = std::fmax(amax, std::fabs(bf16_to_float(group[i])));
       }
       amax = std::fmax(amax, kFp8MinAmax);
-      const float inverse = kFp8E4M3Max / amax;
+      const float plain_scale = amax * kFp8InverseE4M3Max;
+      const float scale = round_scale ? fp8_round_scale(plain_scale) : plain_scale;
+      const float inverse = round_scale ? 1.0f / scale : (1.0f / amax) * kFp8E4M3Max;
       for (int64_t i = 0; i < kFp8GroupElements; ++i) {
         row[g * kFp8GroupElements + i] = float_to_e4m3(bf16_to_float(group[i]) * inverse);
       }
-      const float scale = amax / kFp8E4M3Max;
       std::memcpy(row + l.scales_offset + g * int64_t(sizeof(float)), &scale, sizeof(float));
     }
   }
   return rows;
+}
+
+LowLatencyLayout low_latency_layout(const BufferConfig& config, int num_ranks,
+                                    int64_t segment_stride, const RankLayout& layout) {
+  const int epr = config.num_local_experts(num_ranks);
+  const int64_t S = segment_stride;
+  WEFT_CHECK(layout.expanded && S > 0 && !layout.overflowed && layout.num_recv == epr * S,
+             "low_latency_layout: the layout must be an expanded dispatch of ", epr,
+             " fixed-stride segments of segment_stride = ", S, " rows that did not overflow");
+  LowLatencyLayout out;
+  out.src_info.assign(static_cast<std::size_t>(epr * S), -1);
+  out.layout_range.assign(static_cast<std::size_t>(epr) * static_cast<std::size_t>(num_ranks), 0);
+  for (int e = 0; e < epr; ++e) {
+    std::vector<int64_t> counts(static_cast<std::size_t>(num_ranks), 0);
+    for (int64_t s = 0; s < S; ++s) {
+      const auto row = static_cast<std::size_t>(e * S + s);
+      out.src_info[row] = layout.recv_src_token[row];
+      const int32_t rank = layout.recv_src_rank[row];
+      if (rank >= 0) ++counts[static_cast<std::size_t>(rank)];
+    }
+    int64_t begin = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      const int64_t count = counts[static_cast<std::size_t>(r)];
+      out.layout_range[static_cast<std::size_t>(e * num_ranks + r)] = (begin << 32) | count;
+      begin += count;
+    }
+  }
+  if (layout.recv_x_fp8.empty()) return out;
+  const Fp8RowLayout l = fp8_row_layout(config.hidden);
+  const int64_t G = l.num_scales;
+  out.scales.assign(static_cast<std::size_t>(epr * S * G), 0.0f);
+  for (int64_t row = 0; row < epr * S; ++row) {
+    const int64_t e = row / S;
+    const int64_t s = row % S;
+    for (int64_t g = 0; g < G; ++g) {
+      std::memcpy(&out.scales[static_cast<std::size_t>((e * G + g) * S + s)],
+                  layout.recv_x_fp8.data() + row * l.row_bytes + l.scales_offset + 4 * g,
+                  sizeof(float));
+    }
+  }
+  if (G % 4 != 0) return out;
+  const int64_t W = G / 4;
+  out.ue8m0.assign(static_cast<std::size_t>(epr * S * W), 0);
+  for (int64_t e = 0; e < epr; ++e) {
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t w = 0; w < W; ++w) {
+        uint32_t word = 0;
+        for (int64_t i = 0; i < 4; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &out.scales[static_cast<std::size_t>((e * G + 4 * w + i) * S + s)],
+                      sizeof(bits));
+          word |= ((bits >> 23) & 0xFFu) << (8 * i);
+        }
+        out.ue8m0[static_cast<std::size_t>((e * W + w) * S + s)] = static_cast<int32_t>(word);
+      }
+    }
+  }
+  return out;
 }
 
 Fp8Unpacked unpack_fp8(int64_t hidden, int64_t num_tokens, std::span<const uint8_t> rows) {

@@ -3,6 +3,8 @@
 // brute-force statement of the contract (types.hpp ExpandOptions, reference.hpp).
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <random>
 #include <utility>
 #include <vector>
@@ -436,3 +438,75 @@ TEST(EpStats, CumulativeLocalExpertRecvStatsAccumulates) {
 }
 
 }  // namespace
+
+// DeepEP's low-latency results of a fixed-stride dispatch (reference::low_latency_layout) against
+// a brute-force statement: src_info the tokens selecting e in (rank, token) order then -1,
+// layout_range's counts and prefixes from the inputs, the scales of those tokens' packed rows in
+// the column-major [E, S, G] order, their exponent bytes four to a word.
+TEST(EpExpanded, LowLatencyLayoutOfFixedStrideSegments) {
+  std::mt19937 rng(43);
+  for (int trial = 0; trial < 12; ++trial) {
+    const int R = 1 + trial % 4;
+    const int num_experts = R * (1 + trial % 3);
+    const BufferConfig c{.max_tokens = 12, .hidden = trial % 2 == 0 ? 512 : 384,
+                         .num_experts = num_experts, .top_k = std::min(3, num_experts),
+                         .expand_factor = 1 + trial % 3};
+    const int epr = c.num_experts / R;
+    const int64_t S = int64_t(R) * c.max_tokens;
+    std::vector<int64_t> tokens;
+    for (int r = 0; r < R; ++r) tokens.push_back(int64_t(rng() % 13));
+    auto inputs = make_inputs(c, R, tokens, 0.3, rng, true);
+    for (int r = 0; r < R; ++r) {  // power-of-two scales, so that the UE8M0 bytes are exact
+      auto& in = inputs[std::size_t(r)];
+      in.x_fp8 = ref::cast_to_fp8(c.hidden, in.num_tokens, in.x, true);
+    }
+    const auto layouts =
+        ref::dispatch(c, inputs, {.fp8 = true, .expand = {.enabled = true, .segment_stride = S}});
+    const auto l = weft::ep::fp8_row_layout(c.hidden);
+    const int64_t G = l.num_scales;
+    SCOPED_TRACE(testing::Message() << "trial " << trial);
+    for (int d = 0; d < R; ++d) {
+      const auto got = ref::low_latency_layout(c, R, S, layouts[std::size_t(d)]);
+      ASSERT_EQ(got.src_info.size(), std::size_t(epr * S));
+      ASSERT_EQ(got.layout_range.size(), std::size_t(epr * R));
+      ASSERT_EQ(got.scales.size(), std::size_t(epr * S * G));
+      ASSERT_EQ(got.ue8m0.size(), G % 4 == 0 ? std::size_t(epr * S * G / 4) : 0u);
+      for (int e = 0; e < epr; ++e) {
+        const int64_t global = int64_t(d) * epr + e;
+        int64_t s = 0;
+        for (int r = 0; r < R; ++r) {
+          const auto& in = inputs[std::size_t(r)];
+          const int64_t begin = s;
+          for (int64_t t = 0; t < in.num_tokens; ++t) {
+            if (!selects(c, in, t, global)) continue;
+            ASSERT_EQ(got.src_info[std::size_t(e * S + s)], t);
+            for (int64_t g = 0; g < G; ++g) {
+              float want;
+              std::memcpy(&want, in.x_fp8.data() + t * l.row_bytes + c.hidden + 4 * g, 4);
+              ASSERT_EQ(got.scales[std::size_t((e * G + g) * S + s)], want);
+            }
+            for (int64_t w = 0; w < G / 4 && G % 4 == 0; ++w) {
+              const auto word = uint32_t(got.ue8m0[std::size_t((e * G / 4 + w) * S + s)]);
+              for (int i = 0; i < 4; ++i) {
+                float scale;
+                std::memcpy(&scale, in.x_fp8.data() + t * l.row_bytes + c.hidden + 4 * (4 * w + i),
+                            4);
+                ASSERT_EQ(std::ldexp(1.0f, int((word >> (8 * i)) & 0xFF) - 127), scale);
+              }
+            }
+            ++s;
+          }
+          ASSERT_EQ(got.layout_range[std::size_t(e * R + r)], (begin << 32) | (s - begin));
+        }
+        for (; s < S; ++s) ASSERT_EQ(got.src_info[std::size_t(e * S + s)], -1);
+      }
+    }
+  }
+  // Not a fixed-stride layout: refused.
+  const BufferConfig c{.max_tokens = 4, .hidden = 128, .num_experts = 2, .top_k = 1,
+                       .expand_factor = 1};
+  std::mt19937 r2(1);
+  const auto inputs = make_inputs(c, 1, {4}, 0.0, r2);
+  const auto packed = ref::dispatch(c, inputs, {.expand = {.enabled = true}});
+  EXPECT_THROW(ref::low_latency_layout(c, 1, 4, packed[0]), weft::Error);
+}

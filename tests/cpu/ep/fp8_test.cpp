@@ -2,6 +2,7 @@
 // reference, each checked against an independent statement of the contract (types.hpp).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -127,14 +128,16 @@ TEST(EpFp8, CastMatchesTheStatedFormulaAndUnpacks) {
         for (int64_t i = 0; i < 128; ++i) {
           amax = std::max(amax, std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
         }
-        const float want_scale = std::max(amax, 1e-4f) / 448.0f;
+        // torch's amax / 448.0 and 448.0 / amax on the GPU: products with reciprocals.
+        const float want_scale = std::max(amax, 1e-4f) * (1.0f / 448.0f);
         float scale;
         std::memcpy(&scale, row + hidden + 4 * g, 4);
         ASSERT_EQ(scale, want_scale);
         ASSERT_EQ(unpacked.scales[std::size_t(t * (hidden / 128) + g)], scale);
         for (int64_t i = 0; i < 128; ++i) {
           const auto h = std::size_t(t * hidden + g * 128 + i);
-          const float v = weft::ep::bf16_to_float(x[h]) * (448.0f / std::max(amax, 1e-4f));
+          const float v =
+              weft::ep::bf16_to_float(x[h]) * ((1.0f / std::max(amax, 1e-4f)) * 448.0f);
           ASSERT_EQ(row[g * 128 + i], nearest_e4m3(v)) << "token " << t << " col " << g * 128 + i;
           ASSERT_EQ(unpacked.payload[h], row[g * 128 + i]);
           // Dequantised: within e4m3's half step (2^-4 relative, or half a subnormal step).
@@ -161,6 +164,121 @@ TEST(EpFp8, CastMatchesTheStatedFormulaAndUnpacks) {
   rows[140] = 1;
   EXPECT_THROW(ref::unpack_fp8(128, 1, rows), weft::Error);
   EXPECT_THROW(ref::cast_to_fp8(128, 2, x), weft::Error);
+}
+
+float scale_of(const std::vector<uint8_t>& rows, int64_t hidden, int64_t g) {
+  float scale;
+  std::memcpy(&scale, rows.data() + hidden + 4 * g, 4);
+  return scale;
+}
+
+TEST(EpFp8, RoundScaleIsThePowerOfTwoAtOrAbove) {
+  using weft::ep::fp8_round_scale;
+  EXPECT_EQ(fp8_round_scale(1.0f), 1.0f);
+  EXPECT_EQ(fp8_round_scale(0.75f), 1.0f);
+  EXPECT_EQ(fp8_round_scale(1.0f + 0x1p-23f), 2.0f);
+  EXPECT_EQ(fp8_round_scale(3.0f), 4.0f);
+  EXPECT_EQ(fp8_round_scale(0x1p-20f), 0x1p-20f);
+  EXPECT_EQ(fp8_round_scale(448.0f), 512.0f);
+  EXPECT_EQ(fp8_round_scale(0.5f - 0x1p-25f), 0.5f);
+  EXPECT_EQ(fp8_round_scale(1e-4f / 448.0f), 0x1p-22f);
+  EXPECT_EQ(fp8_round_scale(std::numeric_limits<float>::infinity()),
+            std::numeric_limits<float>::infinity());
+}
+
+// round_scale on hand-computed groups (one token, one group each): the scale is the power of two
+// at or above amax / 448 and q = e4m3(x / scale).
+TEST(EpFp8, CastWithRoundScaleMatchesHandComputedGroups) {
+  using weft::ep::float_to_bf16;
+  const int64_t G = 8;
+  const int64_t hidden = 128 * G;
+  std::vector<uint16_t> x(std::size_t(hidden), float_to_bf16(1.0f));
+  auto group = [&](int64_t g) { return x.begin() + g * 128; };
+  // 0: all 1.0: amax / 448 = 2^-8.8 -> scale 2^-8, q = 256 = 0x78.
+  // 1: all 0: amax clamps to 1e-4 -> scale 2^-22, q = 0.
+  std::fill_n(group(1), 128, uint16_t(0));
+  // 2: all 2^-16 (amax below 1e-4): scale 2^-22, q = 2^6 = 0x68.
+  std::fill_n(group(2), 128, float_to_bf16(0x1p-16f));
+  // 3: +-448 and 1.0: scale exactly 1 (amax / 448 is a power of two); 448 saturates nothing:
+  //    0x7E / 0xFE, 1.0 = 0x38.
+  group(3)[0] = float_to_bf16(448.0f);
+  group(3)[1] = float_to_bf16(-448.0f);
+  // 4: 464 and 3.0: scale 2; 232 is a tie of 224 and 240 -> the even 224 = 0x76; 1.5 = 0x3C.
+  std::fill_n(group(4), 128, float_to_bf16(3.0f));
+  group(4)[0] = float_to_bf16(464.0f);
+  // 5: NaN and -2.0: the NaN does not count (amax 2 -> scale 2^-7); -256 = 0xF8, NaN = 0x7F.
+  std::fill_n(group(5), 128, float_to_bf16(-2.0f));
+  group(5)[0] = 0x7FC0;
+  // 6: +inf and 1.0: amax and scale infinite, 1 / scale = 0: 1.0 -> 0, inf * 0 = NaN -> 0x7F.
+  group(6)[0] = 0x7F80;
+  // 7: 1.0 and 2^-12: scale 2^-8, 2^-12 / 2^-8 = 2^-4 = 0x18 (a normal: exponent 3).
+  group(7)[1] = float_to_bf16(0x1p-12f);
+  const auto rows = ref::cast_to_fp8(hidden, 1, x, /*round_scale=*/true);
+  const float want_scales[G] = {0x1p-8f, 0x1p-22f, 0x1p-22f, 1.0f, 2.0f, 0x1p-7f,
+                                std::numeric_limits<float>::infinity(), 0x1p-8f};
+  for (int64_t g = 0; g < G; ++g) EXPECT_EQ(scale_of(rows, hidden, g), want_scales[g]) << g;
+  auto q = [&](int64_t g, int64_t i) { return int(rows[std::size_t(g * 128 + i)]); };
+  EXPECT_EQ(q(0, 0), 0x78);
+  EXPECT_EQ(q(0, 127), 0x78);
+  EXPECT_EQ(q(1, 0), 0x00);
+  EXPECT_EQ(q(2, 5), 0x68);
+  EXPECT_EQ(q(3, 0), 0x7E);
+  EXPECT_EQ(q(3, 1), 0xFE);
+  EXPECT_EQ(q(3, 2), 0x38);
+  EXPECT_EQ(q(4, 0), 0x76);
+  EXPECT_EQ(q(4, 1), 0x3C);
+  EXPECT_EQ(q(5, 0), 0x7F);
+  EXPECT_EQ(q(5, 1), 0xF8);
+  EXPECT_EQ(q(6, 0), 0x7F);
+  EXPECT_EQ(q(6, 1), 0x00);
+  EXPECT_EQ(q(7, 0), 0x78);
+  EXPECT_EQ(q(7, 1), 0x18);
+  // Without round_scale the same groups take amax * (1 / 448) (group 0: 1 / 448, q = 448).
+  const auto plain = ref::cast_to_fp8(hidden, 1, x);
+  EXPECT_EQ(scale_of(plain, hidden, 0), 1.0f / 448.0f);
+  EXPECT_EQ(int(plain[0]), 0x7E);
+  EXPECT_EQ(scale_of(plain, hidden, 1), 1e-4f * (1.0f / 448.0f));
+  // amax 3 is where the orders differ: the scale is 3 * (1 / 448), not the quotient 3 / 448.
+  const std::vector<uint16_t> threes(128, float_to_bf16(3.0f));
+  const float three_scale = scale_of(ref::cast_to_fp8(128, 1, threes), 128, 0);
+  EXPECT_EQ(three_scale, 3.0f * (1.0f / 448.0f));
+  EXPECT_NE(three_scale, 3.0f / 448.0f);
+}
+
+// round_scale on random rows against an independent statement: the scale is the least 2^k at or
+// above fp32 amax / 448 (found by search), q the nearest e4m3 of x / scale.
+TEST(EpFp8, CastWithRoundScaleMatchesTheStatedFormula) {
+  std::mt19937 rng(23);
+  for (int64_t hidden : {128, 512, 7168}) {
+    const int64_t T = 4;
+    auto x = random_bf16(std::size_t(T * hidden), rng);
+    std::fill_n(x.begin(), 128, uint16_t(0));
+    const auto rows = ref::cast_to_fp8(hidden, T, x, true);
+    const auto l = fp8_row_layout(hidden);
+    for (int64_t t = 0; t < T; ++t) {
+      const uint8_t* row = rows.data() + t * l.row_bytes;
+      for (int64_t b = l.raw_bytes; b < l.row_bytes; ++b) ASSERT_EQ(row[b], 0) << "padding";
+      for (int64_t g = 0; g < hidden / 128; ++g) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < 128; ++i) {
+          amax = std::max(
+              amax, std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
+        }
+        const float target = std::max(amax, 1e-4f) * (1.0f / 448.0f);
+        int k = -40;
+        while (std::ldexp(1.0f, k) < target) ++k;
+        const float want_scale = std::ldexp(1.0f, k);
+        float scale;
+        std::memcpy(&scale, row + hidden + 4 * g, 4);
+        ASSERT_EQ(scale, want_scale) << "token " << t << " group " << g;
+        for (int64_t i = 0; i < 128; ++i) {
+          const float v = weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)]);
+          ASSERT_EQ(row[g * 128 + i], nearest_e4m3(std::ldexp(v, -k)))
+              << "token " << t << " col " << g * 128 + i;
+        }
+      }
+    }
+  }
 }
 
 // fp8 dispatch moves packed rows byte for byte; everything else equals the bf16 dispatch.
