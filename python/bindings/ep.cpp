@@ -110,17 +110,29 @@ class PyCommunicator {
   int rank_ = 0;
 };
 
+// The tokens' rows a dispatch moves, in any of x's forms: bf16 rows [num_tokens, hidden], packed
+// fp8 rows (uint8 [num_tokens, fp8 row_bytes]), or the fp8 pair: the e4m3 payload (uint8
+// [num_tokens, hidden]) with its scales, fp32 [num_tokens, hidden / 128] at these strides
+// (elements), packed by the kernel.
+struct TokenRowsArg {
+  std::uintptr_t data = 0;
+  ep::DType dtype = ep::DType::kBFloat16;
+  int64_t num_tokens = 0;
+  int64_t cols = 0;
+  std::uintptr_t scales = 0;
+  int64_t scales_token_stride = 0;
+  int64_t scales_group_stride = 0;
+  ep::TensorView view() const {
+    return {reinterpret_cast<const void*>(data), dtype, num_tokens, cols};
+  }
+  ep::DispatchInputs::Fp8Scales scales_view() const {
+    return {reinterpret_cast<const float*>(scales), scales_token_stride, scales_group_stride};
+  }
+};
+
 // A call's arguments (the Python layer fills one per call, by keyword).
 struct DispatchArgs {
-  std::uintptr_t x = 0;         // [num_tokens, x_cols] of x_dtype: bf16 rows or packed fp8 rows
-  ep::DType x_dtype = ep::DType::kBFloat16;
-  int64_t num_tokens = 0;
-  int64_t x_cols = 0;
-  // With x the e4m3 payload [num_tokens, hidden] (uint8): the fp8 pair's scales, fp32
-  // [num_tokens, hidden / 128] at these strides (elements); packed by the kernel.
-  std::uintptr_t x_scales = 0;
-  int64_t x_scales_token_stride = 0;
-  int64_t x_scales_group_stride = 0;
+  TokenRowsArg x;
   std::uintptr_t topk_idx = 0;  // [num_tokens, top_k] int32 / int64 (null for a cached dispatch)
   bool topk_idx_int64 = true;
   std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
@@ -159,15 +171,9 @@ struct CopyOutArgs {
   std::uintptr_t topk_weights = 0;
   int num_topk = 0;
   std::uintptr_t rank_prefix_matrix = 0;
-  // The deferring dispatch's x, as in DispatchArgs (ep::CopyOutTargets::own_x).
+  // The deferring dispatch's x (ep::CopyOutTargets::own_x).
   bool deferred_own_rows = false;
-  std::uintptr_t own_x = 0;
-  ep::DType own_x_dtype = ep::DType::kBFloat16;
-  int64_t own_num_tokens = 0;
-  int64_t own_x_cols = 0;
-  std::uintptr_t own_x_scales = 0;
-  int64_t own_x_scales_token_stride = 0;
-  int64_t own_x_scales_group_stride = 0;
+  TokenRowsArg own_x;
   std::uintptr_t stream = 0;
   std::uintptr_t comm_stream = 0;
   bool async_finish = false;
@@ -354,13 +360,12 @@ class PyBuffer {
     const ep::Handle* handle = handle_value ? &*handle_value : nullptr;
     const int top_k = b.config().top_k;
     ep::DispatchInputs in;
-    in.x = {as_ptr(a.x), a.x_dtype, a.num_tokens, a.x_cols};
-    in.x_scales = {reinterpret_cast<const float*>(a.x_scales), a.x_scales_token_stride,
-                   a.x_scales_group_stride};
+    in.x = a.x.view();
+    in.x_scales = a.x.scales_view();
     if (handle == nullptr) {
       in.topk_idx = {as_ptr(a.topk_idx), a.topk_idx_int64 ? ep::DType::kInt64 : ep::DType::kInt32,
-                     a.num_tokens, top_k};
-      in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.num_tokens, top_k};
+                     a.x.num_tokens, top_k};
+      in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.x.num_tokens, top_k};
     }
     in.handle = handle;
     in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(a.stats);
@@ -485,9 +490,8 @@ class PyBuffer {
     t.rank_prefix_matrix = reinterpret_cast<int32_t*>(a.rank_prefix_matrix);
     t.deferred_own_rows = a.deferred_own_rows;
     if (a.deferred_own_rows) {
-      t.own_x = {as_ptr(a.own_x), a.own_x_dtype, a.own_num_tokens, a.own_x_cols};
-      t.own_x_scales = {reinterpret_cast<const float*>(a.own_x_scales),
-                        a.own_x_scales_token_stride, a.own_x_scales_group_stride};
+      t.own_x = a.own_x.view();
+      t.own_x_scales = a.own_x.scales_view();
     }
     DeviceGuard guard(core_->device);
     const cudaStream_t s = a.comm_stream != 0 ? as_stream(a.comm_stream) : as_stream(a.stream);
@@ -619,15 +623,19 @@ void bind_ep(nb::module_& m) {
       .value("int64", ep::DType::kInt64)
       .value("uint8", ep::DType::kUInt8);
 
+  nb::class_<TokenRowsArg>(m, "TokenRows")
+      .def(nb::init<>())
+      .def_rw("data", &TokenRowsArg::data)
+      .def_rw("dtype", &TokenRowsArg::dtype)
+      .def_rw("num_tokens", &TokenRowsArg::num_tokens)
+      .def_rw("cols", &TokenRowsArg::cols)
+      .def_rw("scales", &TokenRowsArg::scales)
+      .def_rw("scales_token_stride", &TokenRowsArg::scales_token_stride)
+      .def_rw("scales_group_stride", &TokenRowsArg::scales_group_stride);
+
   nb::class_<DispatchArgs>(m, "DispatchArgs")
       .def(nb::init<>())
       .def_rw("x", &DispatchArgs::x)
-      .def_rw("x_dtype", &DispatchArgs::x_dtype)
-      .def_rw("num_tokens", &DispatchArgs::num_tokens)
-      .def_rw("x_cols", &DispatchArgs::x_cols)
-      .def_rw("x_scales", &DispatchArgs::x_scales)
-      .def_rw("x_scales_token_stride", &DispatchArgs::x_scales_token_stride)
-      .def_rw("x_scales_group_stride", &DispatchArgs::x_scales_group_stride)
       .def_rw("hold", &DispatchArgs::hold)
       .def_rw("defer_own_rows", &DispatchArgs::defer_own_rows)
       .def_rw("topk_idx", &DispatchArgs::topk_idx)
@@ -660,12 +668,6 @@ void bind_ep(nb::module_& m) {
       .def_rw("rank_prefix_matrix", &CopyOutArgs::rank_prefix_matrix)
       .def_rw("deferred_own_rows", &CopyOutArgs::deferred_own_rows)
       .def_rw("own_x", &CopyOutArgs::own_x)
-      .def_rw("own_x_dtype", &CopyOutArgs::own_x_dtype)
-      .def_rw("own_num_tokens", &CopyOutArgs::own_num_tokens)
-      .def_rw("own_x_cols", &CopyOutArgs::own_x_cols)
-      .def_rw("own_x_scales", &CopyOutArgs::own_x_scales)
-      .def_rw("own_x_scales_token_stride", &CopyOutArgs::own_x_scales_token_stride)
-      .def_rw("own_x_scales_group_stride", &CopyOutArgs::own_x_scales_group_stride)
       .def_rw("stream", &CopyOutArgs::stream)
       .def_rw("comm_stream", &CopyOutArgs::comm_stream)
       .def_rw("async_finish", &CopyOutArgs::async_finish);

@@ -262,6 +262,22 @@ class _Window:
                 torch.int32).view(r, r)
 
 
+def fill_token_rows(rows, x) -> None:
+    """rows (the binding's TokenRows, in place) describes x: bf16 rows, packed fp8 rows (uint8),
+    or the fp8 pair (x_e4m3, scales) with the scales' strides."""
+    if isinstance(x, (tuple, list)):
+        x_e4m3, scales = x
+        rows.data = x_e4m3.data_ptr()
+        rows.scales = scales.data_ptr()
+        rows.scales_token_stride, rows.scales_group_stride = scales.stride()
+        rows.num_tokens, rows.cols = x_e4m3.shape
+        rows.dtype = _UINT8
+    else:
+        rows.data = x.data_ptr()
+        rows.num_tokens, rows.cols = x.shape
+        rows.dtype = _UINT8 if x.dtype == torch.uint8 else _BF16
+
+
 def _current_raw_stream(device_index: int) -> int:
     """torch's current stream of the device as a cudaStream_t (without making a Stream object,
     which costs more than the rest of a call's Python)."""
@@ -604,16 +620,7 @@ class NativeBuffer:
         up to multiples of count_alignment. defer_own_rows (with hold): the rows this rank sends
         to itself get no payload in the window; copy_out(own_x=x) writes them from x."""
         a = _weft.ep.DispatchArgs()
-        if isinstance(x, (tuple, list)):
-            x_e4m3, scales = x
-            a.x = x_e4m3.data_ptr()
-            a.x_scales = scales.data_ptr()
-            a.x_scales_token_stride, a.x_scales_group_stride = scales.stride()
-            a.num_tokens, a.x_cols = x_e4m3.shape
-        else:
-            a.x = x.data_ptr()
-            a.num_tokens, a.x_cols = x.shape
-        a.x_dtype = _UINT8 if is_fp8 else _BF16
+        fill_token_rows(a.x, x)
         if handle is None:
             a.topk_idx = topk_idx.data_ptr()
             a.topk_idx_int64 = topk_idx.dtype == torch.int64
@@ -676,17 +683,7 @@ class NativeBuffer:
             a.rank_prefix_matrix = rank_prefix_matrix.data_ptr()
         if own_x is not None:
             a.deferred_own_rows = True
-            if isinstance(own_x, (tuple, list)):
-                x_e4m3, scales = own_x
-                a.own_x = x_e4m3.data_ptr()
-                a.own_x_scales = scales.data_ptr()
-                a.own_x_scales_token_stride, a.own_x_scales_group_stride = scales.stride()
-                a.own_num_tokens, a.own_x_cols = x_e4m3.shape
-                a.own_x_dtype = _UINT8
-            else:
-                a.own_x = own_x.data_ptr()
-                a.own_num_tokens, a.own_x_cols = own_x.shape
-                a.own_x_dtype = _UINT8 if own_x.dtype == torch.uint8 else _BF16
+            fill_token_rows(a.own_x, own_x)
         a.stream = stream
         a.comm_stream = comm_stream
         a.async_finish = async_finish
