@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import weft
 import weft.ep
+from weft.ep.native import fill_token_rows
 from launch import process_group_from_env, world_group
 
 
@@ -176,7 +177,7 @@ def main():
         stream = torch.cuda.current_stream().cuda_stream
         raw = native._native
         dargs = weft._weft.ep.DispatchArgs()
-        dargs.x, dargs.num_tokens, dargs.x_cols = x.data_ptr(), T, H
+        fill_token_rows(dargs.x, x)
         dargs.topk_idx, dargs.topk_weights, dargs.stream = idx.data_ptr(), w.data_ptr(), stream
 
         def raw_dispatch():
