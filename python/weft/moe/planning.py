@@ -36,7 +36,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 from .. import plan
 from .._weft import Error
 from ..pipeline import ScheduleConfig, ThreadMap
-from ..step_planning import Calibration, predicted_ms
+from ..step_planning import Calibration, calibrated_costs, predicted_ms
 from .step import layouts_of, max_depth, moe_schedule, moe_thread_map, stage_lookaheads
 
 __all__ = ["MoeVariant", "Suggested", "check_layouts", "depth_variants", "merged_trace",
@@ -137,7 +137,8 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     maps = [{"groups": moe_thread_map(num_layers)}, "legacy"]  # the config file's JSON form
     num_evaluated = 0
     if bound > 0 or max_threads > 1:
-        result = plan.suggest(moe_schedule(num_layers, bound), costs, max_threads=max_threads,
+        result = plan.suggest(moe_schedule(num_layers, bound),
+                              calibrated_costs(costs, calibration), max_threads=max_threads,
                               min_lookahead=0, max_lookahead=bound, num_best=3,
                               wake_up_us=calibration.wake_up_us, gil=calibration.gil,
                               start_maps=[ThreadMap.of(moe_thread_map(num_layers))])
