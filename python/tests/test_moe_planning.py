@@ -228,3 +228,11 @@ def test_the_fit_recovers_a_compute_stream_slowdown():
     assert predicted_ms(found.variant, FIXED_COSTS, fit) == pytest.approx(found.step_ms)
     with pytest.raises(weft.Error, match="needs the costs as a dict"):
         predicted_ms(variants[0], HOST_BOUND_COSTS, truth)
+
+
+@pytest.mark.timeout(60)
+def test_one_thread_and_one_layout_leave_the_serial_order():
+    found = suggest_variant(FIXED_COSTS, L, M, num_slots=[1, 1], max_threads=1)
+    assert found.result is None and found.num_threads == 1
+    assert found.variant.layouts() == [1, 1]
+    assert set(found.variant.config.lookahead.values()) == {0}

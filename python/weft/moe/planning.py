@@ -126,7 +126,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     - weft.plan.suggest over the depth-B schedule, B = min(max_depth, min(num_slots) - 1):
       thread maps and every lookahead in [0, B], from moe_thread_map and the presets;
     - the depth family: every depth whose layouts fit, under moe_thread_map, one thread
-      (legacy) and each map the first search found.
+      (legacy) and each map the first search found, those of at most max_threads threads.
     The same costs give the same suggestion; its layouts fit num_slots (check_layouts)."""
     calibration = calibration or Calibration()
     deepest = max_depth(num_layers)
@@ -153,6 +153,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                         f"lookahead in [0, {bound}] (any combination keeps at most {bound + 1} "
                         "layouts per layer)")
         not_searched += result.not_searched
+    maps = [m for m in maps if _num_threads(num_layers, m) <= max_threads]
     fitting = [d for d in range(deepest + 1)
                if num_slots is None or all(n <= h for n, h in zip(
                    layouts_of(stage_lookaheads(num_layers, d), num_layers), num_slots))]
@@ -166,7 +167,8 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
             num_evaluated += 1
     searched.append(f"the depth family (stage_lookaheads) at every depth whose layouts fit "
                     f"({', '.join(f'd{d}' for d in fitting)}), under {len(maps)} maps "
-                    "(moe_thread_map, one thread, the lookahead search's picks)")
+                    f"(moe_thread_map, one thread, the lookahead search's picks; those of at "
+                    f"most {max_threads} threads)")
     if bound < deepest:
         not_searched.append(f"lookaheads above {bound} other than the depth family's (the step's "
                             f"layout slots hold {list(num_slots)} layouts per layer)")
@@ -174,9 +176,16 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                         f"{num_micro_batches} steady-state progress() calls")
     ms, _, variant, source = min(candidates, key=lambda c: (round(c[0] * 1e6), c[1]))
     check_layouts(variant, num_slots)
-    threads = plan.simulate(variant.schedule(), variant.thread_map, costs).timeline.threads
-    return Suggested(variant, ms, len(threads), source, num_evaluated, searched, not_searched,
-                     result)
+    return Suggested(variant, ms, _num_threads(num_layers, json.loads(
+        variant.config.to_json())["thread_map"]), source, num_evaluated, searched, not_searched,
+        result)
+
+
+def _num_threads(num_layers: int, thread_map) -> int:
+    """The threads a thread map (the config file's JSON form) gives the step's tasks."""
+    config = ScheduleConfig.from_dict({"thread_map": thread_map})
+    report = plan.simulate(moe_schedule(num_layers, 0), config.thread_map)
+    return len(report.timeline.threads)
 
 
 def _variant(name: str, num_layers: int, num_micro_batches: int, depth: int,
