@@ -31,11 +31,29 @@ folder), it writes there an engine trace of one (b) step and the planner's drawi
 schedules with stage costs measured from (a), and prints the planner's predicted step beside
 the measured one. On the CPU the weft.ep rows are left out (weft.ep needs a GPU), and torch runs
 one intra-op thread.
+
+--suggest (one rank; weft.moe.planning, docs/planner.md "From a trace to a schedule (MoE)"): per
+shape and token count, for the pipelined family of the run ((b) weft.ep on a GPU, (c) a2a on the
+CPU), first one traced run at depth 0 (--warmup steps, then --iters steps each traced): its
+costs, per task (each layer's tasks apart) the median host span and, per stream, the median GPU
+busy time (weft.plan.trace_costs; --gpu-costs span: the spans). Then weft.plan.suggest's search
+over moe_schedule, kept to the layouts the family's steps hold (weft.ep: those of the deepest
+--depth; a2a: any), with at most --max-threads threads; the suggestion's config goes to
+--config-out (default moe_SHAPE_TTOKENS_suggested.json in --trace-dir, else here) and runs,
+timed, as "suggested". --calibrate: a wake-up cost and the GIL model (on a GPU also a slowdown
+of the compute stream's work) fitted to traced runs of depth 0 and every --depth
+(weft.step_planning.fit_calibration), shown as fit ms and used by the search. The
+table: per row of the family, the step's range, x its serial (a), planner ms (--micro-batches
+steady-state progress() calls of the variant with those costs), err % against the median of the
+timed runs, and bits: the first step's loss and every gradient bit for bit against (a)'s (the
+exit status is 1 if any differ); its last line the rms of the errors over the engine rows.
 """
 
 import argparse
 import gc
 import os
+import statistics
+import sys
 import time
 
 import torch
@@ -43,7 +61,9 @@ import torch.distributed as dist
 
 import weft.moe as moe
 from weft import plan
+from weft.moe.planning import depth_variants, merged_trace, suggest_variant
 from weft.moe.step import COMM_STAGES
+from weft.step_planning import error_pct, fit_calibration, predicted_ms, rms_error_pct
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768), "tiny": (64, 16, 4, 32)}
 OUT_DIR = "bench-out"
@@ -54,9 +74,9 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_step(step, x, target, a, device):
-    """(loss of the first step, [ms per step for each repeat])."""
-    loss = step(x, target).clone()
+def time_step(step, model, x, target, a, device):
+    """(loss and gradients of the first step, [ms per step for each repeat])."""
+    loss = (step(x, target).clone(), [p.grad.clone() for p in model.parameters()])
     for _ in range(a.warmup):
         step(x, target)
     runs = []
@@ -138,7 +158,18 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--suggest", action="store_true",
+                   help="plan the pipelined family from one traced run and run the suggestion")
+    p.add_argument("--calibrate", action="store_true",
+                   help="--suggest: fit a wake-up cost and the GIL model to traced runs")
+    p.add_argument("--gpu-costs", choices=plan.GPU_COST_KINDS, default="busy",
+                   help="--suggest: a task's GPU cost, its busy time or its whole span")
+    p.add_argument("--max-threads", type=int, default=2, help="--suggest: the thread bound")
+    p.add_argument("--config-out", help="--suggest: where the suggestion's config goes")
+    p.add_argument("--trace-dir", help="--suggest: write the traced runs' Chrome traces here")
     a = p.parse_args()
+    if a.calibrate and not a.suggest:
+        p.error("--calibrate goes with --suggest")
     device = a.device
     if a.comm == "emulated" and device != "cuda":
         p.error("--comm emulated needs --device cuda")
@@ -152,6 +183,8 @@ def main():
     rank = group.rank() if group else 0
     if a.comm == "emulated" and world != 1:
         p.error("--comm emulated runs at one rank (it stands in for the other GPUs)")
+    if a.suggest and world != 1:
+        p.error("--suggest runs at one rank (every rank would have to plan rank 0's schedule)")
     out = print if rank == 0 else (lambda *_, **__: None)
     max_depth = moe.max_depth(a.layers)
     depths = sorted({max_depth if d == "max" else int(d) for d in a.depth.split(",")})
@@ -164,6 +197,7 @@ def main():
             f"on one GPU; rows marked emu are emulated figures", flush=True)
     backend = "torch" if device == "cuda" else "host"
     traced = False
+    mismatches = 0
     for shape in a.shapes.split(","):
         hidden, experts, top_k, ffn = SHAPES[shape]
         for T in map(int, a.tokens.split(",")):
@@ -171,41 +205,58 @@ def main():
             x = torch.randn((T, hidden), generator=g, device=device).bfloat16()
             target = torch.randn((T, hidden), generator=g, device=device).bfloat16()
             ep_slots, a2a_slots, emu = _dispatcher_factories(a, group, experts, T, M)
-            configs = []  # (name, slots factory, depth or None for serial)
+            configs = []  # (name, slots factory, depth or None for serial, config or None)
             if device == "cuda":
-                configs.append((f"(a) {emu}weft.ep", lambda: ep_slots([1] * a.layers), None))
+                configs.append((f"(a) {emu}weft.ep", lambda: ep_slots([1] * a.layers), None,
+                                None))
                 configs += [(f"(b) {emu}pipe+weft.ep d{d}",
-                             lambda d=d: ep_slots(moe.num_layout_slots(a.layers, d)), d)
+                             lambda d=d: ep_slots(moe.num_layout_slots(a.layers, d)), d, None)
                             for d in depths]
-            configs.append((f"(a) {emu}a2a", a2a_slots, None))
-            configs += [(f"(c) {emu}pipe+a2a d{d}", a2a_slots, d) for d in depths]
+            configs.append((f"(a) {emu}a2a", a2a_slots, None, None))
+            configs += [(f"(c) {emu}pipe+a2a d{d}", a2a_slots, d, None) for d in depths]
             if world == 1:
                 configs.append(("no comm", lambda: moe.LayoutSlots.shared(
-                    moe.LocalDispatcher(experts), a.layers), None))
+                    moe.LocalDispatcher(experts), a.layers), None, None))
+
+            def make_model():
+                # The model's dispatcher sets its share of the experts (the step uses slots).
+                return moe.MoEModel(a.layers, hidden, experts, top_k, ffn,
+                                    moe.AllToAllDispatcher(group, experts), device=device)
+            if a.suggest:
+                if device == "cuda":
+                    family = (f"(b) {emu}pipe+weft.ep", f"(a) {emu}weft.ep",
+                              moe.num_layout_slots(a.layers, depths[-1]))
+                    family_slots = ep_slots
+                else:
+                    family = (f"(c) {emu}pipe+a2a", f"(a) {emu}a2a", None)
+                    family_slots = (lambda num_slots: a2a_slots())
+                plan_state = _plan_family(a, family, family_slots, make_model, x, target, depths,
+                                          backend, device, f"{shape}_T{T}", out)
+                configs.append(plan_state["config"])
             base_name = configs[0][0]
             out(f"{'shape':6s} {'T':>6s} {'schedule':24s} {'step ms':>17s} "
                 f"{'vs ' + base_name:>20s}", flush=True)
             times, losses = {}, {}
-            for cname, make_slots, depth in configs:
+            for cname, make_slots, depth, config in configs:
                 slots = make_slots()
-                # The model's dispatcher sets its share of the experts (the step uses slots).
-                model = moe.MoEModel(a.layers, hidden, experts, top_k, ffn,
-                                     moe.AllToAllDispatcher(group, experts), device=device)
+                model = make_model()
                 if depth is None:
                     def step(x, t):
                         return moe.serial_step(model, x, t, 0.0, M, slots)
                 else:
-                    piped = moe.PipelinedStep(model, slots, M, depth=depth, backend=backend)
+                    piped = moe.PipelinedStep(model, slots, M, depth=depth, backend=backend,
+                                              config=config)
 
                     def step(x, t):
                         return piped(x, t, 0.0)
-                losses[cname], times[cname] = time_step(step, x, target, a, device)
+                losses[cname], times[cname] = time_step(step, model, x, target, a, device)
                 base = times[base_name]
                 runs = times[cname]
                 ratio = f"{min(runs) / max(base):.2f}-{max(runs) / min(base):.2f}x"
                 out(f"{shape:6s} {T:6d} {cname:24s} {min(runs):8.2f}-{max(runs):<8.2f} "
                     f"{ratio:>20s}", flush=True)
-                if depth is not None and not traced and os.path.isdir(OUT_DIR) and rank == 0:
+                if (depth is not None and config is None and not traced
+                        and os.path.isdir(OUT_DIR) and rank == 0):
                     _trace_and_plan(model, slots, x, target, a, depth, backend, device,
                                     f"{shape}_T{T}{'_emu' if emu else ''}", times[cname])
                     traced = True
@@ -223,14 +274,144 @@ def main():
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            first = next(iter(losses.values()))
-            same = all(torch.equal(first, v) for v in losses.values())
+            first = next(iter(losses.values()))[0]
+            same = all(torch.equal(first, v[0]) for v in losses.values())
             out(f"{shape:6s} {T:6d} losses identical across schedules: {same}", flush=True)
             _print_hidden(out, shape, T, times, emu)
+            if a.suggest:
+                mismatches += _print_plan_table(out, a, plan_state, times, losses)
             if emu and "no comm" in times:
                 _print_prediction(out, a, shape, T, hidden, compute_us, depths, times)
     if group:
         dist.destroy_process_group()
+    return 1 if mismatches else 0
+
+
+def _traced_run(a, make_model, slots, x, target, depth, backend, device):
+    """(ms per step, the merged trace of the --iters traced steps, the schedule): a traced
+    PipelinedStep after --warmup untraced-for-the-costs steps."""
+    model = make_model()
+    step = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
+                             trace=True)
+    for _ in range(a.warmup):
+        step(x, target, 0.0)
+    _sync(device)
+    step.engine.take_trace()
+    traces, total_s = [], 0.0
+    for _ in range(a.iters):
+        start = time.perf_counter()
+        step(x, target, 0.0)
+        _sync(device)
+        total_s += time.perf_counter() - start
+        traces.append(step.engine.take_trace())
+    schedule = step.schedule
+    step.close()
+    return total_s * 1e3 / a.iters, traces, schedule
+
+
+def _plan_family(a, family, family_slots, make_model, x, target, depths, backend, device, tag,
+                 out):
+    """The traced runs, the costs, the fit (--calibrate), the search: what the table needs, and
+    the suggestion's config entry (name, slots factory, depth, config)."""
+    prefix, serial, num_slots = family
+    L, M = a.layers, a.micro_batches
+
+    def trace(depth, name):
+        ms, traces, schedule = _traced_run(a, make_model, family_slots(num_slots), x, target,
+                                           depth, backend, device)
+        if a.trace_dir:
+            os.makedirs(a.trace_dir, exist_ok=True)
+            traces[-1].write_chrome_json(os.path.join(a.trace_dir,
+                                                      f"moe_{tag}_{name}.trace.json"))
+        log(f"traced {prefix} {name}: {ms:.2f} ms/step")
+        return ms, merged_trace(traces), schedule
+
+    ms0, trace0, schedule0 = trace(0, "d0")
+    costs = plan.trace_costs(trace0, schedule0, gpu=a.gpu_costs)
+    gpu_ms = sum(g["us"] for t in costs["tasks"].values() for g in t.get("gpu", [])) / 1e3
+    host_ms = sum(t["host_us"] for t in costs["tasks"].values()) / 1e3
+    out(f"# costs: {prefix} d0's traced run ({a.iters} steps), {len(costs['tasks'])} tasks, per "
+        f"micro-batch {host_ms:.2f} ms of host spans and {gpu_ms:.2f} ms of GPU {a.gpu_costs} "
+        "time", flush=True)
+    variants = depth_variants(L, depths, M)
+    fit = None
+    if a.calibrate:
+        fitted = depth_variants(L, sorted({0, *depths}), M)
+        traced_ms = {v.name: ms0 if v.depth == 0 else trace(v.depth, v.name)[0]
+                     for v in fitted}
+        # On a GPU the compute stream's work may run slower beside the communication's (the
+        # emulated dispatcher's hold takes SMs): a slowdown of "default" is fitted too.
+        fit = fit_calibration(traced_ms, fitted, costs,
+                              slowdown_stream="default" if device == "cuda" else None)
+        out(f"# calibration, fitted on the traced runs of {len(fitted)} depths "
+            f"({', '.join(traced_ms)}): {fit.describe()} (rms error there "
+            f"{fit.rms_error_pct:.1f}%, uncalibrated "
+            f"{rms_error_pct(traced_ms, fitted, costs):.1f}%)", flush=True)
+    found = suggest_variant(costs, L, M, num_slots=num_slots, max_threads=a.max_threads,
+                            calibration=fit)
+    path = a.config_out or os.path.join(a.trace_dir or ".", f"moe_{tag}_suggested.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    found.write_config(path)
+    layouts = "any number" if num_slots is None else f"at most {num_slots}"
+    out(f"# suggested ({found.source}, {found.num_evaluated} schedules simulated; layouts kept "
+        f"to {layouts} per layer, it keeps {found.variant.layouts()}; config in {path}): "
+        f"{found.num_threads} thread{'s' if found.num_threads > 1 else ''}, predicted "
+        f"{found.step_ms:.2f} ms", flush=True)
+    for line in found.describe().splitlines():
+        out(f"#   {line}", flush=True)
+    name = f"{prefix} suggested"
+    rows = [(f"{prefix} d{v.depth}", v) for v in variants] + [(name, found.variant)]
+    return {"config": (name, lambda: family_slots(num_slots), found.variant.depth,
+                       found.variant.config),
+            "serial": serial, "rows": rows, "costs": costs, "fit": fit}
+
+
+def _print_plan_table(out, a, state, times, losses):
+    """The --suggest table (hstu_step.py's columns); returns the number of rows whose bits
+    differ from the serial step's."""
+    serial, costs, fit = state["serial"], state["costs"], state["fit"]
+    base = times[serial]
+    ref_loss, ref_grads = losses[serial]
+    fit_header = f" {'fit ms':>7s} {'fit err %':>9s}" if fit else ""
+    out(f"{'schedule':30s} {'step ms':>17s} {'x serial':>11s} {'planner ms':>10s} {'err %':>7s}"
+        f"{fit_header}  bits", flush=True)
+    mismatches = 0
+    timed_ms = {}
+    for key, variant in [(serial, None)] + state["rows"]:
+        ms = times[key]
+        loss, grads = losses[key]
+        same = torch.equal(loss, ref_loss) and all(torch.equal(g, r)
+                                                   for g, r in zip(grads, ref_grads))
+        mismatches += 0 if same else 1
+        columns = []
+        for calibration in [None] + ([fit] if fit else []):
+            predicted = None if variant is None else predicted_ms(variant, costs, calibration)
+            error = None if predicted is None else error_pct(predicted, statistics.median(ms))
+            columns += [predicted, error]
+        if variant is not None:
+            timed_ms[variant.name] = statistics.median(ms)
+        ratio = f"{min(ms) / max(base):.2f}-{max(ms) / min(base):.2f}"
+        fitted = (f" {_fmt(columns[2], '7.2f'):>7s} {_fmt(columns[3], '+9.1f'):>9s}"
+                  if fit else "")
+        out(f"{key:30s} {min(ms):8.2f}-{max(ms):<8.2f} {ratio:>11s} "
+            f"{_fmt(columns[0], '10.2f'):>10s} {_fmt(columns[1], '+7.1f'):>7s}{fitted}  "
+            f"{'identical' if same else 'DIFFERENT'}", flush=True)
+    rows = [v for _, v in state["rows"]]
+    out(f"# planner error over the {len(rows)} engine rows (timed medians): rms "
+        f"{rms_error_pct(timed_ms, rows, costs):.1f}%"
+        + (f", calibrated {rms_error_pct(timed_ms, rows, costs, fit):.1f}%" if fit else ""),
+        flush=True)
+    out(f"# {'every row bit-identical to ' + serial if mismatches == 0 else 'MISMATCH'} (the "
+        "first step's loss and gradients)", flush=True)
+    return mismatches
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
 
 
 def _median(v):
@@ -310,4 +491,4 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

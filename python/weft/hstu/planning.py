@@ -10,18 +10,20 @@ the measured step. bench/python/hstu_step.py --suggest is the command line over 
     fit = fit_calibration({name: measured_ms, ...}, variants, costs)   # a wake-up cost, the GIL
     ms = predicted_ms(variant, costs, fit); found = suggest_variant(costs, calibration=fit)
 
-Needs neither torch nor numpy.
+predicted_ms, error_pct, rms_error_pct, fit_calibration and Calibration are weft.step_planning's,
+shared with weft.moe.planning (a StepVariant is one progress() per step). Needs neither torch nor
+numpy.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Union
 
 from .. import plan
-from .._weft import Error
 from ..pipeline import ScheduleConfig, ThreadMap
+from ..step_planning import (WAKE_UP_GRID_US, Calibration, calibrated_costs, error_pct,
+                             fit_calibration, predicted_ms, rms_error_pct)
 from .variants import MOVABLE_STREAMS, StepVariant, step_schedule, step_variants
 
 __all__ = ["Calibration", "SEARCH_CASCADE", "Suggested", "WAKE_UP_GRID_US", "error_pct",
@@ -31,23 +33,6 @@ __all__ = ["Calibration", "SEARCH_CASCADE", "Suggested", "WAKE_UP_GRID_US", "err
 # The cascade whose schedule the search starts from: d6 has the larger lookaheads, and the search
 # keeps every lookahead within the schedule's (d3's all lie inside d6's bounds).
 SEARCH_CASCADE = "d6"
-
-# The wake-up costs fit_calibration tries, in us.
-WAKE_UP_GRID_US = tuple(range(0, 2001, 10))
-
-
-class Calibration(NamedTuple):
-    """What the simulator models beyond the measured costs (weft.plan.simulate's options): a
-    thread's wake-up after it blocked on another thread's task, and whether every body holds the
-    GIL for its whole host time ("all") or none does (None)."""
-
-    wake_up_us: float = 0.0
-    gil: Optional[str] = None
-    rms_error_pct: Optional[float] = None  # of a fit, over the runs it was fitted on
-
-    def describe(self) -> str:
-        return (f"wake-up {self.wake_up_us:g} us, GIL: "
-                f"{'every body holds it' if self.gil == 'all' else 'none'}")
 
 
 class Suggested(NamedTuple):
@@ -78,7 +63,8 @@ def suggest_variant(costs, *, max_threads: int = 4, calibration: Optional[Calibr
     gives it "h2d alone on a thread", one stream step away. The same costs give the same
     suggestion."""
     calibration = calibration or Calibration()
-    result = plan.suggest(step_schedule(cascade=SEARCH_CASCADE), costs, max_threads=max_threads,
+    result = plan.suggest(step_schedule(cascade=SEARCH_CASCADE),
+                          calibrated_costs(costs, calibration), max_threads=max_threads,
                           num_best=1, wake_up_us=calibration.wake_up_us, gil=calibration.gil,
                           start_maps=start_maps())
     top = result.suggestions[0]
@@ -96,68 +82,3 @@ def variant_from_config(path: Union[str, os.PathLike], name: Optional[str] = Non
     variant = StepVariant.of_config(name, ScheduleConfig.load(path), cascade)
     variant.schedule()  # the config's errors now, not when the variant first runs
     return variant
-
-
-def predicted_ms(variant: StepVariant, costs,
-                 calibration: Optional[Calibration] = None) -> float:
-    """The simulated step of ``variant`` with ``costs`` and ``calibration``, in ms."""
-    return _simulated_ms(variant, variant.schedule(), costs, calibration or Calibration())
-
-
-def _simulated_ms(variant: StepVariant, schedule, costs, calibration: Calibration) -> float:
-    report = plan.simulate(schedule, variant.thread_map, costs, name=variant.name,
-                           wake_up_us=calibration.wake_up_us, gil=calibration.gil)
-    return report.timeline.step_us / 1e3
-
-
-def rms_error_pct(measured_ms: Mapping[str, float], variants: Sequence[StepVariant], costs,
-                  calibration: Optional[Calibration] = None) -> float:
-    """The root mean square of the predictions' relative errors (%) over the ``variants`` that
-    ``measured_ms`` (variant name -> measured step in ms) names; weft.Error if it names none."""
-    fitted = _measured(measured_ms, variants)
-    return _rms(fitted, measured_ms, _cost_model(costs, fitted), calibration or Calibration())
-
-
-def fit_calibration(measured_ms: Mapping[str, float], variants: Sequence[StepVariant],
-                    costs) -> Calibration:
-    """The calibration under which the simulator best matches ``measured_ms`` for the
-    ``variants`` it names (as rms_error_pct): the wake-up cost from WAKE_UP_GRID_US and the GIL
-    (none, or every body holding it) of the least rms_error_pct; ties go to no GIL, then the
-    smaller wake-up. A grid, not a solver: the simulated step is a step function of the wake-up
-    cost."""
-    fitted = _measured(measured_ms, variants)
-    costs = _cost_model(costs, fitted)
-    best = None
-    for gil in (None, "all"):
-        for wake_up_us in WAKE_UP_GRID_US:
-            c = Calibration(float(wake_up_us), gil)
-            rms = _rms(fitted, measured_ms, costs, c)
-            if best is None or rms < best.rms_error_pct:
-                best = c._replace(rms_error_pct=rms)
-    return best
-
-
-def _measured(measured_ms, variants):
-    """(variant, its schedule) for each variant measured_ms names: built once, simulated often."""
-    out = [(v, v.schedule()) for v in variants if v.name in measured_ms]
-    if not out:
-        raise Error("no measured step for any of the variants "
-                    f"{[v.name for v in variants]}")
-    return out
-
-
-def _cost_model(costs, fitted):
-    """costs as the CostModel every simulation of a fit takes (converted once, not per call)."""
-    return plan._cost_model(costs, fitted[0][1])
-
-
-def _rms(fitted, measured_ms, costs, calibration: Calibration) -> float:
-    errors = [error_pct(_simulated_ms(v, schedule, costs, calibration), measured_ms[v.name])
-              for v, schedule in fitted]
-    return math.sqrt(sum(e * e for e in errors) / len(errors))
-
-
-def error_pct(predicted: float, measured: float) -> float:
-    """The prediction's error relative to the measured figure, in %: above 0 when it predicts
-    more time than was measured."""
-    return 100.0 * (predicted - measured) / measured

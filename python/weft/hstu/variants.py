@@ -61,6 +61,8 @@ class StepVariant(NamedTuple):
     thread_map: Union[str, ThreadMap]
     config: Optional[ScheduleConfig] = None
 
+    num_progress_per_step = 1  # one progress() is one training step (weft.step_planning)
+
     def schedule(self, bodies: Dict[str, Callable] = None) -> Schedule:
         """step_schedule of this cascade with ``bodies``, the config applied."""
         schedule = step_schedule(bodies, cascade=self.cascade)

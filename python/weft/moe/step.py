@@ -304,8 +304,14 @@ def num_layout_slots(num_layers: int, depth: int) -> List[int]:
     """Per layer, the layouts live at once on weft.pipeline at this depth: a micro-batch's layout
     of layer l lives from its dispatch_l to its dispatch_bwd_l (the layout's last use), so
     lookahead(dispatch_l) - lookahead(dispatch_bwd_l) + 1 micro-batches hold one."""
-    la = stage_lookaheads(num_layers, depth)
-    return [la[f"dispatch_{layer}"] - la[f"dispatch_bwd_{layer}"] + 1
+    return layouts_of(stage_lookaheads(num_layers, depth), num_layers)
+
+
+def layouts_of(lookaheads: Mapping[str, int], num_layers: int) -> List[int]:
+    """Per layer, the layouts live at once under any lookaheads (task -> lookahead, every
+    dispatch_l and dispatch_bwd_l named): lookahead(dispatch_l) - lookahead(dispatch_bwd_l) + 1,
+    what num_layout_slots gives for the depth family."""
+    return [lookaheads[f"dispatch_{layer}"] - lookaheads[f"dispatch_bwd_{layer}"] + 1
             for layer in range(num_layers)]
 
 
@@ -366,24 +372,34 @@ class PipelinedStep:
     micro-batch of the step is in flight. backend "host" (CPU tensors) or "torch" (the engine's
     "default" stream is the caller's current torch stream unless streams= says otherwise, so
     the SGD step and the next step's work order after the backward without a host wait).
+
+    config: a weft.pipeline ScheduleConfig (what weft.plan.suggest and weft.moe.planning write)
+    applied over the depth's lookaheads; its thread map, if any, is the engine's unless
+    thread_map is given. The slots must hold the layouts of the lookaheads that result
+    (layouts_of; ValueError before any engine starts).
     """
 
     def __init__(self, model, slots, num_micro_batches: int, *, depth: int = 1,
                  backend: str = "host", thread_map=None, trace: bool = False,
-                 streams: Optional[dict] = None, device: Optional[int] = None) -> None:
+                 streams: Optional[dict] = None, device: Optional[int] = None,
+                 config=None) -> None:
         from weft.pipeline import Engine
 
         self.model = model
         self.num_layers = len(model.moe)
         self.depth = depth
-        self.lookaheads = stage_lookaheads(self.num_layers, depth)
-        slots.check(num_layout_slots(self.num_layers, depth))
-        self.slots = slots
         if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
         self.num_micro_batches = num_micro_batches
         self.stages = stages = _Stages(model, slots)
         self.schedule = moe_schedule(self.num_layers, depth, self._bodies(stages))
+        if config is not None:
+            config.apply(self.schedule)
+            if thread_map is None:
+                thread_map = config.thread_map
+        self.lookaheads = {t.name: t.lookahead for t in self.schedule.tasks}
+        slots.check(layouts_of(self.lookaheads, self.num_layers))
+        self.slots = slots
         if backend == "torch" and streams is None:
             streams = {"default": torch.cuda.current_stream()}
         self.engine = Engine(self.schedule, thread_map or moe_thread_map(self.num_layers),

@@ -1,0 +1,238 @@
+"""The planner over the MoE step (weft.moe.planning, weft.step_planning): costs from a traced
+step name every task of every layer; the helpers shared with the HSTU step give the numbers
+they gave there; the search is deterministic and keeps to the layouts the step holds (and a
+schedule outside them is refused); a suggestion's config file runs on the engine with the serial
+step's bits; and bench/python/moe_pipeline.py --suggest runs it beside the depths with each
+prediction's error."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import weft  # noqa: E402
+import weft.moe as moe  # noqa: E402
+from weft import plan  # noqa: E402
+from weft.hstu import planning as hstu_planning  # noqa: E402
+from weft.hstu.variants import step_variants  # noqa: E402
+from weft.moe.planning import (MoeVariant, check_layouts, depth_variants,  # noqa: E402
+                               merged_trace, suggest_variant, variant_from_config)
+from weft.pipeline import ScheduleConfig  # noqa: E402
+from weft.step_planning import (Calibration, calibrated_costs, fit_calibration,  # noqa: E402
+                                predicted_ms, rms_error_pct)
+from test_moe_pipeline import (SMALL, _check_steps, _inputs, _one_layout_slots,  # noqa: E402
+                               _relayouts)
+
+REPO = Path(__file__).parents[2]
+HOST_BOUND_COSTS = str(REPO / "tests" / "cpu" / "plan" / "data" / "costs_hstu_host_bound.json")
+L, M = SMALL["num_layers"], 4
+
+# Fixed costs: every compute stage's host and GPU work, the communication's host waits.
+GPU_US = {"dense_router": 300, "dispatch": 400, "experts": 900, "combine": 400, "loss": 100,
+          "combine_bwd": 400, "experts_bwd": 900, "dispatch_bwd": 400, "experts_wgrad": 600,
+          "dense_router_bwd": 500}
+FIXED_COSTS = moe.moe_costs(L, GPU_US, host_us=150.0)
+
+
+def _traced_costs(num_steps=2):
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=1, **SMALL)
+    step = moe.PipelinedStep(model, moe.LayoutSlots.shared(moe.LocalDispatcher(8), L), M,
+                             depth=0, trace=True)
+    x, target = _inputs(0)
+    traces = []
+    for _ in range(num_steps):
+        step(x, target, lr=0.0)
+        traces.append(step.engine.take_trace())
+    schedule = step.schedule
+    step.close()
+    return traces, schedule
+
+
+@pytest.mark.timeout(120)
+def test_costs_from_a_traced_step_name_every_task_of_every_layer():
+    traces, schedule = _traced_costs()
+    merged = merged_trace(traces)
+    names = [t.name for t in schedule.tasks]
+    # Batches run on from step to step: each run of a task is its own.
+    for i in range(len(names)):
+        runs = [(s.batch, s.iteration) for s in merged.host_spans if s.task == i]
+        assert len(runs) == len(set(runs)) == 2 * M
+    costs = plan.trace_costs(merged, schedule)
+    assert sorted(costs["tasks"]) == sorted(names)
+    assert len(names) == 4 * L + 1 + 5 * L  # each layer's tasks apart
+    assert {"dispatch_0", "dispatch_1", "experts_wgrad_0", "experts_wgrad_1"} <= set(names)
+    assert all(t["host_us"] > 0 for t in costs["tasks"].values())
+    # The host backend records no GPU spans; the costs simulate as they are.
+    assert predicted_ms(depth_variants(L, [1], M)[0], costs) > 0
+    with pytest.raises(weft.Error, match="no traces"):
+        merged_trace([])
+
+
+@pytest.mark.timeout(60)
+def test_the_shared_helpers_give_the_hstu_step_its_numbers():
+    variants = step_variants()
+    assert hstu_planning.predicted_ms is predicted_ms
+    assert hstu_planning.fit_calibration is fit_calibration
+    for v in variants:
+        report = plan.simulate(v.schedule(), v.thread_map, HOST_BOUND_COSTS, name=v.name)
+        assert predicted_ms(v, HOST_BOUND_COSTS) == report.timeline.step_us / 1e3
+    truth = Calibration(200.0, "all")
+    measured = {v.name: predicted_ms(v, HOST_BOUND_COSTS, truth) for v in variants}
+    fit = fit_calibration(measured, variants, HOST_BOUND_COSTS)
+    assert fit[:2] == (200.0, "all") and rms_error_pct(measured, variants, HOST_BOUND_COSTS,
+                                                       fit) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_moe_step_is_its_micro_batches_progress_calls():
+    v = depth_variants(L, [3], M)[0]
+    report = plan.simulate(moe.moe_schedule(L, 3), moe.moe_thread_map(L), FIXED_COSTS)
+    assert predicted_ms(v, FIXED_COSTS) == report.timeline.step_us * M / 1e3
+    assert v.layouts() == moe.num_layout_slots(L, 3)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_slots", [None, [8, 4], [2, 2], [3, 1], [1, 1]])
+def test_the_search_is_deterministic_and_keeps_to_the_layouts(num_slots):
+    a = suggest_variant(FIXED_COSTS, L, M, num_slots=num_slots)
+    b = suggest_variant(FIXED_COSTS, L, M, num_slots=num_slots)
+    assert a.variant.config.to_json() == b.variant.config.to_json()
+    assert (a.step_ms, a.source, a.describe()) == (b.step_ms, b.source, b.describe())
+    assert predicted_ms(a.variant, FIXED_COSTS) == pytest.approx(a.step_ms)
+    if num_slots is not None:
+        assert all(n <= h for n, h in zip(a.variant.layouts(), num_slots))
+        assert "not searched: lookaheads above" in a.describe()
+    # No depth of the family whose layouts fit predicts less.
+    for v in depth_variants(L, range(moe.max_depth(L) + 1), M):
+        if num_slots is None or all(n <= h for n, h in zip(v.layouts(), num_slots)):
+            assert a.step_ms <= predicted_ms(v, FIXED_COSTS) + 1e-9
+    assert "fill and drain" in a.describe()
+
+
+@pytest.mark.timeout(60)
+def test_a_schedule_outside_the_layouts_is_refused(tmp_path):
+    deep = depth_variants(L, [moe.max_depth(L)], M)[0]
+    with pytest.raises(weft.Error, match=r"keeps \[8, 4\] layouts per layer live at once; the "
+                                         r"step's layout slots hold \[2, 2\]"):
+        check_layouts(deep, [2, 2])
+    check_layouts(deep, [8, 4])
+    check_layouts(deep, None)
+    path = tmp_path / "deep.json"
+    path.write_text(json.dumps({"thread_map": "legacy",
+                                "lookahead": moe.stage_lookaheads(L, moe.max_depth(L))}))
+    with pytest.raises(weft.Error, match="layouts per layer"):
+        variant_from_config(path, L, M, num_slots=[2, 2])
+    assert variant_from_config(path, L, M, num_slots=[8, 4]).layouts() == [8, 4]
+    # The engine refuses it too, before any engine starts.
+    model = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)
+    with pytest.raises(ValueError, match=r"keeps \[8, 4\] layouts per layer live"):
+        moe.PipelinedStep(model, _one_layout_slots([2, 2]), M, depth=0,
+                          config=ScheduleConfig.load(str(path)))
+    no_map = tmp_path / "no_map.json"
+    no_map.write_text(json.dumps({"lookahead": {"loss": 1}}))
+    with pytest.raises(weft.Error, match="no \"thread_map\""):
+        variant_from_config(no_map, L, M)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_slots", [[2, 2], [8, 4]])
+def test_a_suggestions_config_runs_with_the_serial_steps_bits(tmp_path, num_slots):
+    found = suggest_variant(FIXED_COSTS, L, M, num_slots=num_slots,
+                            calibration=Calibration(50.0, "all"))
+    path = tmp_path / "pick.json"
+    found.write_config(path)
+    again = variant_from_config(path, L, M, num_slots=num_slots)
+    assert again.name == "pick" and again.config == found.variant.config
+    assert predicted_ms(again, FIXED_COSTS) == predicted_ms(found.variant, FIXED_COSTS)
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=5, **SMALL)
+    piped = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=5, **SMALL)
+    ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=5, **SMALL)
+    slots = _one_layout_slots(num_slots)
+    step = moe.PipelinedStep(piped, slots, M, depth=again.depth,
+                             config=ScheduleConfig.load(str(path)))
+    assert step.lookaheads == found.variant.config.lookahead
+    _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(3)], lr=0.05)
+    step.close()
+    assert _relayouts(slots) == 0  # a Buffer per live layout: none re-run
+
+
+def _table_rows(stdout):
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("schedule "))
+    rows = {}
+    for line in lines[header + 1:]:
+        if line.startswith("#"):
+            break
+        name = line[:30].strip()
+        rows[name] = line[30:].split()
+    return lines[header], rows
+
+
+@pytest.mark.timeout(300)
+def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path):
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
+    env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+    args = ["--device", "cpu", "--shapes", "tiny", "--tokens", "64", "--layers", "2",
+            "--depth", "1,max", "--warmup", "1", "--iters", "2", "--repeats", "2",
+            "--suggest", "--calibrate", "--trace-dir", str(tmp_path)]
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "python" / "moe_pipeline.py"),
+                          *args], env=env, capture_output=True, text=True, timeout=280,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "# costs: (c) pipe+a2a d0's traced run (2 steps), 19 tasks" in out
+    assert "# calibration, fitted on the traced runs of 3 depths (d0, d1, d8): wake-up" in out
+    assert "#   not searched: the step's fill and drain" in out
+    header, rows = _table_rows(out)
+    assert "planner ms" in header and "err %" in header and "fit err %" in header
+    assert list(rows) == ["(a) a2a", "(c) pipe+a2a d1", "(c) pipe+a2a d8",
+                          "(c) pipe+a2a suggested"]
+    for name, fields in rows.items():
+        assert fields[-1] == "identical", name
+        predicted, error, fit_predicted, fit_error = fields[-5:-1]
+        if name == "(a) a2a":
+            assert (predicted, error, fit_predicted, fit_error) == ("-",) * 4
+        else:
+            float(predicted), float(fit_predicted)
+            assert error[0] in "+-" and fit_error[0] in "+-"
+    assert "# planner error over the 3 engine rows (timed medians): rms" in out
+    assert "# every row bit-identical to (a) a2a" in out
+    config_path = tmp_path / "moe_tiny_T64_suggested.json"
+    assert f"config in {config_path}" in out
+    variant = variant_from_config(config_path, 2, 4)
+    assert isinstance(variant, MoeVariant) and variant.config.thread_map is not None
+    assert (tmp_path / "moe_tiny_T64_d0.trace.json").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_the_fit_recovers_a_compute_stream_slowdown():
+    variants = depth_variants(L, [0, 1, 4, 8], M)
+    truth = Calibration(0.0, None, slowdown=("default", 1.3))
+    slowed = calibrated_costs(FIXED_COSTS, truth)
+    assert slowed["tasks"]["experts_0"]["gpu"] == [{"stream": "default", "us": 900 * 1.3}]
+    assert slowed["tasks"]["dispatch_0"]["gpu"] == [{"stream": "comm", "us": 400}]
+    assert FIXED_COSTS["tasks"]["experts_0"]["gpu"][0]["us"] == 900  # not changed in place
+    measured = {v.name: predicted_ms(v, FIXED_COSTS, truth) for v in variants}
+    assert rms_error_pct(measured, variants, FIXED_COSTS) > 5
+    fit = fit_calibration(measured, variants, FIXED_COSTS, slowdown_stream="default")
+    assert fit.slowdown == ("default", 1.3) and fit.rms_error_pct == pytest.approx(0, abs=1e-9)
+    assert "stream default's GPU work x 1.3" in fit.describe()
+    assert fit_calibration(measured, variants, FIXED_COSTS).slowdown is None
+    found = suggest_variant(FIXED_COSTS, L, M, calibration=fit)
+    assert predicted_ms(found.variant, FIXED_COSTS, fit) == pytest.approx(found.step_ms)
+    with pytest.raises(weft.Error, match="needs the costs as a dict"):
+        predicted_ms(variants[0], HOST_BOUND_COSTS, truth)
+
+
+@pytest.mark.timeout(60)
+def test_one_thread_and_one_layout_leave_the_serial_order():
+    found = suggest_variant(FIXED_COSTS, L, M, num_slots=[1, 1], max_threads=1)
+    assert found.result is None and found.num_threads == 1
+    assert found.variant.layouts() == [1, 1]
+    assert set(found.variant.config.lookahead.values()) == {0}
