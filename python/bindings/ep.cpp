@@ -136,7 +136,7 @@ struct DispatchArgs {
   std::uintptr_t topk_idx = 0;  // [num_tokens, top_k] int32 / int64 (null for a cached dispatch)
   bool topk_idx_int64 = true;
   std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
-  std::uintptr_t stats = 0;     // optional [num_local_experts] int32, accumulated into
+  std::uintptr_t stats = 0;     // optional [num_local_experts] int32: the counts are added to it
   int num_sms = 0;              // most blocks; 0: the Buffer's
   bool expand = false;
   int expert_alignment = 1;
@@ -193,7 +193,7 @@ struct LowLatencyArgs {
   std::uintptr_t topk_idx = 0;      // [num_tokens, top_k] int32 / int64
   bool topk_idx_int64 = true;
   std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
-  std::uintptr_t stats = 0;         // optional [num_local_experts] int32, accumulated into
+  std::uintptr_t stats = 0;         // optional [num_local_experts] int32: counts added to it
   int64_t segment_stride = 0;       // > 0
   std::uintptr_t src_info = 0;      // ep::LowLatencyTargets
   std::uintptr_t layout_range = 0;
@@ -437,12 +437,20 @@ class PyBuffer {
     nb::gil_scoped_release release;  // pacing (pipeline_depth)
     DeviceGuard guard(core_->device);
     const cudaStream_t s = enter(a.stream, a.comm_stream, 0);
-    if (a.packed != 0) {
-      ep::cast_to_fp8(as_ptr(a.x), a.num_tokens, c.hidden, reinterpret_cast<void*>(a.packed), s,
-                      a.round_scale);
+    ep::DispatchResult r;
+    try {
+      if (a.packed != 0) {
+        ep::cast_to_fp8(as_ptr(a.x), a.num_tokens, c.hidden, reinterpret_cast<void*>(a.packed), s,
+                        a.round_scale);
+      }
+      r = b.dispatch(in, s, ep::CountMode::kOnDevice);
+      b.low_latency_layout(t, s);
+    } catch (...) {
+      // A refusal after some launches: `stream` still follows what reached comm_stream (a
+      // capture's fork stays joined).
+      leave(a.stream, a.comm_stream, false);
+      throw;
     }
-    const ep::DispatchResult r = b.dispatch(in, s, ep::CountMode::kOnDevice);
-    b.low_latency_layout(t, s);
     leave(a.stream, a.comm_stream, a.async_finish);
     set_window_fields(r, out);
     return out;

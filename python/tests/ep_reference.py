@@ -70,11 +70,38 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, generator: tor
 
 
 def per_token_cast_to_fp8(x: torch.Tensor):
-    """DeepEP's per-token fp8 cast (types.hpp): (x_e4m3 [T, H], scales fp32 [T, H / 128]).
-    amax / 448 as the product amax * (1 / 448), which is what torch computes on the GPU (on the
-    CPU it divides)."""
+    """DeepEP's per-token fp8 cast as its tests write it (tests/utils.py), run by torch on x's
+    device: (x_e4m3 [T, H], scales fp32 [T, H / 128]). torch computes 448.0 / amax as
+    reciprocal(amax) * 448 everywhere, and amax / 448.0 as amax * (1 / 448) on the GPU but as a
+    quotient on the CPU: weft's cast (cast_fp8 below) is this on the GPU."""
     t, h = x.shape
     g = x.float().view(t, h // 128, 128)
     amax = g.abs().amax(dim=2).clamp(min=1e-4)
     q = (g * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
-    return q.view(t, h), amax * (1.0 / 448.0)
+    return q.view(t, h), amax / 448.0
+
+
+def cast_fp8(x: torch.Tensor, round_scale: bool):
+    """What weft's fp8 cast (ep::cast_to_fp8, types.hpp) writes, in torch ops that give the same
+    bits on every device: (e4m3 [T, H], scales fp32 [T, H / 128] row-major). Per group of 128, in
+    fp32: amax = max(|x|, 1e-4), NaN elements not counted; scale = amax * (1 / 448) (round_scale:
+    the next power of two at or above it, exact), q = e4m3(x * (1 / amax * 448)) (round_scale:
+    x * (1 / scale), exact), saturated to +-448 (NaN codes aside: torch's may carry a sign)."""
+    num_tokens, hidden = x.shape
+    g = x.view(num_tokens, hidden // 128, 128).float()
+    magnitude = g.abs()
+    amax = magnitude.masked_fill_(magnitude.isnan(), 0.0).amax(dim=-1).clamp_(min=1e-4)
+    scale = amax * (1.0 / 448.0)
+    if round_scale:
+        scale = power_of_two_at_or_above(scale)
+        q = g * scale.reciprocal().unsqueeze(-1)
+    else:
+        q = g * (amax.reciprocal() * 448.0).unsqueeze(-1)
+    q = q.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(num_tokens, hidden)
+    return q, scale
+
+
+def power_of_two_at_or_above(v: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 v) of positive normal fp32 values, by their bits (exact on every device)."""
+    bits = v.view(torch.int32)
+    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)

@@ -148,7 +148,7 @@ def test_power_of_two_at_or_above_is_exact():
     v = torch.tensor([1.0, 0.75, 1.0 + 2**-23, 3.0, 2.0**-20, 448.0, 0.5 - 2**-25],
                      dtype=torch.float32)
     want = torch.tensor([1.0, 1.0, 2.0, 4.0, 2.0**-20, 512.0, 0.5], dtype=torch.float32)
-    assert torch.equal(ll.power_of_two_at_or_above(v), want)
+    assert torch.equal(ref.power_of_two_at_or_above(v), want)
 
 
 @pytest.mark.parametrize("round_scale", [False, True])
@@ -157,7 +157,7 @@ def test_the_fp8_cast_follows_deepeps_per_token_cast(round_scale):
     x = (torch.randn((33, 512), generator=g) * torch.rand((33, 1), generator=g) * 50).to(
         torch.bfloat16)
     x[3] = 0  # an all-zero row: the minimum amax
-    q, scales = ll.cast_fp8(x, round_scale)
+    q, scales = ref.cast_fp8(x, round_scale)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
     amax = x.float().view(33, 4, 128).abs().amax(dim=2).clamp(min=1e-4)
     if round_scale:
@@ -167,9 +167,12 @@ def test_the_fp8_cast_follows_deepeps_per_token_cast(round_scale):
         want = (x.float().view(33, 4, 128) / scales.unsqueeze(2)).to(torch.float8_e4m3fn)
         assert torch.equal(q.view(torch.uint8), want.view(33, 512).view(torch.uint8))
     else:
+        # DeepEP's formula on the CPU: the same payload; its scale a quotient there (torch on the
+        # GPU multiplies, as weft does: test_the_cast_is_deepeps_torch_cast_on_the_gpu).
         want_q, want_s = ref.per_token_cast_to_fp8(x)
-        assert torch.equal(scales, want_s)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        ulp = (want_s.view(torch.int32) - scales.view(torch.int32)).abs()
+        assert int(ulp.max()) <= 1
     back = (q.float().view(33, 4, 128) * scales.unsqueeze(2)).view(33, 512)
     assert torch.allclose(back, x.float(), rtol=2**-3, atol=1e-6)
 
@@ -193,7 +196,7 @@ def _special_groups(hidden=8 * 128, non_finite=True):
 
 def test_the_fp8_cast_matches_the_hand_computed_groups():
     x = _special_groups()
-    q, scales = ll.cast_fp8(x, True)
+    q, scales = ref.cast_fp8(x, True)
     q = q.view(torch.uint8).view(8, 128)
     assert scales.view(8).tolist() == [2.0 ** -8, 2.0 ** -22, 2.0 ** -22, 1.0, 2.0, 2.0 ** -7,
                                        float("inf"), 2.0 ** -8]
@@ -203,7 +206,7 @@ def test_the_fp8_cast_matches_the_hand_computed_groups():
     for (g, i), code in want.items():
         got = int(q[g, i])
         assert (got & 0x7F if code == 0x7F else got) == code, (g, i)  # a NaN of either sign
-    q, scales = ll.cast_fp8(x, False)
+    q, scales = ref.cast_fp8(x, False)
     assert int(q.view(torch.uint8)[0, 0]) == 0x7E
     assert float(scales[0, 0]) == torch.tensor(1.0 / 448.0, dtype=torch.float32).item()
     assert float(scales[0, 5]) == torch.tensor(2.0, dtype=torch.float32).div(448.0).item()
@@ -267,9 +270,9 @@ def _check_dispatch(res, x, idx, num_experts, m, use_fp8=False, round_scale=Fals
     assert torch.equal(layout_range[:, 0] & 0xFFFFFFFF, counts.long())
     assert torch.equal(layout_range[:, 0] >> 32, torch.zeros(num_experts, dtype=torch.int64))
     if use_fp8:
-        q, scales = ll.cast_fp8(x.cuda(), round_scale)  # the source's cast, on the device
+        q, scales = ref.cast_fp8(x.cuda(), round_scale)  # the source's cast, on the device
         assert torch.equal(q.cpu().view(torch.uint8),
-                           ll.cast_fp8(x, round_scale)[0].view(torch.uint8)), \
+                           ref.cast_fp8(x, round_scale)[0].view(torch.uint8)), \
             "the device's cast differs from the host's"
         q, scales = q.cpu(), scales.cpu()
         got_q, got_s = recv_x
@@ -319,6 +322,38 @@ def gpu_buffer():
     yield make
     for b in bufs:
         b.destroy()
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_the_cast_is_deepeps_torch_cast_on_the_gpu(gpu_buffer, round_scale):
+    # DeepEP's per_token_cast_to_fp8 as its tests write it, run by torch on the GPU (round_scale:
+    # its kernel's power-of-two scale, 2^ceil(log2(amax / 448)), and x times its inverse),
+    # against what low_latency_dispatch received, every payload byte and scale. Token t selects
+    # expert t % E alone, so expert e holds tokens e, e + E, ... in order.
+    t, hidden, num_experts = 192, 2048, 8
+    buf = gpu_buffer(t, hidden, num_experts)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn((t, hidden), generator=g) * torch.rand((t, 1), generator=g) * 20).to(
+        torch.bfloat16).cuda()
+    x[3, :128] = 0  # the minimum amax
+    x[5, 7] = 1000.0  # beyond 448 after scaling: saturates
+    xv = x.float().view(t, hidden // 128, 128)
+    amax = xv.abs().amax(dim=2).clamp(min=1e-4)
+    if round_scale:
+        want_s = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        want_q = (xv * (1.0 / want_s).unsqueeze(2)).to(torch.float8_e4m3fn).view(t, hidden)
+    else:
+        want_q, want_s = ref.per_token_cast_to_fp8(x)
+    idx = (torch.arange(t, device="cuda") % num_experts).view(t, 1)
+    (q, scales), count, _, _, _ = buf.low_latency_dispatch(x, idx, t, num_experts,
+                                                            round_scale=round_scale)
+    for e in range(num_experts):
+        tokens = torch.arange(e, t, num_experts, device="cuda")
+        n = tokens.numel()
+        assert int(count[e]) == n
+        assert torch.equal(q[e, :n].view(torch.uint8), want_q[tokens].view(torch.uint8)), e
+        assert torch.equal(scales[e, :n].view(torch.int32), want_s[tokens].view(torch.int32)), e
 
 
 @needs_gpus(1)
@@ -479,7 +514,6 @@ def _body_ranks(rank, world):
     import torch.distributed as dist
 
     import weft.ep
-    from weft.ep import low_latency as ll
 
     from test_ep_ranks import _gather
 
@@ -504,7 +538,7 @@ def _body_ranks(rank, world):
             res[4]()
         xs, idxs, ws = (_gather(v.cuda(), world) for v in (x, idx, w))
         if use_fp8:
-            sent = [tuple(p.cpu() for p in ll.cast_fp8(v.cuda(), round_scale)) for v in xs]
+            sent = [tuple(p.cpu() for p in ref.cast_fp8(v.cuda(), round_scale)) for v in xs]
         # Rank d's segment of its local expert e: (source rank, token) in that order.
         segments = {}
         for d in range(world):

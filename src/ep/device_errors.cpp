@@ -81,6 +81,11 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
           << " rows for a capacity of " << r.args[2] << " (raise BufferConfig::expand_factor); "
           << "no rank combined anything, out was not written";
       break;
+    case detail::kErrTooManyHeads:
+      out << "weft::ep combine on rank " << r.rank << ": " << r.args[0] << " received rows head "
+          << "a chain, but there are at most " << r.args[1] << " (source, token) pairs "
+          << "(expand_chain overwritten?); the chains past those were not sent back";
+      break;
     default:
       out << "weft::ep on rank " << r.rank << ": device error code " << r.code;
   }

@@ -16,6 +16,7 @@ void Buffer::low_latency_layout(const LowLatencyTargets& t, cudaStream_t stream)
   WEFT_CHECK(expand.enabled && expand.segment_stride > 0,
              "low_latency_layout: the latest dispatch must be an expanded one with fixed-stride ",
              "segments (ExpandOptions::segment_stride > 0)");
+  refuse_overflowed_layout(state_->layout, "low_latency_layout");
   WEFT_CHECK(t.src_info != nullptr, "low_latency_layout: src_info is null");
   WEFT_CHECK(t.layout_range != nullptr, "low_latency_layout: layout_range is null");
   const bool fp8 = state_->latest_row_bytes != config_.row_bytes();

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "weft/core/host_device.hpp"
+
 namespace weft::ep {
 
 // Element types the EP API accepts. Which one an argument may have is stated where it is taken.
@@ -113,10 +115,13 @@ constexpr double kFp8Row512MaxPaddingFraction = 0.05;
 // The smallest power of two at or above a positive normal fp32 value v (or +inf), by its bits:
 // (bits + 0x7FFFFF) & ~0x7FFFFF (an exact power of two stays, any other mantissa carries into
 // the exponent). v = amax * kFp8InverseE4M3Max with amax >= kFp8MinAmax is always normal.
+constexpr WEFT_HOST_DEVICE uint32_t fp8_round_scale_bits(uint32_t bits) noexcept {
+  return (bits + 0x7FFFFFu) & 0xFF800000u;
+}
 inline float fp8_round_scale(float v) noexcept {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  bits = (bits + 0x7FFFFFu) & 0xFF800000u;
+  bits = fp8_round_scale_bits(bits);
   float rounded;
   std::memcpy(&rounded, &bits, sizeof(rounded));
   return rounded;

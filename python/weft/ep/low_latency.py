@@ -52,8 +52,6 @@ from .native import NativeBuffer, NativeHandle, _current_raw_stream, check_tenso
 from .sizing import window_bytes_for
 
 _FP8_GROUP = 128
-_E4M3_MAX = 448.0
-_MIN_AMAX = 1e-4
 # The top-k the size hint assumes (its per-row metadata grows with it): the most weft takes.
 _HINT_TOP_K = 32
 _NUM_SLOTS = 2
@@ -96,34 +94,6 @@ def check_shapes(num_max_tokens, hidden, num_ranks: int, num_experts) -> None:
     if hidden % 8 != 0:
         raise Error(f"low-latency mode: hidden {hidden} must be a multiple of 8 (rows move as "
                     f"16-byte vectors)")
-
-
-def cast_fp8(x: torch.Tensor, round_scale: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's per-token cast of x [T, H] bf16 in torch ops: (e4m3 [T, H], scales fp32
-    [T, H / 128] row-major), what the dispatch's cast kernel (ep::cast_to_fp8, types.hpp) writes,
-    on any device (NaN codes aside: torch's may carry a sign). Per group of 128, in fp32: amax =
-    max(|x|, 1e-4), NaN elements not counted; scale = amax * (1 / 448) (torch's amax / 448.0
-    on the GPU; round_scale: the next power of two at or above it, exact), q = e4m3(x *
-    (1 / amax * 448)) (torch's x * (448.0 / amax); round_scale: x * (1 / scale), exact),
-    saturated to +-448."""
-    num_tokens, hidden = x.shape
-    g = x.view(num_tokens, hidden // _FP8_GROUP, _FP8_GROUP).float()
-    magnitude = g.abs()
-    amax = magnitude.masked_fill_(magnitude.isnan(), 0.0).amax(dim=-1).clamp_(min=_MIN_AMAX)
-    scale = amax * (1.0 / _E4M3_MAX)
-    if round_scale:
-        scale = power_of_two_at_or_above(scale)
-        q = g * scale.reciprocal().unsqueeze(-1)
-    else:
-        q = g * (amax.reciprocal() * _E4M3_MAX).unsqueeze(-1)
-    q = q.clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn).view(num_tokens, hidden)
-    return q, scale
-
-
-def power_of_two_at_or_above(v: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2 v) of positive normal fp32 values, by their bits (exact on every device)."""
-    bits = v.view(torch.int32)
-    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
 
 
 class LowLatencyHandle(tuple):

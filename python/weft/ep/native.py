@@ -274,6 +274,7 @@ def fill_token_rows(rows, x) -> None:
         rows.dtype = _UINT8
     else:
         rows.data = x.data_ptr()
+        rows.scales = 0
         rows.num_tokens, rows.cols = x.shape
         rows.dtype = _UINT8 if x.dtype == torch.uint8 else _BF16
 

@@ -10,8 +10,9 @@ The micro-batched step (step.py): serial_step (one stream) and PipelinedStep (we
 forward and backward cut into stages at every communication, with one dispatcher per live layout
 (slots.py). EmulatedDispatcher (emulated.py): on one GPU, a dispatcher that holds the SMs of a
 target machine's communication for the time it takes there. ops.py: dispatch and combine as
-torch.library custom ops, through which torch.compile traces the layer into one graph. planning.py: the planner over the step (its depth
-variants, costs from a traced step, a search kept to the step's layouts; no torch).
+torch.library custom ops, through which torch.compile traces the layer into one graph.
+planning.py: the planner over the step (its depth variants, costs from a traced step, a search
+kept to the step's layouts; no torch).
 """
 
 from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(256) cast_fp8_kernel(const CastFp8Params p) {
   float scale = __fmul_rn(amax, kFp8InverseE4M3Max);
   float inverse;
   if (p.round_scale) {
-    scale = __uint_as_float((__float_as_uint(scale) + 0x7FFFFFu) & 0xFF800000u);
+    scale = __uint_as_float(fp8_round_scale_bits(__float_as_uint(scale)));
     inverse = __frcp_rn(scale);
   } else {
     inverse = __fmul_rn(__frcp_rn(amax), kFp8E4M3Max);

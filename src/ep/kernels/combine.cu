@@ -204,18 +204,32 @@ __device__ float source_row_weight(const CombineParams& p, const CombineCall& ca
   return weight;
 }
 
-// Where the chain sum of the row heading (src.x, src.y)'s chain goes: the source's comb_x row
-// of this rank.
-__device__ int4* chain_sum_dst(const CombineParams& p, const CombineCall& call, int2 src) {
-  return reinterpret_cast<int4*>(call.peer[src.x] + p.comm.layout.comb_x) +
-         (int64_t(p.comm.rank) * p.max_tokens + src.y) * call.n16;
+// One warp: the vectors [v_begin, v_end) of the sum of the chain that row j heads (its source
+// src in range), into the source's comb_x row of this rank. A chain ascends and has at most
+// min(top_k, E/R) <= 32 rows; the walk is bounded by that and by num_recv regardless.
+__device__ void sum_chain(const CombineParams& p, const CombineCall& call, const int2* chain,
+                          int32_t j, int2 src, int64_t v_begin, int64_t v_end, int lane) {
+  int32_t lane_row = -1;  // lane i: the chain's i-th row
+  int num_rows = 0;
+  for (int32_t r = j; r >= 0 && r < call.num_recv && num_rows < 32; r = chain[r].x) {
+    if (lane == num_rows) lane_row = r;
+    ++num_rows;
+  }
+  int4* dst = reinterpret_cast<int4*>(call.peer[src.x] + p.comm.layout.comb_x) +
+              (int64_t(p.comm.rank) * p.max_tokens + src.y) * call.n16;
+  const auto* y = reinterpret_cast<const int4*>(p.expert_out);
+  if (p.source_weighted) {
+    const float lane_weight = lane_row >= 0 ? source_row_weight(p, call, lane_row, src) : 0.0f;
+    warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, v_begin, v_end, lane);
+  } else {
+    warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, v_begin, v_end, lane);
+  }
 }
 
 // Send warps, expanded: every row that heads its (source, token)'s chain here sends the chain's
 // sum to the source's comb_x[rank][token] (padding rows and chain members other than the head
-// are skipped). A chain ascends and has at most min(top_k, E/R) <= 32 rows; the walk is bounded
-// by that and by num_recv regardless. A claim covers up to kMaxSendBatch rows: most rows head a
-// chain, and few per claim spread a small call over many warps.
+// are skipped). A claim covers up to kMaxSendBatch rows: most rows head a chain, and few per
+// claim spread a small call over many warps.
 __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call) {
   const CommParams& c = p.comm;
   const int lane = threadIdx.x % 32;
@@ -235,20 +249,7 @@ __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call)
       const int64_t j = r0 + __ffs(int(rest)) - 1;
       const int2 src = call.recv_src[j];
       if (!call.source_in_range(p, src)) continue;  // reported with the flags below
-      int32_t lane_row = -1;                        // lane i: the chain's i-th row
-      int num_rows = 0;
-      for (int32_t r = int32_t(j); r >= 0 && r < num_recv && num_rows < 32; r = chain[r].x) {
-        if (lane == num_rows) lane_row = r;
-        ++num_rows;
-      }
-      int4* dst = chain_sum_dst(p, call, src);
-      const auto* y = reinterpret_cast<const int4*>(p.expert_out);
-      if (p.source_weighted) {
-        const float lane_weight = lane_row >= 0 ? source_row_weight(p, call, lane_row, src) : 0.0f;
-        warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, 0, call.n16, lane);
-      } else {
-        warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, 0, call.n16, lane);
-      }
+      sum_chain(p, call, chain, int32_t(j), src, 0, call.n16, lane);
     }
     __syncwarp();
     if (lane == 0 && heads != 0) {
@@ -265,8 +266,8 @@ __device__ void send_chain_sums(const CombineParams& p, const CombineCall& call)
 
 // Send warps, expanded with fixed-stride segments (sparse_rows: mostly padding rows and few
 // chains, as in a decode step), in two phases over every send warp of the grid, since one warp
-// summing a whole chain alone is bound by its own issue rate (tens of microseconds a chain at
-// hidden 7168) and a small call has too few chains to keep the other warps busy:
+// summing a whole chain alone is bound by its own issue rate and a small call has too few chains
+// to keep the other warps busy (docs/perf-ep.md):
 //  1. find: each warp takes 32-row batches (one load per lane) and appends the rows heading a
 //     chain to sparse_heads (DeviceState::num_sparse_heads counts them; each entry's done count
 //     starts at 0); then a barrier over the send warps of every block.
@@ -289,8 +290,12 @@ __device__ void send_chain_sums_sparse(const CombineParams& p, const CombineCall
     uint32_t first = 0;
     if (lane == 0) first = atomicAdd(&c.state->num_sparse_heads, uint32_t(__popc(heads)));
     first = __shfl_sync(0xffffffffu, first, 0);
-    // More heads than (source, token) pairs: not this layout's chains; those past the list are
-    // dropped, and their sources time out waiting for them.
+    // More heads than (source, token) pairs: not this layout's chains (reported); those past
+    // the list are dropped, and their sources time out waiting for them.
+    if (lane == 0 && int64_t(first) + __popc(heads) > p.max_sparse_heads) {
+      raise_device_error(c.error, kErrTooManyHeads, c.rank, int64_t(first) + __popc(heads),
+                         p.max_sparse_heads);
+    }
     if (lane < __popc(heads) && int64_t(first) + lane < p.max_sparse_heads) {
       p.sparse_heads[first + lane] = make_int2(int(b * 32 + __fns(heads, 0, lane + 1)), 0);
     }
@@ -305,7 +310,6 @@ __device__ void send_chain_sums_sparse(const CombineParams& p, const CombineCall
       min(p.max_sparse_heads,
           int64_t(*reinterpret_cast<volatile uint32_t*>(&c.state->num_sparse_heads)));
   const int64_t units_per_head = (call.n16 + kSparseUnitVecs - 1) / kSparseUnitVecs;
-  const auto* y = reinterpret_cast<const int4*>(p.expert_out);
   for (int64_t unit = warp; unit < num_heads * units_per_head; unit += num_warps) {
     const int64_t h = unit / units_per_head;
     const int64_t piece = unit % units_per_head;
@@ -315,22 +319,8 @@ __device__ void send_chain_sums_sparse(const CombineParams& p, const CombineCall
       if (piece == 0 && lane == 0) call.source_flag(p, j, src);  // reports it
       continue;
     }
-    int32_t lane_row = -1;  // lane i: the chain's i-th row
-    int num_rows = 0;
-    for (int32_t row = j; row >= 0 && row < num_recv && num_rows < 32; row = chain[row].x) {
-      if (lane == num_rows) lane_row = row;
-      ++num_rows;
-    }
-    int4* dst = chain_sum_dst(p, call, src);
     const int64_t v_begin = piece * kSparseUnitVecs;
-    const int64_t v_end = min(call.n16, v_begin + kSparseUnitVecs);
-    if (p.source_weighted) {
-      const float lane_weight = lane_row >= 0 ? source_row_weight(p, call, lane_row, src) : 0.0f;
-      warp_sum_rows<true>(dst, y, lane_row, lane_weight, num_rows, call.n16, v_begin, v_end,
-                          lane);
-    } else {
-      warp_sum_rows<false>(dst, y, lane_row, 0.0f, num_rows, call.n16, v_begin, v_end, lane);
-    }
+    sum_chain(p, call, chain, j, src, v_begin, min(call.n16, v_begin + kSparseUnitVecs), lane);
     __syncwarp();
     if (lane == 0) {
       __threadfence_system();  // the warp's row stores (ordered by __syncwarp) before its count

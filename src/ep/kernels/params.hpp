@@ -49,6 +49,8 @@ enum ErrorCode : uint32_t {
                             // largest T, that T, max_tokens
   kErrOverflowedLayout = 10,  // combine / cached dispatch of such a dispatch's layout (skipped);
                               // args: as kErrTokensOverflow
+  kErrTooManyHeads = 11,      // fixed-stride combine: more rows head a chain than there are
+                              // (source, token) pairs (corrupt chains); args: heads, the most
 };
 // A flag's value is a call number; kFlagFailed is set where its writer failed that call (dispatch
 // done flags: the call timed out there; combine row flags: no row was sent), kFlagFatal beside it

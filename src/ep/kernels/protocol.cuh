@@ -106,9 +106,11 @@ __device__ inline bool wait_all_peers(const CommParams& c, char* local, int kind
   return true;
 }
 
-// Barrier over the blocks of this (cooperative) grid; false on timeout. Every thread that
-// block_sync() synchronises calls it (one group per block: all threads, or the send warps of a
-// named barrier); thread 0 of the block must be one of them. One barrier runs at a time.
+// Barrier over the blocks of this (cooperative) grid; false on timeout, or where this rank broke
+// (a fatal error raised by another block: that block may never arrive, and its error is the one
+// to report). Every thread that block_sync() synchronises calls it (one group per block: all
+// threads, or the send warps of a named barrier); thread 0 of the block must be one of them. One
+// barrier runs at a time.
 template <typename BlockSync>
 __device__ inline bool grid_barrier_of(const CommParams& c, uint64_t seq, BlockSync&& block_sync) {
   __shared__ int ok;
@@ -122,10 +124,16 @@ __device__ inline bool grid_barrier_of(const CommParams& c, uint64_t seq, BlockS
       atomicExch(&st->barrier_count, 0u);
       __threadfence();
       atomicAdd(&st->barrier_generation, 1u);
-    } else if (!spin_wait([&] { return ld_acquire_gpu(&st->barrier_generation) != generation; },
-                          c.timeout_ns)) {
-      raise_timeout(c, kWaitGridBarrier, -1, seq);
-      ok = 0;
+    } else {
+      const bool passed = spin_wait(
+          [&] { return ld_acquire_gpu(&st->barrier_generation) != generation || is_broken(c); },
+          c.timeout_ns);
+      if (!passed) {
+        raise_timeout(c, kWaitGridBarrier, -1, seq);
+        ok = 0;
+      } else if (ld_acquire_gpu(&st->barrier_generation) == generation) {
+        ok = 0;  // broken: reported by whoever broke it
+      }
     }
     __threadfence();
   }

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "device_array.hpp"
@@ -260,18 +261,27 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
     in.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
     in.expand = {.enabled = true, .segment_stride = S};
     eps[0]->dispatch(in, streams[0]);
+    // Each refusal for its own reason.
+    auto expect_refusal = [&](const weft::ep::LowLatencyTargets& t, const std::string& reason) {
+      try {
+        eps[0]->low_latency_layout(t, streams[0]);
+        ADD_FAILURE() << "not refused: " << reason;
+      } catch (const weft::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+      }
+    };
     weft::ep::LowLatencyTargets t;
     t.src_info = static_cast<int32_t*>(out.ptr);
     t.layout_range = static_cast<int64_t*>(out.ptr);
     t.scales = static_cast<float*>(out.ptr);
-    EXPECT_THROW(eps[0]->low_latency_layout(t, streams[0]), weft::Error);
+    expect_refusal(t, "need the latest dispatch to have moved fp8 rows");
     t.scales = nullptr;
     t.src_info = nullptr;
-    EXPECT_THROW(eps[0]->low_latency_layout(t, streams[0]), weft::Error);
+    expect_refusal(t, "src_info is null");
     in.expand = {.enabled = true};
     eps[0]->dispatch(in, streams[0]);
     t.src_info = static_cast<int32_t*>(out.ptr);
-    EXPECT_THROW(eps[0]->low_latency_layout(t, streams[0]), weft::Error);
+    expect_refusal(t, "fixed-stride segments");
     WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[0]));
   }
   for (auto s : streams) cudaStreamDestroy(s);
