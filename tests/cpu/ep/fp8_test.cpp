@@ -108,6 +108,16 @@ std::vector<uint16_t> random_bf16(std::size_t n, std::mt19937& rng) {
   return x;
 }
 
+// max |x| over group g (128 elements) of token t of bf16 rows of hidden elements.
+float group_amax(const std::vector<uint16_t>& x, int64_t hidden, int64_t t, int64_t g) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < 128; ++i) {
+    amax = std::max(amax,
+                    std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
+  }
+  return amax;
+}
+
 TEST(EpFp8, CastMatchesTheStatedFormulaAndUnpacks) {
   std::mt19937 rng(11);
   for (int64_t hidden : {128, 256, 384, 2048, 7168}) {
@@ -124,10 +134,7 @@ TEST(EpFp8, CastMatchesTheStatedFormulaAndUnpacks) {
       const uint8_t* row = rows.data() + t * l.row_bytes;
       for (int64_t b = l.raw_bytes; b < l.row_bytes; ++b) ASSERT_EQ(row[b], 0) << "padding";
       for (int64_t g = 0; g < hidden / 128; ++g) {
-        float amax = 0.0f;
-        for (int64_t i = 0; i < 128; ++i) {
-          amax = std::max(amax, std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
-        }
+        const float amax = group_amax(x, hidden, t, g);
         // torch's amax / 448.0 and 448.0 / amax on the GPU: products with reciprocals.
         const float want_scale = std::max(amax, 1e-4f) * (1.0f / 448.0f);
         float scale;
@@ -259,11 +266,7 @@ TEST(EpFp8, CastWithRoundScaleMatchesTheStatedFormula) {
       const uint8_t* row = rows.data() + t * l.row_bytes;
       for (int64_t b = l.raw_bytes; b < l.row_bytes; ++b) ASSERT_EQ(row[b], 0) << "padding";
       for (int64_t g = 0; g < hidden / 128; ++g) {
-        float amax = 0.0f;
-        for (int64_t i = 0; i < 128; ++i) {
-          amax = std::max(
-              amax, std::fabs(weft::ep::bf16_to_float(x[std::size_t(t * hidden + g * 128 + i)])));
-        }
+        const float amax = group_amax(x, hidden, t, g);
         const float target = std::max(amax, 1e-4f) * (1.0f / 448.0f);
         int k = -40;
         while (std::ldexp(1.0f, k) < target) ++k;
