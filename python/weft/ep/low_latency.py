@@ -48,14 +48,13 @@ import torch.distributed as dist
 from .. import Error, _weft
 from . import _group
 from .event import EventHandle, EventOverlap
-from .native import NativeBuffer, NativeHandle, _current_raw_stream, check_tensor
+from .native import _NO_EVENT, NativeBuffer, NativeHandle, _current_raw_stream, check_tensor
 from .sizing import window_bytes_for
 
 _FP8_GROUP = 128
 # The top-k the size hint assumes (its per-row metadata grows with it): the most weft takes.
 _HINT_TOP_K = 32
 _NUM_SLOTS = 2
-_NO_EVENT = EventOverlap(None)
 
 
 def window_bytes(num_max_tokens: int, hidden: int, num_ranks: int, num_experts: int,
@@ -323,41 +322,35 @@ class LowLatency:
                             "get_next_low_latency_combine_buffer(handle) first")
             expert_out = slot.combine_buffer
         else:
-            expert_out = x if x.is_contiguous() else x.contiguous()
+            expert_out = x  # contiguous (check_tensor)
         t, k = handle.num_tokens, handle.num_topk
         check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (t, k))
         check_tensor("topk_weights", topk_weights, (torch.float32,), device, (t, k))
-        weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
         if out is None:
             out = torch.empty((t, native.hidden), dtype=torch.bfloat16, device=device)
         else:
             check_tensor("out", out, (torch.bfloat16,), device, (t, native.hidden))
-            if not out.is_contiguous():
-                raise Error("low_latency_combine: out must be contiguous")
         # The hand-off to the comm stream and, for a plain call, back, inside the one binding
         # call; out belongs to the current stream, which (plain) waits for the kernel.
         plain = not async_finish and not return_recv_hook
         native.launch_combine(expert_out.view(-1, native.hidden), handle.native, [], out, 0,
                               _current_raw_stream(device.index), b._comm_stream.cuda_stream,
-                              async_finish=not plain, source_weights=weights)
+                              async_finish=not plain, source_weights=topk_weights)
         if plain:
             return out, _NO_EVENT, None
-        keep = [x, expert_out, topk_idx, topk_weights, weights, out]
+        keep = [x, expert_out, topk_idx, topk_weights, out]
         event, hook = self._finish(async_finish, return_recv_hook, keep)
         return out, event, hook
 
     # -- streams ------------------------------------------------------------------------------
     def _finish(self, async_finish: bool, return_recv_hook: bool,
                 keep) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
-        """The call's completion on the comm stream: the current stream waits now (neither
-        async_finish nor the hook), or the EventOverlap / the hook does."""
-        comm = self._buffer._comm_stream
-        done = EventHandle(comm)
+        """The completion of a call made with async_finish or return_recv_hook (a plain call's
+        binding call makes the current stream wait itself): the EventOverlap or the hook waits
+        for the comm stream; keep's tensors live until then."""
+        done = EventHandle(self._buffer._comm_stream)
         tensors = [t for t in keep if isinstance(t, torch.Tensor)]
-        if not async_finish and not return_recv_hook:
-            done.current_stream_wait()
-            return EventOverlap(None), None
-        event = EventOverlap(done, tensors) if async_finish else EventOverlap(None)
+        event = EventOverlap(done, tensors) if async_finish else _NO_EVENT
         hook = None
         if return_recv_hook:
             held = [tensors]

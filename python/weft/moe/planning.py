@@ -37,7 +37,8 @@ from .. import plan
 from .._weft import Error
 from ..pipeline import ScheduleConfig, ThreadMap
 from ..step_planning import Calibration, calibrated_costs, predicted_ms
-from .step import layouts_of, max_depth, moe_schedule, moe_thread_map, stage_lookaheads
+from .step import (layouts_of, max_depth, moe_schedule, moe_thread_map, num_layout_slots,
+                   stage_lookaheads)
 
 __all__ = ["MoeVariant", "Suggested", "check_layouts", "depth_variants", "merged_trace",
            "suggest_variant", "variant_from_config"]
@@ -82,10 +83,8 @@ def depth_variants(num_layers: int, depths: Sequence[int],
 def check_layouts(variant: MoeVariant, num_slots: Optional[Sequence[int]]) -> None:
     """weft.Error unless the variant's layouts fit ``num_slots`` (per layer; None: a dispatcher
     that keeps no layout, so any schedule fits)."""
-    if num_slots is None:
-        return
     need = variant.layouts()
-    if len(num_slots) != len(need) or any(n > h for n, h in zip(need, num_slots)):
+    if not _fits(need, num_slots):
         raise Error(f"schedule {variant.name!r} keeps {need} layouts per layer live at once; the "
                     f"step's layout slots hold {list(num_slots)} (a micro-batch's layout of "
                     f"layer l lives from dispatch_l to dispatch_bwd_l)")
@@ -155,8 +154,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
         not_searched += result.not_searched
     maps = [m for m in maps if _num_threads(num_layers, m) <= max_threads]
     fitting = [d for d in range(deepest + 1)
-               if num_slots is None or all(n <= h for n, h in zip(
-                   layouts_of(stage_lookaheads(num_layers, d), num_layers), num_slots))]
+               if _fits(num_layout_slots(num_layers, d), num_slots)]
     for d in fitting:
         lookaheads = stage_lookaheads(num_layers, d)
         for k, m in enumerate(maps):
@@ -179,6 +177,12 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     return Suggested(variant, ms, _num_threads(num_layers, json.loads(
         variant.config.to_json())["thread_map"]), source, num_evaluated, searched, not_searched,
         result)
+
+
+def _fits(need: Sequence[int], num_slots: Optional[Sequence[int]]) -> bool:
+    """Do layouts ``need`` (per layer) fit ``num_slots`` (None: any)?"""
+    return num_slots is None or (len(num_slots) == len(need) and
+                                 all(n <= h for n, h in zip(need, num_slots)))
 
 
 def _num_threads(num_layers: int, thread_map) -> int:
@@ -223,14 +227,16 @@ def merged_trace(traces: Sequence) -> SimpleNamespace:
     for trace in traces:
         if list(trace.task_names) != names or list(trace.stream_names) != streams:
             raise Error("merged_trace: the traces are of different tasks or streams")
-        host += [SimpleNamespace(task=s.task, batch=s.batch + batch0,
-                                 iteration=s.iteration + iteration0, ticket=s.ticket,
-                                 begin_us=s.begin_us, end_us=s.end_us, failed=s.failed)
-                 for s in trace.host_spans]
-        gpu += [SimpleNamespace(task=s.task, stream=s.stream, batch=s.batch + batch0,
-                                begin_us=s.begin_us, end_us=s.end_us, failed=s.failed)
-                for s in trace.gpu_spans]
-        batch0 = 1 + max([s.batch for s in host + gpu], default=batch0 - 1)
-        iteration0 = 1 + max([s.iteration for s in host], default=iteration0 - 1)
+        step_host = [SimpleNamespace(task=s.task, batch=s.batch + batch0,
+                                     iteration=s.iteration + iteration0, ticket=s.ticket,
+                                     begin_us=s.begin_us, end_us=s.end_us, failed=s.failed)
+                     for s in trace.host_spans]
+        step_gpu = [SimpleNamespace(task=s.task, stream=s.stream, batch=s.batch + batch0,
+                                    begin_us=s.begin_us, end_us=s.end_us, failed=s.failed)
+                    for s in trace.gpu_spans]
+        host += step_host
+        gpu += step_gpu
+        batch0 = 1 + max([s.batch for s in step_host + step_gpu], default=batch0 - 1)
+        iteration0 = 1 + max([s.iteration for s in step_host], default=iteration0 - 1)
     return SimpleNamespace(task_names=names, stream_names=streams, host_spans=host,
                            gpu_spans=gpu)
