@@ -21,7 +21,11 @@ Schedules, each with --micro-batches micro-batches per step:
   (a) a2a              serial_step with the all_to_all dispatcher
   no comm              serial_step with the local dispatcher (one rank only): the compute floor
 Depth d: max = 4 x layers (every communication, forward and backward, beside another
-micro-batch's compute); 2 x layers hides the forward communication only.
+micro-batch's compute); 2 x layers hides the forward communication only. (b) and (c) run on two
+engine threads, compute and comm (moe_thread_map), which share the GIL; --threads 1 puts every
+task on one thread, and --switch-interval-ms sets how soon a thread waiting for the GIL gets it
+(sys.setswitchinterval; Python's default is 5 ms): the two ways to tell the GIL's share of a
+pipelined step's time.
 Step time: wall time of --iters steps after --warmup (synchronised), ranges over --repeats runs,
 ratios against (a) weft.ep of the same run ((a) a2a on the CPU). hidden = (step(a) - step(b)) /
 (step(a) - step(no comm)): the share of (a)'s communication time that (b) hides (likewise (c)
@@ -62,7 +66,7 @@ import torch.distributed as dist
 import weft.moe as moe
 from weft import plan
 from weft.moe.planning import depth_variants, merged_trace, suggest_variant
-from weft.moe.step import COMM_STAGES
+from weft.moe.step import COMM_STAGES, stage_task_names
 from weft.step_planning import error_pct, fit_calibration, predicted_ms, rms_error_pct
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768), "tiny": (64, 16, 4, 32)}
@@ -158,6 +162,11 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--threads", type=int, default=2, choices=(1, 2),
+                   help="engine threads of (b) and (c): 2, compute and comm (moe_thread_map); "
+                        "1, every task on one thread")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval: how soon a thread that waits for the GIL gets it")
     p.add_argument("--suggest", action="store_true",
                    help="plan the pipelined family from one traced run and run the suggestion")
     p.add_argument("--calibrate", action="store_true",
@@ -168,6 +177,8 @@ def main():
     p.add_argument("--config-out", help="--suggest: where the suggestion's config goes")
     p.add_argument("--trace-dir", help="--suggest: write the traced runs' Chrome traces here")
     a = p.parse_args()
+    if a.switch_interval_ms is not None:
+        sys.setswitchinterval(a.switch_interval_ms / 1e3)
     if a.calibrate and not a.suggest:
         p.error("--calibrate goes with --suggest")
     device = a.device
@@ -196,6 +207,8 @@ def main():
         out(f"# EMULATED communication: {a.target} call times (weft.moe.emulated) as SM holds "
             f"on one GPU; rows marked emu are emulated figures", flush=True)
     backend = "torch" if device == "cuda" else "host"
+    # --threads 1 for the depth rows; a suggestion runs on its config's map.
+    thread_map = {"host": stage_task_names(a.layers)} if a.threads == 1 else None
     traced = False
     mismatches = 0
     for shape in a.shapes.split(","):
@@ -245,7 +258,8 @@ def main():
                         return moe.serial_step(model, x, t, 0.0, M, slots)
                 else:
                     piped = moe.PipelinedStep(model, slots, M, depth=depth, backend=backend,
-                                              config=config)
+                                              config=config,
+                                              thread_map=None if config else thread_map)
 
                     def step(x, t):
                         return piped(x, t, 0.0)

@@ -351,6 +351,41 @@ def test_a_thousand_owned_dispatches_back_to_back_each_match_the_reference():
         assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_owned_tensors_are_made_again_at_the_count_where_the_bound_falls_short(monkeypatch, fp8):
+    """An owned dispatch makes its tensors but recv_x before the launch, for a bound of rows
+    that a peer with more tokens can exceed; then they are made again at the count. Forced here
+    (a third of the tokens): every row, scale, index and weight still matches, and so do the
+    rows of calls that fit the bound (masked tokens: fewer rows than the bound, narrowed)."""
+    num_tokens, hidden, experts, top_k = 96, 256, 16, 4
+    buf = weft.ep.Buffer(None, int(1e9))
+    g = torch.Generator().manual_seed(23)
+    for short in (True, False, True):
+        if short:
+            monkeypatch.setattr(weft.ep.Buffer, "_owned_rows_bound",
+                                lambda self, n, worst: n // 3)
+        else:
+            monkeypatch.undo()
+        for i in range(10):
+            x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
+            idx = ref.random_routing(num_tokens, experts, top_k, g, 0.5)
+            w = torch.rand((num_tokens, top_k), generator=g)
+            (want,) = ref.dispatch([x], [idx], [w], experts)
+            if fp8:
+                x8, scales = ref.per_token_cast_to_fp8(x)
+                rx, ridx, rw, _, handle, _ = dispatch(buf, (x8.cuda(), scales.cuda()), idx, w,
+                                                      experts)
+                src = want.src[:, 1].long()
+                assert torch.equal(rx[0].cpu().view(torch.uint8), x8.view(torch.uint8)[src]), i
+                assert torch.equal(rx[1].cpu(), scales[src]), i
+            else:
+                rx, ridx, rw, _, handle, _ = dispatch(buf, x, idx, w, experts)
+                assert torch.equal(rx.cpu(), want.x), i
+            assert torch.equal(ridx.cpu(), want.expert_idx.long()), i
+            assert torch.equal(rw.cpu(), want.weights), i
+            assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
+
+
 def test_an_older_handle_is_laid_out_again_from_is_token_in_rank_alone():
     """The handle keeps no copy of the caller's selections: re-running an older layout needs only
     is_token_in_rank, so overwriting topk_idx after the dispatch changes nothing."""

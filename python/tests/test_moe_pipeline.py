@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 import weft.moe as moe  # noqa: E402
 from weft import plan  # noqa: E402
+from weft.moe.step import stage_task_names  # noqa: E402
 from conftest import needs_gpus, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,6 +127,21 @@ def test_pipelined_step_agrees_with_the_serial_one_bit_for_bit(depth):
     slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
     step = moe.PipelinedStep(piped, slots, num_micro_batches=4, depth=depth)
     _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(4)], lr=0.05)
+    step.close()
+
+
+@pytest.mark.parametrize("depth", [1, moe.max_depth(2)])
+def test_every_task_on_one_engine_thread_agrees_with_the_serial_step(depth):
+    """moe_pipeline.py --threads 1: the step's tasks share one host thread (no GIL between two);
+    the streams still overlap, and the bits are the serial step's."""
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=8, **SMALL)
+    piped = copy.deepcopy(serial)
+    ref = copy.deepcopy(serial)
+    slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
+    step = moe.PipelinedStep(piped, slots, num_micro_batches=4, depth=depth,
+                             thread_map={"host": stage_task_names(2)})
+    assert list(step.engine.threads) == ["host"]
+    _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(3)], lr=0.05)
     step.close()
 
 

@@ -18,6 +18,7 @@ DeepEP"). The Buffer is a thin layer on NativeBuffer's public API:
 
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -33,7 +34,8 @@ from .torch_modes import outside_torch_function_modes
 from .layout import dispatch_layout
 from .low_latency import LowLatency
 from .native import (_NO_EVENT, CommCall, NativeBuffer, _current_raw_stream, async_event,
-                     check_stream_options, check_tensor, check_x, event_of, flat)
+                     check_stream_options, check_tensor, check_x, event_of, flat,
+                     set_copy_out_rows)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
@@ -512,43 +514,90 @@ class Buffer:
                         allocate_on_comm_stream):
         """The common call (the caller's selections fit the window): the kernel on the comm
         stream, the counts read as soon as its count exchange ends (host sync only without
-        num_worst_tokens), the owned tensors allocated meanwhile (what needs no count, before
-        the launch: the GPU waits for what comes after the count) and filled by one copy kernel,
-        then the hand-off back (all stream work inside the extension)."""
+        num_worst_tokens), then the copy kernel that fills the owned tensors, then the hand-off
+        back (all stream work inside the extension). Between the count and the copy kernel the
+        GPU waits for the host, so all that can be is done before the launch: every owned
+        tensor but recv_x (with num_worst_tokens, recv_x too) is allocated for `bound` rows (this
+        rank's tokens from every rank: a peer with more tokens than this rank, rarely, makes them
+        again at the count) and narrowed to the count after the copy's launch, and the copy's
+        arguments are filled but its rows."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
         comm_raw = comm.cuda_stream
         stream = _current_raw_stream(native.device.index)
-        if allocate_on_comm_stream:
-            with torch.cuda.stream(comm):
-                prefix = self._owned_prefix(native.device)
-        else:
-            prefix = self._owned_prefix(native.device)
+        top_k = topk_idx.shape[1]
+        bound = self._owned_rows_bound(num_tokens, num_worst_tokens)
+        on_comm = torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext
+        with on_comm():
+            meta = self._owned_meta(native, is_fp8, bound, top_k, topk_idx.dtype)
+            # num_worst_tokens: the rows are known, recv_x too is made before the launch.
+            payload = None if sync else self._owned_payload(native, is_fp8, bound)
+        args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw, async_finish, x)
         native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
                                          alignment, stream, comm_raw, event_of(previous_event),
                                          async_finish, True)
         rows = res.num_recv if sync else num_worst_tokens
         try:
-            if allocate_on_comm_stream:
-                with torch.cuda.stream(comm):
-                    recv = self._owned_results(native, is_fp8, rows, topk_idx.shape[1],
-                                               topk_idx.dtype, prefix)
-            else:
-                recv = self._owned_results(native, is_fp8, rows, topk_idx.shape[1],
-                                           topk_idx.dtype, prefix)
-            recv_x, recv_src, prefix, recv_idx, recv_w = recv
-            native.copy_out(rows, recv_x, src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
-                            topk_weights=recv_w, rank_prefix_matrix=prefix, stream=stream,
-                            comm_stream=comm_raw, async_finish=async_finish, own_x=x)
+            with on_comm():
+                if rows > bound:
+                    meta = self._owned_meta(native, is_fp8, rows, top_k, topk_idx.dtype)
+                    args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw,
+                                               async_finish, x)
+                    bound = rows
+                prefix, recv_src, recv_idx, recv_w, scales = meta
+                if payload is None:
+                    payload = self._owned_payload(native, is_fp8, rows)
+            set_copy_out_rows(args, rows, payload)
+            native.run_copy_out(args)
         except BaseException:
             # The kernel still reads the caller's inputs: the caller's stream must not run ahead.
             native.hand_back(stream)
             raise
+        if rows < bound:
+            recv_src, recv_idx, recv_w = recv_src[:rows], recv_idx[:rows], recv_w[:rows]
+            if scales is not None:
+                scales = scales[:rows]
+        recv_x = payload if scales is None else (payload, scales)
         event = _NO_EVENT
         if async_finish:
             event = async_event(comm, [*flat(x), topk_idx, topk_weights, *flat(recv_x),
                                        recv_src, prefix, recv_idx, recv_w])
-        return res, recv, event
+        return res, (recv_x, recv_src, prefix, recv_idx, recv_w), event
+
+    @staticmethod
+    def _owned_payload(native: NativeBuffer, is_fp8: bool, rows: int) -> torch.Tensor:
+        """recv_x of an owned dispatch (fp8: the e4m3 half of the pair), rows rows."""
+        return torch.empty(rows, native.hidden, device=native.device,
+                           dtype=torch.float8_e4m3fn if is_fp8 else torch.bfloat16)
+
+    def _owned_rows_bound(self, num_tokens: int, num_worst_tokens: int) -> int:
+        """The rows an owned dispatch's tensors are made for before its count is known:
+        num_worst_tokens, else num_tokens from every rank (exact where every rank has this
+        rank's number of tokens or fewer)."""
+        return num_worst_tokens or self.group_size * num_tokens
+
+    def _owned_meta(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int, idx_dtype):
+        """(rank_prefix_matrix, recv_src, recv_topk_idx, recv_topk_weights, fp8 scales or None)
+        of an owned dispatch, for rows rows, on the current stream."""
+        device = native.device
+        scales = None
+        if is_fp8:
+            scales = torch.empty(rows, native.hidden // 128, dtype=torch.float32, device=device)
+        return (self._owned_prefix(device), torch.empty(rows, 2, dtype=torch.int32, device=device),
+                torch.empty(rows, top_k, dtype=idx_dtype, device=device),
+                torch.empty(rows, top_k, dtype=torch.float32, device=device), scales)
+
+    @staticmethod
+    def _copy_out_args(native: NativeBuffer, meta, num_tokens: int, stream: int, comm_raw: int,
+                       async_finish: bool, x):
+        """The copy kernel's arguments into meta's tensors (_owned_meta), all but its rows."""
+        prefix, recv_src, recv_idx, recv_w, scales = meta
+        args = native.copy_out_args(src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
+                                    topk_weights=recv_w, rank_prefix_matrix=prefix, stream=stream,
+                                    comm_stream=comm_raw, async_finish=async_finish, own_x=x)
+        if scales is not None:
+            args.x_scales = scales.data_ptr()
+        return args
 
     def _dispatch_widened(self, native, x, is_fp8, topk_idx, topk_weights, is_token_in_rank,
                           num_sms, num_tokens, num_worst_tokens, alignment, previous_event,
@@ -655,14 +704,18 @@ class Buffer:
         rows = layout.num_rows
         comm = native.comm_stream
         if native.holds_layout(layout.native):  # the common call: all stream work in the extension
+            # The rows are known: recv_x and the copy's arguments are made before the launch, so
+            # that the copy kernel is queued right behind the dispatch's.
             stream = _current_raw_stream(native.device.index)
+            recv_x = self._owned_x(native, is_fp8, rows, allocate_on_comm_stream)
+            args = native.copy_out_args(stream=stream, comm_stream=comm.cuda_stream,
+                                        async_finish=async_finish, own_x=x)
+            set_copy_out_rows(args, rows, recv_x)
             native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
                                    False, stream, comm.cuda_stream, event_of(previous_event),
                                    async_finish, hold=True, defer_own_rows=True)
             try:
-                recv_x = self._owned_x(native, is_fp8, rows, allocate_on_comm_stream)
-                native.copy_out(rows, recv_x, stream=stream, comm_stream=comm.cuda_stream,
-                                async_finish=async_finish, own_x=x)
+                native.run_copy_out(args)
             except BaseException:  # the kernel still reads x (see _dispatch_owned)
                 native.hand_back(stream)
                 raise
@@ -685,11 +738,11 @@ class Buffer:
         if on_comm_stream:
             with torch.cuda.stream(native.comm_stream):
                 return Buffer._owned_x(native, is_fp8, rows)
+        payload = Buffer._owned_payload(native, is_fp8, rows)
         if not is_fp8:
-            return torch.empty(rows, native.hidden, dtype=torch.bfloat16, device=native.device)
-        return (torch.empty(rows, native.hidden, dtype=torch.float8_e4m3fn, device=native.device),
-                torch.empty(rows, native.hidden // 128, dtype=torch.float32,
-                            device=native.device))
+            return payload
+        return payload, torch.empty(rows, native.hidden // 128, dtype=torch.float32,
+                                    device=native.device)
 
     # -- combine --------------------------------------------------------------------------------
     @outside_torch_function_modes

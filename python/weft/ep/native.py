@@ -141,15 +141,25 @@ class NativeHandle(NamedTuple):
     segment_stride: int = 0
 
 
-class DispatchCounts(NamedTuple):
+class DispatchCounts:
     """What a dispatch whose results are copied out needs of it (no views of the window):
     handle, and with the counts read, num_recv, tokens_per_local_expert_list and
-    tokens_required (else None)."""
+    tokens_required (else None). The list is made when first read: an owned dispatch launches
+    its copy kernel before it, while the GPU waits."""
 
-    handle: NativeHandle
-    num_recv: Optional[int]
-    tokens_per_local_expert_list: Optional[list]
-    tokens_required: Optional[int]
+    __slots__ = ("handle", "num_recv", "tokens_required", "_out", "_list")
+
+    def __init__(self, handle: NativeHandle, out=None) -> None:
+        self.handle = handle
+        self._out, self._list = out, None
+        self.num_recv = None if out is None else out.num_recv
+        self.tokens_required = None if out is None else out.tokens_required
+
+    @property
+    def tokens_per_local_expert_list(self) -> Optional[list]:
+        if self._list is None and self._out is not None:
+            self._list = self._out.tokens_per_local_expert  # each read makes a new list
+        return self._list
 
 
 @dataclass
@@ -277,6 +287,16 @@ def fill_token_rows(rows, x) -> None:
         rows.scales = 0
         rows.num_tokens, rows.cols = x.shape
         rows.dtype = _UINT8 if x.dtype == torch.uint8 else _BF16
+
+
+def set_copy_out_rows(args, num_rows: int, recv_x) -> None:
+    """The rows of a copy_out's arguments (the binding's CopyOutArgs, in place): num_rows and
+    recv_x, a bf16 or fp8 tensor, or the fp8 pair (x_e4m3, scales)."""
+    args.num_rows = num_rows
+    if isinstance(recv_x, tuple):
+        args.x, args.x_scales = recv_x[0].data_ptr(), recv_x[1].data_ptr()
+    else:
+        args.x = recv_x.data_ptr()
 
 
 def _current_raw_stream(device_index: int) -> int:
@@ -647,11 +667,7 @@ class NativeBuffer:
         if handle is None:
             self._layout_key = (result_handle.buffer_id, result_handle.sequence)
         if hold:
-            if out.num_recv < 0:
-                return DispatchCounts(result_handle, None, None, None)
-            # Each read of the field makes a new list: this one is the caller's.
-            return DispatchCounts(result_handle, out.num_recv, out.tokens_per_local_expert,
-                                  out.tokens_required)
+            return DispatchCounts(result_handle, out if out.num_recv >= 0 else None)
         num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv
         return self._results(out, result_handle, is_fp8,
                              num_recv if num_recv >= 0 else out.capacity)
@@ -664,12 +680,20 @@ class NativeBuffer:
         stream), then the hand-off back to stream that a dispatch with hold left out. own_x:
         exactly where that dispatch deferred its own rows, its x (the payload of those rows is
         read from it)."""
+        a = self.copy_out_args(src=src, pad_token=pad_token, topk_idx=topk_idx,
+                               topk_weights=topk_weights, rank_prefix_matrix=rank_prefix_matrix,
+                               stream=stream, comm_stream=comm_stream, async_finish=async_finish,
+                               own_x=own_x)
+        set_copy_out_rows(a, num_rows, recv_x)
+        self._native.copy_out(a)
+
+    @staticmethod
+    def copy_out_args(*, src=None, pad_token: int = 0, topk_idx=None, topk_weights=None,
+                      rank_prefix_matrix=None, stream: int = 0, comm_stream: int = 0,
+                      async_finish: bool = False, own_x=None):
+        """copy_out's arguments but its rows (set_copy_out_rows gives them), so that a caller
+        can fill them before the count is known and launch right after it (run_copy_out)."""
         a = _weft.ep.CopyOutArgs()
-        a.num_rows = num_rows
-        if isinstance(recv_x, tuple):
-            a.x, a.x_scales = recv_x[0].data_ptr(), recv_x[1].data_ptr()
-        else:
-            a.x = recv_x.data_ptr()
         if src is not None:
             a.src = src.data_ptr()
         a.pad_token = pad_token
@@ -688,7 +712,11 @@ class NativeBuffer:
         a.stream = stream
         a.comm_stream = comm_stream
         a.async_finish = async_finish
-        self._native.copy_out(a)
+        return a
+
+    def run_copy_out(self, args) -> None:
+        """copy_out of filled arguments (copy_out_args, then set_copy_out_rows)."""
+        self._native.copy_out(args)
 
     # -- combine --------------------------------------------------------------------------------
     @outside_torch_function_modes
