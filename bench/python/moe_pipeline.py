@@ -11,8 +11,10 @@ communication (weft.moe.step); the pipelined schedules run them as weft.pipeline
 local copy (or the all_to_all dispatcher's permutation), so the figures measure the schedule and
 the engine's cost. --comm emulated (one GPU): every dispatcher call is followed, on its stream,
 by weft's hold_sms kernel holding --num-sms SMs for the time the call takes on --target (tables
-in weft.moe.emulated, from 2x H200 measurements); every row is then labelled "emu", an EMULATED
-figure, not a two-GPU measurement.
+in weft.moe.emulated: 2xh200 from 2x H200 measurements, 8xh200-model a model scaled from them by
+the rows each GPU sends); every row is then labelled "emu", an EMULATED figure, not a multi-GPU
+measurement. The planner's prediction from the measured compute stages is printed for every
+target.
 
 Schedules, each with --micro-batches micro-batches per step:
   (a) weft.ep          serial_step, one stream, one weft.ep Buffer per layer
@@ -204,8 +206,9 @@ def main():
     out(f"# {name} x {world}, torch {torch.__version__}, {a.layers} layers, {M} micro-batches, "
         f"{a.iters} steps per run, {a.repeats} runs", flush=True)
     if a.comm == "emulated":
-        out(f"# EMULATED communication: {a.target} call times (weft.moe.emulated) as SM holds "
-            f"on one GPU; rows marked emu are emulated figures", flush=True)
+        modelled = " (a MODEL of the target, no measurement)" if "model" in a.target else ""
+        out(f"# EMULATED communication: {a.target} call times{modelled} (weft.moe.emulated) as SM "
+            f"holds on one GPU; rows marked emu are emulated figures", flush=True)
     backend = "torch" if device == "cuda" else "host"
     # --threads 1 for the depth rows; a suggestion runs on its config's map.
     thread_map = {"host": stage_task_names(a.layers)} if a.threads == 1 else None
@@ -458,22 +461,24 @@ def _print_hidden(out, shape, T, times, emu):
 
 
 def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
-    """The planner's step on the target from the compute stages measured without communication
-    and the target's call table, beside the emulated measurement (medians)."""
+    """The planner's step on each target from the compute stages measured without communication
+    and the target's call table; on --target, beside the emulated measurement (medians)."""
     tokens = -(-T // a.micro_batches)
-    for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
-        comm_us = moe.emulated.comm_stage_us(moe.emulated.TARGETS[a.target][kind], tokens,
-                                             hidden)
-        predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us)
-        serial = f"(a) emu {kind}"
-        parts = [f"serial {predicted[0] * a.micro_batches / 1e3:.2f} vs "
-                 f"{_median(times[serial]):.2f}"]
-        for d in depths:
-            name = f"{prefix} emu pipe+{kind} d{d}"
-            parts.append(f"d{d} {predicted[d] * a.micro_batches / 1e3:.2f} vs "
-                         f"{_median(times[name]):.2f}")
-        out(f"{shape:6s} {T:6d} planner on {a.target} {kind} (ms per step, {a.micro_batches} x "
-            f"a steady-state micro-batch) vs emulated: " + ", ".join(parts), flush=True)
+    for target, tables in moe.emulated.TARGETS.items():
+        for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
+            comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
+            predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us)
+            measured = target == a.target
+            names = [f"(a) emu {kind}"] + [f"{prefix} emu pipe+{kind} d{d}" for d in depths]
+            parts = []
+            for label, d, name in zip(["serial"] + [f"d{d}" for d in depths], [0] + depths,
+                                      names):
+                ms = predicted[d] * a.micro_batches / 1e3
+                parts.append(f"{label} {ms:.2f}" + (f" vs {_median(times[name]):.2f}"
+                                                    if measured else ""))
+            out(f"{shape:6s} {T:6d} planner on {target} {kind} (ms per step, {a.micro_batches} x "
+                f"a steady-state micro-batch)" + (" vs emulated" if measured else "") + ": "
+                + ", ".join(parts), flush=True)
 
 
 def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, measured_ms):

@@ -280,3 +280,32 @@ def test_trace_shows_the_deferred_wgrad_under_its_backward_dispatch(depth):
     for layer in range(2):
         wgrad, comm = spans[f"experts_wgrad_{layer}", last], spans[f"dispatch_bwd_{layer}", last]
         assert wgrad.end_us > wgrad.begin_us and _overlaps(wgrad, comm), layer
+
+
+def test_the_8xh200_model_scales_the_per_row_part_by_the_rows_each_gpu_sends():
+    """remote_ranks_per_token against routing drawn as the model assumes (top-8 of 256 distinct
+    experts, uniform), and the model's tables: the fixed part of 2x H200, the per-row part
+    times the ratio of remote rows per token (weft.ep: deduplicated per rank; the all_to_all
+    dispatcher: per selection)."""
+    from weft.moe.emulated import (A2A_8XH200_MODEL, EP_8XH200_MODEL, TARGETS,
+                                   remote_ranks_per_token)
+
+    g = torch.Generator().manual_seed(11)
+    num_tokens = 20000
+    idx = torch.rand((num_tokens, 256), generator=g).topk(8, dim=1).indices
+    for num_ranks in (2, 4, 8):
+        ranks = torch.zeros((num_tokens, num_ranks), dtype=torch.bool)
+        ranks.scatter_(1, idx // (256 // num_ranks), True)
+        # Rank 0's view: the other ranks its tokens go to.
+        drawn = ranks[:, 1:].sum(dim=1).double().mean().item()
+        assert remote_ranks_per_token(num_ranks) == pytest.approx(drawn, rel=0.01), num_ranks
+    assert remote_ranks_per_token(1) == 0.0
+    factor = remote_ranks_per_token(8) / remote_ranks_per_token(2)
+    assert 4.5 < factor < 4.7
+    for call in ("dispatch", "combine", "dispatch_cached"):
+        two, eight = moe.EP_2XH200[call], EP_8XH200_MODEL[call]
+        assert eight.fixed_us == two.fixed_us
+        assert eight.us_per_row == pytest.approx(two.us_per_row * factor)
+        assert A2A_8XH200_MODEL[call].us(8192, 7168) == pytest.approx(
+            moe.A2A_2XH200[call].us(8192, 7168) * 1.75)
+    assert TARGETS["8xh200-model"] == {"weft.ep": EP_8XH200_MODEL, "a2a": A2A_8XH200_MODEL}

@@ -17,6 +17,7 @@ planner's prediction of the step on the target from the same tables.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -58,7 +59,33 @@ A2A_2XH200: Mapping[str, CallCost] = {
     "dispatch_cached": CallCost(0.0, 897.5 / 8192),
 }
 
-TARGETS = {"2xh200": {"weft.ep": EP_2XH200, "a2a": A2A_2XH200}}
+
+
+def remote_ranks_per_token(num_ranks: int, num_experts: int = 256, top_k: int = 8) -> float:
+    """The expected number of other ranks a token's rows go to when its top_k distinct experts
+    are drawn uniformly from num_experts split evenly over num_ranks: weft.ep's (deduplicated)
+    sends per token over NVLink."""
+    per_rank = num_experts // num_ranks
+    missed = math.comb(num_experts - per_rank, top_k) / math.comb(num_experts, top_k)
+    return (num_ranks - 1) * (1.0 - missed)
+
+
+def _per_row_scaled(table: Mapping[str, CallCost], factor: float) -> Mapping[str, CallCost]:
+    return {call: CallCost(c.fixed_us, c.us_per_row * factor) for call, c in table.items()}
+
+
+# 8x H200, a MODEL (no 8-GPU figure has been measured): each call bound by the rows a GPU sends
+# over NVLink at the per-GPU rate measured on 2x H200 (NVSwitch gives each GPU the same links
+# whatever the number of peers), the fixed part as on 2x H200. weft.ep sends a row per token and
+# destination rank (remote_ranks_per_token: 0.996 at 2 ranks, 4.62 at 8, top-8 of 256); the
+# all_to_all dispatcher a row per selection, (R - 1) / R of them remote. Optimistic where the
+# per-GPU rate falls with more peers or the fixed part grows with them.
+EP_8XH200_MODEL = _per_row_scaled(EP_2XH200,
+                                  remote_ranks_per_token(8) / remote_ranks_per_token(2))
+A2A_8XH200_MODEL = _per_row_scaled(A2A_2XH200, (7 / 8) / (1 / 2))
+
+TARGETS = {"2xh200": {"weft.ep": EP_2XH200, "a2a": A2A_2XH200},
+           "8xh200-model": {"weft.ep": EP_8XH200_MODEL, "a2a": A2A_8XH200_MODEL}}
 
 
 def hold_on_current_stream(num_sms: int, duration_us: float, device: torch.device) -> None:
