@@ -169,6 +169,38 @@ def test_results_are_allocated_on_the_callers_stream():
         assert _segment_stream(t) == caller.cuda_stream
 
 
+@pytest.mark.parametrize("top_k", [4, 8])
+def test_allocate_on_comm_stream_puts_every_result_there(top_k):
+    """allocate_on_comm_stream (with previous_event and async_finish, as DeepEP requires): the
+    owned results of the host-synced, the num_worst_tokens and the cached dispatch are allocated
+    on the comm stream and match the reference. Top-8 fits the window's selections (the owned
+    tensors made before the launch), top-4 is widened first."""
+    hidden, experts = 512, 16
+    buf = weft.ep.Buffer(None, int(1e9))
+    comm = buf.get_comm_stream().cuda_stream
+    x, idx, w = inputs(256, hidden, experts, top_k, 0.2, seed=12)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    n = want.x.shape[0]
+    layout = deepep_layout(buf, idx.cuda(), experts)
+    stream_args = dict(allocate_on_comm_stream=True, async_finish=True)
+    for worst in (0, n + 5):
+        rx, ridx, rw, _, handle, event = buf.dispatch(
+            x.cuda(), topk_idx=idx.cuda(), topk_weights=w.cuda(), num_worst_tokens=worst,
+            previous_event=buf.capture(), **layout, **stream_args)
+        event.current_stream_wait()
+        for t in (rx, ridx, rw, handle[0], handle[3]):
+            assert _segment_stream(t) == comm
+        assert torch.equal(rx.cpu()[:n], want.x), worst
+        assert torch.equal(ridx.cpu()[:n], want.expert_idx.long()), worst
+        assert torch.equal(rw.cpu()[:n], want.weights), worst
+    y = torch.randn((256, hidden)).bfloat16()
+    cached, _, _, _, _, event = buf.dispatch(y.cuda(), handle=handle,
+                                             previous_event=buf.capture(), **stream_args)
+    event.current_stream_wait()
+    assert _segment_stream(cached) == comm
+    assert torch.equal(cached.cpu()[:n], y[want.src[:, 1].long()])
+
+
 def test_inputs_and_handles_dropped_after_an_async_call_are_kept_for_it():
     hidden, experts = 2048, 16
     buf = weft.ep.Buffer(None, int(1e9))
@@ -332,10 +364,12 @@ def test_fp8_scales_are_read_where_they_are(layout):
     assert torch.equal(got.cpu(), packed[:, :got.shape[1]])
 
 
-def test_a_thousand_owned_dispatches_back_to_back_each_match_the_reference():
+@pytest.mark.parametrize("top_k", [4, 8])
+def test_a_thousand_owned_dispatches_back_to_back_each_match_the_reference(top_k):
     """Counts read early (as soon as the count exchange ends), owned tensors filled by one copy
-    kernel: 1000 calls with fresh routing, every row, index, weight and count checked."""
-    num_tokens, hidden, experts, top_k = 96, 256, 16, 4
+    kernel: 1000 calls with fresh routing, every row, index, weight and count checked; top-8
+    fits the window's selections as they are, top-4 is widened to it first."""
+    num_tokens, hidden, experts = 96, 256, 16
     buf = weft.ep.Buffer(None, int(1e9))
     g = torch.Generator().manual_seed(22)
     for i in range(1000):
@@ -356,19 +390,29 @@ def test_owned_tensors_are_made_again_at_the_count_where_the_bound_falls_short(m
     """An owned dispatch makes its tensors but recv_x before the launch, for a bound of rows
     that a peer with more tokens can exceed; then they are made again at the count. Forced here
     (a third of the tokens): every row, scale, index and weight still matches, and so do the
-    rows of calls that fit the bound (masked tokens: fewer rows than the bound, narrowed)."""
-    num_tokens, hidden, experts, top_k = 96, 256, 16, 4
+    rows of calls that fit the bound (masked tokens: fewer rows than the bound, narrowed). Top-8,
+    the window's: the path of selections that fit it (fewer columns are widened first)."""
+    num_tokens, hidden, experts, top_k = 96, 256, 16, 8
     buf = weft.ep.Buffer(None, int(1e9))
     g = torch.Generator().manual_seed(23)
+    real_bound = weft.ep.Buffer._owned_rows_bound
+    bounds = []
+
+    def short_bound(self, n, worst):
+        bounds.append(n // 3)
+        return n // 3
+
+    def spied_bound(self, n, worst):
+        bounds.append(real_bound(self, n, worst))
+        return bounds[-1]
+
     for short in (True, False, True):
-        if short:
-            monkeypatch.setattr(weft.ep.Buffer, "_owned_rows_bound",
-                                lambda self, n, worst: n // 3)
-        else:
-            monkeypatch.undo()
+        monkeypatch.setattr(weft.ep.Buffer, "_owned_rows_bound",
+                            short_bound if short else spied_bound)
         for i in range(10):
             x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
             idx = ref.random_routing(num_tokens, experts, top_k, g, 0.5)
+            idx[i % 7::7] = -1  # tokens that select nothing: fewer rows than tokens
             w = torch.rand((num_tokens, top_k), generator=g)
             (want,) = ref.dispatch([x], [idx], [w], experts)
             if fp8:
@@ -384,6 +428,11 @@ def test_owned_tensors_are_made_again_at_the_count_where_the_bound_falls_short(m
             assert torch.equal(ridx.cpu(), want.expert_idx.long()), i
             assert torch.equal(rw.cpu(), want.weights), i
             assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
+            # The path under test ran, and the rows were above the short bound or below the
+            # real one (narrowed).
+            rows = want.x.shape[0]
+            assert len(bounds) == 1 and (rows > bounds[0] if short else rows < bounds[0]), i
+            bounds.clear()
 
 
 def test_an_older_handle_is_laid_out_again_from_is_token_in_rank_alone():
