@@ -68,7 +68,7 @@ import torch.distributed as dist
 import weft.moe as moe
 from weft import plan
 from weft.moe.planning import depth_variants, merged_trace, suggest_variant
-from weft.moe.step import COMM_STAGES, stage_task_names
+from weft.moe.step import COMM_STAGES
 from weft.step_planning import error_pct, fit_calibration, predicted_ms, rms_error_pct
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768), "tiny": (64, 16, 4, 32)}
@@ -210,8 +210,8 @@ def main():
         out(f"# EMULATED communication: {a.target} call times{modelled} (weft.moe.emulated) as SM "
             f"holds on one GPU; rows marked emu are emulated figures", flush=True)
     backend = "torch" if device == "cuda" else "host"
-    # --threads 1 for the depth rows; a suggestion runs on its config's map.
-    thread_map = {"host": stage_task_names(a.layers)} if a.threads == 1 else None
+    # The depth rows' map; a suggestion runs on its config's.
+    thread_map = moe.moe_thread_map(a.layers, a.threads)
     traced = False
     mismatches = 0
     for shape in a.shapes.split(","):
@@ -469,10 +469,10 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
             comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
             predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us)
             measured = target == a.target
-            names = [f"(a) emu {kind}"] + [f"{prefix} emu pipe+{kind} d{d}" for d in depths]
+            rows = [("serial", 0, f"(a) emu {kind}")] + [
+                (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in depths]
             parts = []
-            for label, d, name in zip(["serial"] + [f"d{d}" for d in depths], [0] + depths,
-                                      names):
+            for label, d, name in rows:
                 ms = predicted[d] * a.micro_batches / 1e3
                 parts.append(f"{label} {ms:.2f}" + (f" vs {_median(times[name]):.2f}"
                                                     if measured else ""))

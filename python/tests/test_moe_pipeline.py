@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 import weft.moe as moe  # noqa: E402
 from weft import plan  # noqa: E402
-from weft.moe.step import stage_task_names  # noqa: E402
 from conftest import needs_gpus, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,7 +138,7 @@ def test_every_task_on_one_engine_thread_agrees_with_the_serial_step(depth):
     ref = copy.deepcopy(serial)
     slots = moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)
     step = moe.PipelinedStep(piped, slots, num_micro_batches=4, depth=depth,
-                             thread_map={"host": stage_task_names(2)})
+                             thread_map=moe.moe_thread_map(2, num_threads=1))
     assert list(step.engine.threads) == ["host"]
     _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(3)], lr=0.05)
     step.close()

@@ -491,19 +491,13 @@ class Buffer:
         return native, res
 
     def _owned_results(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int,
-                       idx_dtype, prefix: Optional[torch.Tensor] = None) -> tuple:
-        """Empty owned tensors for a dispatch's results (on the current stream; prefix, the
-        rank_prefix_matrix, may be made before the count is known). Sizes go positionally:
-        torch parses them faster than a shape tuple."""
-        device = native.device
-        recv_x = self._owned_x(native, is_fp8, rows)
-        recv_src = torch.empty(rows, 2, dtype=torch.int32, device=device)
-        if prefix is None:
-            prefix = self._owned_prefix(device)
-        recv_idx = recv_w = None
-        if top_k:
-            recv_idx = torch.empty(rows, top_k, dtype=idx_dtype, device=device)
-            recv_w = torch.empty(rows, top_k, dtype=torch.float32, device=device)
+                       idx_dtype) -> tuple:
+        """Empty owned tensors for a dispatch's results, rows rows, on the current stream:
+        (recv_x, recv_src, rank_prefix_matrix, recv_topk_idx, recv_topk_weights)."""
+        prefix, recv_src, recv_idx, recv_w, scales = self._owned_meta(native, is_fp8, rows,
+                                                                      top_k, idx_dtype)
+        payload = self._owned_payload(native, is_fp8, rows)
+        recv_x = payload if scales is None else (payload, scales)
         return recv_x, recv_src, prefix, recv_idx, recv_w
 
     def _owned_prefix(self, device) -> torch.Tensor:
@@ -527,6 +521,7 @@ class Buffer:
         stream = _current_raw_stream(native.device.index)
         top_k = topk_idx.shape[1]
         bound = self._owned_rows_bound(num_tokens, num_worst_tokens)
+
         def on_comm():  # where the owned tensors are allocated
             return torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()
 
@@ -580,15 +575,22 @@ class Buffer:
         return num_worst_tokens or self.group_size * num_tokens
 
     def _owned_meta(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int, idx_dtype):
-        """(rank_prefix_matrix, recv_src, recv_topk_idx, recv_topk_weights, fp8 scales or None)
-        of an owned dispatch, for rows rows, on the current stream."""
+        """(rank_prefix_matrix, recv_src, recv_topk_idx, recv_topk_weights, fp8 scales) of an
+        owned dispatch, rows rows, on the current stream (the selections None without top_k, the
+        scales None without fp8). Sizes go positionally: torch parses them faster than a shape
+        tuple."""
         device = native.device
-        scales = None
-        if is_fp8:
-            scales = torch.empty(rows, native.hidden // 128, dtype=torch.float32, device=device)
+        recv_idx = recv_w = None
+        if top_k:
+            recv_idx = torch.empty(rows, top_k, dtype=idx_dtype, device=device)
+            recv_w = torch.empty(rows, top_k, dtype=torch.float32, device=device)
         return (self._owned_prefix(device), torch.empty(rows, 2, dtype=torch.int32, device=device),
-                torch.empty(rows, top_k, dtype=idx_dtype, device=device),
-                torch.empty(rows, top_k, dtype=torch.float32, device=device), scales)
+                recv_idx, recv_w, self._owned_scales(native, rows) if is_fp8 else None)
+
+    @staticmethod
+    def _owned_scales(native: NativeBuffer, rows: int) -> torch.Tensor:
+        """The fp8 pair's scales of an owned dispatch: fp32 [rows, hidden / 128], row-major."""
+        return torch.empty(rows, native.hidden // 128, dtype=torch.float32, device=native.device)
 
     @staticmethod
     def _copy_out_args(native: NativeBuffer, meta, num_tokens: int, stream: int, comm_raw: int,
@@ -742,10 +744,7 @@ class Buffer:
             with torch.cuda.stream(native.comm_stream):
                 return Buffer._owned_x(native, is_fp8, rows)
         payload = Buffer._owned_payload(native, is_fp8, rows)
-        if not is_fp8:
-            return payload
-        return payload, torch.empty(rows, native.hidden // 128, dtype=torch.float32,
-                                    device=native.device)
+        return (payload, Buffer._owned_scales(native, rows)) if is_fp8 else payload
 
     # -- combine --------------------------------------------------------------------------------
     @outside_torch_function_modes

@@ -60,7 +60,6 @@ A2A_2XH200: Mapping[str, CallCost] = {
 }
 
 
-
 def remote_ranks_per_token(num_ranks: int, num_experts: int = 256, top_k: int = 8) -> float:
     """The expected number of other ranks a token's rows go to when its top_k distinct experts
     are drawn uniformly from num_experts split evenly over num_ranks: weft.ep's (deduplicated)

@@ -39,7 +39,7 @@ router and dense block only in dense_router_bwd_l): the same bits.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -338,10 +338,15 @@ def moe_schedule(num_layers: int, depth: int,
     return Schedule(tasks, streams={"comm": 1}, inputs=["micro_batch"])
 
 
-def moe_thread_map(num_layers: int) -> Dict[str, List[str]]:
+def moe_thread_map(num_layers: int, num_threads: int = 2) -> Dict[str, List[str]]:
     """Two engine threads: compute (dense, router, experts, loss, their backward) and comm (the
     dispatches and combines, forward and backward, whose host waits, a count read by weft.ep's
-    dispatch or the all_to_all dispatcher's sizes, then block only that thread)."""
+    dispatch or the all_to_all dispatcher's sizes, then block only that thread). num_threads=1:
+    every task on one thread, "host" (no GIL shared between engine threads)."""
+    if num_threads == 1:
+        return {"host": stage_task_names(num_layers)}
+    if num_threads != 2:
+        raise ValueError(f"num_threads must be 1 or 2, got {num_threads!r}")
     threads: Dict[str, List[str]] = {"compute": [], "comm": []}
     for name, stage, _ in chain(num_layers):
         threads["comm" if stage in COMM_STAGES else "compute"].append(name)
