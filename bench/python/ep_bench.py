@@ -210,6 +210,13 @@ def main():
              .to(torch.float8_e4m3fn), (amax / 448.0).t().contiguous().t())
     forms["DeepEP dispatch, owned tensors (host sync)"] = \
         lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config, **layout)
+    if on_weft:
+        # The same call with recv_x made at the count: the copy kernel launched by a second
+        # extension call once the host has the count and has made recv_x (the GPU waits).
+        exact = weft.ep.Buffer(group, weft.ep.sizing.window_bytes_for(T, H, world, K, E),
+                               explicitly_destroy=True, recv_x_headroom=None)
+        forms["DeepEP dispatch, owned, recv_x made at the count"] = \
+            lambda: exact.dispatch(x, topk_idx=idx, topk_weights=w, config=config, **layout)
     forms["DeepEP dispatch, owned, num_worst_tokens (no sync)"] = \
         lambda: compat.dispatch(x, topk_idx=idx, topk_weights=w, config=config,
                                 num_worst_tokens=n, **layout)
@@ -218,6 +225,10 @@ def main():
             lambda: native.dispatch(x_fp8, idx, w)
     forms["DeepEP dispatch, fp8 pair, owned tensors (host sync)"] = \
         lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config, **layout)
+    if on_weft:
+        forms["DeepEP dispatch, fp8 pair, owned, recv_x made at the count"] = \
+            lambda: exact.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config,
+                                   **layout)
     forms["DeepEP dispatch, fp8 pair, owned, num_worst_tokens (no sync)"] = \
         lambda: compat.dispatch(x_fp8, topk_idx=idx, topk_weights=w, config=config,
                                 num_worst_tokens=n, **layout)
@@ -285,6 +296,7 @@ def main():
                   f" {min(gbps):6.0f}-{max(gbps):<6.0f}")
     if on_weft:
         native.destroy()
+        exact.destroy()
     if group:
         dist.destroy_process_group()
 

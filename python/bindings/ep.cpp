@@ -266,6 +266,8 @@ struct DispatchOut {
   int64_t tokens_required = -1;
   int64_t row_bytes = 0;
   int64_t capacity = 0;
+  // With a copy given to dispatch: whether it was launched (and the hand-off back made).
+  bool copied = false;
 };
 
 // out's handle and window addresses, from r.
@@ -352,9 +354,18 @@ class PyBuffer {
     return device_bytes_capsule(data, num_bytes, core_->device, core_);
   }
 
-  DispatchOut dispatch(const DispatchArgs& a, const std::optional<HandleTuple>& handle_tuple) {
+  // With `copy` (a dispatch made with hold, its owned tensors made before the launch), the
+  // copy-out in the same call, so the GPU does not wait for the host between the two kernels:
+  // without read_counts right behind the dispatch (copy->num_rows as given); with read_counts
+  // once the count is out (published while the rows still move) and only where it fits
+  // copy->num_rows, the rows every target array holds: then copy->num_rows is set to the count.
+  // DispatchOut::copied says whether it ran; where not (the count exceeds the tensors, or some
+  // rank's T exceeded max_tokens), the call stays held for the caller's own copy_out.
+  DispatchOut dispatch(const DispatchArgs& a, const std::optional<HandleTuple>& handle_tuple,
+                       std::optional<CopyOutArgs> copy) {
     ep::Buffer& b = live();
     WEFT_CHECK(a.count_alignment >= 1, "count_alignment must be >= 1, got ", a.count_alignment);
+    WEFT_CHECK(!copy || a.hold, "a dispatch given a copy-out must be made with hold");
     std::optional<ep::Handle> handle_value;
     if (handle_tuple) handle_value = from_tuple(*handle_tuple);
     const ep::Handle* handle = handle_value ? &*handle_value : nullptr;
@@ -390,6 +401,10 @@ class PyBuffer {
       }
       if (!a.hold) leave(a.stream, a.comm_stream, a.async_finish);
       b.wait_num_recv(r);
+      if (copy && r.tokens_required == 0 && r.num_recv <= copy->num_rows) {
+        copy->num_rows = r.num_recv;
+        out.copied = run_copy_out(*copy, s);
+      }
       const int32_t* counts = r.tokens_per_local_expert_host;
       if (counts == nullptr) {
         WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
@@ -404,6 +419,8 @@ class PyBuffer {
           c = (c + a.count_alignment - 1) / a.count_alignment * a.count_alignment;
         }
       }
+    } else if (copy) {
+      out.copied = run_copy_out(*copy, s);
     } else if (!a.hold) {
       leave(a.stream, a.comm_stream, a.async_finish);
     }
@@ -484,6 +501,16 @@ class PyBuffer {
   // The owned copies that end a dispatch made with hold (DeepEP's owned results), then the
   // stream hand-off back to `stream`.
   void copy_out(const CopyOutArgs& a) {
+    live();
+    nb::gil_scoped_release release;
+    DeviceGuard guard(core_->device);
+    run_copy_out(a, a.comm_stream != 0 ? as_stream(a.comm_stream) : as_stream(a.stream));
+  }
+
+  // copy_out's launch on s (where the held dispatch ran) and the hand-off back; a refusal hands
+  // back too (the caller's stream must not run ahead of the kernels that read its inputs) and
+  // propagates. Returns true.
+  bool run_copy_out(const CopyOutArgs& a, cudaStream_t s) {
     ep::Buffer& b = live();
     ep::CopyOutTargets t;
     t.num_rows = a.num_rows;
@@ -501,10 +528,14 @@ class PyBuffer {
       t.own_x = a.own_x.view();
       t.own_x_scales = a.own_x.scales_view();
     }
-    DeviceGuard guard(core_->device);
-    const cudaStream_t s = a.comm_stream != 0 ? as_stream(a.comm_stream) : as_stream(a.stream);
-    b.copy_out(t, s);
+    try {
+      b.copy_out(t, s);
+    } catch (...) {
+      leave(a.stream, a.comm_stream, false);
+      throw;
+    }
     leave(a.stream, a.comm_stream, a.async_finish);
+    return true;
   }
 
   // The stream hand-off of a call that the Python layer composes of several launches (DeepEP's
@@ -732,7 +763,8 @@ void bind_ep(nb::module_& m) {
       .def_ro("rank_prefix_matrix", &DispatchOut::rank_prefix_matrix)
       .def_ro("tokens_required", &DispatchOut::tokens_required)
       .def_ro("row_bytes", &DispatchOut::row_bytes)
-      .def_ro("capacity", &DispatchOut::capacity);
+      .def_ro("capacity", &DispatchOut::capacity)
+      .def_ro("copied", &DispatchOut::copied);
 
   nb::class_<PyCommunicator>(m, "Communicator")
       .def(nb::init<nb::bytes, int, int, int>(), nb::arg("unique_id"), nb::arg("num_ranks"),
@@ -762,7 +794,8 @@ void bind_ep(nb::module_& m) {
           nb::arg("tokens_per_block"), nb::arg("timeout_s"), nb::arg("pipeline_depth"))
       .def("destroy", &PyBuffer::destroy)
       .def("window_bytes", &PyBuffer::window_bytes, nb::arg("data"), nb::arg("num_bytes"))
-      .def("dispatch", &PyBuffer::dispatch, nb::arg("args"), nb::arg("handle").none())
+      .def("dispatch", &PyBuffer::dispatch, nb::arg("args"), nb::arg("handle").none(),
+           nb::arg("copy").none() = nb::none())
       .def("combine", &PyBuffer::combine, nb::arg("args"), nb::arg("handle"))
       .def("copy_out", &PyBuffer::copy_out, nb::arg("args"))
       .def("low_latency_dispatch", &PyBuffer::low_latency_dispatch, nb::arg("args"))

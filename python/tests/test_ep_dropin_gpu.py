@@ -435,6 +435,54 @@ def test_owned_tensors_are_made_again_at_the_count_where_the_bound_falls_short(m
             bounds.clear()
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("headroom", [0.0, None])
+def test_recv_x_is_made_before_the_count_where_the_latest_count_holds_it(fp8, headroom):
+    """A host-synced owned dispatch makes recv_x before its count is known, for the latest
+    count plus recv_x_headroom (here none), and copies in the dispatch's own call; a larger
+    count (or the first call, or recv_x_headroom=None) makes recv_x at the count. Counts that go
+    up and down take both paths, counted by num_recv_x_at_count; every row, scale, index and
+    weight matches the reference on either, and recv_x has exactly the count's rows."""
+    num_tokens, hidden, experts, top_k = 128, 256, 16, 8
+    buf = weft.ep.Buffer(None, int(1e9), recv_x_headroom=headroom)
+    g = torch.Generator().manual_seed(29)
+    masked = [40, 10, 30, 30, 0, 60, 61]  # tokens that select nothing: fewer rows received
+    at_count, latest = 0, 0
+    for i, num_masked in enumerate(masked):
+        x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
+        idx = ref.random_routing(num_tokens, experts, top_k, g, 0.1)
+        idx[torch.randperm(num_tokens, generator=g)[:num_masked]] = -1
+        w = torch.rand((num_tokens, top_k), generator=g)
+        (want,) = ref.dispatch([x], [idx], [w], experts)
+        rows = want.x.shape[0]
+        if fp8:
+            x8, scales = ref.per_token_cast_to_fp8(x)
+            rx, ridx, rw, _, handle, _ = dispatch(buf, (x8.cuda(), scales.cuda()), idx, w,
+                                                  experts)
+            src = want.src[:, 1].long()
+            assert rx[0].shape[0] == rows and rx[1].shape[0] == rows, i
+            assert torch.equal(rx[0].cpu().view(torch.uint8), x8.view(torch.uint8)[src]), i
+            assert torch.equal(rx[1].cpu(), scales[src]), i
+        else:
+            rx, ridx, rw, _, handle, _ = dispatch(buf, x, idx, w, experts)
+            assert rx.shape[0] == rows, i
+            assert torch.equal(rx.cpu(), want.x), i
+        assert torch.equal(ridx.cpu(), want.expert_idx.long()), i
+        assert torch.equal(rw.cpu(), want.weights), i
+        assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
+        at_count += headroom is None or rows > latest
+        latest = rows
+        assert buf.num_recv_x_at_count == at_count, i
+    if headroom is not None:  # both paths ran (counts up, down, equal)
+        assert 0 < buf.num_recv_x_at_count < len(masked)
+    # The count is kept per T: the first call of another T makes recv_x at its count.
+    x, idx, w = inputs(64, hidden, experts, top_k, 0.1, seed=30)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    rx, _, _, _, _, _ = dispatch(buf, x, idx, w, experts)
+    assert torch.equal(rx.cpu(), want.x)
+    assert buf.num_recv_x_at_count == at_count + 1
+
+
 def test_an_older_handle_is_laid_out_again_from_is_token_in_rank_alone():
     """The handle keeps no copy of the caller's selections: re-running an older layout needs only
     is_token_in_rank, so overwriting topk_idx after the dispatch changes nothing."""

@@ -19,7 +19,7 @@ DeepEP"). The Buffer is a thin layer on NativeBuffer's public API:
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,12 @@ class Buffer:
 
     DeepEP's parameters come in DeepEP's order; what weft cannot honour raises weft.Error naming
     the parameter. weft's own, keyword-only: max_tokens (size the first window for this many
-    tokens per rank instead of from num_nvl_bytes), timeout_s (bound of every device-side wait).
+    tokens per rank instead of from num_nvl_bytes), timeout_s (bound of every device-side wait),
+    recv_x_headroom (a host-synced dispatch makes recv_x before its count is known, for the
+    count of the latest such call of as many tokens plus this fraction of it, so that the rows are copied as soon as
+    the count is out; a larger count takes the slower path, recv_x made at the count. recv_x is
+    then a view of the first rows of an allocation up to that much larger. None: recv_x always
+    made at the count, the GPU waiting for the host between the two kernels).
     """
 
     num_sms: int = 20
@@ -110,7 +115,8 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
-                 max_tokens: Optional[int] = None, timeout_s: float = 20.0) -> None:
+                 max_tokens: Optional[int] = None, timeout_s: float = 20.0,
+                 recv_x_headroom: Optional[float] = 0.125) -> None:
         if comm is not None:
             raise Error("Buffer(comm=...): weft.ep takes a torch.distributed group (or None for "
                         "one GPU), not an mpi4py communicator")
@@ -135,6 +141,10 @@ class Buffer:
             raise Error("Buffer needs num_nvl_bytes > 0 (or max_tokens=...) to size its window")
         if max_tokens is not None and int(max_tokens) < 1:
             raise Error(f"Buffer(max_tokens={max_tokens}): must be >= 1")
+        if recv_x_headroom is not None and not (isinstance(recv_x_headroom, (int, float))
+                                                and 0 <= recv_x_headroom <= 8):
+            raise Error(f"Buffer(recv_x_headroom={recv_x_headroom!r}): must be None or a "
+                        f"number in [0, 8]")
         self.rank, self.group_size = _group.group_rank_size(group)
         if low_latency_mode:
             low_latency.refuse_internode(group)
@@ -146,6 +156,9 @@ class Buffer:
         self.enable_shrink = False
         self._max_tokens = None if max_tokens is None else int(max_tokens)
         self._timeout_s = float(timeout_s)
+        self._recv_x_headroom = None if recv_x_headroom is None else float(recv_x_headroom)
+        # The count of the latest host-synced owned dispatch of each T (_owned_x_rows).
+        self._latest_num_recv: Dict[int, int] = {}
         self._communicator = Communicator(group, ("weft.ep.Buffer", self.num_nvl_bytes,
                                                   self._max_tokens))
         self._device = self._communicator.device
@@ -156,6 +169,7 @@ class Buffer:
         Buffer._next_serial += 1
         self.num_relayouts = 0
         self.num_regrowths = 0
+        self.num_recv_x_at_count = 0  # host-synced owned dispatches whose recv_x waited for it
         self._low_latency = LowLatency(self) if self.low_latency_mode else None
 
     # -- DeepEP's static helpers ------------------------------------------------------------------
@@ -475,19 +489,20 @@ class Buffer:
     def _launch_grown(self, native: NativeBuffer, x, is_fp8: bool, idx, w, num_sms: int,
                       sync: bool, alignment: int, stream: Optional[int] = None,
                       comm_stream: int = 0, previous_event: int = 0, async_finish: bool = False,
-                      hold: bool = False):
+                      hold: bool = False, copy=None):
         """The dispatch, and again on a grown window while some rank sent more tokens than the
         window holds (every rank saw the same count exchange: every rank grows here). With
         hold, the rows this rank sends to itself are deferred to copy_out (own_x=x), which
-        writes them from x into the owned tensors: one pass over them, not two."""
+        writes them from x into the owned tensors: one pass over them, not two; copy: that
+        copy_out's arguments, run in the same call where they fit (launch_dispatch)."""
         res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync, stream,
                                      comm_stream, previous_event, async_finish, hold, alignment,
-                                     hold)
+                                     hold, copy)
         while sync and res.tokens_required:
             native = self._grow(res.tokens_required)
             res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
                                          stream, comm_stream, previous_event, async_finish, hold,
-                                         alignment, hold)
+                                         alignment, hold, copy)
         return native, res
 
     def _owned_results(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int,
@@ -509,12 +524,13 @@ class Buffer:
         """The common call (the caller's selections fit the window): the kernel on the comm
         stream, the counts read as soon as its count exchange ends (host sync only without
         num_worst_tokens), then the copy kernel that fills the owned tensors, then the hand-off
-        back (all stream work inside the extension). Between the count and the copy kernel the
-        GPU waits for the host, so all that can be is done before the launch: every owned
-        tensor but recv_x (with num_worst_tokens, recv_x too) is allocated for `bound` rows (this
-        rank's tokens from every rank: a peer with more tokens than this rank, rarely, makes them
-        again at the count) and narrowed to the count after the copy's launch, and the copy's
-        arguments are filled but its rows."""
+        back (all stream work inside the extension). So that the GPU does not wait for the host
+        between the two kernels, the owned tensors are made before the launch and the copy
+        runs in the dispatch's own extension call: every owned tensor but recv_x for `bound`
+        rows (this rank's tokens from every rank: a peer with more tokens than this rank,
+        rarely, makes them again at the count), recv_x for _owned_x_rows (num_worst_tokens: for
+        its rows); all narrowed to the count. Where the count exceeds them (or recv_x has no
+        rows yet), the copy waits for tensors made at the count: a second extension call."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
         comm_raw = comm.cuda_stream
@@ -525,35 +541,47 @@ class Buffer:
         def on_comm():  # where the owned tensors are allocated
             return torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()
 
+        # recv_x too where its rows can be told: num_worst_tokens, or (host-synced) the latest
+        # count plus the headroom (_owned_x_rows).
+        x_rows = self._owned_x_rows(num_tokens, bound) if sync else bound
         with on_comm():
             meta = self._owned_meta(native, is_fp8, bound, top_k, topk_idx.dtype)
-            # num_worst_tokens: the rows are known, recv_x too is made before the launch.
-            payload = None if sync else self._owned_payload(native, is_fp8, bound)
+            payload = self._owned_payload(native, is_fp8, x_rows) if x_rows else None
         args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw, async_finish, x)
+        if payload is not None:
+            set_copy_out_rows(args, x_rows, payload)
         native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
                                          alignment, stream, comm_raw, event_of(previous_event),
-                                         async_finish, True)
+                                         async_finish, True, args if payload is not None else None)
         rows = res.num_recv if sync else num_worst_tokens
-        try:
-            with on_comm():
-                if rows > bound:
-                    meta = self._owned_meta(native, is_fp8, rows, top_k, topk_idx.dtype)
-                    args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw,
-                                               async_finish, x)
-                    bound, payload = rows, None
-                prefix, recv_src, recv_idx, recv_w, scales = meta
-                if payload is None:
+        if sync:
+            if len(self._latest_num_recv) >= 64 and num_tokens not in self._latest_num_recv:
+                self._latest_num_recv.clear()  # T of every call different: keep it bounded
+            self._latest_num_recv[num_tokens] = rows
+        if not res.copied:  # recv_x not made yet, or the count exceeds it: made at the count
+            self.num_recv_x_at_count += 1
+            try:
+                with on_comm():
+                    if rows > bound:
+                        meta = self._owned_meta(native, is_fp8, rows, top_k, topk_idx.dtype)
+                        args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw,
+                                                   async_finish, x)
+                        bound = rows
                     payload = self._owned_payload(native, is_fp8, rows)
-            set_copy_out_rows(args, rows, payload)
-            native.run_copy_out(args)
-        except BaseException:
-            # The kernel still reads the caller's inputs: the caller's stream must not run ahead.
-            native.hand_back(stream)
-            raise
+                set_copy_out_rows(args, rows, payload)
+                native.run_copy_out(args)
+            except BaseException:
+                # The kernel still reads the caller's inputs: the caller's stream must not run
+                # ahead.
+                native.hand_back(stream)
+                raise
+        prefix, recv_src, recv_idx, recv_w, scales = meta
         if rows < bound:
             recv_src, recv_idx, recv_w = recv_src[:rows], recv_idx[:rows], recv_w[:rows]
             if scales is not None:
                 scales = scales[:rows]
+        if payload.shape[0] > rows:
+            payload = payload[:rows]
         recv_x = payload if scales is None else (payload, scales)
         event = _NO_EVENT
         if async_finish:
@@ -573,6 +601,19 @@ class Buffer:
         rank's number of tokens or fewer). The narrowed results keep the whole allocation: at
         most 104 bytes a row of the bound at top-8 (with fp8 scales, 4 more per 128 of hidden)."""
         return num_worst_tokens or self.group_size * num_tokens
+
+    def _owned_x_rows(self, num_tokens: int, bound: int) -> int:
+        """The rows a host-synced owned dispatch of num_tokens tokens makes recv_x for before its
+        count is known (so that its copy is launched as soon as the count is out, the GPU not
+        waiting for the host): the count of the latest such call of as many tokens plus
+        recv_x_headroom of it, at most bound; 0 (recv_x made at the count) before the first
+        such call, after one that received nothing, or with recv_x_headroom=None. A count above
+        it takes the slower path (recv_x made at the count); recv_x is a view of the first rows
+        of its allocation."""
+        latest = self._latest_num_recv.get(num_tokens, 0)
+        if self._recv_x_headroom is None or latest <= 0:
+            return 0
+        return min(bound, latest + int(latest * self._recv_x_headroom))
 
     def _owned_meta(self, native: NativeBuffer, is_fp8: bool, rows: int, top_k: int, idx_dtype):
         """(rank_prefix_matrix, recv_src, recv_topk_idx, recv_topk_weights, fp8 scales) of an
@@ -718,12 +759,7 @@ class Buffer:
             set_copy_out_rows(args, rows, recv_x)
             native.launch_dispatch(x, is_fp8, None, None, layout.native, None, num_sms, None,
                                    False, stream, comm.cuda_stream, event_of(previous_event),
-                                   async_finish, hold=True, defer_own_rows=True)
-            try:
-                native.run_copy_out(args)
-            except BaseException:  # the kernel still reads x (see _dispatch_owned)
-                native.hand_back(stream)
-                raise
+                                   async_finish, hold=True, defer_own_rows=True, copy=args)
             event = async_event(comm, [*flat(recv_x), *flat(x)]) if async_finish else _NO_EVENT
             return recv_x, None, None, None, None, event
         with self._comm_call(previous_event, async_finish, allocate_on_comm_stream) as call:

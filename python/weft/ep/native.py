@@ -147,10 +147,13 @@ class DispatchCounts:
     tokens_required (else None). The list is made when first read: an owned dispatch launches
     its copy kernel before it, while the GPU waits."""
 
-    __slots__ = ("handle", "num_recv", "tokens_required", "_out", "_list")
+    __slots__ = ("handle", "num_recv", "tokens_required", "copied", "_out", "_list")
 
-    def __init__(self, handle: NativeHandle, out=None) -> None:
+    def __init__(self, handle: NativeHandle, out) -> None:
         self.handle = handle
+        self.copied = out.copied  # the copy given to launch_dispatch ran (and handed back)
+        if out.num_recv < 0:
+            out = None
         self._out, self._list = out, None
         self.num_recv = None if out is None else out.num_recv
         self.tokens_required = None if out is None else out.tokens_required
@@ -632,14 +635,19 @@ class NativeBuffer:
                         stream: Optional[int] = None, comm_stream: int = 0,
                         previous_event: int = 0, async_finish: bool = False,
                         hold: bool = False, count_alignment: int = 1,
-                        defer_own_rows: bool = False) -> Union[DispatchResult, DispatchCounts]:
+                        defer_own_rows: bool = False,
+                        copy=None) -> Union[DispatchResult, DispatchCounts]:
         """The dispatch kernel of checked inputs (x: bf16 rows, packed fp8 rows, or the fp8 pair,
         whose scales the kernel reads at their strides) on stream (default: the current one), or
         on comm_stream handed off from stream (see DispatchArgs in the binding); with hold, the
         hand-off back to stream is left to copy_out, and the result is DispatchCounts (the
         caller copies the rows out: no views of the window are made); its counts are rounded
         up to multiples of count_alignment. defer_own_rows (with hold): the rows this rank sends
-        to itself get no payload in the window; copy_out(own_x=x) writes them from x."""
+        to itself get no payload in the window; copy_out(own_x=x) writes them from x.
+        copy (with hold): copy_out's filled arguments (copy_out_args, set_copy_out_rows), run in
+        the same extension call: right behind the kernel, or with sync_count once the count is
+        out and only where it fits their num_rows (then set to the count); the result's copied
+        says whether it ran (if not, the call is still held)."""
         a = _weft.ep.DispatchArgs()
         fill_token_rows(a.x, x)
         if handle is None:
@@ -662,12 +670,12 @@ class NativeBuffer:
         a.async_finish = async_finish
         a.hold = hold
         a.defer_own_rows = defer_own_rows
-        out = self._native.dispatch(a, handle)
+        out = self._native.dispatch(a, handle, copy)
         result_handle = NativeHandle(*out.handle)
         if handle is None:
             self._layout_key = (result_handle.buffer_id, result_handle.sequence)
         if hold:
-            return DispatchCounts(result_handle, out if out.num_recv >= 0 else None)
+            return DispatchCounts(result_handle, out)
         num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv
         return self._results(out, result_handle, is_fp8,
                              num_recv if num_recv >= 0 else out.capacity)
