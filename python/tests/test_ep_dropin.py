@@ -39,6 +39,7 @@ def test_the_constructor_takes_deepeps_parameters_in_deepeps_order():
     ((None, 0), {}, "num_nvl_bytes"),
     ((None, int(1e9)), {"recv_x_headroom": -0.5}, "recv_x_headroom"),
     ((None, int(1e9)), {"recv_x_headroom": "0.1"}, "recv_x_headroom"),
+    ((None, int(1e9)), {"recv_x_headroom": True}, "recv_x_headroom"),
 ])
 def test_what_weft_cannot_honour_is_a_weft_error_naming_the_parameter(args, kwargs, name):
     with pytest.raises(weft.Error, match=name):

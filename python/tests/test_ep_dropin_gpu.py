@@ -436,17 +436,20 @@ def test_owned_tensors_are_made_again_at_the_count_where_the_bound_falls_short(m
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("headroom", [0.0, None])
+@pytest.mark.parametrize("headroom", [0.0, 0.25, None])
 def test_recv_x_is_made_before_the_count_where_the_latest_count_holds_it(fp8, headroom):
     """A host-synced owned dispatch makes recv_x before its count is known, for the latest
-    count plus recv_x_headroom (here none), and copies in the dispatch's own call; a larger
-    count (or the first call, or recv_x_headroom=None) makes recv_x at the count. Counts that go
-    up and down take both paths, counted by num_recv_x_at_count; every row, scale, index and
-    weight matches the reference on either, and recv_x has exactly the count's rows."""
+    count of as many tokens plus recv_x_headroom of it, and copies in the dispatch's own call;
+    a larger count (or the first call, or recv_x_headroom=None) makes recv_x at the count.
+    Counts that go up and down take both paths, counted by num_recv_x_at_count; every row,
+    scale, index and weight matches the reference on either, and recv_x has exactly the
+    count's rows."""
     num_tokens, hidden, experts, top_k = 128, 256, 16, 8
     buf = weft.ep.Buffer(None, int(1e9), recv_x_headroom=headroom)
     g = torch.Generator().manual_seed(29)
-    masked = [40, 10, 30, 30, 0, 60, 61]  # tokens that select nothing: fewer rows received
+    # Tokens that select nothing: fewer rows received (128 masked: none, and the next call
+    # has no count to go by).
+    masked = [40, 10, 30, 30, 0, 60, 61, 128, 100, 20]
     at_count, latest = 0, 0
     for i, num_masked in enumerate(masked):
         x = torch.randn((num_tokens, hidden), generator=g).bfloat16()
@@ -470,10 +473,11 @@ def test_recv_x_is_made_before_the_count_where_the_latest_count_holds_it(fp8, he
         assert torch.equal(ridx.cpu(), want.expert_idx.long()), i
         assert torch.equal(rw.cpu(), want.weights), i
         assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
-        at_count += headroom is None or rows > latest
+        x_rows = 0 if headroom is None else min(num_tokens, latest + int(latest * headroom))
+        at_count += rows > x_rows
         latest = rows
         assert buf.num_recv_x_at_count == at_count, i
-    if headroom is not None:  # both paths ran (counts up, down, equal)
+    if headroom is not None:  # both paths ran (counts up, down, equal, zero)
         assert 0 < buf.num_recv_x_at_count < len(masked)
     # The count is kept per T: the first call of another T makes recv_x at its count.
     x, idx, w = inputs(64, hidden, experts, top_k, 0.1, seed=30)
@@ -481,6 +485,37 @@ def test_recv_x_is_made_before_the_count_where_the_latest_count_holds_it(fp8, he
     rx, _, _, _, _, _ = dispatch(buf, x, idx, w, experts)
     assert torch.equal(rx.cpu(), want.x)
     assert buf.num_recv_x_at_count == at_count + 1
+
+
+def test_a_failure_after_the_held_launch_hands_the_callers_stream_back(monkeypatch):
+    """An owned dispatch launches its kernel with the hand-off back to the caller's stream left
+    to its copy; where the call fails between the two (here the regrowth of a window too small
+    for the tokens), the caller's stream is still ordered after the comm stream before the
+    error propagates, and the Buffer works afterwards."""
+    hidden, experts = 256, 16
+    buf = weft.ep.Buffer(None, int(1e9), max_tokens=64)
+    x, idx, w = inputs(32, hidden, experts, 8, 0.1, seed=31)
+    dispatch(buf, x, idx, w, experts)  # lays out the window for 64 tokens
+    handed_back = []
+    real_hand_back = weft.ep.NativeBuffer.hand_back
+
+    def spied_hand_back(self, stream):
+        handed_back.append(stream)
+        real_hand_back(self, stream)
+
+    def failed_growth(self, tokens_required):
+        raise weft.Error("no room to grow (injected)")
+
+    monkeypatch.setattr(weft.ep.NativeBuffer, "hand_back", spied_hand_back)
+    monkeypatch.setattr(weft.ep.Buffer, "_grow", failed_growth)
+    big, big_idx, big_w = inputs(128, hidden, experts, 8, 0.1, seed=32)
+    with pytest.raises(weft.Error, match="injected"):
+        dispatch(buf, big, big_idx, big_w, experts)
+    assert handed_back == [torch.cuda.current_stream().cuda_stream]
+    monkeypatch.undo()
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    rx, _, _, _, _, _ = dispatch(buf, x, idx, w, experts)
+    assert torch.equal(rx.cpu(), want.x)
 
 
 def test_an_older_handle_is_laid_out_again_from_is_token_in_rank_alone():

@@ -101,10 +101,11 @@ class Buffer:
     the parameter. weft's own, keyword-only: max_tokens (size the first window for this many
     tokens per rank instead of from num_nvl_bytes), timeout_s (bound of every device-side wait),
     recv_x_headroom (a host-synced dispatch makes recv_x before its count is known, for the
-    count of the latest such call of as many tokens plus this fraction of it, so that the rows are copied as soon as
-    the count is out; a larger count takes the slower path, recv_x made at the count. recv_x is
-    then a view of the first rows of an allocation up to that much larger. None: recv_x always
-    made at the count, the GPU waiting for the host between the two kernels).
+    count of the latest such call of as many tokens plus this fraction of it, so that the rows
+    are copied as soon as the count is out; a larger count takes the slower path, recv_x made
+    at the count. recv_x is a view of the first rows of its allocation, which holds the
+    headroom beyond the count, and more where the count fell since the latest call. None:
+    recv_x always made at the count, the GPU waiting for the host between the two kernels).
     """
 
     num_sms: int = 20
@@ -141,8 +142,8 @@ class Buffer:
             raise Error("Buffer needs num_nvl_bytes > 0 (or max_tokens=...) to size its window")
         if max_tokens is not None and int(max_tokens) < 1:
             raise Error(f"Buffer(max_tokens={max_tokens}): must be >= 1")
-        if recv_x_headroom is not None and not (isinstance(recv_x_headroom, (int, float))
-                                                and 0 <= recv_x_headroom <= 8):
+        if recv_x_headroom is not None and (isinstance(recv_x_headroom, bool) or not (
+                isinstance(recv_x_headroom, (int, float)) and 0 <= recv_x_headroom <= 8)):
             raise Error(f"Buffer(recv_x_headroom={recv_x_headroom!r}): must be None or a "
                         f"number in [0, 8]")
         self.rank, self.group_size = _group.group_rank_size(group)
@@ -550,9 +551,14 @@ class Buffer:
         args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw, async_finish, x)
         if payload is not None:
             set_copy_out_rows(args, x_rows, payload)
-        native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms, sync,
-                                         alignment, stream, comm_raw, event_of(previous_event),
-                                         async_finish, True, args if payload is not None else None)
+        try:
+            native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms,
+                                             sync, alignment, stream, comm_raw,
+                                             event_of(previous_event), async_finish, True,
+                                             args if payload is not None else None)
+        except BaseException:  # a failed count wait or regrowth past a held launch
+            self._hand_back(stream)
+            raise
         rows = res.num_recv if sync else num_worst_tokens
         if sync:
             if len(self._latest_num_recv) >= 64 and num_tokens not in self._latest_num_recv:
@@ -571,9 +577,7 @@ class Buffer:
                 set_copy_out_rows(args, rows, payload)
                 native.run_copy_out(args)
             except BaseException:
-                # The kernel still reads the caller's inputs: the caller's stream must not run
-                # ahead.
-                native.hand_back(stream)
+                self._hand_back(stream)
                 raise
         prefix, recv_src, recv_idx, recv_w, scales = meta
         if rows < bound:
@@ -588,6 +592,14 @@ class Buffer:
             event = async_event(comm, [*flat(x), topk_idx, topk_weights, *flat(recv_x),
                                        recv_src, prefix, recv_idx, recv_w])
         return res, (recv_x, recv_src, prefix, recv_idx, recv_w), event
+
+    def _hand_back(self, stream: int) -> None:
+        """After a failure past a launch made with hold: the caller's stream (a cudaStream_t)
+        waits for the work queued on the comm stream, whose kernels still read the caller's
+        inputs, so that the caller's stream does not run ahead of them. A window destroyed
+        meanwhile (a regrowth) synchronized its device first: nothing is left to wait for."""
+        if self._native is not None and self._native.alive:
+            self._native.hand_back(stream)
 
     @staticmethod
     def _owned_payload(native: NativeBuffer, is_fp8: bool, rows: int) -> torch.Tensor:
