@@ -403,7 +403,8 @@ class PyBuffer {
       b.wait_num_recv(r);
       if (copy && r.tokens_required == 0 && r.num_recv <= copy->num_rows) {
         copy->num_rows = r.num_recv;
-        out.copied = run_copy_out(*copy, s);
+        run_copy_out(*copy, s);
+        out.copied = true;
       }
       const int32_t* counts = r.tokens_per_local_expert_host;
       if (counts == nullptr) {
@@ -420,7 +421,8 @@ class PyBuffer {
         }
       }
     } else if (copy) {
-      out.copied = run_copy_out(*copy, s);
+      run_copy_out(*copy, s);
+      out.copied = true;
     } else if (!a.hold) {
       leave(a.stream, a.comm_stream, a.async_finish);
     }
@@ -509,8 +511,8 @@ class PyBuffer {
 
   // copy_out's launch on s (where the held dispatch ran) and the hand-off back; a refusal hands
   // back too (the caller's stream must not run ahead of the kernels that read its inputs) and
-  // propagates. Returns true.
-  bool run_copy_out(const CopyOutArgs& a, cudaStream_t s) {
+  // propagates.
+  void run_copy_out(const CopyOutArgs& a, cudaStream_t s) {
     ep::Buffer& b = live();
     ep::CopyOutTargets t;
     t.num_rows = a.num_rows;
@@ -535,7 +537,6 @@ class PyBuffer {
       throw;
     }
     leave(a.stream, a.comm_stream, a.async_finish);
-    return true;
   }
 
   // The stream hand-off of a call that the Python layer composes of several launches (DeepEP's
