@@ -1,6 +1,7 @@
 // weft._weft.ep: weft::ep::Buffer for the Python layer (weft/ep/). Tensors arrive as device
 // pointers (the Python layer checks torch facts: device, dtype, contiguity; C++ owns shapes and
-// limits), a call's arguments as one keyword struct (DispatchArgs / CombineArgs), streams and
+// limits), a call's arguments as one struct (DispatchArgs / CombineArgs, taken by value: the
+// Python layer reuses one per kind of hot call and sets what varies), streams and
 // events as integers (cudaStream_t, cudaEvent_t); results leave as pointers into the Buffer's
 // window, which the Python layer wraps through DLPack capsules (Buffer.window_bytes).
 //
@@ -130,7 +131,8 @@ struct TokenRowsArg {
   }
 };
 
-// A call's arguments (the Python layer fills one per call, by keyword).
+// A call's arguments (the Python layer fills them by field: a new object per call, or for a hot
+// call one reused object whose varying fields it sets).
 struct DispatchArgs {
   TokenRowsArg x;
   std::uintptr_t topk_idx = 0;  // [num_tokens, top_k] int32 / int64 (null for a cached dispatch)
@@ -155,6 +157,9 @@ struct DispatchArgs {
   bool async_finish = false;
   // The call goes on with copy_out (owned results): `stream` is not ordered after it yet.
   bool hold = false;
+  // With read_counts and hold: return once the kernel is launched; finish_dispatch then waits
+  // for the counts (the caller makes its owned tensors while the kernel runs).
+  bool wait_later = false;
   bool defer_own_rows = false;  // ep::DispatchInputs::defer_own_rows (copy_out gets x again)
 };
 
@@ -361,11 +366,15 @@ class PyBuffer {
   // copy->num_rows, the rows every target array holds: then copy->num_rows is set to the count.
   // DispatchOut::copied says whether it ran; where not (the count exceeds the tensors, or some
   // rank's T exceeded max_tokens), the call stays held for the caller's own copy_out.
-  DispatchOut dispatch(const DispatchArgs& a, const std::optional<HandleTuple>& handle_tuple,
+  // The arguments are taken by value: the Python layer reuses its argument objects across calls,
+  // and this call reads them with the GIL released.
+  DispatchOut dispatch(const DispatchArgs a, const std::optional<HandleTuple>& handle_tuple,
                        std::optional<CopyOutArgs> copy) {
     ep::Buffer& b = live();
     WEFT_CHECK(a.count_alignment >= 1, "count_alignment must be >= 1, got ", a.count_alignment);
     WEFT_CHECK(!copy || a.hold, "a dispatch given a copy-out must be made with hold");
+    WEFT_CHECK(!a.wait_later || (a.read_counts && a.hold && !copy),
+               "wait_later needs read_counts and hold, and takes its copy-out in finish_dispatch");
     std::optional<ep::Handle> handle_value;
     if (handle_tuple) handle_value = from_tuple(*handle_tuple);
     const ep::Handle* handle = handle_value ? &*handle_value : nullptr;
@@ -385,6 +394,7 @@ class PyBuffer {
                  .zero_padding = a.zero_padding, .segment_stride = a.segment_stride};
     in.defer_own_rows = a.defer_own_rows;
     DispatchOut out;
+    pending_.reset();  // a dispatch launched with wait_later and never finished: abandoned
     nb::gil_scoped_release release;  // pacing (pipeline_depth) and the count read wait
     DeviceGuard guard(core_->device);
     const cudaStream_t s = enter(a.stream, a.comm_stream, a.previous_event);
@@ -400,25 +410,10 @@ class PyBuffer {
         WEFT_CUDA_CHECK(cudaEventRecord(core_->counts_event, s));
       }
       if (!a.hold) leave(a.stream, a.comm_stream, a.async_finish);
-      b.wait_num_recv(r);
-      if (copy && r.tokens_required == 0 && r.num_recv <= copy->num_rows) {
-        copy->num_rows = r.num_recv;
-        run_copy_out(*copy, s);
-        out.copied = true;
-      }
-      const int32_t* counts = r.tokens_per_local_expert_host;
-      if (counts == nullptr) {
-        WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
-        counts = core_->host_counts;
-      }
-      out.num_recv = r.num_recv;
-      out.rows_required = r.rows_required;
-      out.tokens_required = r.tokens_required;
-      out.tokens_per_local_expert.assign(counts, counts + num_local);
-      if (a.count_alignment > 1) {
-        for (int64_t& c : out.tokens_per_local_expert) {
-          c = (c + a.count_alignment - 1) / a.count_alignment * a.count_alignment;
-        }
+      if (a.wait_later) {
+        pending_ = PendingCounts{r, s, a.count_alignment};
+      } else {
+        read_counts(r, s, a.count_alignment, copy, out);
       }
     } else if (copy) {
       run_copy_out(*copy, s);
@@ -430,8 +425,25 @@ class PyBuffer {
     return out;
   }
 
+  // The rest of a dispatch launched with wait_later: the wait for its counts and, with copy, the
+  // copy-out once they are out, where they fit (as dispatch does with copy). A failure leaves
+  // the call held, as dispatch's does: the caller hands its stream back.
+  DispatchOut finish_dispatch(std::optional<CopyOutArgs> copy) {
+    live();
+    WEFT_CHECK(pending_.has_value(),
+               "finish_dispatch: no dispatch launched with wait_later is waiting for its counts");
+    PendingCounts p = *pending_;
+    pending_.reset();
+    DispatchOut out;
+    nb::gil_scoped_release release;  // the count read wait
+    DeviceGuard guard(core_->device);
+    read_counts(p.result, p.stream, p.count_alignment, copy, out);
+    set_window_fields(p.result, out);
+    return out;
+  }
+
   // DeepEP's low_latency_dispatch (LowLatencyArgs): cast, dispatch and layout in one call.
-  DispatchOut low_latency_dispatch(const LowLatencyArgs& a) {
+  DispatchOut low_latency_dispatch(const LowLatencyArgs a) {  // by value, as dispatch's
     ep::Buffer& b = live();
     const ep::BufferConfig& c = b.config();
     ep::DispatchInputs in;
@@ -475,7 +487,7 @@ class PyBuffer {
     return out;
   }
 
-  void combine(const CombineArgs& a, const HandleTuple& handle_tuple) {
+  void combine(const CombineArgs a, const HandleTuple& handle_tuple) {  // by value, as dispatch's
     ep::Buffer& b = live();
     const ep::Handle handle = from_tuple(handle_tuple);
     const int64_t hidden = b.config().hidden;
@@ -502,7 +514,7 @@ class PyBuffer {
 
   // The owned copies that end a dispatch made with hold (DeepEP's owned results), then the
   // stream hand-off back to `stream`.
-  void copy_out(const CopyOutArgs& a) {
+  void copy_out(const CopyOutArgs a) {  // by value, as dispatch's
     live();
     nb::gil_scoped_release release;
     DeviceGuard guard(core_->device);
@@ -548,8 +560,10 @@ class PyBuffer {
     DeviceGuard guard(core_->device);
     enter(stream, comm_stream, previous_event);
   }
+  // Also abandons a dispatch launched with wait_later (a failed call hands its stream back so).
   void leave_comm(std::uintptr_t stream, std::uintptr_t comm_stream) {
     live();
+    pending_.reset();
     DeviceGuard guard(core_->device);
     leave(stream, comm_stream, false);
   }
@@ -596,6 +610,34 @@ class PyBuffer {
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), core_->exit_event, 0));
   }
 
+  // Waits for the counts of r (a dispatch made with read_counts, on s) into out; with copy, the
+  // copy-out as soon as they are out, where they fit copy->num_rows (then set to the count).
+  void read_counts(ep::DispatchResult& r, cudaStream_t s, int count_alignment,
+                   std::optional<CopyOutArgs>& copy, DispatchOut& out) {
+    ep::Buffer& b = live();
+    const int num_local = b.config().num_local_experts(b.num_ranks());
+    b.wait_num_recv(r);
+    if (copy && r.tokens_required == 0 && r.num_recv <= copy->num_rows) {
+      copy->num_rows = r.num_recv;
+      run_copy_out(*copy, s);
+      out.copied = true;
+    }
+    const int32_t* counts = r.tokens_per_local_expert_host;
+    if (counts == nullptr) {
+      WEFT_CUDA_CHECK(cudaEventSynchronize(core_->counts_event));
+      counts = core_->host_counts;
+    }
+    out.num_recv = r.num_recv;
+    out.rows_required = r.rows_required;
+    out.tokens_required = r.tokens_required;
+    out.tokens_per_local_expert.assign(counts, counts + num_local);
+    if (count_alignment > 1) {
+      for (int64_t& c : out.tokens_per_local_expert) {
+        c = (c + count_alignment - 1) / count_alignment * count_alignment;
+      }
+    }
+  }
+
   // Takes the Buffer and makes the host-side objects of its calls (on its device).
   void adopt(std::unique_ptr<ep::Buffer> buffer) {
     const int num_local = buffer->config().num_local_experts(buffer->num_ranks());
@@ -607,6 +649,13 @@ class PyBuffer {
   }
 
   std::shared_ptr<BufferCore> core_;
+  // A dispatch launched with wait_later, until finish_dispatch.
+  struct PendingCounts {
+    ep::DispatchResult result;
+    cudaStream_t stream = nullptr;
+    int count_alignment = 1;
+  };
+  std::optional<PendingCounts> pending_;
 };
 
 // num_ranks simulated ranks on the current device (docs/ep.md "Virtual team"), one Buffer each.
@@ -677,6 +726,7 @@ void bind_ep(nb::module_& m) {
       .def(nb::init<>())
       .def_rw("x", &DispatchArgs::x)
       .def_rw("hold", &DispatchArgs::hold)
+      .def_rw("wait_later", &DispatchArgs::wait_later)
       .def_rw("defer_own_rows", &DispatchArgs::defer_own_rows)
       .def_rw("topk_idx", &DispatchArgs::topk_idx)
       .def_rw("topk_idx_int64", &DispatchArgs::topk_idx_int64)
@@ -797,6 +847,7 @@ void bind_ep(nb::module_& m) {
       .def("window_bytes", &PyBuffer::window_bytes, nb::arg("data"), nb::arg("num_bytes"))
       .def("dispatch", &PyBuffer::dispatch, nb::arg("args"), nb::arg("handle").none(),
            nb::arg("copy").none() = nb::none())
+      .def("finish_dispatch", &PyBuffer::finish_dispatch, nb::arg("copy").none() = nb::none())
       .def("combine", &PyBuffer::combine, nb::arg("args"), nb::arg("handle"))
       .def("copy_out", &PyBuffer::copy_out, nb::arg("args"))
       .def("low_latency_dispatch", &PyBuffer::low_latency_dispatch, nb::arg("args"))

@@ -474,7 +474,7 @@ def test_recv_x_is_made_before_the_count_where_the_latest_count_holds_it(fp8, he
         assert torch.equal(rw.cpu(), want.weights), i
         assert torch.equal(handle[3].cpu(), want.src[:, 1]), i
         x_rows = 0 if headroom is None else min(num_tokens, latest + int(latest * headroom))
-        at_count += rows > x_rows
+        at_count += x_rows == 0 or rows > x_rows  # no recv_x before the count, or too few rows
         latest = rows
         assert buf.num_recv_x_at_count == at_count, i
     if headroom is not None:  # both paths ran (counts up, down, equal, zero)
@@ -516,6 +516,42 @@ def test_a_failure_after_the_held_launch_hands_the_callers_stream_back(monkeypat
     (want,) = ref.dispatch([x], [idx], [w], experts)
     rx, _, _, _, _, _ = dispatch(buf, x, idx, w, experts)
     assert torch.equal(rx.cpu(), want.x)
+
+
+def test_a_failure_while_the_kernel_runs_hands_the_stream_back_and_abandons_the_count(
+        monkeypatch):
+    """A host-synced owned dispatch is launched first and makes its tensors while its kernel
+    runs, then waits for the count (finish_dispatch). Where the making fails (here an injected
+    error), the caller's stream is handed back, the count left unread is abandoned, and the
+    next dispatches match the reference; finish_dispatch without a pending dispatch is a
+    weft.Error."""
+    hidden, experts = 256, 16
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(48, hidden, experts, 8, 0.1, seed=33)
+    (want,) = ref.dispatch([x], [idx], [w], experts)
+    dispatch(buf, x, idx, w, experts)
+    handed_back = []
+    real_hand_back = weft.ep.NativeBuffer.hand_back
+
+    def spied_hand_back(self, stream):
+        handed_back.append(stream)
+        real_hand_back(self, stream)
+
+    def failed_making(*args, **kwargs):
+        raise weft.Error("out of memory (injected)")
+
+    monkeypatch.setattr(weft.ep.NativeBuffer, "hand_back", spied_hand_back)
+    monkeypatch.setattr(weft.ep.Buffer, "_owned_meta", failed_making)
+    with pytest.raises(weft.Error, match="injected"):
+        dispatch(buf, x, idx, w, experts)
+    assert handed_back == [torch.cuda.current_stream().cuda_stream]
+    monkeypatch.undo()
+    with pytest.raises(weft.Error, match="no dispatch launched with wait_later"):
+        buf._native.finish_dispatch()
+    for _ in range(3):
+        rx, ridx, _, _, _, _ = dispatch(buf, x, idx, w, experts)
+        assert torch.equal(rx.cpu(), want.x)
+        assert torch.equal(ridx.cpu(), want.expert_idx.long())
 
 
 def test_an_older_handle_is_laid_out_again_from_is_token_in_rank_alone():
@@ -612,3 +648,143 @@ def test_calls_under_a_default_device_match_the_reference():
     assert torch.equal(fp8[1].cpu(), scales[rows])
     sent = (idx >= 0).any(dim=1)
     assert torch.equal(combined.cpu()[sent], x[sent])
+
+
+def test_plain_calls_of_every_form_in_random_order_each_match_the_reference(monkeypatch):
+    """The plain calls (no event, no bias: DeepEP's uncached, cached and combine calls, bf16 and
+    fp8, with and without topk_weights; the native dispatch and combine on either stream) check
+    only the accepted case and reuse their argument objects: 600 of them in random order, T,
+    the selections' dtype and the SM count changing, every result checked against the
+    reference, so that nothing one form sets leaks into another's call; none of them took the
+    general path."""
+    hidden, experts, top_k = 256, 16, 8
+    buf = weft.ep.Buffer(None, int(1e9))
+    native = weft.ep.NativeBuffer(None, max_tokens=128, hidden=hidden, num_experts=experts,
+                                  top_k=top_k)
+    general = []
+    for cls, name in ((weft.ep.Buffer, "_check_inputs"), (weft.ep.Buffer, "_cached_dispatch"),
+                      (weft.ep.Buffer, "_native_of"), (weft.ep.NativeBuffer, "check_x"),
+                      (weft.ep.NativeBuffer, "check_combine")):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda *a, _real=real, _name=name, **kw: (
+            general.append(_name), _real(*a, **kw))[1])
+    g = torch.Generator().manual_seed(41)
+    pick = __import__("random").Random(41)
+    latest = None  # (T, want, recv_w, handle) of buf's latest uncached dispatch
+    num_forms = {}
+    for i in range(600):
+        form = pick.choice(["uncached", "uncached fp8", "cached", "cached fp8", "combine",
+                            "combine weights", "native"] if latest else ["uncached"])
+        num_forms[form] = num_forms.get(form, 0) + 1
+        num_sms = pick.choice([0, 4, 20])
+        config = weft.ep.Config(num_sms)
+        if form.startswith("uncached") or form == "native":
+            num_tokens = pick.randint(1, 128)
+            x, idx, w = inputs(num_tokens, hidden, experts, top_k, 0.2, seed=1000 + i)
+            (want,) = ref.dispatch([x], [idx], [w], experts)
+            src = want.src[:, 1].long()
+            if pick.random() < 0.5:
+                idx = idx.int()
+        if form == "uncached":
+            rx, ridx, rw, counts, handle, _ = dispatch(buf, x, idx, w, experts, config=config)
+            assert torch.equal(rx.cpu(), want.x), i
+            assert torch.equal(ridx.cpu(), want.expert_idx.to(idx.dtype)), i
+            assert torch.equal(rw.cpu(), want.weights), i
+            assert counts == [(idx == e).sum().item() for e in range(experts)], i
+            latest = (num_tokens, want, rw, handle)
+        elif form == "uncached fp8":
+            x8, scales = ref.per_token_cast_to_fp8(x)
+            rx, ridx, _, _, handle, _ = dispatch(
+                buf, (x8.cuda(), scales.t().contiguous().t().cuda()), idx, w, experts,
+                config=config)
+            assert torch.equal(rx[0].cpu().view(torch.uint8), x8.view(torch.uint8)[src]), i
+            assert torch.equal(rx[1].cpu(), scales[src]), i
+            assert torch.equal(ridx.cpu(), want.expert_idx.to(idx.dtype)), i
+            latest = (num_tokens, want, None, handle)
+        elif form.startswith("cached"):
+            num_tokens, want, _, handle = latest
+            x2 = torch.randn((num_tokens, hidden), generator=g).bfloat16()
+            src = want.src[:, 1].long()
+            if form == "cached":
+                rx = buf.dispatch(x2.cuda(), handle=handle, config=config)[0]
+                assert torch.equal(rx.cpu(), x2[src]), i
+            else:
+                x8, scales = ref.per_token_cast_to_fp8(x2)
+                rx = buf.dispatch((x8.cuda(), scales.t().contiguous().t().cuda()),
+                                  handle=handle, config=config)[0]
+                assert torch.equal(rx[0].cpu().view(torch.uint8), x8.view(torch.uint8)[src]), i
+                assert torch.equal(rx[1].cpu(), scales[src]), i
+        elif form.startswith("combine"):
+            num_tokens, want, rw, handle = latest
+            y = torch.randn((want.x.shape[0], hidden), generator=g).bfloat16()
+            (expected,) = ref.combine([want], [y], [num_tokens])
+            weights = form == "combine weights" and rw is not None
+            out, combined_w, _ = buf.combine(y.cuda(), handle, rw if weights else None,
+                                             config=config)
+            assert torch.equal(out.cpu(), expected), i
+            if weights:
+                expected_w = torch.zeros((num_tokens, top_k))
+                expected_w[want.src[:, 1].long()] = want.weights
+                assert torch.equal(combined_w.cpu(), expected_w), i
+            else:
+                assert combined_w is None, i
+        else:  # native: zero copy, then combine into out=
+            current = pick.random() < 0.5
+            res = native.dispatch(x.cuda(), idx.cuda(), w.cuda(), on_current_stream=current,
+                                  num_sms=num_sms)
+            n = int(res.num_recv_device.item())
+            assert n == want.x.shape[0] and res.num_recv is None, i
+            assert torch.equal(res.recv_x[:n].cpu(), want.x), i
+            assert torch.equal(res.recv_expert_idx[:n].cpu(), want.expert_idx), i
+            assert torch.equal(res.recv_weights[:n].cpu(), want.weights), i
+            assert torch.equal(res.recv_src[:n].cpu(), want.src), i
+            assert torch.equal(res.tokens_per_local_expert.cpu(),
+                               want.tokens_per_local_expert), i
+            assert res.rank_prefix_matrix.tolist() == [[n]], i
+            y = torch.randn((n, hidden), generator=g).bfloat16()
+            (expected,) = ref.combine([want], [y], [num_tokens])
+            out = torch.full((num_tokens, hidden), float("nan"), dtype=torch.bfloat16,
+                             device="cuda")
+            native.combine(y.cuda(), res.handle, out=out, on_current_stream=not current,
+                           num_sms=num_sms)
+            assert torch.equal(out.cpu(), expected), i
+    assert len(num_forms) == 7, num_forms
+    assert general == [], general[:5]
+
+
+def test_the_plain_checks_accept_only_what_the_full_checks_accept():
+    """An uncached dispatch's inputs are checked for the accepted case alone first (the least
+    host work), then, for anything else, by the full checks, which raise for what is wrong: every
+    input the quick check accepts, the full checks accept with the same shapes, for inputs
+    spoilt one at a time (dtype, shape, strides, device, type)."""
+    buf = weft.ep.Buffer(None, int(1e9))
+    x, idx, w = inputs(64, 256, 16, 8, 0.2, seed=42)
+    x8, scales = ref.per_token_cast_to_fp8(x)
+    good = dict(x=x.cuda(), topk_idx=idx.cuda(), topk_weights=w.cuda(),
+                **deepep_layout(buf, idx.cuda(), 16))
+    spoilt = [good]
+    for name, t in good.items():
+        for bad in (t.cpu(), t.float() if t.dtype != torch.float32 else t.double(),
+                    t.int() if t.dtype != torch.int32 else t.long(), t[:-1] if t.dim() else t,
+                    t.unsqueeze(0), t.t() if t.dim() == 2 else t.expand(2, -1)[:, 0], None,
+                    t.tolist()):
+            spoilt.append({**good, name: bad})
+    fp8 = (x8.cuda(), scales.t().contiguous().t().cuda())
+    spoilt += [{**good, "x": fp8}, {**good, "x": (fp8[0], fp8[1].double())},
+               {**good, "x": (fp8[0], fp8[1][:, :-1])}, {**good, "x": (fp8[0].view(torch.uint8),
+                                                                          fp8[1])},
+               {**good, "x": (fp8[0],)}, {**good, "x": list(fp8)}]
+    num_accepted = 0
+    for case in spoilt:
+        main = case["x"][0] if isinstance(case["x"], (tuple, list)) else case["x"]
+        args = (case["num_tokens_per_rank"], case["is_token_in_rank"],
+                case["num_tokens_per_expert"], case["topk_idx"], case["topk_weights"])
+        quick = buf._plain_inputs(case["x"], isinstance(case["x"], (tuple, list)), *args)
+        try:
+            full = buf._check_inputs(case["x"], main, *args)
+        except (weft.Error, AttributeError, TypeError, ValueError):
+            full = None
+        if quick is not None:
+            num_accepted += 1
+            assert quick == full, case
+    assert num_accepted >= 2  # the good bf16 and fp8 inputs among them

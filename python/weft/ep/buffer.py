@@ -33,9 +33,9 @@ from . import low_latency
 from .torch_modes import outside_torch_function_modes
 from .layout import dispatch_layout
 from .low_latency import LowLatency
-from .native import (_NO_EVENT, CommCall, NativeBuffer, _current_raw_stream, async_event,
-                     check_stream_options, check_tensor, check_x, event_of, flat,
-                     set_copy_out_rows)
+from .native import (_BF16, _NO_EVENT, _T_BF16, _T_F32, _T_I32, _T_I64, _UINT8, CommCall,
+                     NativeBuffer, _current_raw_stream, async_event, check_stream_options,
+                     check_tensor, check_x, event_of, flat, no_event, set_copy_out_rows)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
@@ -425,6 +425,10 @@ class Buffer:
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise Error("a cached dispatch (handle=...) takes no topk_idx / topk_weights")
+            if no_event(previous_event) and not (async_finish or allocate_on_comm_stream):
+                result = self._plain_cached_dispatch(x, handle, num_sms)
+                if result is not None:
+                    return result
             return self._cached_dispatch(x, handle, num_sms, previous_event, async_finish,
                                          allocate_on_comm_stream)
         if num_tokens_per_rank is None or is_token_in_rank is None or \
@@ -434,6 +438,42 @@ class Buffer:
         if (topk_idx is None) != (topk_weights is None):
             raise Error("topk_idx and topk_weights go together")
         # Every input is checked before the window may be laid out anew (a collective).
+        shapes = self._plain_inputs(x, is_fp8, num_tokens_per_rank, is_token_in_rank,
+                                    num_tokens_per_expert, topk_idx, topk_weights)
+        if shapes is None:
+            shapes = self._check_inputs(x, x_main, num_tokens_per_rank, is_token_in_rank,
+                                        num_tokens_per_expert, topk_idx, topk_weights)
+        num_tokens, hidden, top_k, num_experts = shapes
+        native = self._window_for(hidden, top_k, num_experts)
+        sync = num_worst_tokens == 0
+        if topk_idx is not None and top_k == native.top_k:
+            res, recv, event = self._dispatch_owned(native, x, is_fp8, topk_idx, topk_weights,
+                                                    num_sms, num_tokens, num_worst_tokens,
+                                                    expert_alignment, previous_event,
+                                                    async_finish, allocate_on_comm_stream)
+        else:
+            res, recv, event = self._dispatch_widened(native, x, is_fp8, topk_idx, topk_weights,
+                                                      is_token_in_rank, num_sms, num_tokens,
+                                                      num_worst_tokens, expert_alignment,
+                                                      previous_event, async_finish,
+                                                      allocate_on_comm_stream)
+        native = self._native
+        recv_x, recv_src, prefix, recv_idx, recv_w = recv
+        if not sync:
+            counts: List[int] = []
+        elif topk_idx is not None:
+            counts = res.tokens_per_local_expert_list  # aligned by the extension
+        else:
+            counts = self._counts_without_topk(num_tokens_per_expert, expert_alignment)
+        layout = _Layout(self._serial, (native.hidden, native.num_experts, native.top_k),
+                         res.handle, num_tokens, res.num_recv if sync else None,
+                         num_worst_tokens, is_token_in_rank, recv_src)
+        return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, layout), event
+
+    def _check_inputs(self, x, x_main, num_tokens_per_rank, is_token_in_rank,
+                      num_tokens_per_expert, topk_idx, topk_weights) -> Tuple[int, int, int, int]:
+        """(num_tokens, hidden, top_k (0: none), num_experts) of an uncached dispatch's inputs;
+        raises weft.Error for the first that is wrong."""
         num_tokens, hidden = x_main.shape
         device = self._device
         if not isinstance(num_tokens_per_expert, torch.Tensor):
@@ -461,44 +501,68 @@ class Buffer:
             raise Error(f"hidden {hidden} must be a multiple of 8 (rows move in 16-byte "
                         f"vectors)")
         check_x(x, hidden, device)
-        native = self._window_for(hidden, top_k, num_experts)
-        sync = num_worst_tokens == 0
-        if topk_idx is not None and top_k == native.top_k:
-            res, recv, event = self._dispatch_owned(native, x, is_fp8, topk_idx, topk_weights,
-                                                    num_sms, num_tokens, num_worst_tokens,
-                                                    expert_alignment, previous_event,
-                                                    async_finish, allocate_on_comm_stream)
-        else:
-            res, recv, event = self._dispatch_widened(native, x, is_fp8, topk_idx, topk_weights,
-                                                      is_token_in_rank, num_sms, num_tokens,
-                                                      num_worst_tokens, expert_alignment,
-                                                      previous_event, async_finish,
-                                                      allocate_on_comm_stream)
-        native = self._native
-        recv_x, recv_src, prefix, recv_idx, recv_w = recv
-        if not sync:
-            counts: List[int] = []
-        elif topk_idx is not None:
-            counts = res.tokens_per_local_expert_list  # aligned by the extension
-        else:
-            counts = self._counts_without_topk(num_tokens_per_expert, expert_alignment)
-        layout = _Layout(self._serial, (native.hidden, native.num_experts, native.top_k),
-                         res.handle, num_tokens, res.num_recv if sync else None,
-                         num_worst_tokens, is_token_in_rank, recv_src)
-        return recv_x, recv_idx, recv_w, counts, Handle(prefix, is_token_in_rank, layout), event
+        return num_tokens, hidden, top_k, num_experts
+
+    def _plain_inputs(self, x, is_fp8: bool, num_tokens_per_rank, is_token_in_rank,
+                      num_tokens_per_expert, topk_idx,
+                      topk_weights) -> Optional[Tuple[int, int, int, int]]:
+        """_check_inputs' result where every input is of the common case (x bf16 or the fp8
+        pair, the selections given, every tensor contiguous on the device), checked with the
+        least host work; None otherwise (_check_inputs then runs)."""
+        r = self.group_size
+        d = self._device.index
+        try:
+            if is_fp8:
+                if len(x) != 2:
+                    return None
+                x_main, scales = x
+                if x_main.dtype is not torch.float8_e4m3fn:
+                    return None
+            else:
+                x_main = x
+                if x.dtype is not _T_BF16:
+                    return None
+            num_tokens, hidden = xs = x_main.shape
+            ks = topk_idx.shape
+            idx_dtype = topk_idx.dtype
+            es = num_tokens_per_expert.shape
+            if not (hidden % 8 == 0 and x_main.get_device() == d and x_main.is_contiguous() and
+                    (idx_dtype is _T_I64 or idx_dtype is _T_I32) and len(ks) == 2 and
+                    ks[0] == num_tokens and 1 <= ks[1] <= _MAX_TOP_K and
+                    topk_weights.dtype is _T_F32 and topk_weights.shape == ks and
+                    num_tokens_per_expert.dtype is _T_I32 and len(es) == 1 and es[0] > 0 and
+                    es[0] % r == 0 and num_tokens_per_rank.dtype is _T_I32 and
+                    num_tokens_per_rank.shape == (r,) and is_token_in_rank.dtype is torch.bool
+                    and is_token_in_rank.shape == (num_tokens, r) and
+                    topk_idx.get_device() == d and topk_weights.get_device() == d and
+                    num_tokens_per_expert.get_device() == d and
+                    num_tokens_per_rank.get_device() == d and
+                    is_token_in_rank.get_device() == d and topk_idx.is_contiguous() and
+                    topk_weights.is_contiguous() and num_tokens_per_expert.is_contiguous() and
+                    num_tokens_per_rank.is_contiguous() and is_token_in_rank.is_contiguous()):
+                return None
+            if is_fp8 and not (hidden % 128 == 0 and scales.dtype is _T_F32 and
+                               scales.shape == (num_tokens, hidden // 128) and
+                               scales.get_device() == d):
+                return None
+        except (AttributeError, TypeError, ValueError):  # not tensors, or not 2-d
+            return None
+        return num_tokens, hidden, ks[1], es[0]
 
     def _launch_grown(self, native: NativeBuffer, x, is_fp8: bool, idx, w, num_sms: int,
                       sync: bool, alignment: int, stream: Optional[int] = None,
                       comm_stream: int = 0, previous_event: int = 0, async_finish: bool = False,
-                      hold: bool = False, copy=None):
+                      hold: bool = False, copy=None, res=None):
         """The dispatch, and again on a grown window while some rank sent more tokens than the
         window holds (every rank saw the same count exchange: every rank grows here). With
         hold, the rows this rank sends to itself are deferred to copy_out (own_x=x), which
         writes them from x into the owned tensors: one pass over them, not two; copy: that
-        copy_out's arguments, run in the same call where they fit (launch_dispatch)."""
-        res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync, stream,
-                                     comm_stream, previous_event, async_finish, hold, alignment,
-                                     hold, copy)
+        copy_out's arguments, run in the same call where they fit (launch_dispatch). res: the
+        counts of a first dispatch already made on native (then only the growth is left)."""
+        if res is None:
+            res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
+                                         stream, comm_stream, previous_event, async_finish, hold,
+                                         alignment, hold, copy)
         while sync and res.tokens_required:
             native = self._grow(res.tokens_required)
             res = native.launch_dispatch(x, is_fp8, idx, w, None, None, num_sms, None, sync,
@@ -526,12 +590,16 @@ class Buffer:
         stream, the counts read as soon as its count exchange ends (host sync only without
         num_worst_tokens), then the copy kernel that fills the owned tensors, then the hand-off
         back (all stream work inside the extension). So that the GPU does not wait for the host
-        between the two kernels, the owned tensors are made before the launch and the copy
-        runs in the dispatch's own extension call: every owned tensor but recv_x for `bound`
-        rows (this rank's tokens from every rank: a peer with more tokens than this rank,
-        rarely, makes them again at the count), recv_x for _owned_x_rows (num_worst_tokens: for
-        its rows); all narrowed to the count. Where the count exceeds them (or recv_x has no
-        rows yet), the copy waits for tensors made at the count: a second extension call."""
+        between the two kernels, the owned tensors are made before the count is known and the
+        copy is launched as soon as it is out, by the extension call that waits for it: every
+        owned tensor but recv_x for `bound` rows (this rank's tokens from every rank: a peer
+        with more tokens than this rank, rarely, makes them again at the count), recv_x for
+        _owned_x_rows (num_worst_tokens: for its rows); all narrowed to the count. A host-synced
+        call is launched first and makes them while its kernel runs (the host's wait for the
+        count overlaps them; finish_dispatch then waits and copies); a num_worst_tokens call
+        makes them before the launch and copies in the same call. Where the count exceeds them
+        (or recv_x has no rows yet), the copy waits for tensors made at the count: one more
+        extension call."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
         comm_raw = comm.cuda_stream
@@ -545,18 +613,28 @@ class Buffer:
         # recv_x too where its rows can be told: num_worst_tokens, or (host-synced) the latest
         # count plus the headroom (_owned_x_rows).
         x_rows = self._owned_x_rows(num_tokens, bound) if sync else bound
-        with on_comm():
-            meta = self._owned_meta(native, is_fp8, bound, top_k, topk_idx.dtype)
-            payload = self._owned_payload(native, is_fp8, x_rows) if x_rows else None
-        args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw, async_finish, x)
-        if payload is not None:
-            set_copy_out_rows(args, x_rows, payload)
+        res = None
         try:
+            if sync:  # launched first: the tensors are made while its kernel runs
+                res = native.launch_dispatch(x, is_fp8, topk_idx, topk_weights, None, None,
+                                             num_sms, None, True, stream, comm_raw,
+                                             event_of(previous_event), async_finish, True,
+                                             alignment, True, wait_later=True)
+            with on_comm():
+                meta = self._owned_meta(native, is_fp8, bound, top_k, topk_idx.dtype)
+                payload = self._owned_payload(native, is_fp8, x_rows) if x_rows else None
+            args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw, async_finish,
+                                       x)
+            if payload is not None:
+                set_copy_out_rows(args, x_rows, payload)
+            copy = args if payload is not None else None
+            if sync:
+                res = native.finish_dispatch(copy)
             native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms,
                                              sync, alignment, stream, comm_raw,
-                                             event_of(previous_event), async_finish, True,
-                                             args if payload is not None else None)
-        except BaseException:  # a failed count wait or regrowth past a held launch
+                                             event_of(previous_event), async_finish, True, copy,
+                                             res)
+        except BaseException:  # a failed launch, allocation, count wait or regrowth
             self._hand_back(stream)
             raise
         rows = res.num_recv if sync else num_worst_tokens
@@ -807,6 +885,11 @@ class Buffer:
         device."""
         self._check_alive("combine")
         num_sms = self._num_sms(config, self.get_combine_config)
+        if bias is None and no_event(previous_event) and not (async_finish or
+                                                              allocate_on_comm_stream):
+            result = self._plain_combine(x, handle, topk_weights, num_sms)
+            if result is not None:
+                return result
         native = self._native_of(handle, "combine")
         layout = handle.layout
         rows = layout.num_rows
@@ -859,6 +942,143 @@ class Buffer:
                                   topk_weights=topk_weights, combined_weights=combined_w)
             call.keep(x, *biases, out, topk_weights, combined_w, layout.recv_src)
         return out, combined_w, call.event
+
+    def _latest_layout_of(self, handle) -> Optional[NativeBuffer]:
+        """The window, where handle is this Buffer's and its layout is the window's latest (a
+        combine or cached dispatch then needs no re-run layout); else None."""
+        native = self._native
+        if type(handle) is not Handle or native is None:
+            return None
+        layout = handle.layout
+        if layout.buffer_serial != self._serial or not native.holds_layout(layout.native):
+            return None
+        return native
+
+    def _plain_combine(self, x, handle, topk_weights, num_sms: int):
+        """The common combine (no bias, no event; the handle's layout the latest) with the least
+        host work: the accepted case checked alone, reused arguments. None where the general
+        path must run (which also raises for bad input)."""
+        native = self._latest_layout_of(handle)
+        if native is None:
+            return None
+        layout = handle.layout
+        d = native._device_index
+        try:
+            xs = x.shape
+            if not (x.dtype is _T_BF16 and len(xs) == 2 and xs[1] == native.hidden and
+                    layout.num_rows <= xs[0] <= native._capacity and x.get_device() == d and
+                    x.is_contiguous()):
+                return None
+            if topk_weights is not None:
+                ws = topk_weights.shape
+                if not (topk_weights.dtype is _T_F32 and len(ws) == 2 and ws[0] == xs[0] and
+                        1 <= ws[1] <= native.top_k and topk_weights.get_device() == d and
+                        topk_weights.is_contiguous()):
+                    return None
+        except AttributeError:  # not tensors
+            return None
+        num_tokens = layout.num_tokens
+        out = torch.empty(num_tokens, native.hidden, dtype=_T_BF16, device=native.device)
+        a = native._reused_args.get("DeepEP combine")
+        if a is None:
+            a = native.reused_args("DeepEP combine", lambda: self._combine_args(native))
+        a.expert_out = x.data_ptr()
+        a.expert_out_rows = xs[0]
+        a.out = out.data_ptr()
+        a.num_sms = num_sms
+        a.stream = _current_raw_stream(d)
+        combined_w = None
+        if topk_weights is None:
+            a.topk_weights = a.topk_weights_rows = a.topk_weights_cols = a.combined_weights = 0
+        else:
+            combined_w = torch.empty(num_tokens, ws[1], dtype=_T_F32, device=native.device)
+            a.topk_weights = topk_weights.data_ptr()
+            a.topk_weights_rows, a.topk_weights_cols = ws
+            a.combined_weights = combined_w.data_ptr()
+        native._native.combine(a, layout.native)
+        return out, combined_w, _NO_EVENT
+
+    def _plain_cached_dispatch(self, x, handle, num_sms: int):
+        """The common cached dispatch (no event; the handle's layout the latest) with the least
+        host work, as _plain_combine: recv_x made first, then one extension call (the dispatch
+        kernel with this rank's own rows deferred, and the copy behind it). None where the
+        general path must run."""
+        native = self._latest_layout_of(handle)
+        if native is None:
+            return None
+        layout = handle.layout
+        d = native._device_index
+        hidden = native.hidden
+        is_fp8 = type(x) is tuple
+        try:
+            if is_fp8:
+                if len(x) != 2:
+                    return None
+                x_main, scales = x
+                ss = scales.shape
+                if not (x_main.dtype is torch.float8_e4m3fn and scales.dtype is _T_F32 and
+                        len(ss) == 2 and ss[0] == layout.num_tokens and
+                        ss[1] * 128 == hidden and scales.get_device() == d):
+                    return None
+            else:
+                x_main = x
+                if x.dtype is not _T_BF16:
+                    return None
+            xs = x_main.shape
+            if not (len(xs) == 2 and xs[0] == layout.num_tokens and xs[1] == hidden and
+                    x_main.get_device() == d and x_main.is_contiguous()):
+                return None
+        except AttributeError:  # not tensors
+            return None
+        rows = layout.num_rows
+        stream = _current_raw_stream(d)
+        kind = "DeepEP cached dispatch, fp8" if is_fp8 else "DeepEP cached dispatch"
+        reused = native._reused_args.get(kind)
+        if reused is None:
+            reused = native.reused_args(kind, lambda: self._cached_args(native, is_fp8))
+        a, c = reused
+        recv_x = torch.empty(rows, hidden, device=native.device,
+                             dtype=torch.float8_e4m3fn if is_fp8 else _T_BF16)
+        own, rows_in = c.own_x, a.x
+        own.data = rows_in.data = x_main.data_ptr()
+        own.num_tokens = rows_in.num_tokens = xs[0]
+        if is_fp8:
+            recv_scales = torch.empty(rows, hidden // 128, dtype=_T_F32, device=native.device)
+            own.scales = rows_in.scales = scales.data_ptr()
+            own.scales_token_stride, own.scales_group_stride = scales.stride()
+            rows_in.scales_token_stride = own.scales_token_stride
+            rows_in.scales_group_stride = own.scales_group_stride
+            c.x_scales = recv_scales.data_ptr()
+            recv_x = (recv_x, recv_scales)
+            c.x = recv_x[0].data_ptr()
+        else:
+            c.x = recv_x.data_ptr()
+        c.num_rows = rows
+        a.num_sms = num_sms
+        a.stream = c.stream = stream
+        native._native.dispatch(a, layout.native, c)
+        return recv_x, None, None, None, None, _NO_EVENT
+
+    @staticmethod
+    def _combine_args(native: NativeBuffer):
+        """The reused CombineArgs of _plain_combine, its constant field set."""
+        a = _weft.ep.CombineArgs()
+        a.comm_stream = native.comm_stream.cuda_stream
+        return a
+
+    @staticmethod
+    def _cached_args(native: NativeBuffer, is_fp8: bool):
+        """The reused (DispatchArgs, CopyOutArgs) of _plain_cached_dispatch, their constant
+        fields set."""
+        a = _weft.ep.DispatchArgs()
+        a.hold = a.defer_own_rows = True
+        c = _weft.ep.CopyOutArgs()
+        c.deferred_own_rows = True
+        a.comm_stream = c.comm_stream = native.comm_stream.cuda_stream
+        for rows in (a.x, c.own_x):
+            rows.dtype = _UINT8 if is_fp8 else _BF16
+            rows.cols = native.hidden
+        return a, c
 
 
 class _StreamOnly:

@@ -212,24 +212,17 @@ class LowLatency:
                  round_scale, use_ue8m0, async_finish, return_recv_hook):
         b = self._buffer
         device = b._device
-        num_ranks = b.group_size
         m = num_max_dispatch_tokens_per_rank
-        check_tensor("x", x, (torch.bfloat16,), device, (None, None))
-        num_tokens, hidden = x.shape
-        check_shapes(m, hidden, num_ranks, num_experts)
-        if num_tokens > m:
-            raise Error(f"low_latency_dispatch: x has {num_tokens} tokens, above "
-                        f"num_max_dispatch_tokens_per_rank={m}")
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (num_tokens, None))
-        num_topk = topk_idx.shape[1]
-        if not 1 <= num_topk <= 32:
-            raise Error(f"low_latency_dispatch: topk_idx has {num_topk} columns; 1..32 allowed")
+        shapes = self._plain_shapes(x, topk_idx, m, num_experts)
+        if shapes is None:  # not the windows' shapes, or not the accepted case: the full checks
+            shapes = self._check_inputs(x, topk_idx, m, num_experts)
+        num_tokens, hidden, num_topk = shapes
         if dispatch_wait_recv_cost_stats is not None:
             raise Error("low_latency_dispatch(dispatch_wait_recv_cost_stats=...): weft.ep does "
                         "not measure per-rank wait times; pass None")
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                         (torch.int32,), device, (num_experts // num_ranks,))
+                         (torch.int32,), device, (num_experts // b.group_size,))
         if use_ue8m0 and not round_scale:
             raise Error("low_latency_dispatch(use_ue8m0=True) needs round_scale=True (UE8M0 "
                         "scales are powers of two)")
@@ -278,6 +271,46 @@ class LowLatency:
         keep = [x, topk_idx, stats]
         event, hook = self._finish(async_finish, return_recv_hook, keep)
         return recv_x, recv_count, handle, event, hook
+
+    def _plain_shapes(self, x, topk_idx, num_max_tokens, num_experts):
+        """(num_tokens, hidden, num_topk) where x and topk_idx are of the accepted case for the
+        windows laid out already (their shapes were checked then), checked with the least host
+        work; else None."""
+        shapes = self._shapes
+        if shapes is None:
+            return None
+        d = self._buffer._device.index
+        try:
+            xs, ks = x.shape, topk_idx.shape
+            idx_dtype = topk_idx.dtype
+            if not (x.dtype is torch.bfloat16 and len(xs) == 2 and len(ks) == 2 and
+                    ks[0] == xs[0] <= num_max_tokens and
+                    (idx_dtype is torch.int64 or idx_dtype is torch.int32) and
+                    shapes == (num_max_tokens, xs[1], num_experts, ks[1]) and
+                    type(num_max_tokens) is int and type(num_experts) is int and
+                    x.get_device() == d and topk_idx.get_device() == d and
+                    x.is_contiguous() and topk_idx.is_contiguous()):
+                return None
+        except AttributeError:  # not tensors
+            return None
+        return xs[0], xs[1], ks[1]
+
+    def _check_inputs(self, x, topk_idx, num_max_tokens, num_experts):
+        """(num_tokens, hidden, num_topk) of a dispatch's x and topk_idx; raises weft.Error for
+        what is wrong."""
+        b = self._buffer
+        check_tensor("x", x, (torch.bfloat16,), b._device, (None, None))
+        num_tokens, hidden = x.shape
+        check_shapes(num_max_tokens, hidden, b.group_size, num_experts)
+        if num_tokens > num_max_tokens:
+            raise Error(f"low_latency_dispatch: x has {num_tokens} tokens, above "
+                        f"num_max_dispatch_tokens_per_rank={num_max_tokens}")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), b._device,
+                     (num_tokens, None))
+        num_topk = topk_idx.shape[1]
+        if not 1 <= num_topk <= 32:
+            raise Error(f"low_latency_dispatch: topk_idx has {num_topk} columns; 1..32 allowed")
+        return num_tokens, hidden, num_topk
 
     # -- combine ------------------------------------------------------------------------------
     def _slot_of(self, handle, what: str) -> _Slot:

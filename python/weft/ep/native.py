@@ -33,6 +33,8 @@ from .event import EventHandle, EventOverlap
 from .torch_modes import outside_torch_function_modes
 
 _FP8_GROUP = 128
+# torch's dtypes are singletons: the plain calls' checks compare them by identity.
+_T_BF16, _T_F32, _T_I32, _T_I64 = torch.bfloat16, torch.float32, torch.int32, torch.int64
 _BF16 = _weft.ep.DType.bfloat16 if hasattr(_weft.ep, "DType") else None
 _UINT8 = _weft.ep.DType.uint8 if hasattr(_weft.ep, "DType") else None
 
@@ -315,6 +317,13 @@ def _current_raw_stream(device_index: int) -> int:
 _NO_EVENT = EventOverlap(None)
 
 
+def no_event(previous_event) -> bool:
+    """Whether previous_event orders nothing: None, or an EventOverlap without an event (what a
+    call made with async_finish=False returns)."""
+    return previous_event is None or (type(previous_event) is EventOverlap and
+                                      previous_event.event is None)
+
+
 def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
@@ -457,6 +466,11 @@ class NativeBuffer:
         self._window: Optional[_Window] = None
         self._layout_key: Optional[Tuple[int, int]] = None  # the latest uncached dispatch's
         self._views: dict = {}  # (rows, row_bytes, fp8, expanded) -> the result's views
+        self._device_index = self.device.index
+        self._capacity = native.capacity  # capacity, for the plain calls' checks
+        self._reused_args: dict = {}  # reused_args
+        # The fields of every plain dispatch's result but its handle (_plain_dispatch).
+        self._plain_result: Optional[tuple] = None
         self.fp8_row_bytes = (_weft.ep.fp8_row_bytes(self.hidden)
                                if self.hidden % _FP8_GROUP == 0 else None)
 
@@ -494,6 +508,8 @@ class NativeBuffer:
         (and at the latest until the interpreter exits)."""
         self._window = None
         self._views = {}
+        self._plain_result = None
+        self._reused_args = {}
         if self._native is not None:
             self._native.destroy()
         if self._owns_communicator and self.communicator.alive:
@@ -528,6 +544,17 @@ class NativeBuffer:
     def leave_comm(self, caller: torch.cuda.Stream) -> None:
         """caller waits for the work queued so far on comm_stream."""
         self._native.leave_comm(caller.cuda_stream, self.comm_stream.cuda_stream)
+
+    def reused_args(self, kind, make):
+        """The argument object (e.g. a DispatchArgs) of this window's calls of one kind, made by
+        make() at the first and reused by every later one, so that a hot call sets only the
+        fields it varies: every call of a kind must set every field that any call of that kind
+        varies. The binding copies its arguments at entry. (A Buffer is called from one thread
+        at a time: its calls are collective and ordered.)"""
+        a = self._reused_args.get(kind)
+        if a is None:
+            a = self._reused_args[kind] = make()
+        return a
 
     def hand_back(self, stream: int) -> None:
         """stream (a cudaStream_t) waits for the work queued so far on comm_stream: what a
@@ -597,6 +624,12 @@ class NativeBuffer:
         on_current_stream=True runs the kernel on the current stream itself instead of the comm
         stream (no stream hand-off: the cheapest call; the caller orders it with the Buffer's
         other calls, as a stream does)."""
+        if handle is None and expand is None and cumulative_local_expert_recv_stats is None \
+                and no_event(previous_event) and not (sync_count or async_finish or
+                                                      allocate_on_comm_stream):
+            result = self._plain_dispatch(x, topk_idx, topk_weights, num_sms, on_current_stream)
+            if result is not None:
+                return result
         num_tokens, is_fp8 = self.check_x(x)
         if handle is None:
             if topk_idx is None or topk_weights is None:
@@ -630,13 +663,67 @@ class NativeBuffer:
                                                           stats])
         return result
 
+    def _plain_dispatch(self, x, topk_idx, topk_weights, num_sms,
+                        on_current_stream) -> Optional[DispatchResult]:
+        """The common dispatch (bf16 x with its selections, the count on the device, no event)
+        with the least host work: the accepted case checked alone (None for anything else: the
+        general path then checks it and raises what is wrong), reused arguments, and the
+        result's views made once."""
+        try:
+            xs, ks, ws = x.shape, topk_idx.shape, topk_weights.shape
+            idx_dtype = topk_idx.dtype
+            d = self._device_index
+            if not (x.dtype is _T_BF16 and (idx_dtype is _T_I64 or idx_dtype is _T_I32) and
+                    topk_weights.dtype is _T_F32 and len(xs) == 2 and xs[1] == self.hidden and
+                    len(ks) == 2 and ks[0] == xs[0] and ks[1] == self.top_k and ks == ws and
+                    x.get_device() == d and topk_idx.get_device() == d and
+                    topk_weights.get_device() == d and x.is_contiguous() and
+                    topk_idx.is_contiguous() and topk_weights.is_contiguous() and
+                    type(num_sms) is int):
+                return None
+        except AttributeError:  # not tensors
+            return None
+        kind = "dispatch, current stream" if on_current_stream else "dispatch, comm stream"
+        a = self._reused_args.get(kind)
+        if a is None:
+            a = self.reused_args(kind, lambda: self._plain_args(_weft.ep.DispatchArgs(),
+                                                                on_current_stream))
+        rows = a.x
+        rows.data = x.data_ptr()
+        rows.num_tokens = xs[0]
+        a.topk_idx = topk_idx.data_ptr()
+        a.topk_idx_int64 = idx_dtype is _T_I64
+        a.topk_weights = topk_weights.data_ptr()
+        a.num_sms = num_sms
+        a.stream = _current_raw_stream(d)
+        out = self._native.dispatch(a, None, None)
+        handle = NativeHandle(*out.handle)
+        self._layout_key = handle[:2]
+        fixed = self._plain_result
+        if fixed is None:
+            result = self._results(out, handle, False, out.capacity)
+            self._plain_result = (result.recv_x, result.recv_expert_idx, result.recv_weights,
+                                  result.recv_src, result.tokens_per_local_expert,
+                                  result.num_recv_device, None, None, None, None,
+                                  result.rank_prefix_matrix, None)
+            return result
+        return DispatchResult(*fixed, handle, _NO_EVENT, self)
+
+    def _plain_args(self, a, on_current_stream: bool):
+        """a (DispatchArgs or CombineArgs) with a plain call's constant fields."""
+        a.comm_stream = 0 if on_current_stream else self.comm_stream.cuda_stream
+        if isinstance(a, _weft.ep.DispatchArgs):
+            a.x.dtype = _BF16
+            a.x.cols = self.hidden
+        return a
+
     def launch_dispatch(self, x, is_fp8: bool, topk_idx, topk_weights, handle, stats,
                         num_sms: int, expand: Optional[Expand], sync_count: bool,
                         stream: Optional[int] = None, comm_stream: int = 0,
                         previous_event: int = 0, async_finish: bool = False,
                         hold: bool = False, count_alignment: int = 1,
-                        defer_own_rows: bool = False,
-                        copy=None) -> Union[DispatchResult, DispatchCounts]:
+                        defer_own_rows: bool = False, copy=None,
+                        wait_later: bool = False) -> Union[DispatchResult, DispatchCounts]:
         """The dispatch kernel of checked inputs (x: bf16 rows, packed fp8 rows, or the fp8 pair,
         whose scales the kernel reads at their strides) on stream (default: the current one), or
         on comm_stream handed off from stream (see DispatchArgs in the binding); with hold, the
@@ -647,7 +734,9 @@ class NativeBuffer:
         copy (with hold): copy_out's filled arguments (copy_out_args, set_copy_out_rows), run in
         the same extension call: right behind the kernel, or with sync_count once the count is
         out and only where it fits their num_rows (then set to the count); the result's copied
-        says whether it ran (if not, the call is still held)."""
+        says whether it ran (if not, the call is still held). wait_later (with sync_count and
+        hold, no copy): return once the kernel is launched, the counts not read yet
+        (finish_dispatch reads them), so that the caller can make its tensors meanwhile."""
         a = _weft.ep.DispatchArgs()
         fill_token_rows(a.x, x)
         if handle is None:
@@ -670,6 +759,7 @@ class NativeBuffer:
         a.async_finish = async_finish
         a.hold = hold
         a.defer_own_rows = defer_own_rows
+        a.wait_later = wait_later
         out = self._native.dispatch(a, handle, copy)
         result_handle = NativeHandle(*out.handle)
         if handle is None:
@@ -679,6 +769,14 @@ class NativeBuffer:
         num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv
         return self._results(out, result_handle, is_fp8,
                              num_recv if num_recv >= 0 else out.capacity)
+
+    def finish_dispatch(self, copy=None) -> DispatchCounts:
+        """The counts of the dispatch launched with wait_later (a host wait) and, with copy
+        (copy_out's filled arguments), its copy-out once they are out, where it fits copy's
+        num_rows (then set to the count); the result's copied says whether it ran (if not, the
+        call is still held)."""
+        out = self._native.finish_dispatch(copy)
+        return DispatchCounts(NativeHandle(*out.handle), out)
 
     def copy_out(self, num_rows: int, recv_x, *, src=None, pad_token: int = 0, topk_idx=None,
                  topk_weights=None, rank_prefix_matrix=None, stream: int = 0,
@@ -738,6 +836,11 @@ class NativeBuffer:
         received-row order of handle's dispatch) back at their source, plus bias (one [T, hidden]
         bf16 tensor or a pair). Returns (out [T, hidden] bf16, event). on_current_stream as for
         dispatch."""
+        if bias is None and no_event(previous_event) and not (async_finish or
+                                                              allocate_on_comm_stream):
+            result = self._plain_combine(expert_out, handle, out, num_sms, on_current_stream)
+            if result is not None:
+                return result
         num_tokens, biases = self.check_combine(expert_out, handle, bias)
         check_stream_options(previous_event, async_finish, allocate_on_comm_stream,
                              on_current_stream)
@@ -758,6 +861,41 @@ class NativeBuffer:
         if not async_finish:
             return out, _NO_EVENT
         return out, async_event(self.comm_stream, [expert_out, out, *biases])
+
+    def _plain_combine(self, expert_out, handle, out, num_sms,
+                       on_current_stream) -> Optional[Tuple[torch.Tensor, EventOverlap]]:
+        """The common combine (no bias, no event) with the least host work, as _plain_dispatch:
+        None where the general path must run."""
+        try:
+            es = expert_out.shape
+            d = self._device_index
+            if not (expert_out.dtype is _T_BF16 and len(es) == 2 and es[1] == self.hidden and
+                    expert_out.get_device() == d and expert_out.is_contiguous() and
+                    type(handle) is NativeHandle and type(num_sms) is int):
+                return None
+            if out is None:
+                out = torch.empty(handle.num_tokens, self.hidden, dtype=_T_BF16,
+                                  device=self.device)
+            else:
+                os_ = out.shape
+                if not (out.dtype is _T_BF16 and len(os_) == 2 and os_[0] == handle.num_tokens
+                        and os_[1] == self.hidden and out.get_device() == d and
+                        out.is_contiguous()):
+                    return None
+        except AttributeError:  # not tensors
+            return None
+        kind = "combine, current stream" if on_current_stream else "combine, comm stream"
+        a = self._reused_args.get(kind)
+        if a is None:
+            a = self.reused_args(kind, lambda: self._plain_args(_weft.ep.CombineArgs(),
+                                                                on_current_stream))
+        a.expert_out = expert_out.data_ptr()
+        a.expert_out_rows = es[0]
+        a.out = out.data_ptr()
+        a.num_sms = num_sms
+        a.stream = _current_raw_stream(d)
+        self._native.combine(a, handle)
+        return out, _NO_EVENT
 
     def check_combine(self, expert_out, handle, bias) -> Tuple[int, list]:
         """(num_tokens, biases) of a combine's checked arguments."""
