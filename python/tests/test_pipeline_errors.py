@@ -126,16 +126,22 @@ def test_ctrl_c_while_progress_waits_raises_keyboard_interrupt():
                   Task.from_fn("later", later, reads=["x"], stream="b")])
     engine = Engine(s, "per_task")
 
-    def interrupt():
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.2)
-        release.set()
+    def on_sigint(signum, frame):
+        # Runs where the engine checks for interrupts: the body is let go only once the engine
+        # has seen the interrupt (and 0.1 s later, by which it has failed the step), so that
+        # `later` is skipped however slowly a loaded machine schedules the threads.
+        threading.Timer(0.1, release.set).start()
+        raise KeyboardInterrupt
 
-    threading.Timer(0.2, interrupt).start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        engine.progress(iter(range(3)))
-    # Raised once the running body returned (0.4 s), long before its 5 s timeout.
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            engine.progress(iter(range(3)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # Raised once the running body returned (about 0.3 s), long before its 5 s timeout.
     assert time.monotonic() - start < 3
     assert engine.failed
     engine.reset()
