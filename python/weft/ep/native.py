@@ -683,11 +683,7 @@ class NativeBuffer:
                 return None
         except AttributeError:  # not tensors
             return None
-        kind = "dispatch, current stream" if on_current_stream else "dispatch, comm stream"
-        a = self._reused_args.get(kind)
-        if a is None:
-            a = self.reused_args(kind, lambda: self._plain_args(_weft.ep.DispatchArgs(),
-                                                                on_current_stream))
+        a = self._plain_args(_weft.ep.DispatchArgs, on_current_stream)
         rows = a.x
         rows.data = x.data_ptr()
         rows.num_tokens = xs[0]
@@ -709,12 +705,17 @@ class NativeBuffer:
             return result
         return DispatchResult(*fixed, handle, _NO_EVENT, self)
 
-    def _plain_args(self, a, on_current_stream: bool):
-        """a (DispatchArgs or CombineArgs) with a plain call's constant fields."""
-        a.comm_stream = 0 if on_current_stream else self.comm_stream.cuda_stream
-        if isinstance(a, _weft.ep.DispatchArgs):
-            a.x.dtype = _BF16
-            a.x.cols = self.hidden
+    def _plain_args(self, cls, on_current_stream: bool):
+        """The reused arguments (cls: DispatchArgs or CombineArgs) of the plain calls of one
+        stream, their constant fields set."""
+        kind = (cls, True if on_current_stream else False)
+        a = self._reused_args.get(kind)
+        if a is None:
+            a = self._reused_args[kind] = cls()
+            a.comm_stream = 0 if on_current_stream else self.comm_stream.cuda_stream
+            if cls is _weft.ep.DispatchArgs:
+                a.x.dtype = _BF16
+                a.x.cols = self.hidden
         return a
 
     def launch_dispatch(self, x, is_fp8: bool, topk_idx, topk_weights, handle, stats,
@@ -884,11 +885,7 @@ class NativeBuffer:
                     return None
         except AttributeError:  # not tensors
             return None
-        kind = "combine, current stream" if on_current_stream else "combine, comm stream"
-        a = self._reused_args.get(kind)
-        if a is None:
-            a = self.reused_args(kind, lambda: self._plain_args(_weft.ep.CombineArgs(),
-                                                                on_current_stream))
+        a = self._plain_args(_weft.ep.CombineArgs, on_current_stream)
         a.expert_out = expert_out.data_ptr()
         a.expert_out_rows = es[0]
         a.out = out.data_ptr()
