@@ -35,7 +35,8 @@ from .layout import dispatch_layout
 from .low_latency import LowLatency
 from .native import (_BF16, _NO_EVENT, _T_BF16, _T_F32, _T_I32, _T_I64, _UINT8, CommCall,
                      NativeBuffer, _current_raw_stream, async_event, check_stream_options,
-                     check_tensor, check_x, event_of, flat, no_event, set_copy_out_rows)
+                     check_tensor, check_x, event_of, flat, no_event, plain_token_rows,
+                     set_copy_out_rows)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
@@ -438,7 +439,7 @@ class Buffer:
         if (topk_idx is None) != (topk_weights is None):
             raise Error("topk_idx and topk_weights go together")
         # Every input is checked before the window may be laid out anew (a collective).
-        shapes = self._plain_inputs(x, is_fp8, num_tokens_per_rank, is_token_in_rank,
+        shapes = self._plain_inputs(x, num_tokens_per_rank, is_token_in_rank,
                                     num_tokens_per_expert, topk_idx, topk_weights)
         if shapes is None:
             shapes = self._check_inputs(x, x_main, num_tokens_per_rank, is_token_in_rank,
@@ -503,30 +504,22 @@ class Buffer:
         check_x(x, hidden, device)
         return num_tokens, hidden, top_k, num_experts
 
-    def _plain_inputs(self, x, is_fp8: bool, num_tokens_per_rank, is_token_in_rank,
-                      num_tokens_per_expert, topk_idx,
-                      topk_weights) -> Optional[Tuple[int, int, int, int]]:
+    def _plain_inputs(self, x, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                      topk_idx, topk_weights) -> Optional[Tuple[int, int, int, int]]:
         """_check_inputs' result where every input is of the common case (x bf16 or the fp8
         pair, the selections given, every tensor contiguous on the device), checked with the
         least host work; None otherwise (_check_inputs then runs)."""
         r = self.group_size
         d = self._device.index
+        x_shape = plain_token_rows(x, d)
+        if x_shape is None:
+            return None
+        num_tokens, hidden = x_shape
         try:
-            if is_fp8:
-                if len(x) != 2:
-                    return None
-                x_main, scales = x
-                if x_main.dtype is not torch.float8_e4m3fn:
-                    return None
-            else:
-                x_main = x
-                if x.dtype is not _T_BF16:
-                    return None
-            num_tokens, hidden = xs = x_main.shape
             ks = topk_idx.shape
             idx_dtype = topk_idx.dtype
             es = num_tokens_per_expert.shape
-            if not (hidden % 8 == 0 and x_main.get_device() == d and x_main.is_contiguous() and
+            if not (hidden % 8 == 0 and
                     (idx_dtype is _T_I64 or idx_dtype is _T_I32) and len(ks) == 2 and
                     ks[0] == num_tokens and 1 <= ks[1] <= _MAX_TOP_K and
                     topk_weights.dtype is _T_F32 and topk_weights.shape == ks and
@@ -541,11 +534,7 @@ class Buffer:
                     topk_weights.is_contiguous() and num_tokens_per_expert.is_contiguous() and
                     num_tokens_per_rank.is_contiguous() and is_token_in_rank.is_contiguous()):
                 return None
-            if is_fp8 and not (hidden % 128 == 0 and scales.dtype is _T_F32 and
-                               scales.shape == (num_tokens, hidden // 128) and
-                               scales.get_device() == d):
-                return None
-        except (AttributeError, TypeError, ValueError):  # not tensors, or not 2-d
+        except AttributeError:  # not tensors
             return None
         return num_tokens, hidden, ks[1], es[0]
 
@@ -613,13 +602,14 @@ class Buffer:
         # recv_x too where its rows can be told: num_worst_tokens, or (host-synced) the latest
         # count plus the headroom (_owned_x_rows).
         x_rows = self._owned_x_rows(num_tokens, bound) if sync else bound
+        event_raw = event_of(previous_event)
         res = None
         try:
             if sync:  # launched first: the tensors are made while its kernel runs
                 res = native.launch_dispatch(x, is_fp8, topk_idx, topk_weights, None, None,
-                                             num_sms, None, True, stream, comm_raw,
-                                             event_of(previous_event), async_finish, True,
-                                             alignment, True, wait_later=True)
+                                             num_sms, None, True, stream, comm_raw, event_raw,
+                                             async_finish, True, alignment, True,
+                                             wait_later=True)
             with on_comm():
                 meta = self._owned_meta(native, is_fp8, bound, top_k, topk_idx.dtype)
                 payload = self._owned_payload(native, is_fp8, x_rows) if x_rows else None
@@ -631,9 +621,8 @@ class Buffer:
             if sync:
                 res = native.finish_dispatch(copy)
             native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms,
-                                             sync, alignment, stream, comm_raw,
-                                             event_of(previous_event), async_finish, True, copy,
-                                             res)
+                                             sync, alignment, stream, comm_raw, event_raw,
+                                             async_finish, True, copy, res)
         except BaseException:  # a failed launch, allocation, count wait or regrowth
             self._hand_back(stream)
             raise
@@ -979,9 +968,7 @@ class Buffer:
             return None
         num_tokens = layout.num_tokens
         out = torch.empty(num_tokens, native.hidden, dtype=_T_BF16, device=native.device)
-        a = native._reused_args.get("DeepEP combine")
-        if a is None:
-            a = native.reused_args("DeepEP combine", lambda: self._combine_args(native))
+        a = native.reused_args("DeepEP combine", self._combine_args, native)
         a.expert_out = x.data_ptr()
         a.expert_out_rows = xs[0]
         a.out = out.data_ptr()
@@ -1009,39 +996,20 @@ class Buffer:
         layout = handle.layout
         d = native._device_index
         hidden = native.hidden
-        is_fp8 = type(x) is tuple
-        try:
-            if is_fp8:
-                if len(x) != 2:
-                    return None
-                x_main, scales = x
-                ss = scales.shape
-                if not (x_main.dtype is torch.float8_e4m3fn and scales.dtype is _T_F32 and
-                        len(ss) == 2 and ss[0] == layout.num_tokens and
-                        ss[1] * 128 == hidden and scales.get_device() == d):
-                    return None
-            else:
-                x_main = x
-                if x.dtype is not _T_BF16:
-                    return None
-            xs = x_main.shape
-            if not (len(xs) == 2 and xs[0] == layout.num_tokens and xs[1] == hidden and
-                    x_main.get_device() == d and x_main.is_contiguous()):
-                return None
-        except AttributeError:  # not tensors
+        num_tokens = layout.num_tokens
+        if plain_token_rows(x, d) != (num_tokens, hidden):
             return None
+        is_fp8 = isinstance(x, (tuple, list))
+        x_main, scales = x if is_fp8 else (x, None)
         rows = layout.num_rows
         stream = _current_raw_stream(d)
         kind = "DeepEP cached dispatch, fp8" if is_fp8 else "DeepEP cached dispatch"
-        reused = native._reused_args.get(kind)
-        if reused is None:
-            reused = native.reused_args(kind, lambda: self._cached_args(native, is_fp8))
-        a, c = reused
+        a, c = native.reused_args(kind, self._cached_args, native, is_fp8)
         recv_x = torch.empty(rows, hidden, device=native.device,
                              dtype=torch.float8_e4m3fn if is_fp8 else _T_BF16)
         own, rows_in = c.own_x, a.x
         own.data = rows_in.data = x_main.data_ptr()
-        own.num_tokens = rows_in.num_tokens = xs[0]
+        own.num_tokens = rows_in.num_tokens = num_tokens
         if is_fp8:
             recv_scales = torch.empty(rows, hidden // 128, dtype=_T_F32, device=native.device)
             own.scales = rows_in.scales = scales.data_ptr()

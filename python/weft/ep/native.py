@@ -105,6 +105,33 @@ def check_x(x, hidden: int, device: torch.device) -> Tuple[int, bool]:
     return x.shape[0], False
 
 
+def plain_token_rows(x, device_index: int) -> Optional[Tuple[int, int]]:
+    """(num_tokens, hidden) where a dispatch's x is of the accepted case on the device of
+    device_index: a contiguous bf16 [T, hidden], or the fp8 pair (a contiguous e4m3
+    [T, hidden], fp32 scales [T, hidden / 128] at any strides), checked with the least host
+    work; None otherwise (check_x then says what is wrong)."""
+    try:
+        is_fp8 = isinstance(x, (tuple, list))
+        if is_fp8:
+            if len(x) != 2:
+                return None
+            x, scales = x
+            if x.dtype is not torch.float8_e4m3fn:
+                return None
+        elif x.dtype is not _T_BF16:
+            return None
+        num_tokens, hidden = x.shape
+        if not (x.get_device() == device_index and x.is_contiguous()):
+            return None
+        if is_fp8 and not (hidden % _FP8_GROUP == 0 and scales.dtype is _T_F32 and
+                           scales.shape == (num_tokens, hidden // _FP8_GROUP) and
+                           scales.get_device() == device_index):
+            return None
+    except (AttributeError, TypeError, ValueError):  # not tensors, or not 2-d
+        return None
+    return num_tokens, hidden
+
+
 def pack_fp8(x_e4m3: torch.Tensor, scales: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """weft's packed fp8 rows [T, row_bytes] uint8: the e4m3 payload, then the fp32 scales, then
     zero padding (include/weft/ep/types.hpp). scales may have any strides. (dispatch takes the
@@ -545,15 +572,15 @@ class NativeBuffer:
         """caller waits for the work queued so far on comm_stream."""
         self._native.leave_comm(caller.cuda_stream, self.comm_stream.cuda_stream)
 
-    def reused_args(self, kind, make):
+    def reused_args(self, kind, make, *make_args):
         """The argument object (e.g. a DispatchArgs) of this window's calls of one kind, made by
-        make() at the first and reused by every later one, so that a hot call sets only the
-        fields it varies: every call of a kind must set every field that any call of that kind
-        varies. The binding copies its arguments at entry. (A Buffer is called from one thread
-        at a time: its calls are collective and ordered.)"""
+        make(*make_args) at the first and reused by every later one, so that a hot call sets
+        only the fields it varies: every call of a kind must set every field that any call of
+        that kind varies. The binding copies its arguments at entry. (A Buffer is called from
+        one thread at a time: its calls are collective and ordered.)"""
         a = self._reused_args.get(kind)
         if a is None:
-            a = self._reused_args[kind] = make()
+            a = self._reused_args[kind] = make(*make_args)
         return a
 
     def hand_back(self, stream: int) -> None:
@@ -707,15 +734,18 @@ class NativeBuffer:
 
     def _plain_args(self, cls, on_current_stream: bool):
         """The reused arguments (cls: DispatchArgs or CombineArgs) of the plain calls of one
-        stream, their constant fields set."""
-        kind = (cls, True if on_current_stream else False)
-        a = self._reused_args.get(kind)
-        if a is None:
-            a = self._reused_args[kind] = cls()
-            a.comm_stream = 0 if on_current_stream else self.comm_stream.cuda_stream
-            if cls is _weft.ep.DispatchArgs:
-                a.x.dtype = _BF16
-                a.x.cols = self.hidden
+        stream."""
+        on_current_stream = True if on_current_stream else False
+        return self.reused_args((cls, on_current_stream), self._new_plain_args, cls,
+                                on_current_stream)
+
+    def _new_plain_args(self, cls, on_current_stream: bool):
+        """_plain_args' object, its constant fields set."""
+        a = cls()
+        a.comm_stream = 0 if on_current_stream else self.comm_stream.cuda_stream
+        if cls is _weft.ep.DispatchArgs:
+            a.x.dtype = _BF16
+            a.x.cols = self.hidden
         return a
 
     def launch_dispatch(self, x, is_fp8: bool, topk_idx, topk_weights, handle, stats,
