@@ -34,9 +34,9 @@ from .torch_modes import outside_torch_function_modes
 from .layout import dispatch_layout
 from .low_latency import LowLatency
 from .native import (_BF16, _NO_EVENT, _T_BF16, _T_F32, _T_I32, _T_I64, _UINT8, CommCall,
-                     NativeBuffer, _current_raw_stream, async_event, check_stream_options,
-                     check_tensor, check_x, event_of, flat, no_event, plain_token_rows,
-                     set_copy_out_rows)
+                     DispatchCounts, NativeBuffer, NativeHandle, _current_raw_stream,
+                     async_event, check_stream_options, check_tensor, check_x, event_of, flat,
+                     no_event, plain_token_rows, set_copy_out_rows, set_own_rows)
 from .sizing import max_tokens_for
 
 # weft's top_k is fixed per window; DeepEP calls may pass any K up to this (or none): selections
@@ -44,6 +44,7 @@ from .sizing import max_tokens_for
 _MIN_TOP_K = 8
 _MAX_ALIGNMENT = 2**31 - 1  # the extension's count_alignment is an int
 _MAX_TOP_K = 32
+_NULL_CONTEXT = contextlib.nullcontext()  # reusable: it keeps no state
 # A grown window holds this many times the tokens that did not fit (so that slowly growing T
 # does not regrow at every call).
 _GROWTH = 1.25
@@ -588,41 +589,56 @@ class Buffer:
         count overlaps them; finish_dispatch then waits and copies); a num_worst_tokens call
         makes them before the launch and copies in the same call. Where the count exceeds them
         (or recv_x has no rows yet), the copy waits for tensors made at the count: one more
-        extension call."""
+        extension call. The argument objects are the window's reused ones (_owned_args), every
+        field that varies set here."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
-        comm_raw = comm.cuda_stream
-        stream = _current_raw_stream(native.device.index)
+        stream = _current_raw_stream(native._device_index)
         top_k = topk_idx.shape[1]
+        idx_dtype = topk_idx.dtype
         bound = self._owned_rows_bound(num_tokens, num_worst_tokens)
-
-        def on_comm():  # where the owned tensors are allocated
-            return torch.cuda.stream(comm) if allocate_on_comm_stream else contextlib.nullcontext()
-
         # recv_x too where its rows can be told: num_worst_tokens, or (host-synced) the latest
         # count plus the headroom (_owned_x_rows).
         x_rows = self._owned_x_rows(num_tokens, bound) if sync else bound
-        event_raw = event_of(previous_event)
+        a, c = native.reused_args(("DeepEP dispatch", is_fp8, sync), self._owned_args, native,
+                                  is_fp8, sync)
+        set_own_rows(a.x, c.own_x, x, is_fp8, num_tokens)
+        a.topk_idx = topk_idx.data_ptr()
+        a.topk_idx_int64 = c.topk_idx_int64 = idx_dtype is _T_I64
+        a.topk_weights = topk_weights.data_ptr()
+        a.num_sms = num_sms
+        a.count_alignment = alignment
+        a.stream = c.stream = stream
+        a.previous_event = event_of(previous_event)
+        a.async_finish = c.async_finish = async_finish
+        c.pad_token = num_tokens
+        c.num_topk = top_k
+        raw = native._native
+
+        def on_comm():  # where the owned tensors are allocated
+            return torch.cuda.stream(comm) if allocate_on_comm_stream else _NULL_CONTEXT
+
         res = None
         try:
             if sync:  # launched first: the tensors are made while its kernel runs
-                res = native.launch_dispatch(x, is_fp8, topk_idx, topk_weights, None, None,
-                                             num_sms, None, True, stream, comm_raw, event_raw,
-                                             async_finish, True, alignment, True,
-                                             wait_later=True)
+                native.note_layout(raw.dispatch(a, None, None).handle)
             with on_comm():
-                meta = self._owned_meta(native, is_fp8, bound, top_k, topk_idx.dtype)
+                meta = self._owned_meta(native, is_fp8, bound, top_k, idx_dtype)
                 payload = self._owned_payload(native, is_fp8, x_rows) if x_rows else None
-            args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw, async_finish,
-                                       x)
+            self._set_copy_targets(c, meta)
+            copy = None
             if payload is not None:
-                set_copy_out_rows(args, x_rows, payload)
-            copy = args if payload is not None else None
-            if sync:
-                res = native.finish_dispatch(copy)
-            native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights, num_sms,
-                                             sync, alignment, stream, comm_raw, event_raw,
-                                             async_finish, True, copy, res)
+                c.num_rows = x_rows
+                c.x = payload.data_ptr()
+                copy = c
+            out = raw.finish_dispatch(copy) if sync else raw.dispatch(a, None, copy)
+            res = DispatchCounts(NativeHandle(*out.handle), out)
+            native.note_layout(res.handle)
+            if sync and res.tokens_required:  # a rank sent more than the window holds
+                native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights,
+                                                 num_sms, sync, alignment, stream,
+                                                 comm.cuda_stream, a.previous_event,
+                                                 async_finish, True, copy, res)
         except BaseException:  # a failed launch, allocation, count wait or regrowth
             self._hand_back(stream)
             raise
@@ -636,13 +652,13 @@ class Buffer:
             try:
                 with on_comm():
                     if rows > bound:
-                        meta = self._owned_meta(native, is_fp8, rows, top_k, topk_idx.dtype)
-                        args = self._copy_out_args(native, meta, num_tokens, stream, comm_raw,
-                                                   async_finish, x)
+                        meta = self._owned_meta(native, is_fp8, rows, top_k, idx_dtype)
+                        self._set_copy_targets(c, meta)
                         bound = rows
                     payload = self._owned_payload(native, is_fp8, rows)
-                set_copy_out_rows(args, rows, payload)
-                native.run_copy_out(args)
+                c.num_rows = rows
+                c.x = payload.data_ptr()
+                native.run_copy_out(c)
             except BaseException:
                 self._hand_back(stream)
                 raise
@@ -659,6 +675,23 @@ class Buffer:
             event = async_event(comm, [*flat(x), topk_idx, topk_weights, *flat(recv_x),
                                        recv_src, prefix, recv_idx, recv_w])
         return res, (recv_x, recv_src, prefix, recv_idx, recv_w), event
+
+    @staticmethod
+    def _owned_args(native: NativeBuffer, is_fp8: bool, sync: bool):
+        """The reused (DispatchArgs, CopyOutArgs) of _dispatch_owned's calls of one kind (fp8 or
+        not, host-synced or not), their constant fields set: held launches that defer this
+        rank's own rows, on the window's comm stream; a host-synced one waits for its counts in
+        finish_dispatch."""
+        a = _weft.ep.DispatchArgs()
+        a.hold = a.defer_own_rows = True
+        a.read_counts = a.wait_later = sync
+        c = _weft.ep.CopyOutArgs()
+        c.deferred_own_rows = True
+        a.comm_stream = c.comm_stream = native.comm_stream.cuda_stream
+        for rows in (a.x, c.own_x):
+            rows.dtype = _UINT8 if is_fp8 else _BF16
+            rows.cols = native.hidden
+        return a, c
 
     def _hand_back(self, stream: int) -> None:
         """After a failure past a launch made with hold: the caller's stream (a cudaStream_t)
@@ -713,16 +746,16 @@ class Buffer:
         return torch.empty(rows, native.hidden // 128, dtype=torch.float32, device=native.device)
 
     @staticmethod
-    def _copy_out_args(native: NativeBuffer, meta, num_tokens: int, stream: int, comm_raw: int,
-                       async_finish: bool, x):
-        """The copy kernel's arguments into meta's tensors (_owned_meta), all but its rows."""
+    def _set_copy_targets(c, meta) -> None:
+        """The copy kernel's arguments c (CopyOutArgs, in place) point at meta's tensors
+        (_owned_meta), all but recv_x."""
         prefix, recv_src, recv_idx, recv_w, scales = meta
-        args = native.copy_out_args(src=recv_src, pad_token=num_tokens, topk_idx=recv_idx,
-                                    topk_weights=recv_w, rank_prefix_matrix=prefix, stream=stream,
-                                    comm_stream=comm_raw, async_finish=async_finish, own_x=x)
+        c.src = recv_src.data_ptr()
+        c.topk_idx = recv_idx.data_ptr()
+        c.topk_weights = recv_w.data_ptr()
+        c.rank_prefix_matrix = prefix.data_ptr()
         if scales is not None:
-            args.x_scales = scales.data_ptr()
-        return args
+            c.x_scales = scales.data_ptr()
 
     def _dispatch_widened(self, native, x, is_fp8, topk_idx, topk_weights, is_token_in_rank,
                           num_sms, num_tokens, num_worst_tokens, alignment, previous_event,
@@ -1000,27 +1033,18 @@ class Buffer:
         if plain_token_rows(x, d) != (num_tokens, hidden):
             return None
         is_fp8 = isinstance(x, (tuple, list))
-        x_main, scales = x if is_fp8 else (x, None)
         rows = layout.num_rows
         stream = _current_raw_stream(d)
         kind = "DeepEP cached dispatch, fp8" if is_fp8 else "DeepEP cached dispatch"
         a, c = native.reused_args(kind, self._cached_args, native, is_fp8)
         recv_x = torch.empty(rows, hidden, device=native.device,
                              dtype=torch.float8_e4m3fn if is_fp8 else _T_BF16)
-        own, rows_in = c.own_x, a.x
-        own.data = rows_in.data = x_main.data_ptr()
-        own.num_tokens = rows_in.num_tokens = num_tokens
+        set_own_rows(a.x, c.own_x, x, is_fp8, num_tokens)
+        c.x = recv_x.data_ptr()
         if is_fp8:
             recv_scales = torch.empty(rows, hidden // 128, dtype=_T_F32, device=native.device)
-            own.scales = rows_in.scales = scales.data_ptr()
-            own.scales_token_stride, own.scales_group_stride = scales.stride()
-            rows_in.scales_token_stride = own.scales_token_stride
-            rows_in.scales_group_stride = own.scales_group_stride
             c.x_scales = recv_scales.data_ptr()
             recv_x = (recv_x, recv_scales)
-            c.x = recv_x[0].data_ptr()
-        else:
-            c.x = recv_x.data_ptr()
         c.num_rows = rows
         a.num_sms = num_sms
         a.stream = c.stream = stream

@@ -256,7 +256,7 @@ class LowLatency:
         a.async_finish = waits  # else the binding makes the current stream wait
         out = native._native.low_latency_dispatch(a)
         native_handle = NativeHandle(*out.handle)
-        native._layout_key = (native_handle.buffer_id, native_handle.sequence)
+        native.note_layout(native_handle)
         recv_q, recv_count = slot.views(out, use_fp8)
         if use_fp8:
             recv_x = (recv_q, slot.ue8m0 if use_ue8m0 else slot.scales)

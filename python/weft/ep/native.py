@@ -321,6 +321,23 @@ def fill_token_rows(rows, x) -> None:
         rows.dtype = _UINT8 if x.dtype == torch.uint8 else _BF16
 
 
+def set_own_rows(rows, own, x, is_fp8: bool, num_tokens: int) -> None:
+    """Both TokenRows of an owned dispatch (the launch's rows, and its copy's own_x: the same x),
+    in place, of argument objects whose dtype and cols are set already (reused ones): x is a
+    contiguous bf16 [num_tokens, hidden], or (is_fp8) the pair (x_e4m3, scales) with the
+    scales' strides."""
+    if is_fp8:
+        x_e4m3, scales = x
+        own.data = rows.data = x_e4m3.data_ptr()
+        own.scales = rows.scales = scales.data_ptr()
+        own.scales_token_stride, own.scales_group_stride = scales.stride()
+        rows.scales_token_stride = own.scales_token_stride
+        rows.scales_group_stride = own.scales_group_stride
+    else:
+        own.data = rows.data = x.data_ptr()
+    own.num_tokens = rows.num_tokens = num_tokens
+
+
 def set_copy_out_rows(args, num_rows: int, recv_x) -> None:
     """The rows of a copy_out's arguments (the binding's CopyOutArgs, in place): num_rows and
     recv_x, a bf16 or fp8 tensor, or the fp8 pair (x_e4m3, scales)."""
@@ -583,6 +600,11 @@ class NativeBuffer:
             a = self._reused_args[kind] = make(*make_args)
         return a
 
+    def note_layout(self, handle) -> None:
+        """An uncached dispatch with this handle (the binding's tuple, or a NativeHandle) was
+        launched: its layout is the one in the window now (holds_layout)."""
+        self._layout_key = (handle[0], handle[1])
+
     def hand_back(self, stream: int) -> None:
         """stream (a cudaStream_t) waits for the work queued so far on comm_stream: what a
         dispatch made with hold leaves to copy_out, where the call cannot go on."""
@@ -721,7 +743,7 @@ class NativeBuffer:
         a.stream = _current_raw_stream(d)
         out = self._native.dispatch(a, None, None)
         handle = NativeHandle(*out.handle)
-        self._layout_key = handle[:2]
+        self.note_layout(handle)
         fixed = self._plain_result
         if fixed is None:
             result = self._results(out, handle, False, out.capacity)
@@ -794,7 +816,7 @@ class NativeBuffer:
         out = self._native.dispatch(a, handle, copy)
         result_handle = NativeHandle(*out.handle)
         if handle is None:
-            self._layout_key = (result_handle.buffer_id, result_handle.sequence)
+            self.note_layout(result_handle)
         if hold:
             return DispatchCounts(result_handle, out)
         num_recv = out.num_recv if out.num_recv >= 0 else result_handle.num_recv

@@ -62,8 +62,10 @@ __device__ void send_rows(const CachedDispatchParams& p, char* const* peer, Toke
   const int64_t n16 = p.x.row_bytes / 16;
   for (int64_t item = chunk.begin * R + threadIdx.x / 32; item < chunk.end * R;
        item += kThreads / 32) {
+    // Tested before the slot is loaded: at one rank every row is an own row.
+    if (p.defer_own_rows && item % R == c.rank) continue;
     const int64_t row = p.send_slot[item];
-    if (row < 0 || (p.defer_own_rows && item % R == c.rank)) continue;
+    if (row < 0) continue;
     warp_send_row(reinterpret_cast<int4*>(peer[item % R] + c.layout.recv_x) + row * n16, p.x,
                   item / R, lane);
   }
@@ -73,16 +75,17 @@ template <bool kAccumulateStats>
 __global__ void __launch_bounds__(kThreads, 1)
     cached_dispatch_kernel(const CachedDispatchParams p) {
   const CommParams& c = p.comm;
-  const uint64_t seq = enter_call(c);
+  const CallEntry entry = enter_call(c);
+  const uint64_t seq = entry.seq;
   if (seq == 0) return;
-  if (layout_mismatch(c, p.layout_id)) {
+  if (layout_mismatch(c, entry, p.layout_id)) {
     finish_block(c, seq);
     return;
   }
-  if (layout_overflowed(c, p.max_tokens)) return;  // not a call: see layout_overflowed
+  if (layout_overflowed(c, entry, p.max_tokens)) return;  // not a call: see layout_overflowed
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_ok;
-  load_peers(c, s_peer);
+  load_peers(c, entry, s_peer);
   if (blockIdx.x == 0 && threadIdx.x == 0) raise_at_all_peers(c, s_peer, kFlagEntry, seq);
   if (threadIdx.x == 0) {
     s_ok = wait_all_peers(c, s_peer[c.rank], kFlagEntry, seq, kWaitCachedEntry);

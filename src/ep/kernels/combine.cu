@@ -143,13 +143,13 @@ struct CombineCall {
 // out unwritten, the call number advances. A layout whose dispatch moved no rows (some T over
 // max_tokens): not a call at all (see layout_overflowed).
 template <bool kExpanded>
-__device__ bool skip_call(const CombineParams& p, uint64_t seq) {
+__device__ bool skip_call(const CombineParams& p, const CallEntry& entry) {
   const CommParams& c = p.comm;
-  if (layout_mismatch(c, p.layout_id)) {
-    finish_block(c, seq);
+  if (layout_mismatch(c, entry, p.layout_id)) {
+    finish_block(c, entry.seq);
     return true;
   }
-  if (layout_overflowed(c, p.max_tokens)) return true;
+  if (layout_overflowed(c, entry, p.max_tokens)) return true;
   if constexpr (kExpanded) {
     // The dispatch overflowed at some rank, which then holds none of its rows. Every rank derived
     // the same overflow from the same counts, so every rank skips the call alike (none waits for
@@ -160,7 +160,7 @@ __device__ bool skip_call(const CombineParams& p, uint64_t seq) {
         raise_device_error(c.error, kErrExpandOverflow, c.rank, overflowed_rank,
                            p.expand_info[p.num_local_experts + 2], p.expand_capacity);
       }
-      finish_block(c, seq);
+      finish_block(c, entry.seq);
       return true;
     }
   }
@@ -540,16 +540,17 @@ __device__ void reduce_tokens(const CombineParams& p, const CombineCall& call) {
 template <bool kExpanded>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParams p) {
   const CommParams& c = p.comm;
-  const uint64_t seq = enter_call(c);
-  if (seq == 0 || skip_call<kExpanded>(p, seq)) return;
+  const CallEntry entry = enter_call(c);
+  const uint64_t seq = entry.seq;
+  if (seq == 0 || skip_call<kExpanded>(p, entry)) return;
   __shared__ char* s_peer[kMaxRanks];
   __shared__ int s_ok;
-  load_peers(c, s_peer);
+  load_peers(c, entry, s_peer);
   CombineCall call;
   call.seq = seq;
   call.peer = s_peer;
   call.recv_src = reinterpret_cast<const int2*>(s_peer[c.rank] + c.layout.recv_src);
-  call.num_recv = c.state->num_recv;
+  call.num_recv = entry.num_recv;
   call.n16 = p.hidden * 2 / 16;
   // expert_out has fewer rows than were received, or the wait for the peers' entry timed out:
   // this rank reads none of its rows, sends nothing (out unwritten) and marks the rows it would

@@ -10,7 +10,10 @@
 namespace weft::ep::detail {
 namespace {
 
-// Dispatch: G blocks (DispatchParams::num_blocks); block b owns tokens [b*chunk, (b+1)*chunk).
+// Dispatch: G blocks (DispatchParams::num_blocks). With G > 1, block 0 coordinates (counts,
+// publishes, records the layout) and sends nothing, so that its layout work is off the other
+// blocks' path; blocks 1..G-1 own equal chunks of the tokens (block_chunk). With G = 1, block 0
+// does both.
 //  1. count, in one of two modes (DispatchParams::local_count):
 //     - local (small T): every block counts the destinations of the tokens before its chunk
 //       itself (at most T*K index loads, from L2, one thread per selection: token_masks); block 0
@@ -19,6 +22,8 @@ namespace {
 //     - grid (large T): each block counts its chunk (block_counts, global per-expert atomics), a
 //       grid barrier, then block 0 sums and publishes; a block's prefix is the sum of the
 //       block_counts before it.
+//     Where a block's chunk is one sub-chunk (DispatchCall::masks_ready), the count's pass over
+//     the indices also keeps its tokens' destination masks for phase 3 (no second pass).
 //  2. exchange: block 0 writes this rank's count vector [R], its T and its per-local-expert
 //     counts into every rank's window as *tagged words* (call number in the high half, the value
 //     in the low half; slot [seq parity][rank]). A tagged word needs no fence before a flag: it
@@ -78,6 +83,7 @@ struct DispatchCall {
   int parity;
   int epr;  // experts per rank
   TokenChunk chunk;
+  bool masks_ready;  // the chunk is one sub-chunk: count_rows leaves its masks in s.mask
 };
 
 // Destination masks of tokens [begin, end) (bit d: a selection is on rank d), a tile of
@@ -131,23 +137,29 @@ __device__ bool count_rows(const DispatchParams& p, const DispatchSmem& s,
   const int R = p.comm.num_ranks;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  auto count_tokens = [&](int64_t begin, int64_t end, bool hist, bool report) {
+  // Masks of tokens [begin, end): those below count_end counted per destination, those of the
+  // block's chunk kept for the scatter where it is one sub-chunk.
+  auto scan = [&](int64_t begin, int64_t end, int64_t count_end, bool hist, bool report) {
     token_masks(p, begin, end, call.epr, hist, report, s.tile, s.tmask, s.hist,
-                [&](int64_t, uint32_t mask) {
+                [&](int64_t t, uint32_t mask) {
+                  if (call.masks_ready && t >= call.chunk.begin && t < call.chunk.end) {
+                    s.mask[t - call.chunk.begin] = mask;
+                  }
+                  if (t >= count_end) return;
                   for (; mask != 0; mask &= mask - 1) atomicAdd(&s.count[__ffs(int(mask)) - 1], 1);
                 });
   };
   if (p.local_count) {
     // s.count = this block's prefix (blocks > 0) or the rank's totals (block 0, whose prefix is 0).
     if (blockIdx.x == 0) {
-      count_tokens(0, p.num_tokens, true, true);
+      scan(0, p.num_tokens, p.num_tokens, true, true);
     } else {
-      count_tokens(0, call.chunk.begin, false, false);
+      scan(0, call.chunk.end, call.chunk.begin, false, false);
       if (warp < R && lane == 0) s.base[warp] = s.count[warp];
     }
     return true;
   }
-  count_tokens(call.chunk.begin, call.chunk.end, true, true);
+  scan(call.chunk.begin, call.chunk.end, call.chunk.end, true, true);
   if (threadIdx.x < R) p.block_counts[blockIdx.x * R + threadIdx.x] = s.count[threadIdx.x];
   for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) {
     if (s.hist[i] != 0) atomicAdd(&p.expert_counts[i], s.hist[i]);
@@ -422,19 +434,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
   extern __shared__ __align__(16) char smem[];
   const CommParams& c = p.comm;
   DispatchCall call;
-  call.seq = enter_call(c);
+  const CallEntry entry = enter_call(c);
+  call.seq = entry.seq;
   if (call.seq == 0) return;
   call.parity = int(call.seq & 1);
   call.tag = uint64_t(uint32_t(call.seq)) << 32;
   call.epr = p.num_experts / c.num_ranks;
-  call.chunk = block_chunk(p.num_tokens);
+  call.chunk = block_chunk(p.num_tokens, gridDim.x > 1 ? 1 : 0);
+  call.masks_ready = call.chunk.end - call.chunk.begin <= kSubChunkTokens;
   SmemCarver carver{smem};
   const DispatchSmem s = DispatchSmem::carve(carver, p.num_experts, c.num_ranks);
   if (blockIdx.x == 0 && threadIdx.x == 0) c.state->layout_id = p.layout_id;
 
   for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x) s.hist[i] = 0;
   if (threadIdx.x < kMaxRanks) s.count[threadIdx.x] = 0;
-  load_peers(c, s.peer);
+  load_peers(c, entry, s.peer);
 
   bool ok = count_rows(p, s, call);
   if (blockIdx.x == 0 && ok) publish_counts(p, s, call);
@@ -449,8 +463,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchPar
 
   for (int64_t sub = call.chunk.begin; moves && sub < call.chunk.end; sub += kSubChunkTokens) {
     const int n = int(min(int64_t(kSubChunkTokens), call.chunk.end - sub));
-    token_masks(p, sub, sub + n, call.epr, false, false, s.tile, s.tmask, s.hist,
-                [&](int64_t t, uint32_t mask) { s.mask[t - sub] = mask; });
+    if (!call.masks_ready) {
+      token_masks(p, sub, sub + n, call.epr, false, false, s.tile, s.tmask, s.hist,
+                  [&](int64_t t, uint32_t mask) { s.mask[t - sub] = mask; });
+    }
     if (threadIdx.x < 32) assign_rows(p, s, sub, n);
     __syncthreads();
     send_rows(p, s, call, sub);

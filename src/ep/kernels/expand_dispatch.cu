@@ -13,7 +13,8 @@ namespace weft::ep::detail {
 namespace {
 
 // dispatch_kernel's three phases with the destination
-// redefined from rank to expert:
+// redefined from rank to expert (and, as there, block 0 coordinating without tokens of its own
+// where there are other blocks):
 //  1. count: a per-expert histogram (a token counts once per expert), in local or grid mode as
 //     dispatch_kernel (grid mode: per-block histograms in block_expert_counts, a grid barrier).
 //     s_hist ends as this block's prefix per expert; block 0's as the rank's totals (its prefix
@@ -395,12 +396,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const DispatchParams& p = ep.dispatch;
   const CommParams& c = p.comm;
   ExpandCall call;
-  call.seq = enter_call(c);
+  const CallEntry entry = enter_call(c);
+  call.seq = entry.seq;
   if (call.seq == 0) return;
   call.parity = int(call.seq & 1);
   call.tag = uint64_t(uint32_t(call.seq)) << 32;
   call.epr = p.num_experts / c.num_ranks;
-  call.chunk = block_chunk(p.num_tokens);
+  call.chunk = block_chunk(p.num_tokens, gridDim.x > 1 ? 1 : 0);  // block 0 coordinates
   SmemCarver carver{smem};
   const ExpandSmem s = ExpandSmem::carve(carver, p.num_experts, c.num_ranks, p.top_k);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -408,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     c.state->tokens_required = 0;  // T <= max_tokens: checked on the host
   }
   for (int g = threadIdx.x; g < p.num_experts; g += blockDim.x) s.hist[g] = 0;
-  load_peers(c, s.peer);
+  load_peers(c, entry, s.peer);
 
   bool ok = count_rows(ep, s, call);
   ok = exchange_counts(p, s, call, ok);

@@ -172,12 +172,46 @@ __device__ inline bool finish_block(const CommParams& c, uint64_t seq) {
   return last != 0;
 }
 
+// What a call reads of this rank's state at its entry, loaded together: one round trip to
+// memory rather than one per field, each behind the last. Every field was written by earlier
+// kernels only (this kernel's last block advances `sequence` once every block has entered), so
+// plain loads see their values.
+struct CallEntry {
+  uint64_t seq;             // the previous call's number + 1; 0 where this rank is broken (a
+                            // fatal error earlier): the kernel then does nothing
+  uint64_t layout_id;       // DeviceState::layout_id (combine and cached dispatch check it)
+  int32_t tokens_required;  // DeviceState::tokens_required (the same)
+  int32_t num_recv;         // DeviceState::num_recv: the rows of the layout in place
+  char* peer;               // thread r < num_ranks: rank r's window base (load_peers)
+};
+__device__ __forceinline__ CallEntry enter_call(const CommParams& c) {
+  const DeviceState& st = *c.state;
+  const uint64_t previous = st.sequence;
+  const uint32_t broken = st.broken;
+  CallEntry e;
+  e.layout_id = st.layout_id;
+  e.tokens_required = st.tokens_required;
+  e.num_recv = st.num_recv;
+  e.peer = int(threadIdx.x) < c.num_ranks ? c.peers[threadIdx.x] : nullptr;
+  e.seq = broken != 0 ? 0 : previous + 1;
+  return e;
+}
+
+// Every thread: s_peer[r] = rank r's window base (from the entry's loads), visible to the whole
+// block on return.
+__device__ __forceinline__ void load_peers(const CommParams& c, const CallEntry& e,
+                                           char** s_peer) {
+  if (int(threadIdx.x) < c.num_ranks) s_peer[threadIdx.x] = e.peer;
+  __syncthreads();
+}
+
 // Combine and cached dispatch (every thread): is the layout in place not the one the call was
 // made for (a layout the host checked the handle against, but a CUDA graph replayed after another
 // dispatch)? Block 0 reports it; the caller then skips the call. Every rank that finds another
 // layout skips alike; a peer that did not times out waiting for it.
-__device__ inline bool layout_mismatch(const CommParams& c, uint64_t layout_id) {
-  const uint64_t in_place = c.state->layout_id;
+__device__ inline bool layout_mismatch(const CommParams& c, const CallEntry& e,
+                                       uint64_t layout_id) {
+  const uint64_t in_place = e.layout_id;
   if (in_place == layout_id) return false;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     raise_device_error(c.error, kErrLayoutMismatch, c.rank, int64_t(layout_id), int64_t(in_place));
@@ -191,8 +225,9 @@ __device__ inline bool layout_mismatch(const CommParams& c, uint64_t layout_id) 
 // number, so a rank whose host refused the same call (it knew of the overflow: CountMode::kExact,
 // or its own T) and launched nothing stays in step with those that launched it. Every rank holds
 // the same tokens_required, so every rank that launches skips alike and none waits for a peer.
-__device__ inline bool layout_overflowed(const CommParams& c, int64_t max_tokens) {
-  const int32_t required = c.state->tokens_required;
+__device__ inline bool layout_overflowed(const CommParams& c, const CallEntry& e,
+                                         int64_t max_tokens) {
+  const int32_t required = e.tokens_required;
   if (required <= 0) return false;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     raise_device_error(c.error, kErrOverflowedLayout, c.rank, c.state->overflow_rank, required,
@@ -228,19 +263,6 @@ __device__ inline void finish_dispatch(const CommParams& c, char* const* peer, u
     raise_at_all_peers(c, peer, kFlagDone, seq | (failed ? kFlagFailed : 0));
     if (!failed) wait_all_peers(c, peer[c.rank], kFlagDone, seq, kWaitDispatchDone);
   }
-}
-
-// The entry of every call: its number (the previous call's + 1), or 0 where this rank is broken
-// (a fatal error earlier), in which case the kernel does nothing.
-__device__ __forceinline__ uint64_t enter_call(const CommParams& c) {
-  const uint64_t seq = *reinterpret_cast<volatile uint64_t*>(&c.state->sequence) + 1;
-  return is_broken(c) ? 0 : seq;
-}
-
-// Every thread: s_peer[r] = rank r's window base, visible to the whole block on return.
-__device__ __forceinline__ void load_peers(const CommParams& c, char** s_peer) {
-  if (threadIdx.x < c.num_ranks) s_peer[threadIdx.x] = c.peers[threadIdx.x];
-  __syncthreads();
 }
 
 __device__ __forceinline__ int64_t load_expert(const DispatchParams& p, int64_t i) {
@@ -315,14 +337,18 @@ __device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* b
   warp_send_metadata(p, base, row, t, dest, epr, lane, in_row);
 }
 
-// Tokens [begin, end) of block blockIdx.x when num_tokens are cut into gridDim.x equal chunks.
+// Tokens [begin, end) of block blockIdx.x when num_tokens are cut into equal chunks over blocks
+// [first_block, gridDim.x); the blocks before first_block get none.
 struct TokenChunk {
   int64_t begin;
   int64_t end;
 };
-__device__ __forceinline__ TokenChunk block_chunk(int64_t num_tokens) {
-  const int64_t chunk = (num_tokens + gridDim.x - 1) / gridDim.x;
-  const int64_t begin = min(num_tokens, int64_t(blockIdx.x) * chunk);
+__device__ __forceinline__ TokenChunk block_chunk(int64_t num_tokens, int first_block = 0) {
+  const int b = int(blockIdx.x) - first_block;
+  if (b < 0) return {0, 0};
+  const int64_t n = int64_t(gridDim.x) - first_block;
+  const int64_t chunk = (num_tokens + n - 1) / n;
+  const int64_t begin = min(num_tokens, int64_t(b) * chunk);
   return {begin, min(num_tokens, begin + chunk)};
 }
 
