@@ -11,10 +11,12 @@
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/pipeline/schedule.hpp"
 #include "weft/pipeline/thread_map.hpp"
+#include "weft/pipeline/trace.hpp"
 #include "weft/plan/cost_model.hpp"
 #include "weft/plan/report.hpp"
 #include "weft/plan/simulated_variant.hpp"
 #include "weft/plan/suggest.hpp"
+#include "weft/plan/trace_costs.hpp"
 #include "weft/plan/trace_reader.hpp"
 
 namespace weft::python {
@@ -123,7 +125,49 @@ void bind_suggest(nb::module_& m) {
       nb::arg("max_host_runahead"), nb::arg("wake_up_us"), nb::arg("gil_tasks"),
       nb::arg("start_maps"),
       "Searches thread maps and lookaheads (max_lookahead -1: the schedule's largest).");
-  m.def("costs_from_trace", &plan::costs_from_trace, nb::arg("measured"));
+}
+
+// A pipeline::Trace from an engine's (weft._weft.pipeline.Trace), or from any object with its
+// fields (task_names, stream_names; host_spans with task, batch, iteration, ticket, begin_us,
+// end_us, failed; gpu_spans with task, stream, batch, begin_us, end_us, failed), such as the MoE
+// step's merged traces: what plan::trace_costs reads.
+pl::Trace trace_of(nb::handle obj) {
+  if (nb::isinstance<pl::Trace>(obj)) return nb::cast<const pl::Trace&>(obj);
+  pl::Trace t;
+  t.task_names = nb::cast<std::vector<std::string>>(obj.attr("task_names"));
+  t.stream_names = nb::cast<std::vector<std::string>>(obj.attr("stream_names"));
+  for (nb::handle s : obj.attr("host_spans")) {
+    t.host_spans.push_back({.task = nb::cast<pl::TaskId>(s.attr("task")),
+                            .batch = nb::cast<std::int64_t>(s.attr("batch")),
+                            .iteration = nb::cast<std::int64_t>(s.attr("iteration")),
+                            .ticket = nb::cast<int>(s.attr("ticket")),
+                            .begin_us = nb::cast<double>(s.attr("begin_us")),
+                            .end_us = nb::cast<double>(s.attr("end_us")),
+                            .failed = nb::cast<bool>(s.attr("failed"))});
+  }
+  for (nb::handle s : obj.attr("gpu_spans")) {
+    t.gpu_spans.push_back({.task = nb::cast<pl::TaskId>(s.attr("task")),
+                           .stream = nb::cast<std::uint32_t>(s.attr("stream")),
+                           .batch = nb::cast<std::int64_t>(s.attr("batch")),
+                           .begin_us = nb::cast<double>(s.attr("begin_us")),
+                           .end_us = nb::cast<double>(s.attr("end_us")),
+                           .failed = nb::cast<bool>(s.attr("failed"))});
+  }
+  return t;
+}
+
+void bind_trace_costs(nb::module_& m) {
+  m.def(
+      "trace_costs",
+      [](nb::handle trace, const pl::Schedule* schedule, const std::string& gpu,
+         double skip_fraction) {
+        const plan::TraceCostOptions options{.gpu = plan::parse_gpu_cost(gpu),
+                                             .skip_fraction = skip_fraction};
+        return plan::trace_costs(trace_of(trace), schedule, options);
+      },
+      nb::arg("trace"), nb::arg("schedule").none(), nb::arg("gpu"), nb::arg("skip_fraction"),
+      "weft::plan::trace_costs of an engine trace, or of any object with a trace's fields.");
+  m.def("read_engine_trace", &plan::read_engine_trace, nb::arg("path"));
 }
 
 }  // namespace
@@ -163,6 +207,7 @@ void bind_plan(nb::module_& m) {
   m.def("read_chrome_trace", &plan::read_chrome_trace, nb::arg("path"));
   m.def("parse_chrome_trace", &plan::parse_chrome_trace, nb::arg("json_text"), nb::arg("name"));
   bind_suggest(m);
+  bind_trace_costs(m);
 }
 
 }  // namespace weft::python

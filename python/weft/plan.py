@@ -25,7 +25,6 @@ import tempfile
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _checks, _weft
-from ._trace_costs import GPU_COST_KINDS, trace_costs
 from .pipeline import HSTU_TASK_NAMES, Schedule, ThreadMap, hstu_schedule, hstu_variant
 
 _native = _weft.plan
@@ -237,6 +236,30 @@ class SuggestResult:
         return str(self._native)
 
 
+GPU_COST_KINDS = ("busy", "span")
+
+
+def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy") -> dict:
+    """The cost model (the cost file's JSON form) an engine trace measures, by weft's one reading
+    of a trace into costs (weft::plan::trace_costs; docs/planner.md "Costs from a trace"): per
+    task, ``host_us`` the median of its host spans and, per stream it ran on, a GPU segment with
+    the median over its runs of their busy time there (``gpu="busy"``: the span less the waits
+    inside it that the trace shows, for stream order, the producers ``schedule`` names and the
+    collective order) or of the spans themselves (``gpu="span"``).
+
+    trace: a weft.pipeline Trace, or any object with its fields (task_names, stream_names;
+    host_spans with task, batch, iteration, ticket, begin_us, end_us, failed; gpu_spans with
+    task, stream, batch, begin_us, end_us, failed). schedule: the traced tasks' Schedule, or None
+    (then only stream order and the collective order are known). weft.Error for an unknown
+    ``gpu`` or a schedule task the trace lacks; the same trace gives the same costs."""
+    native_schedule = None if schedule is None else schedule._to_native(with_bodies=False)
+    model = json.loads(_native.trace_costs(trace, native_schedule, gpu, 0.0).to_json())
+    for entry in model["tasks"].values():
+        if not entry["gpu"]:
+            del entry["gpu"]  # the cost file's form: no "gpu" for a task without GPU work
+    return model
+
+
 def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike = None, *,
             trace: Optional[Union[str, os.PathLike]] = None, max_threads: int = 4,
             min_lookahead: int = 0, max_lookahead: Optional[int] = None, num_best: int = 3,
@@ -249,13 +272,14 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
 
     schedule: a weft.pipeline.Schedule, or an HSTU variant name whose schedule is searched and
     whose thread map (with every preset) is a start. costs: as simulate() takes them; or
-    ``trace``: a real run's Chrome trace, whose measured progress() gives the costs. The result
-    is never worse than any start map (legacy, by_stream, per_task when it fits, start_maps)
-    under the schedule's own lookaheads. wake_up_us: the simulated cost of waking a thread that
-    blocked on another thread's task (0: instant; `weft plan --suggest --wake-up-us`). gil: the
-    tasks whose bodies hold the GIL for their whole host time, simulated as one lock shared by
-    every thread: "all" (what Python bodies do, at most), a list of task names, or None. Bad input, or a schedule the search cannot move (one
-    task and fixed lookaheads), raises weft.Error.
+    ``trace``: a real run's Chrome trace, whose runs give the costs (trace_costs: medians, GPU
+    busy time; every task of the schedule must be in it). The result is never worse than any
+    start map (legacy, by_stream, per_task when it fits, start_maps) under the schedule's own
+    lookaheads. wake_up_us: the simulated cost of waking a thread that blocked on another
+    thread's task (0: instant; `weft plan --suggest --wake-up-us`). gil: the tasks whose bodies
+    hold the GIL for their whole host time, simulated as one lock shared by every thread: "all"
+    (what Python bodies do, at most), a list of task names, or None. Bad input, or a schedule the
+    search cannot move (one task and fixed lookaheads), raises weft.Error.
     """
     maps = [ThreadMap.of(m) for m in start_maps]
     if isinstance(schedule, str):
@@ -267,7 +291,8 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     if trace is not None:
         if costs is not None:
             raise TypeError("suggest: give costs or a trace, not both")
-        model = _native.costs_from_trace(_native.read_chrome_trace(os.fspath(trace)))
+        model = _native.trace_costs(_native.read_engine_trace(os.fspath(trace)),
+                                    schedule._to_native(with_bodies=False), "busy", 0.0)
     else:
         model = _cost_model(costs, schedule)
     args = [_checks.integer(v, n, *_checks.INT32) for v, n in (

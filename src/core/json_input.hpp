@@ -141,6 +141,11 @@ inline std::string string_at(const Json& value, const std::string& path) {
   return value.get<std::string>();
 }
 
+inline bool bool_at(const Json& value, const std::string& path) {
+  WEFT_CHECK(value.is_boolean(), path, ": expected true or false, got ", excerpt(value));
+  return value.get<bool>();
+}
+
 inline double number_at(const Json& value, const std::string& path) {
   WEFT_CHECK(value.is_number(), path, ": expected a number, got ", excerpt(value));
   return value.get<double>();

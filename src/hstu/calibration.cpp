@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "weft/core/error.hpp"
+#include "weft/plan/trace_costs.hpp"
 
 namespace weft::hstu {
 namespace {
@@ -22,23 +23,10 @@ plan::CostModel cost_model_from_trace(const pipeline::Trace& trace, double skip_
                                       double gpu_scale) {
   WEFT_CHECK(skip_fraction >= 0 && skip_fraction < 1, "calibration: skip_fraction ", skip_fraction);
   WEFT_CHECK(gpu_scale > 0, "calibration: gpu_scale ", gpu_scale, " must be positive");
-  const std::size_t num_tasks = trace.task_names.size();
-  std::vector<std::vector<double>> host(num_tasks), gpu(num_tasks);
-  std::vector<std::uint32_t> gpu_stream(num_tasks, 0);
-  for (const auto& span : trace.host_spans) host.at(span.task).push_back(span.end_us - span.begin_us);
-  for (const auto& span : trace.gpu_spans) {
-    gpu.at(span.task).push_back(span.end_us - span.begin_us);
-    gpu_stream[span.task] = span.stream;
-  }
-  plan::CostModel model;
-  for (std::size_t t = 0; t < num_tasks; ++t) {
-    if (host[t].empty()) continue;
-    plan::TaskCost cost{.host_us = median_after(host[t], skip_fraction), .gpu = {}};
-    if (!gpu[t].empty()) {
-      cost.gpu.push_back({.stream = trace.stream_names.at(gpu_stream[t]),
-                          .us = gpu_scale * median_after(gpu[t], skip_fraction)});
-    }
-    model.tasks[trace.task_names[t]] = std::move(cost);
+  plan::CostModel model = plan::trace_costs(
+      trace, nullptr, {.gpu = plan::GpuCost::kSpan, .skip_fraction = skip_fraction});
+  for (auto& [task, cost] : model.tasks) {
+    for (auto& segment : cost.gpu) segment.us *= gpu_scale;
   }
   return model;
 }

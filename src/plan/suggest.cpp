@@ -522,20 +522,6 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   return result;
 }
 
-CostModel costs_from_trace(const VariantReport& measured) {
-  CostModel model;
-  for (const auto& span : measured.timeline.host) {
-    model.tasks[span.task].host_us += span.end_us - span.start_us;
-  }
-  std::vector<GpuSpan> gpu = measured.timeline.gpu;
-  std::stable_sort(gpu.begin(), gpu.end(),
-                   [](const GpuSpan& a, const GpuSpan& b) { return a.start_us < b.start_us; });
-  for (const auto& span : gpu) {
-    model.tasks[span.task].gpu.push_back({span.stream, span.end_us - span.start_us});
-  }
-  return model;
-}
-
 std::string describe(const SuggestResult& result) {
   std::string text;
   auto row = [&](const std::string& label, const Suggestion& s, const Suggestion* start) {

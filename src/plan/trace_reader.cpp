@@ -40,6 +40,7 @@ struct Event {
   std::optional<long long> iteration;
   int lookahead = 0;
   int ticket = -1;
+  bool failed = false;
 };
 
 std::string event_path(std::size_t index) { return "traceEvents[" + std::to_string(index) + "]"; }
@@ -82,6 +83,7 @@ Event read_event(const json& e, std::size_t index) {
     }
     out.lookahead = field_or(*args, "lookahead", a, 0, json_input::int_at);
     out.ticket = field_or(*args, "ticket", a, -1, json_input::int_at);
+    out.failed = field_or(*args, "failed", a, false, json_input::bool_at);
   }
   return out;
 }
@@ -95,6 +97,7 @@ struct Span {
   long long iteration = -1;
   int lookahead = 0;
   int ticket = -1;
+  bool failed = false;
 };
 
 // The trace's events, each one's fields read and checked.
@@ -167,7 +170,7 @@ TraceContents sort_events(const std::vector<Event>& events) {
                  "' has no args.iteration (not a trace written by weft's engine)");
       (e.pid == host_pid ? trace.host : trace.gpu)
           .push_back({e.name, e.tid, e.ts, e.ts + e.dur, e.batch, e.iteration.value_or(-1),
-                      e.lookahead, e.ticket});
+                      e.lookahead, e.ticket, e.failed});
     } else if ((e.ph == "s" || e.ph == "f") && e.pid == host_pid) {
       (e.ph == "s" ? trace.flow_start : trace.flow_end)[e.id] = {e.tid, e.ts};
       trace.flow_name[e.id] = e.name;
@@ -291,6 +294,56 @@ VariantReport parse_chrome_trace(std::string_view json_text, std::string name) {
   for (const auto& n : t.threads) report.thread_map += (report.thread_map.empty() ? "" : " / ") + n;
   report.thread_map += " (" + std::to_string(t.threads.size()) + ")";
   return report;
+}
+
+pipeline::Trace parse_engine_trace(std::string_view json_text) {
+  const TraceContents contents = sort_events(read_events(json_text));
+  pipeline::Trace trace;
+  auto names = [](const std::map<int, std::string>& by_tid, int largest, const char* kind) {
+    std::vector<std::string> out;
+    for (int tid = 0; tid <= largest; ++tid) {
+      const auto it = by_tid.find(tid);
+      out.push_back(it != by_tid.end() ? it->second : kind + std::to_string(tid));
+    }
+    return out;
+  };
+  int largest_thread = contents.thread_names.empty() ? -1 : contents.thread_names.rbegin()->first;
+  int largest_stream = contents.stream_names.empty() ? -1 : contents.stream_names.rbegin()->first;
+  std::map<std::string, pipeline::TaskId> task_of;
+  auto task_id = [&](const std::string& name) {
+    const auto [it, added] = task_of.emplace(name, pipeline::TaskId(trace.task_names.size()));
+    if (added) trace.task_names.push_back(name);
+    return it->second;
+  };
+  auto tid_of = [](const Span& s, const char* kind) {
+    WEFT_CHECK(s.tid >= 0, "trace: a ", kind, " span of '",
+               s.task.substr(0, json_input::kMaxExcerptChars), "' has tid ", s.tid);
+    return std::uint32_t(s.tid);
+  };
+  for (const auto& s : contents.host) {
+    largest_thread = std::max(largest_thread, s.tid);
+    trace.host_spans.push_back({.task = task_id(s.task), .thread = tid_of(s, "host"),
+                                .batch = s.batch, .lookahead = s.lookahead,
+                                .iteration = s.iteration, .ticket = s.ticket,
+                                .begin_us = s.begin, .end_us = s.end, .failed = s.failed});
+  }
+  for (const auto& s : contents.gpu) {
+    largest_stream = std::max(largest_stream, s.tid);
+    trace.gpu_spans.push_back({.task = task_id(s.task), .stream = tid_of(s, "GPU"),
+                               .batch = s.batch, .begin_us = s.begin, .end_us = s.end,
+                               .failed = s.failed});
+  }
+  trace.thread_names = names(contents.thread_names, largest_thread, "thread ");
+  trace.stream_names = names(contents.stream_names, largest_stream, "stream ");
+  std::stable_sort(trace.host_spans.begin(), trace.host_spans.end(),
+                   [](const auto& a, const auto& b) { return a.begin_us < b.begin_us; });
+  return trace;
+}
+
+pipeline::Trace read_engine_trace(const std::string& path) {
+  return json_input::load_json_file(
+      path, "trace", kMaxTraceFileBytes,
+      [](const std::string& text) { return parse_engine_trace(text); });
 }
 
 VariantReport read_chrome_trace(const std::string& path) {

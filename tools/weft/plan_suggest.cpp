@@ -15,6 +15,7 @@
 #include "weft/plan/schedule_file.hpp"
 #include "weft/plan/simulated_variant.hpp"
 #include "weft/plan/suggest.hpp"
+#include "weft/plan/trace_costs.hpp"
 #include "weft/plan/trace_reader.hpp"
 
 namespace weft::tools {
@@ -124,7 +125,8 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
   }
   const pipeline::CompiledSchedule compiled(*schedule);
 
-  // Costs: --costs, else the first trace's measured progress(), else the schedule's own.
+  // Costs: --costs, else what the first trace measures (plan::trace_costs: medians over its
+  // runs, GPU busy time), else the schedule's own.
   std::string costs_source = inputs.schedule_path.empty() ? "HSTU defaults" : inputs.schedule_path;
   std::vector<plan::VariantReport> traces;
   for (const auto& path : inputs.traces) traces.push_back(plan::read_chrome_trace(path));
@@ -132,8 +134,13 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
     costs = plan::CostModel::load(inputs.costs_path);
     costs_source = inputs.costs_path;
   } else if (!traces.empty()) {
-    costs = plan::costs_from_trace(traces[0]);
     costs_source = inputs.traces[0];
+    const pipeline::Trace trace = plan::read_engine_trace(costs_source);
+    try {
+      costs = plan::trace_costs(trace, &*schedule);
+    } catch (const Error& e) {
+      WEFT_FAIL(costs_source, ": ", e.message());
+    }
   }
   if (!costs) {
     std::fprintf(stderr, "weft plan: no costs given; every task counts %.0f us on the host\n",

@@ -13,9 +13,10 @@
 
 namespace weft::hstu {
 
-// Per task: host_us = median of its host spans; one GPU segment on its own stream whose length is
-// gpu_scale times the median of its GPU spans. The first `skip_fraction` of the spans (prefill,
-// warm-up) are ignored. Tasks that never ran are left out (the model's default applies).
+// plan::trace_costs with the spans themselves (GpuCost::kSpan: per task, host_us the median of
+// its host spans, per stream the median of its GPU spans) and the first `skip_fraction` of each
+// task's runs (prefill, warm-up) left out; every GPU figure then times gpu_scale. Tasks that
+// never ran are left out (default_host_us 0).
 // gpu_scale corrects for what tracing itself costs the GPU: each traced task records two timing
 // events, and each event between two kernels costs the stream microseconds; pass the measured
 // untraced step time over the traced one (gpu_period_us), or 1.

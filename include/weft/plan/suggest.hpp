@@ -91,10 +91,6 @@ struct SuggestResult {
 SuggestResult suggest(const pipeline::CompiledSchedule& schedule, const CostModel& costs,
                       const SuggestOptions& options = {});
 
-// Task costs read off a measured progress() (read_chrome_trace): each task's host span, and its
-// GPU spans in time order as segments. A task the trace lacks gets default_host_us.
-CostModel costs_from_trace(const VariantReport& measured);
-
 // The printed table `weft plan --suggest` shows: one row per suggestion and the start, then what
 // was and was not searched.
 std::string describe(const SuggestResult& result);

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "weft/pipeline/trace.hpp"
 #include "weft/plan/report.hpp"
 
 namespace weft::plan {
@@ -18,5 +19,12 @@ namespace weft::plan {
 VariantReport read_chrome_trace(const std::string& path);
 // The same, from the JSON text; `name` labels the variant.
 VariantReport parse_chrome_trace(std::string_view json_text, std::string name);
+
+// The engine trace itself, every span of every iteration (what trace_costs reads): tasks
+// numbered in order of their first span, threads and streams by the file's track ids (a track
+// without a name is called "thread k" / "stream k"), host spans sorted by begin; the waits (flow
+// arrows) are not read back.
+pipeline::Trace read_engine_trace(const std::string& path);
+pipeline::Trace parse_engine_trace(std::string_view json_text);
 
 }  // namespace weft::plan
