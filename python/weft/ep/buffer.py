@@ -589,7 +589,7 @@ class Buffer:
         count overlaps them; finish_dispatch then waits and copies); a num_worst_tokens call
         makes them before the launch and copies in the same call. Where the count exceeds them
         (or recv_x has no rows yet), the copy waits for tensors made at the count: one more
-        extension call. The argument objects are the window's reused ones (_owned_args), every
+        extension call. The argument objects are the window's reused ones (_deferring_args), every
         field that varies set here."""
         sync = num_worst_tokens == 0
         comm = native.comm_stream
@@ -600,8 +600,8 @@ class Buffer:
         # recv_x too where its rows can be told: num_worst_tokens, or (host-synced) the latest
         # count plus the headroom (_owned_x_rows).
         x_rows = self._owned_x_rows(num_tokens, bound) if sync else bound
-        a, c = native.reused_args(("DeepEP dispatch", is_fp8, sync), self._owned_args, native,
-                                  is_fp8, sync)
+        a, c = native.reused_args(("DeepEP dispatch", is_fp8, sync), self._deferring_args,
+                                  native, is_fp8, sync)
         set_own_rows(a.x, c.own_x, x, is_fp8, num_tokens)
         a.topk_idx = topk_idx.data_ptr()
         a.topk_idx_int64 = c.topk_idx_int64 = idx_dtype is _T_I64
@@ -677,11 +677,11 @@ class Buffer:
         return res, (recv_x, recv_src, prefix, recv_idx, recv_w), event
 
     @staticmethod
-    def _owned_args(native: NativeBuffer, is_fp8: bool, sync: bool):
-        """The reused (DispatchArgs, CopyOutArgs) of _dispatch_owned's calls of one kind (fp8 or
-        not, host-synced or not), their constant fields set: held launches that defer this
-        rank's own rows, on the window's comm stream; a host-synced one waits for its counts in
-        finish_dispatch."""
+    def _deferring_args(native: NativeBuffer, is_fp8: bool, sync: bool):
+        """The reused (DispatchArgs, CopyOutArgs) of one kind of owned dispatch (uncached or
+        cached, fp8 or not, host-synced or not), their constant fields set: a held launch that
+        defers this rank's own rows and its copy, on the window's comm stream; a host-synced
+        one waits for its counts in finish_dispatch."""
         a = _weft.ep.DispatchArgs()
         a.hold = a.defer_own_rows = True
         a.read_counts = a.wait_later = sync
@@ -1036,7 +1036,7 @@ class Buffer:
         rows = layout.num_rows
         stream = _current_raw_stream(d)
         kind = "DeepEP cached dispatch, fp8" if is_fp8 else "DeepEP cached dispatch"
-        a, c = native.reused_args(kind, self._cached_args, native, is_fp8)
+        a, c = native.reused_args(kind, self._deferring_args, native, is_fp8, False)
         recv_x = torch.empty(rows, hidden, device=native.device,
                              dtype=torch.float8_e4m3fn if is_fp8 else _T_BF16)
         set_own_rows(a.x, c.own_x, x, is_fp8, num_tokens)
@@ -1057,20 +1057,6 @@ class Buffer:
         a = _weft.ep.CombineArgs()
         a.comm_stream = native.comm_stream.cuda_stream
         return a
-
-    @staticmethod
-    def _cached_args(native: NativeBuffer, is_fp8: bool):
-        """The reused (DispatchArgs, CopyOutArgs) of _plain_cached_dispatch, their constant
-        fields set."""
-        a = _weft.ep.DispatchArgs()
-        a.hold = a.defer_own_rows = True
-        c = _weft.ep.CopyOutArgs()
-        c.deferred_own_rows = True
-        a.comm_stream = c.comm_stream = native.comm_stream.cuda_stream
-        for rows in (a.x, c.own_x):
-            rows.dtype = _UINT8 if is_fp8 else _BF16
-            rows.cols = native.hidden
-        return a, c
 
 
 class _StreamOnly:
