@@ -631,9 +631,12 @@ class Buffer:
                 c.num_rows = x_rows
                 c.x = payload.data_ptr()
                 copy = c
-            out = raw.finish_dispatch(copy) if sync else raw.dispatch(a, None, copy)
-            res = DispatchCounts(NativeHandle(*out.handle), out)
-            native.note_layout(res.handle)
+            if sync:
+                res = native.finish_dispatch(copy)
+            else:
+                out = raw.dispatch(a, None, copy)
+                res = DispatchCounts(NativeHandle(*out.handle), out)
+                native.note_layout(res.handle)
             if sync and res.tokens_required:  # a rank sent more than the window holds
                 native, res = self._launch_grown(native, x, is_fp8, topk_idx, topk_weights,
                                                  num_sms, sync, alignment, stream,
