@@ -20,7 +20,8 @@ depth = 2 * layers
 
 def slots(num_slots):
     if cuda:  # weft.ep keeps one layout per Buffer: a Buffer per layer and micro-batch in flight
-        return moe.LayoutSlots.ep(None, experts, num_slots, max_tokens=tokens // micro_batches)
+        return moe.LayoutSlots.native_ep(None, experts, num_slots,
+                                         max_tokens=tokens // micro_batches)
     return moe.LayoutSlots.shared(moe.LocalDispatcher(experts), layers)
 
 

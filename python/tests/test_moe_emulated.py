@@ -67,6 +67,11 @@ def test_emulated_dispatcher_gives_the_inner_bits_and_holds_after_every_call():
     assert [c[0] for c in holds.calls] == [6, 6, 6]
     assert [c[1] for c in holds.calls] == pytest.approx(want_us)
     assert d.held_us == pytest.approx(sum(want_us))
+    # The dispatch in two halves (the step's): the inner's begin, the same hold after it.
+    begun = d.dispatch_begin(x, idx, w)
+    assert [c[1] for c in holds.calls[3:]] == pytest.approx(want_us[:1])
+    for a, b in zip(begun.finish()[:3], want[:3]):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="costs lack"):
         moe.EmulatedDispatcher(inner, {"dispatch": costs["dispatch"]}, num_sms=6)
     with pytest.raises(ValueError, match="num_sms"):
@@ -202,24 +207,26 @@ def test_hold_sms_holds_for_at_least_its_time_and_checks_its_arguments():
         _weft.cuda.hold_sms(1, -1.0, stream, dev.index)
 
 
-def _emulated_ep_slots(num_slots, tokens, costs=moe.EP_2XH200, num_sms=20):
+def _emulated_ep_slots(num_slots, tokens, costs=moe.EP_2XH200, num_sms=20, native=False):
     import weft.ep
 
     def make(layer, s):
-        inner = moe.EpDispatcher(weft.ep.Buffer(None, 0, max_tokens=tokens), 16)
+        inner = moe.NativeEpDispatcher(None, 16, tokens) if native else \
+            moe.EpDispatcher(weft.ep.Buffer(None, 0, max_tokens=tokens), 16)
         return moe.EmulatedDispatcher(inner, costs, num_sms)
     return moe.LayoutSlots(make, num_slots)
 
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("depth", [1, 8])
-def test_emulated_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit(depth):
+@pytest.mark.parametrize("depth,native", [(1, False), (8, False), (1, True), (8, True)])
+def test_emulated_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit(depth, native):
     T, M = 512, 4
     serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=12, **GPU_SHAPE)
     piped = copy.deepcopy(serial)
-    serial_slots = _emulated_ep_slots([1, 1], T // M)
-    step = moe.PipelinedStep(piped, _emulated_ep_slots(moe.num_layout_slots(2, depth), T // M),
+    serial_slots = _emulated_ep_slots([1, 1], T // M, native=native)
+    step = moe.PipelinedStep(piped, _emulated_ep_slots(moe.num_layout_slots(2, depth), T // M,
+                                                       native=native),
                              M, depth=depth, backend="torch")
     g = torch.Generator(device="cuda").manual_seed(3)
     for i in range(3):

@@ -419,6 +419,32 @@ def test_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("depth", [0, 1, 4, moe.max_depth(2)])
+def test_native_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
+    """NativeEpDispatcher: the dispatch stage begins, the experts stage finishes (on another
+    thread, stream and progress() at depth >= 1); the bits of the serial step with it and of
+    the serial step with the DeepEP-compatible EpDispatcher."""
+    T, M = 512, 4
+    native_slots = moe.LayoutSlots.native_ep(None, 16, [1, 1], max_tokens=T // M)
+    piped_slots = moe.LayoutSlots.native_ep(None, 16, moe.num_layout_slots(2, depth),
+                                            max_tokens=T // M)
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    piped = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    deepep = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    deepep_slots = _ep_slots([1, 1], T // M)
+    ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
+    step = moe.PipelinedStep(piped, piped_slots, num_micro_batches=M, depth=depth,
+                             backend="torch")
+    inputs = [_inputs(i, tokens=T, hidden=256, device="cuda") for i in range(5)]
+    _check_steps(serial, piped, ref, step, inputs, lr=0.02, serial_slots=native_slots)
+    for x, target in inputs:
+        moe.serial_step(deepep, x, target, 0.02, M, deepep_slots)
+    assert _same_bits(deepep.parameters(), piped.parameters())
+    step.close()
+
+
+@needs_gpus(1)
+@pytest.mark.timeout(300)
 def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
     T, M = 512, 4
     d = moe.AllToAllDispatcher(None, 16)
@@ -437,11 +463,12 @@ def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dispatcher", ["weft.ep", "local"])
+@pytest.mark.parametrize("dispatcher", ["weft.ep", "weft.ep native", "local"])
 def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
-    """torch's sync debug mode raises in every stage but the dispatch, which reads the layout's
-    counts to the host once (weft.ep's dispatch does so anyway); the experts take their group
-    offsets on the device."""
+    """torch's sync debug mode raises in every stage but the dispatch (weft.ep's DeepEP API
+    reads the layout's counts to the host once, as weft.ep's dispatch does anyway; the local
+    one its rows); the experts take their group offsets on the device. NativeEpDispatcher's count wait (in the experts
+    stage, on the count the kernel publishes) is no torch sync: no stage is exempt."""
     from weft.moe.experts import uses_grouped_mm
     from weft.moe.step import _Stages, chain, micro_batches
 
@@ -451,13 +478,16 @@ def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
                            model.moe[0].w13):
         pytest.skip("torch._grouped_mm is not available on this device: the experts read their "
                     "group sizes to the host")
-    slots = _ep_slots([1, 1], T // M) if dispatcher == "weft.ep" else \
-        moe.LayoutSlots.shared(moe.LocalDispatcher(16), 2)
+    slots = {"weft.ep": lambda: _ep_slots([1, 1], T // M),
+             "weft.ep native": lambda: moe.LayoutSlots.native_ep(None, 16, [1, 1],
+                                                                 max_tokens=T // M),
+             "local": lambda: moe.LayoutSlots.shared(moe.LocalDispatcher(16), 2)}[dispatcher]()
+    exempt = None if dispatcher == "weft.ep native" else "dispatch"
     stages = _Stages(model, slots)
     x, target = _inputs(0, tokens=T, hidden=256, device="cuda")
     for mb in micro_batches(x, target, M, 2):
         for name, stage, layer in chain(2):
-            torch.cuda.set_sync_debug_mode(0 if stage == "dispatch" else "error")
+            torch.cuda.set_sync_debug_mode(0 if stage == exempt else "error")
             try:
                 stages.run(mb, stage, layer)
             finally:

@@ -279,10 +279,21 @@ void EngineCore::set_source(Source source) {
 }
 
 void EngineCore::reset() {
-  try {
-    backend_->synchronize();
-  } catch (const std::exception&) {
-    // Errors of discarded work are discarded with it (see Engine's error contract).
+  // With no value held and no failure (e.g. a new source after a clean end of data, whose
+  // values went when it ended) there is no work to discard, and the streams go on unwaited:
+  // the caller's work queued since (an optimizer step) overlaps the new source's first tasks.
+  const auto holds = [](const Batch& b) {
+    return std::any_of(b.values_.begin(), b.values_.end(),
+                       [](const std::any& v) { return v.has_value(); });
+  };
+  const bool discards = failed_ || !retired_.empty() || holds(result_) ||
+                        std::any_of(ring_.begin(), ring_.end(), holds);
+  if (discards) {
+    try {
+      backend_->synchronize();
+    } catch (const std::exception&) {
+      // Errors of discarded work are discarded with it (see Engine's error contract).
+    }
   }
   for (Batch& b : ring_) b.clear();
   result_.clear();

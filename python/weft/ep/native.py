@@ -775,8 +775,8 @@ class NativeBuffer:
                         stream: Optional[int] = None, comm_stream: int = 0,
                         previous_event: int = 0, async_finish: bool = False,
                         hold: bool = False, count_alignment: int = 1,
-                        defer_own_rows: bool = False,
-                        copy=None) -> Union[DispatchResult, DispatchCounts]:
+                        defer_own_rows: bool = False, copy=None,
+                        wait_later: bool = False) -> Union[DispatchResult, DispatchCounts]:
         """The dispatch kernel of checked inputs (x: bf16 rows, packed fp8 rows, or the fp8 pair,
         whose scales the kernel reads at their strides) on stream (default: the current one), or
         on comm_stream handed off from stream (see DispatchArgs in the binding); with hold, the
@@ -787,7 +787,9 @@ class NativeBuffer:
         copy (with hold): copy_out's filled arguments (copy_out_args, set_copy_out_rows), run in
         the same extension call: right behind the kernel, or with sync_count once the count is
         out and only where it fits their num_rows (then set to the count); the result's copied
-        says whether it ran (if not, the call is still held)."""
+        says whether it ran (if not, the call is still held). wait_later (with sync_count and
+        hold, no copy): return once the kernel is launched, the counts not read; finish_dispatch
+        waits for them (they are published while the rows still move)."""
         a = _weft.ep.DispatchArgs()
         fill_token_rows(a.x, x)
         if handle is None:
@@ -810,6 +812,7 @@ class NativeBuffer:
         a.async_finish = async_finish
         a.hold = hold
         a.defer_own_rows = defer_own_rows
+        a.wait_later = wait_later
         out = self._native.dispatch(a, handle, copy)
         result_handle = NativeHandle(*out.handle)
         if handle is None:

@@ -15,7 +15,7 @@ planning.py: the planner over the step (its depth variants, costs from a traced 
 kept to the step's layouts; no torch).
 """
 
-from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher
+from .dispatchers import AllToAllDispatcher, EpDispatcher, LocalDispatcher, NativeEpDispatcher
 from .emulated import A2A_2XH200, EP_2XH200, CallCost, EmulatedDispatcher
 from .layer import MoELayer, combine, dispatch
 from .model import DenseBlock, MoEModel, train_step
@@ -25,6 +25,6 @@ from .step import (STAGES, PipelinedStep, max_depth, moe_costs, moe_schedule, mo
 
 __all__ = ["A2A_2XH200", "AllToAllDispatcher", "CallCost", "DenseBlock", "EP_2XH200",
            "EmulatedDispatcher", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
-           "MoELayer", "MoEModel", "PipelinedStep", "STAGES", "combine", "dispatch",
-           "max_depth", "moe_costs", "moe_schedule", "moe_thread_map", "num_layout_slots",
-           "serial_step", "stage_lookaheads", "train_step"]
+           "MoELayer", "MoEModel", "NativeEpDispatcher", "PipelinedStep", "STAGES", "combine",
+           "dispatch", "max_depth", "moe_costs", "moe_schedule", "moe_thread_map",
+           "num_layout_slots", "serial_step", "stage_lookaheads", "train_step"]

@@ -11,6 +11,12 @@ device tensor instead.
     recv_x, recv_idx, recv_w, handle, num_entries = d.dispatch(x, topk_idx, topk_weights)
     out, combined_w = d.combine(y, handle, weights=None)
     recv_grad = d.dispatch_cached(grad_out, handle)
+
+A dispatch also comes in two halves, dispatch_begin(x, topk_idx, topk_weights).finish() (what
+the micro-batched step calls: its dispatch stage begins, its experts stage finishes). Only
+NativeEpDispatcher splits the work: its begin launches the kernel and returns, its finish waits
+for the count (published to the host while the rows move) and copies the rows out; the others
+do the whole dispatch in begin.
 """
 
 from __future__ import annotations
@@ -20,10 +26,31 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from weft import Error
+
 from .experts import count_entries
 
 
-class LocalDispatcher:
+class Dispatcher:
+    """What every dispatcher shares: dispatch_begin, by default the whole dispatch."""
+
+    def dispatch_begin(self, x, topk_idx, topk_weights) -> "Dispatched":
+        return Dispatched(self.dispatch(x, topk_idx, topk_weights))
+
+
+class Dispatched:
+    """A dispatch that is done: finish() returns its results."""
+
+    __slots__ = ("results",)
+
+    def __init__(self, results) -> None:
+        self.results = results
+
+    def finish(self):
+        return self.results
+
+
+class LocalDispatcher(Dispatcher):
     """One rank, every expert local, in plain torch: the reference of the others."""
 
     keeps_layouts = False  # a handle carries its whole layout
@@ -55,7 +82,7 @@ class LocalDispatcher:
         return x[handle[0]]
 
 
-class EpDispatcher:
+class EpDispatcher(Dispatcher):
     """weft.ep's DeepEP-compatible Buffer (owned tensors, as training keeps them for backward).
 
     num_worst_tokens > 0: every dispatch returns that many rows (weft.ep's worst-case dispatch:
@@ -105,7 +132,149 @@ class EpDispatcher:
         return torch.where(received, recv, 0)
 
 
-class AllToAllDispatcher:
+class NativeEpDispatcher(Dispatcher):
+    """weft.ep's native Buffer (weft.ep.NativeBuffer) with owned results, its dispatch in two
+    halves: dispatch_begin launches the kernel on the current stream and returns without
+    waiting (the kernel publishes the count to the host as soon as the count exchange ends,
+    while the rows still move); finish() waits for that count, makes the owned tensors and
+    copies the rows out on the current stream (this rank's own rows read from x, not staged in
+    the window). The micro-batched step begins in its dispatch stage and finishes in its experts
+    stage; on weft.pipeline at depth >= 1 that is a later progress(), so the host waits for the
+    count with other micro-batches' work queued behind the dispatch, and the GPU does not drain
+    at every dispatch as it does when one call waits. Results and their bits are EpDispatcher's.
+
+    The Buffer is made at the first dispatch (hidden size and top-k come with it; with a group,
+    every rank's first dispatch makes it together), for max_tokens tokens per rank and call.
+    It holds one layout, its latest dispatch's: a combine or cached dispatch of an older handle
+    is refused (weft.Error: the handle is stale); LayoutSlots.native_ep makes one per live
+    layout. Every call runs on the current stream; finish() on another stream first orders that
+    stream after the begin's. The pending dispatch keeps x and the selections alive until finish(). A
+    later call on the dispatcher abandons a dispatch begun and not finished (its finish() then
+    raises weft.Error)."""
+
+    keeps_layouts = True  # the Buffer's window holds the latest layout only
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int, max_tokens: int, *,
+                 timeout_s: float = 20.0) -> None:
+        self.group = group
+        self.num_ranks = group.size() if group is not None else 1
+        self.rank = group.rank() if group is not None else 0
+        if num_experts < 1 or num_experts % self.num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the "
+                             f"ranks ({self.num_ranks})")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.buffer = None  # the NativeBuffer, made at the first dispatch
+        self._pending: Optional[_PendingNativeDispatch] = None
+        self._begun = None  # torch.cuda.Event recorded by each begin
+
+    def _buffer_for(self, x, top_k: int):
+        b = self.buffer
+        if b is None:
+            import weft.ep
+            b = self.buffer = weft.ep.NativeBuffer(
+                self.group, max_tokens=self.max_tokens, hidden=x.shape[1],
+                num_experts=self.num_experts, top_k=top_k, timeout_s=self.timeout_s)
+            self._begun = torch.cuda.Event()
+        elif x.shape[1] != b.hidden or top_k != b.top_k:
+            raise Error(f"NativeEpDispatcher: its Buffer was made for hidden {b.hidden} and "
+                        f"top-k {b.top_k}; this call has hidden {x.shape[1]} and top-k {top_k}")
+        return b
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        return self.dispatch_begin(x, topk_idx, topk_weights).finish()
+
+    def dispatch_begin(self, x, topk_idx, topk_weights) -> "_PendingNativeDispatch":
+        if x.dim() != 2 or topk_idx.dim() != 2:
+            raise Error(f"NativeEpDispatcher: x [T, hidden] and topk_idx [T, top_k], got "
+                        f"{tuple(x.shape)} and {tuple(topk_idx.shape)}")
+        b = self._buffer_for(x, topk_idx.shape[1])
+        num_tokens, is_fp8 = b.check_x(x)
+        if is_fp8:
+            raise Error("NativeEpDispatcher dispatches bf16 rows")
+        b.check_selections(num_tokens, topk_idx, topk_weights)
+        self._pending = None  # abandons one begun and not finished
+        stream = torch.cuda.current_stream(b.device)
+        b.launch_dispatch(x, False, topk_idx, topk_weights, None, None, 0, None, True,
+                          hold=True, defer_own_rows=True, wait_later=True)
+        self._begun.record(stream)
+        self._pending = _PendingNativeDispatch(self, x, topk_idx, topk_weights,
+                                               stream.cuda_stream)
+        return self._pending
+
+    def _finish(self, pending: "_PendingNativeDispatch"):
+        if self._pending is not pending:
+            raise Error("NativeEpDispatcher: this dispatch was abandoned (a later call on its "
+                        "dispatcher came before its finish()), or it was finished already")
+        self._pending = None
+        b = self.buffer
+        current = torch.cuda.current_stream(b.device)
+        if current.cuda_stream != pending.stream:
+            current.wait_event(self._begun)
+        counts = b.finish_dispatch()
+        if counts.tokens_required:
+            raise Error(f"NativeEpDispatcher: a rank sent {counts.tokens_required} tokens, more "
+                        f"than the Buffer's max_tokens ({b.max_tokens}); no row moved")
+        n, top_k = counts.num_recv, b.top_k
+        recv_x = torch.empty(n, b.hidden, dtype=torch.bfloat16, device=b.device)
+        recv_idx = torch.empty(n, top_k, dtype=pending.topk_idx.dtype, device=b.device)
+        recv_w = torch.empty(n, top_k, dtype=torch.float32, device=b.device)
+        b.copy_out(n, recv_x, topk_idx=recv_idx, topk_weights=recv_w,
+                   stream=current.cuda_stream, own_x=pending.x)
+        return (recv_x, recv_idx, recv_w, counts.handle,
+                sum(counts.tokens_per_local_expert_list))
+
+    def _live_buffer(self):
+        self._pending = None  # a later call abandons a dispatch begun and not finished
+        if self.buffer is None:
+            raise Error("NativeEpDispatcher: no dispatch has run (a handle comes from one)")
+        return self.buffer
+
+    def combine(self, y, handle, weights=None):
+        b = self._live_buffer()
+        y = y.contiguous()
+        num_tokens, _ = b.check_combine(y, handle, None)
+        out = torch.empty(num_tokens, b.hidden, dtype=torch.bfloat16, device=b.device)
+        combined_w = None
+        if weights is not None:
+            weights = weights.contiguous()
+            combined_w = torch.empty(num_tokens, weights.shape[1], dtype=torch.float32,
+                                     device=b.device)
+        b.launch_combine(y, handle, [], out, 0, topk_weights=weights,
+                         combined_weights=combined_w)
+        return out, combined_w
+
+    def dispatch_cached(self, x, handle):
+        b = self._live_buffer()
+        x = x.contiguous()
+        b.check_x(x)
+        n = handle.num_recv  # read by the uncached dispatch's finish()
+        b.launch_dispatch(x, False, None, None, handle, None, 0, None, False, hold=True,
+                          defer_own_rows=True)
+        recv = torch.empty(n, b.hidden, dtype=torch.bfloat16, device=b.device)
+        b.copy_out(n, recv, stream=torch.cuda.current_stream(b.device).cuda_stream, own_x=x)
+        return recv
+
+
+class _PendingNativeDispatch:
+    """NativeEpDispatcher.dispatch_begin's result: finish() gives dispatch()'s. It keeps the
+    call's inputs alive until then (the kernel and the copy read them)."""
+
+    __slots__ = ("dispatcher", "x", "topk_idx", "topk_weights", "stream")
+
+    def __init__(self, dispatcher, x, topk_idx, topk_weights, stream: int) -> None:
+        self.dispatcher, self.x = dispatcher, x
+        self.topk_idx, self.topk_weights, self.stream = topk_idx, topk_weights, stream
+
+    def finish(self):
+        return self.dispatcher._finish(self)
+
+
+class AllToAllDispatcher(Dispatcher):
     """The dispatcher MoE users have today: sizes exchanged with an all_to_all (read to the host),
     rows permuted by destination, then torch.distributed.all_to_all_single of rows, indices and
     weights; combine sends the rows back the same way."""

@@ -128,6 +128,11 @@ class EmulatedDispatcher:
         self._hold("dispatch", x)
         return out
 
+    def dispatch_begin(self, x, topk_idx, topk_weights):
+        begun = self.inner.dispatch_begin(x, topk_idx, topk_weights)
+        self._hold("dispatch", x)
+        return begun
+
     def combine(self, y, handle, weights=None):
         out = self.inner.combine(y, handle, weights)
         self._hold("combine", y)

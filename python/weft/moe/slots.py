@@ -10,6 +10,7 @@ dispatch task minus that of its dispatch_bwd task, plus one (num_layout_slots). 
 a step uses slot m % num_slots[layer].
 
     slots = LayoutSlots.ep(group, num_experts=128, num_slots=[3, 1], max_tokens=1024)
+    slots = LayoutSlots.native_ep(group, num_experts=128, num_slots=[3, 1], max_tokens=1024)
     slots = LayoutSlots.shared(weft.moe.LocalDispatcher(128), num_layers=2)   # stateless
 """
 
@@ -56,6 +57,17 @@ class LayoutSlots:
             return EpDispatcher(weft.ep.Buffer(group, num_nvl_bytes, max_tokens=max_tokens,
                                                timeout_s=timeout_s), num_experts)
         return cls(make, num_slots)
+
+    @classmethod
+    def native_ep(cls, group, num_experts: int, num_slots: Sequence[int], *, max_tokens: int,
+                  timeout_s: float = 20.0) -> "LayoutSlots":
+        """A NativeEpDispatcher (weft.ep's native Buffer, the dispatch's count read in the
+        experts stage) for each (layer, slot), each sized for max_tokens tokens per rank (one
+        micro-batch)."""
+        from .dispatchers import NativeEpDispatcher
+
+        return cls(lambda layer, s: NativeEpDispatcher(group, num_experts, max_tokens,
+                                                       timeout_s=timeout_s), num_slots)
 
     @property
     def num_layers(self) -> int:

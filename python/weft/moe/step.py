@@ -5,8 +5,9 @@ accumulate over the micro-batches in micro-batch order, and one SGD step ends th
 micro-batch is a chain of stages, cut at every communication, forward and backward:
 
     dense_router_l     (l > 0: the residual of layer l-1) dense block, router top-k    compute
-    dispatch_l         the rows to their experts' ranks                                 comm
-    experts_l          the grouped GEMMs                                                compute
+    dispatch_l         the rows to their experts' ranks (begun: dispatch_begin)         comm
+    experts_l          the dispatch finished (its count wait, the rows' copy), the      compute
+                       grouped GEMMs
     combine_l          the expert outputs back, summed per token                        comm
     loss               residual, loss, its gradient at the last layer's output          compute
     combine_bwd_l      the output gradient to the rows (a cached dispatch)              comm
@@ -32,7 +33,7 @@ micro-batches' parts in micro-batch order (a layer's expert weights only in expe
 grouped GEMM per weight over the micro-batches' entries collected in micro-batch order; its
 router and dense block only in dense_router_bwd_l): the same bits.
 
-    slots = LayoutSlots.ep(group, 128, num_layout_slots(2, depth=8), max_tokens=T // 4)
+    slots = LayoutSlots.native_ep(group, 128, num_layout_slots(2, depth=8), max_tokens=T // 4)
     step = PipelinedStep(model, slots, num_micro_batches=4, depth=8, backend="torch")
     loss = step(x, target, lr=1e-3)            # == serial_step(model, x, target, 1e-3, 4, ...)
 """
@@ -79,7 +80,9 @@ class MicroBatch:
         self.x_in = per_layer()          # l > 0: the layer's input, a leaf (its .grad: backward)
         self.h = per_layer()             # dense block output (graph from x_in)
         self.route = per_layer()         # (topk_idx, topk_weights), the weights' graph from h
-        self.recv = per_layer()          # (recv_x, recv_idx, recv_w, handle, num_entries)
+        # (recv_x, recv_idx, recv_w, handle, num_entries); from dispatch to experts the
+        # dispatch begun (dispatchers.Dispatched or its like), which experts finishes
+        self.recv = per_layer()
         self.expert_act = per_layer()    # the experts' ExpertActivations
         self.y = per_layer()             # expert outputs
         self.combined = per_layer()
@@ -166,10 +169,11 @@ class _Stages:
     def dispatch(self, mb: MicroBatch, layer: int) -> None:
         idx, weights = mb.route[layer]
         with torch.no_grad():
-            mb.recv[layer] = self._dispatcher(mb, layer).dispatch(mb.h[layer].detach(), idx,
-                                                                  weights.detach())
+            mb.recv[layer] = self._dispatcher(mb, layer).dispatch_begin(
+                mb.h[layer].detach(), idx, weights.detach())
 
     def experts(self, mb: MicroBatch, layer: int) -> None:
+        mb.recv[layer] = mb.recv[layer].finish()  # the dispatch's count wait, if it has one
         recv_x, recv_idx, recv_w, _, num_entries = mb.recv[layer]
         moe = self.model.moe[layer]
         with torch.no_grad():

@@ -198,5 +198,67 @@ TEST(SlotLifetime, FinishedBatchesAreReleasedWhileTheRunGoesOn) {
   EXPECT_EQ(reads->num_corrupt.load(), 0);
 }
 
+
+// A host backend that counts synchronize() calls.
+class SyncCountingBackend final : public Backend {
+ public:
+  explicit SyncCountingBackend(std::shared_ptr<std::atomic<int>> num_syncs)
+      : num_syncs_(std::move(num_syncs)) {}
+  std::string_view name() const noexcept override { return "sync-counting"; }
+  void bind(const CompiledSchedule& schedule) override { inner_.bind(schedule); }
+  void* stream_handle(StreamId stream) override { return inner_.stream_handle(stream); }
+  void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override {
+    inner_.record(task, ring_slot, stream);
+  }
+  void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override {
+    inner_.wait(stream, producer, ring_slot);
+  }
+  bool waits_for_future_records() const noexcept override { return true; }
+  void wait_for_record(StreamId stream, TaskId producer, std::uint32_t ring_slot,
+                       std::uint64_t num_records) override {
+    inner_.wait_for_record(stream, producer, ring_slot, num_records);
+  }
+  void synchronize() override {
+    ++*num_syncs_;
+    inner_.synchronize();
+  }
+  std::uint64_t fence() override { return inner_.fence(); }
+  bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
+
+ private:
+  std::shared_ptr<std::atomic<int>> num_syncs_;
+  HostBackend inner_;
+};
+
+// The end of data waits for the streams (its values go); a new source after it has nothing to
+// discard and does not wait again, so that work queued between two sources (an optimizer step)
+// overlaps the next source's first tasks. Where values or an error are discarded, the streams
+// are waited for first.
+TEST(SlotLifetime, ANewSourceWaitsForTheStreamsOnlyWhereItDiscards) {
+  auto num_syncs = std::make_shared<std::atomic<int>>(0);
+  Schedule s;
+  s.add_stream("side");
+  s.add_input("input");
+  s.add(Task("late").lookahead(1).stream("side").reads("input").writes("x"));
+  s.add(Task("early").reads("x"));
+  Engine engine(std::move(s), ThreadMap::preset("per_task"),
+                std::make_unique<SyncCountingBackend>(num_syncs));
+  for (int source = 0; source < 3; ++source) {
+    engine.set_source(testing::counting_source(kNumBatches));
+    int num_steps = 0;
+    while (engine.progress()) ++num_steps;
+    EXPECT_EQ(num_steps, kNumBatches);
+    EXPECT_EQ(num_syncs->load(), source + 1) << "one wait per source: its end of data";
+  }
+  // Batches in flight (lookahead 1) and a result with the caller: discarded after a wait.
+  engine.set_source(testing::counting_source(kNumBatches));
+  ASSERT_TRUE(engine.progress().has_value());
+  engine.reset();
+  EXPECT_EQ(num_syncs->load(), 4);
+  // A reset right after it holds nothing any more.
+  engine.reset();
+  EXPECT_EQ(num_syncs->load(), 4);
+}
+
 }  // namespace
 }  // namespace weft::pipeline
