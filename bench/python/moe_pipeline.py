@@ -56,9 +56,9 @@ over moe_schedule, kept to the layouts the family's steps hold (weft.ep: those o
 timed, as "suggested". --calibrate: a wake-up cost and the GIL model (on a GPU also a slowdown
 of the compute stream's work) fitted to traced runs of depth 0 and every --depth
 (weft.step_planning.fit_calibration), shown as fit ms and used by the search. The
-table: per row of the family, the step's range, x its serial (a), planner ms (--micro-batches
-steady-state progress() calls of the variant with those costs), err % against the median of the
-timed runs, and bits: the first step's loss and every gradient bit for bit against (a)'s (the
+table: per row of the family, the step's range, x its serial (a), planner ms (the variant's
+step with those costs: one source of --micro-batches batches, fill and drain), err % against
+the median of the timed runs, and bits: the first step's loss and every gradient bit for bit against (a)'s (the
 exit status is 1 if any differ); its last line the rms of the errors over the engine rows.
 """
 
@@ -76,7 +76,8 @@ import weft.moe as moe
 from weft import plan
 from weft.moe.planning import depth_variants, merged_trace, suggest_variant
 from weft.moe.step import COMM_STAGES
-from weft.step_planning import error_pct, fit_calibration, predicted_ms, rms_error_pct
+from weft.step_planning import (SOURCE_RUNAHEAD, error_pct, fit_calibration, predicted_ms,
+                                rms_error_pct)
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768), "tiny": (64, 16, 4, 32)}
 OUT_DIR = "bench-out"
@@ -495,17 +496,18 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
     for target, tables in moe.emulated.TARGETS.items():
         for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
             comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
-            predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us)
+            predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us,
+                                                     num_micro_batches=a.micro_batches)
             measured = target == a.target
             rows = [("serial", 0, f"(a) emu {kind}")] + [
                 (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in depths]
             parts = []
             for label, d, name in rows:
-                ms = predicted[d] * a.micro_batches / 1e3
+                ms = predicted[d] / 1e3
                 parts.append(f"{label} {ms:.2f}" + (f" vs {_median(times[name]):.2f}"
                                                     if measured else ""))
-            out(f"{shape:6s} {T:6d} planner on {target} {kind} (ms per step, {a.micro_batches} x "
-                f"a steady-state micro-batch)" + (" vs emulated" if measured else "") + ": "
+            out(f"{shape:6s} {T:6d} planner on {target} {kind} (ms per step of {a.micro_batches} "
+                "micro-batches, fill and drain)" + (" vs emulated" if measured else "") + ": "
                 + ", ".join(parts), flush=True)
 
 
@@ -531,10 +533,11 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
           + ", ".join(f"{k} {v:.0f}" for k, v in costs_us.items()), flush=True)
     print("# planner's step per micro-batch (us): "
           + ", ".join(f"{v.name} {v.timeline.step_us:.0f}" for v in drawn), flush=True)
-    predicted_ms = drawn[depth].timeline.step_us * a.micro_batches / 1e3
-    print(f"# depth {depth}: planner {predicted_ms:.2f} ms per step ({a.micro_batches} x its "
-          f"steady-state micro-batch, no fill or drain), measured {_median(measured_ms):.2f} ms "
-          f"(median)", flush=True)
+    source = plan.simulate(moe.moe_schedule(L, depth), moe.moe_thread_map(L), costs,
+                           num_batches=a.micro_batches, max_host_runahead=SOURCE_RUNAHEAD)
+    print(f"# depth {depth}: planner {source.timeline.step_us / 1e3:.2f} ms per step (a source of "
+          f"{a.micro_batches} micro-batches, fill and drain), measured "
+          f"{_median(measured_ms):.2f} ms (median)", flush=True)
 
 
 if __name__ == "__main__":

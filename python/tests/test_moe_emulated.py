@@ -116,6 +116,16 @@ def test_the_planner_predicts_the_step_from_compute_and_the_target_tables():
     assert step[0] == pytest.approx(compute_sum + 2 * sum(comm.values())
                                     - 2 * min(compute["experts_wgrad"], comm["dispatch_bwd"]))
     assert step[8] == pytest.approx(compute_sum)  # every call (< 300 us) under compute
+    # A step of one micro-batch has nothing to overlap but the wgrad, at any depth: depth 0's
+    # micro-batch and the first body's host time (1 us) before any GPU work; a long step grows by
+    # the steady-state micro-batch with each micro-batch more.
+    one = predict_step_us(2, range(9), compute, comm, host_us=1.0, num_micro_batches=1)
+    assert all(one[d] == pytest.approx(step[0] + 1.0) for d in range(9))
+    m8 = predict_step_us(2, [0, 4, 8], compute, comm, host_us=1.0, num_micro_batches=8)
+    m16 = predict_step_us(2, [0, 4, 8], compute, comm, host_us=1.0, num_micro_batches=16)
+    for d in (0, 4, 8):
+        assert (m16[d] - m8[d]) / 8 == pytest.approx(step[d], rel=1e-6)
+        assert m8[d] >= 8 * step[d] - 1e-6  # the fill and the drain add
     assert all(step[d + 1] <= step[d] for d in range(8))
 
 

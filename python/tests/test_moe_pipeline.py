@@ -467,8 +467,9 @@ def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
 def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
     """torch's sync debug mode raises in every stage but the dispatch (weft.ep's DeepEP API
     reads the layout's counts to the host once, as weft.ep's dispatch does anyway; the local
-    one its rows); the experts take their group offsets on the device. NativeEpDispatcher's count wait (in the experts
-    stage, on the count the kernel publishes) is no torch sync: no stage is exempt."""
+    one its rows); the experts take their group offsets on the device. NativeEpDispatcher's
+    count wait (in the experts stage, on the count the kernel publishes) is no torch sync: no
+    stage is exempt."""
     from weft.moe.experts import uses_grouped_mm
     from weft.moe.step import _Stages, chain, micro_batches
 

@@ -89,10 +89,20 @@ def test_the_shared_helpers_give_the_hstu_step_its_numbers():
 
 
 @pytest.mark.timeout(60)
-def test_a_moe_step_is_its_micro_batches_progress_calls():
+def test_a_moe_step_is_one_source_of_its_micro_batches():
+    """Simulated whole, fill and drain included: every task once per micro-batch, and more than
+    M steady-state progress() calls (the prefill and the drain run partial iterations)."""
+    from weft.step_planning import SOURCE_RUNAHEAD
+
     v = depth_variants(L, [3], M)[0]
-    report = plan.simulate(moe.moe_schedule(L, 3), moe.moe_thread_map(L), FIXED_COSTS)
-    assert predicted_ms(v, FIXED_COSTS) == report.timeline.step_us * M / 1e3
+    assert v.source_batches == M
+    source = plan.simulate(moe.moe_schedule(L, 3), moe.moe_thread_map(L), FIXED_COSTS,
+                           num_batches=M, max_host_runahead=SOURCE_RUNAHEAD)
+    assert predicted_ms(v, FIXED_COSTS) == source.timeline.step_us / 1e3
+    runs = sorted((h.task, h.batch) for h in source.timeline.host)
+    assert runs == sorted((t.name, b) for t in v.schedule().tasks for b in range(M))
+    steady = plan.simulate(moe.moe_schedule(L, 3), moe.moe_thread_map(L), FIXED_COSTS)
+    assert source.timeline.step_us > M * steady.timeline.step_us
     assert v.layouts() == moe.num_layout_slots(L, 3)
 
 
@@ -111,7 +121,8 @@ def test_the_search_is_deterministic_and_keeps_to_the_layouts(num_slots):
     for v in depth_variants(L, range(moe.max_depth(L) + 1), M):
         if num_slots is None or all(n <= h for n, h in zip(v.layouts(), num_slots)):
             assert a.step_ms <= predicted_ms(v, FIXED_COSTS) + 1e-9
-    assert "fill and drain" in a.describe()
+    # Every candidate is simulated as the step's source: the fill and drain are searched.
+    assert "fill and drain" not in a.describe()
 
 
 @pytest.mark.timeout(60)
@@ -188,7 +199,8 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
     out = run.stdout
     assert "# costs: (c) pipe+a2a d0's traced run (2 steps), 19 tasks" in out
     assert "# calibration, fitted on the traced runs of 3 depths (d0, d1, d8): wake-up" in out
-    assert "#   not searched: the step's fill and drain" in out
+    assert "#   not searched: more than 2 threads" in out
+    assert "fill and drain" not in out.split("# suggested")[1].split("schedule ")[0]
     header, rows = _table_rows(out)
     assert "planner ms" in header and "err %" in header and "fit err %" in header
     assert list(rows) == ["(a) a2a", "(c) pipe+a2a d1", "(c) pipe+a2a d8",

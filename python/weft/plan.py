@@ -88,10 +88,14 @@ def _resolve(variant: VariantLike) -> Tuple[str, str, Schedule, ThreadMap]:
 
 
 def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike] = None,
-             costs: CostsLike = None, *, num_steps: int = 12, max_host_runahead: int = 2,
-             name: Optional[str] = None, wake_up_us: float = 0.0,
+             costs: CostsLike = None, *, num_steps: int = 12, num_batches: int = 0,
+             max_host_runahead: int = 2, name: Optional[str] = None, wake_up_us: float = 0.0,
              gil: Union[None, str, Iterable[str]] = None) -> VariantReport:
-    """Simulates ``num_steps`` progress() calls (>= 4; the second to last is drawn).
+    """Simulates ``num_steps`` progress() calls (>= 4; the second to last is drawn), or with
+    ``num_batches`` > 0 one finite source of that many batches as the engine runs it (its
+    prefill and drain; num_steps unused): the timeline then draws every internal iteration and
+    its step_us is the whole source's time, to the end of its last GPU work (docs/planner.md
+    "A finite source").
 
     schedule: a weft.pipeline.Schedule with ``thread_map`` (a ThreadMap, preset name or dict
     thread -> tasks), or an HSTU variant name ("full_split_d6") whose schedule and map are used
@@ -109,7 +113,8 @@ def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike]
         if thread_map is None:
             raise TypeError("simulate: a Schedule needs a thread_map")
         variant = (name or "custom", schedule, thread_map)
-    return _simulate(_resolve(variant), costs, num_steps, max_host_runahead, wake_up_us, gil)
+    return _simulate(_resolve(variant), costs, num_steps, max_host_runahead, wake_up_us, gil,
+                     num_batches)
 
 
 def _gil_tasks(gil: Union[None, str, Iterable[str]], schedule: Schedule, caller: str) -> List[str]:
@@ -124,14 +129,16 @@ def _gil_tasks(gil: Union[None, str, Iterable[str]], schedule: Schedule, caller:
 
 def _simulate(resolved: Tuple[str, str, Schedule, ThreadMap], costs: CostsLike, num_steps: int,
               max_host_runahead: int, wake_up_us: float = 0.0,
-              gil: Union[None, str, Iterable[str]] = None) -> VariantReport:
+              gil: Union[None, str, Iterable[str]] = None, num_batches: int = 0) -> VariantReport:
     name, cascade, schedule, thread_map = resolved
     num_steps = _checks.integer(num_steps, "num_steps", *_checks.INT32)
+    num_batches = _checks.integer(num_batches, "num_batches", *_checks.INT32)
     max_host_runahead = _checks.integer(max_host_runahead, "max_host_runahead", *_checks.INT32)
     wake_up_us = _checks.number(wake_up_us, "wake_up_us")
     return _native.simulate(name, cascade, schedule._to_native(with_bodies=False),
                             thread_map._native, _cost_model(costs, schedule), num_steps,
-                            max_host_runahead, wake_up_us, _gil_tasks(gil, schedule, "simulate"))
+                            num_batches, max_host_runahead, wake_up_us,
+                            _gil_tasks(gil, schedule, "simulate"))
 
 
 def _write_page(path: Union[str, os.PathLike], text: str) -> None:
@@ -263,8 +270,8 @@ def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy"
 def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike = None, *,
             trace: Optional[Union[str, os.PathLike]] = None, max_threads: int = 4,
             min_lookahead: int = 0, max_lookahead: Optional[int] = None, num_best: int = 3,
-            num_steps: int = 12, max_host_runahead: int = 2, wake_up_us: float = 0.0,
-            gil: Union[None, str, Iterable[str]] = None,
+            num_steps: int = 12, num_batches: int = 0, max_host_runahead: int = 2,
+            wake_up_us: float = 0.0, gil: Union[None, str, Iterable[str]] = None,
             start_maps: Sequence[ThreadMapLike] = ()) -> SuggestResult:
     """Searches thread maps (at most ``max_threads`` threads) and lookaheads (each task's in
     [min_lookahead, max_lookahead]; None: up to the schedule's largest) for the lowest simulated
@@ -278,7 +285,9 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     lookaheads. wake_up_us: the simulated cost of waking a thread that blocked on another
     thread's task (0: instant; `weft plan --suggest --wake-up-us`). gil: the tasks whose bodies
     hold the GIL for their whole host time, simulated as one lock shared by every thread: "all"
-    (what Python bodies do, at most), a list of task names, or None. Bad input, or a schedule the
+    (what Python bodies do, at most), a list of task names, or None. num_batches > 0: every
+    candidate simulated as one finite source of that many batches (simulate()), so that deeper
+    lookaheads are weighed with their longer prefill and drain. Bad input, or a schedule the
     search cannot move (one task and fixed lookaheads), raises weft.Error.
     """
     maps = [ThreadMap.of(m) for m in start_maps]
@@ -298,7 +307,7 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     args = [_checks.integer(v, n, *_checks.INT32) for v, n in (
         (max_threads, "max_threads"), (min_lookahead, "min_lookahead"),
         (-1 if max_lookahead is None else max_lookahead, "max_lookahead"),
-        (num_best, "num_best"), (num_steps, "num_steps"),
+        (num_best, "num_best"), (num_steps, "num_steps"), (num_batches, "num_batches"),
         (max_host_runahead, "max_host_runahead"))]
     wake_up_us = _checks.number(wake_up_us, "wake_up_us")
     gil_tasks = _gil_tasks(gil, schedule, "suggest")

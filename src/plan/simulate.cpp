@@ -1,11 +1,14 @@
 #include "weft/plan/simulate.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <map>
 #include <numeric>
 #include <optional>
 #include <set>
+#include <string>
+#include <utility>
 
 #include "weft/core/error.hpp"
 #include "weft/pipeline/wait_edges.hpp"
@@ -64,24 +67,35 @@ class Simulator {
   [[noreturn]] void fail_deadlocked() const;
   void run_gpu(int p);
   void draw(Timeline& timeline) const;
+  void draw_source(Timeline& timeline) const;
+  std::vector<std::string> drawn_streams(std::set<std::string> seen) const;
   std::string edge_cause(const pipeline::WaitEdge& e) const;
+  // Whether task t works on a batch at progress (iteration) p: always in steady state.
+  bool active(int p, TaskId t) const {
+    if (!finite_) return true;
+    const std::int64_t batch = p - (schedule_.max_lookahead() - schedule_.task(t).lookahead());
+    return batch >= 0 && batch < options_.num_batches;
+  }
+  bool drawn(int p) const { return finite_ || p == drawn_; }
 
   const CompiledSchedule& schedule_;
   const ThreadAssignment& threads_;
   const SimulationOptions& options_;
   const std::size_t num_tasks_;
   const std::size_t num_threads_;
+  const bool finite_;  // one source of options.num_batches batches, every iteration drawn
   const int num_progress_;
-  const int drawn_;  // the progress() the timeline draws
+  const int drawn_;  // the progress() the timeline draws (steady state)
   std::vector<TaskCost> cost_;
   std::vector<bool> holds_gil_;
   bool any_gil_ = false;
   std::vector<pipeline::WaitEdge> edges_;
   // Host-wait edges into each consumer, and stream-wait edges into each consumer.
   std::vector<std::vector<const pipeline::WaitEdge*>> host_in_, stream_in_;
-  // Ticket predecessor of each collective task (previous collective in run order).
+  // Per progress, each active collective task's ticket (-1: none), and its ticket predecessor
+  // in the progress being placed (the previous active collective in collective order).
+  std::vector<std::vector<int>> ticket_of_;
   std::vector<int> ticket_prev_;
-  std::vector<int> ticket_of_;
 
   // Per progress: when each task's body started and ended, and its GPU work ended.
   std::vector<std::vector<double>> host_start_, host_end_, gpu_end_;
@@ -107,10 +121,14 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
       options_(options),
       num_tasks_(schedule.num_tasks()),
       num_threads_(threads.num_threads()),
-      num_progress_(options.num_progress),
+      finite_(options.num_batches > 0),
+      num_progress_(finite_ ? options.num_batches + schedule.max_lookahead()
+                            : options.num_progress),
       drawn_(options.num_progress - 2) {
-  WEFT_CHECK(options.num_progress >= 4, "simulate needs at least 4 progress() calls, got ",
-             options.num_progress);
+  WEFT_CHECK(options.num_batches >= 0 && options.num_batches <= 1'000'000,
+             "num_batches must be in [0, 1000000], got ", options.num_batches);
+  WEFT_CHECK(finite_ || options.num_progress >= 4,
+             "simulate needs at least 4 progress() calls, got ", options.num_progress);
   WEFT_CHECK(options.max_host_runahead >= 1, "max_host_runahead must be >= 1, got ",
              options.max_host_runahead);
   WEFT_CHECK(options.thread_wake_up_us >= 0 && options.thread_wake_up_us <= CostModel::kMaxCostUs,
@@ -134,14 +152,7 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
     if (e.host_wait) host_in_[e.consumer].push_back(&e);
     if (e.stream_wait) stream_in_[e.consumer].push_back(&e);
   }
-  ticket_prev_.assign(num_tasks_, -1);
-  ticket_of_.assign(num_tasks_, -1);
-  const auto order = schedule.collective_order();
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    ticket_of_[order[i]] = int(i);
-    if (i > 0) ticket_prev_[order[i]] = int(order[i - 1]);
-  }
-
+  ticket_of_.resize(std::size_t(num_progress_));
   host_start_.resize(std::size_t(num_progress_));
   host_end_.resize(std::size_t(num_progress_));
   gpu_end_.resize(std::size_t(num_progress_));
@@ -182,6 +193,16 @@ void Simulator::run_host(int p) {
   host_end_[p].assign(num_tasks_, kUnknown);
   p_ = p;
   begin_ = begin;
+  auto& tickets = ticket_of_[std::size_t(p)];
+  tickets.assign(num_tasks_, -1);
+  ticket_prev_.assign(num_tasks_, -1);
+  int previous = -1, num_tickets = 0;
+  for (TaskId t : schedule_.collective_order()) {
+    if (!active(p, t)) continue;
+    tickets[t] = num_tickets++;
+    ticket_prev_[t] = previous;
+    previous = int(t);
+  }
   thread_ready_.assign(num_threads_, begin);
   next_.assign(num_threads_, 0);
   gil_free_ = begin;
@@ -225,8 +246,11 @@ std::optional<Start> Simulator::next_start(std::size_t th) const {
   const auto& end = host_end_[p_];
   if (next_[th] == threads_.tasks_of_thread[th].size()) return std::nullopt;
   const TaskId t = threads_.tasks_of_thread[th][next_[th]];
+  const bool on = active(p_, t);
   double at = thread_ready_[th];
   for (const auto* e : host_in_[t]) {
+    // A task without a batch here waits for its stream-order producers only (the engine's skip).
+    if (!on && e->rule != pipeline::WaitRule::kStreamOrder) continue;
     if (end[e->producer] == kUnknown) return std::nullopt;
     at = std::max(at, end[e->producer]);
   }
@@ -234,7 +258,7 @@ std::optional<Start> Simulator::next_start(std::size_t th) const {
   if (prev >= 0 && end[std::size_t(prev)] == kUnknown) return std::nullopt;
   const double deps_done = at;
   if (prev >= 0) at = std::max(at, end[std::size_t(prev)]);
-  if (holds_gil_[t]) at = std::max(at, gil_free_);
+  if (on && holds_gil_[t]) at = std::max(at, gil_free_);
   // Producers on this thread ended by thread_ready: a later start blocked on another.
   if (at > thread_ready_[th]) at += options_.thread_wake_up_us;
   return Start{at, deps_done};
@@ -242,12 +266,13 @@ std::optional<Start> Simulator::next_start(std::size_t th) const {
 
 void Simulator::place(std::size_t th, const Start& s) {
   const TaskId t = threads_.tasks_of_thread[th][next_[th]];
-  if (p_ == drawn_) record_waits(th, t, s);
+  const bool on = active(p_, t);
+  if (on && drawn(p_)) record_waits(th, t, s);
   auto& start = host_start_[p_];
   auto& end = host_end_[p_];
   start[t] = s.at;
-  end[t] = s.at + cost_[t].host_us;
-  if (holds_gil_[t]) gil_free_ = end[t];
+  end[t] = s.at + (on ? cost_[t].host_us : 0.0);
+  if (on && holds_gil_[t]) gil_free_ = end[t];
   thread_ready_[th] = end[t];
   ++next_[th];
   ++num_placed_;
@@ -258,6 +283,7 @@ void Simulator::place(std::size_t th, const Start& s) {
 void Simulator::record_waits(std::size_t th, TaskId t, const Start& s) {
   const auto& end = host_end_[p_];
   const int prev = ticket_prev_[t];
+  const double origin = finite_ ? 0.0 : begin_;  // a source is drawn from its start
   for (const auto* e : host_in_[t]) {
     if (threads_.thread_of_task[e->producer] == th) continue;
     // Stream order between a pair already joined by a data or sync edge adds nothing.
@@ -271,7 +297,7 @@ void Simulator::record_waits(std::size_t th, TaskId t, const Start& s) {
     waits_.push_back(
         {schedule_.task(e->producer).name(), schedule_.task(t).name(),
          threads_.thread_names[threads_.thread_of_task[e->producer]],
-         threads_.thread_names[th], plan_rule(*e, schedule_), end[e->producer] - begin_,
+         threads_.thread_names[th], plan_rule(*e, schedule_), end[e->producer] - origin,
          std::max(0.0, end[e->producer] - thread_ready_[th]), edge_cause(*e)});
   }
   if (prev >= 0 && threads_.thread_of_task[std::size_t(prev)] != th &&
@@ -279,10 +305,10 @@ void Simulator::record_waits(std::size_t th, TaskId t, const Start& s) {
     waits_.push_back(
         {schedule_.task(std::size_t(prev)).name(), schedule_.task(t).name(),
          threads_.thread_names[threads_.thread_of_task[std::size_t(prev)]],
-         threads_.thread_names[th], WaitRule::kTicket, end[std::size_t(prev)] - begin_,
+         threads_.thread_names[th], WaitRule::kTicket, end[std::size_t(prev)] - origin,
          end[std::size_t(prev)] - s.deps_done,
-         "collective ticket " + std::to_string(ticket_of_[t]) + " after ticket " +
-             std::to_string(ticket_of_[std::size_t(prev)])});
+         "collective ticket " + std::to_string(ticket_of_[std::size_t(p_)][t]) +
+             " after ticket " + std::to_string(ticket_of_[std::size_t(p_)][std::size_t(prev)])});
   }
 }
 
@@ -310,11 +336,12 @@ void Simulator::run_gpu(int p) {
   gpu_end_[p].assign(num_tasks_, 0);
   double done = progress_end_[p];
   for (TaskId t : order) {
+    if (!active(p, t)) continue;
     const std::string& own = schedule_.stream(schedule_.stream_of(t)).name;
     double base = end[t];
     for (const auto* e : stream_in_[t]) {
-      const int q = p - e->progress_distance;
-      if (q >= 0) base = std::max(base, gpu_end_[q][e->producer]);
+      const int q = p - e->progress_distance;  // the progress of the producer's batch
+      if (q >= 0 && active(q, e->producer)) base = std::max(base, gpu_end_[q][e->producer]);
     }
     base = std::max(base, stream_free_[own]);
     double last = base;
@@ -337,6 +364,10 @@ void Simulator::run_gpu(int p) {
 // The timeline of the drawn progress: its steady-state step, host spans and waits, and the GPU
 // activity of one step from its start.
 void Simulator::draw(Timeline& timeline) const {
+  if (finite_) {
+    draw_source(timeline);
+    return;
+  }
   // Steady state: the period of GPU completion over the second half of the run.
   const int k = num_progress_ / 2;
   timeline.step_us = (gpu_done_[num_progress_ - 1] - gpu_done_[num_progress_ - 1 - k]) / k;
@@ -348,7 +379,7 @@ void Simulator::draw(Timeline& timeline) const {
     timeline.host.push_back({schedule_.task(t).name(),
                              threads_.thread_names[threads_.thread_of_task[t]],
                              host_start_[drawn_][t] - origin, host_end_[drawn_][t] - origin,
-                             drawn_, ticket_of_[t]});
+                             drawn_, ticket_of_[std::size_t(drawn_)][t]});
   }
   // GPU activity during one step starting with the drawn progress, whatever progress enqueued it.
   const double window = std::max(timeline.step_us, timeline.host_step_us);
@@ -360,11 +391,43 @@ void Simulator::draw(Timeline& timeline) const {
     timeline.gpu.push_back({r.task, r.stream, s - origin, e - origin});
     streams_seen.insert(r.stream);
   }
+  timeline.streams = drawn_streams(std::move(streams_seen));
+}
+
+// The streams that have GPU spans: the schedule's in its order, then the others (side streams).
+std::vector<std::string> Simulator::drawn_streams(std::set<std::string> seen) const {
+  std::vector<std::string> streams;
   for (std::size_t s = 0; s < schedule_.num_streams(); ++s) {
     const auto& name = schedule_.stream(pipeline::StreamId(s)).name;
-    if (streams_seen.erase(name)) timeline.streams.push_back(name);
+    if (seen.erase(name)) streams.push_back(name);
   }
-  for (const auto& name : streams_seen) timeline.streams.push_back(name);
+  streams.insert(streams.end(), seen.begin(), seen.end());
+  return streams;
+}
+
+// The timeline of a finite source: its time (to the end of its last GPU work), every task run of
+// every iteration with the batch it worked on, every GPU segment, every wait.
+void Simulator::draw_source(Timeline& timeline) const {
+  timeline.step_us = *std::max_element(gpu_done_.begin(), gpu_done_.end());
+  timeline.host_step_us = progress_end_.back();
+  timeline.waits = waits_;
+  const int max_lookahead = schedule_.max_lookahead();
+  for (int p = 0; p < num_progress_; ++p) {
+    for (TaskId t : schedule_.run_order()) {
+      if (!active(p, t)) continue;
+      timeline.host.push_back({schedule_.task(t).name(),
+                               threads_.thread_names[threads_.thread_of_task[t]],
+                               host_start_[std::size_t(p)][t], host_end_[std::size_t(p)][t],
+                               p - (max_lookahead - schedule_.task(t).lookahead()),
+                               ticket_of_[std::size_t(p)][t]});
+    }
+  }
+  std::set<std::string> streams_seen;
+  for (const auto& r : gpu_records_) {
+    timeline.gpu.push_back({r.task, r.stream, r.start_us, r.end_us});
+    streams_seen.insert(r.stream);
+  }
+  timeline.streams = drawn_streams(std::move(streams_seen));
 }
 
 }  // namespace

@@ -14,6 +14,15 @@
 // The drawn timeline is the second-to-last progress(): its host spans, and the GPU activity of any
 // progress during one step period from its start.
 //
+// A finite source (SimulationOptions::num_batches > 0) is simulated as the engine runs one: its
+// internal iterations 0 .. M + L - 1 (M batches, L the largest lookahead) with the prefill and the
+// drain, a task of lookahead k active at iteration i iff it works on a batch there
+// (pipeline::StepRule: batch i - (L - k) in [0, M)); an inactive task takes no time and waits only
+// for its stream-order producers, as the engine's skip does, and collective tickets go to the
+// active ones in collective order. The step is then the whole source (e.g. a training step of M
+// micro-batches): from the first iteration's start to the end of its last GPU work, which the end
+// of data waits for; the timeline draws every iteration.
+//
 //   auto compiled = pipeline::CompiledSchedule(hstu::hstu_schedule());
 //   auto threads = pipeline::ThreadMap::preset("full_split").assign(compiled);
 //   Timeline t = simulate(compiled, threads, CostModel::hstu_defaults());
@@ -31,6 +40,8 @@ namespace weft::plan {
 
 struct SimulationOptions {
   int num_progress = 12;  // progress() calls simulated; the drawn one is the second to last
+  // > 0: one finite source of this many batches (above), and num_progress is not used.
+  int num_batches = 0;
   // The host may start progress p only when all GPU work of progress p - max_host_runahead has
   // finished (a training loop reads some result of an earlier step, e.g. its loss).
   int max_host_runahead = 2;

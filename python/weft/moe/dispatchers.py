@@ -148,9 +148,9 @@ class NativeEpDispatcher(Dispatcher):
     It holds one layout, its latest dispatch's: a combine or cached dispatch of an older handle
     is refused (weft.Error: the handle is stale); LayoutSlots.native_ep makes one per live
     layout. Every call runs on the current stream; finish() on another stream first orders that
-    stream after the begin's. The pending dispatch keeps x and the selections alive until finish(). A
-    later call on the dispatcher abandons a dispatch begun and not finished (its finish() then
-    raises weft.Error)."""
+    stream after the begin's. The pending dispatch keeps x and the selections alive until
+    finish(). A later call on the dispatcher abandons a dispatch begun and not finished (its
+    finish() then raises weft.Error)."""
 
     keeps_layouts = True  # the Buffer's window holds the latest layout only
 

@@ -155,13 +155,18 @@ def comm_stage_us(costs: Mapping[str, CallCost], tokens: int, hidden: int) -> di
 
 
 def predict_step_us(num_layers: int, depths, compute_us: Mapping[str, float],
-                    comm_us: Mapping[str, float], host_us: float = 20.0) -> dict:
-    """Depth -> the planner's steady-state time of one micro-batch (weft.plan.simulate over
-    moe_schedule with moe_costs): compute_us the compute stages' times (measured without
-    communication), comm_us the comm stages' (comm_stage_us)."""
+                    comm_us: Mapping[str, float], host_us: float = 20.0,
+                    num_micro_batches: int = 0) -> dict:
+    """Depth -> the planner's time (weft.plan.simulate over moe_schedule with moe_costs) of a
+    step of num_micro_batches micro-batches, its fill and drain included (0: of one micro-batch
+    in steady state): compute_us the compute stages' times (measured without communication),
+    comm_us the comm stages' (comm_stage_us)."""
     from weft import plan
+    from weft.step_planning import SOURCE_RUNAHEAD
     from .step import moe_costs, moe_schedule, moe_thread_map
 
     costs = moe_costs(num_layers, {**compute_us, **comm_us}, host_us)
-    return {d: plan.simulate(moe_schedule(num_layers, d), moe_thread_map(num_layers),
-                             costs).timeline.step_us for d in depths}
+    return {d: plan.simulate(moe_schedule(num_layers, d), moe_thread_map(num_layers), costs,
+                             num_batches=num_micro_batches,
+                             max_host_runahead=SOURCE_RUNAHEAD if num_micro_batches else 2
+                             ).timeline.step_us for d in depths}

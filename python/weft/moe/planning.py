@@ -19,9 +19,10 @@ needs layouts_of(its lookaheads) layouts per layer; a step built with LayoutSlot
 runs only schedules that need no more. The search keeps to them two ways: the lookahead search
 of weft.plan.suggest bounds every lookahead to [0, min(num_slots) - 1] (any combination then
 needs at most min(num_slots) layouts per layer), and the depth family is simulated at every
-depth whose layouts fit, under the step's maps and those the lookahead search found. A
-micro-batch is one progress(): the predicted step is num_micro_batches steady-state progress()
-calls (the fill and drain of the step are not simulated).
+depth whose layouts fit, under the step's maps and those the lookahead search found. A step
+is one engine source of num_micro_batches batches: the simulator runs it whole, its prefill and
+drain included (weft.plan.simulate's num_batches), so that a deeper schedule is weighed with its
+longer fill.
 
 Needs neither torch nor numpy.
 """
@@ -36,7 +37,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 from .. import plan
 from .._weft import Error
 from ..pipeline import ScheduleConfig, ThreadMap
-from ..step_planning import Calibration, calibrated_costs, predicted_ms
+from ..step_planning import SOURCE_RUNAHEAD, Calibration, calibrated_costs, predicted_ms
 from .step import (layouts_of, max_depth, moe_schedule, moe_thread_map, num_layout_slots,
                    stage_lookaheads)
 
@@ -57,8 +58,13 @@ class MoeVariant(NamedTuple):
     config: Optional[ScheduleConfig] = None
 
     @property
+    def source_batches(self) -> int:
+        """A step is one engine source of a batch per micro-batch (weft.step_planning)."""
+        return self.num_micro_batches
+
+    @property
     def num_progress_per_step(self) -> int:
-        """One progress() per micro-batch (weft.step_planning)."""
+        """One progress() per micro-batch."""
         return self.num_micro_batches
 
     def schedule(self, bodies=None):
@@ -139,13 +145,13 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
         result = plan.suggest(moe_schedule(num_layers, bound),
                               calibrated_costs(costs, calibration), max_threads=max_threads,
                               min_lookahead=0, max_lookahead=bound, num_best=3,
+                              num_batches=num_micro_batches, max_host_runahead=SOURCE_RUNAHEAD,
                               wake_up_us=calibration.wake_up_us, gil=calibration.gil,
                               start_maps=[ThreadMap.of(moe_thread_map(num_layers))])
         num_evaluated += result.num_evaluated
         for k, s in enumerate(result.suggestions):
             v = _variant(name, num_layers, num_micro_batches, bound, s.config)
-            candidates.append((s.step_us * num_micro_batches / 1e3, (0, 0, k), v,
-                               "lookahead search"))
+            candidates.append((s.step_us / 1e3, (0, 0, k), v, "lookahead search"))
             maps.append(json.loads(s.config.to_json())["thread_map"])
         searched.append(f"weft.plan.suggest ({result.method}, {result.num_evaluated} schedules "
                         f"simulated): thread maps of at most {max_threads} threads, every "
@@ -170,8 +176,6 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     if bound < deepest:
         not_searched.append(f"lookaheads above {bound} other than the depth family's (the step's "
                             f"layout slots hold {list(num_slots)} layouts per layer)")
-    not_searched.append("the step's fill and drain: a step is predicted as "
-                        f"{num_micro_batches} steady-state progress() calls")
     ms, _, variant, source = min(candidates, key=lambda c: (round(c[0] * 1e6), c[1]))
     check_layouts(variant, num_slots)
     return Suggested(variant, ms, _num_threads(num_layers, json.loads(

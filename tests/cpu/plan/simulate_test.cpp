@@ -6,6 +6,7 @@
 
 #include <set>
 #include <string>
+#include <utility>
 
 #include "weft/core/error.hpp"
 #include "weft/hstu/schedule.hpp"
@@ -168,6 +169,111 @@ TEST(Simulate, CollectiveTicketsSerialiseAcrossThreads) {
   EXPECT_EQ(t.waits[0].rule, WaitRule::kTicket);
   EXPECT_DOUBLE_EQ(t.waits[0].waited_us, 30);
   EXPECT_EQ(t.waits[0].cause, "collective ticket 1 after ticket 0");
+}
+
+// A finite source of M batches: the engine's iterations 0 .. M + L - 1, prefill and drain, each
+// task once per batch; the step is the whole source.
+TEST(SimulateSource, TwoStagePipelineByHand) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["s1", "s2"],
+    "tasks": [
+      {"name": "load", "stream": "s1", "lookahead": 1, "writes": ["x"]},
+      {"name": "use", "stream": "s2", "reads": ["x"]}
+    ],
+    "thread_maps": [{"groups": {"t0": ["load"], "t1": ["use"]}}],
+    "costs": {"tasks": {"load": {"host_us": 0, "gpu": [{"stream": "s1", "us": 100}]},
+                        "use": {"host_us": 0, "gpu": [{"stream": "s2", "us": 50}]}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  for (int m : {1, 2, 4, 9}) {
+    SCOPED_TRACE(m);
+    const Timeline t = weft::plan::simulate(compiled, threads, *file.costs,
+                                            {.num_batches = m, .max_host_runahead = 1000});
+    // s1 loads batch b in [100 b, 100 (b + 1)); s2 uses it right after: the last use ends at
+    // 100 M + 50.
+    EXPECT_DOUBLE_EQ(t.step_us, 100.0 * m + 50);
+    ASSERT_EQ(t.host.size(), std::size_t(2 * m));
+    std::multiset<std::pair<std::string, long long>> runs;
+    for (const auto& h : t.host) runs.insert({h.task, h.batch});
+    for (int b = 0; b < m; ++b) {
+      EXPECT_EQ(runs.count({"load", b}), 1u);
+      EXPECT_EQ(runs.count({"use", b}), 1u);
+    }
+    ASSERT_EQ(t.gpu.size(), std::size_t(2 * m));
+    EXPECT_DOUBLE_EQ(t.gpu.back().end_us, 100.0 * m + 50);
+  }
+  // The steady state of the same schedule: one batch per 100 us.
+  EXPECT_DOUBLE_EQ(weft::plan::simulate(compiled, threads, *file.costs).step_us, 100);
+  EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = -1}),
+               weft::Error);
+}
+
+// Host-bound, one thread: the source's iterations run back to back, the prefill and the drain
+// running only the tasks with a batch (la 2: iterations 0 .. M - 1, la 0: 2 .. M + 1).
+TEST(SimulateSource, InactiveTasksTakeNoTime) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "tasks": [
+      {"name": "a", "lookahead": 2, "writes": ["x"]},
+      {"name": "b", "lookahead": 1, "reads": ["x"], "writes": ["y"]},
+      {"name": "c", "reads": ["y"]}
+    ],
+    "thread_maps": ["legacy"],
+    "costs": {"tasks": {"a": {"host_us": 10}, "b": {"host_us": 20}, "c": {"host_us": 40}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  for (int m : {1, 3, 5}) {
+    const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = m});
+    EXPECT_DOUBLE_EQ(t.step_us, 70.0 * m) << m;
+    EXPECT_DOUBLE_EQ(t.host_step_us, 70.0 * m) << m;
+    ASSERT_EQ(t.host.size(), std::size_t(3 * m));
+    EXPECT_EQ(t.host.front().task, "a");
+    EXPECT_EQ(t.host.back().task, "c");
+    EXPECT_EQ(t.host.back().batch, m - 1);
+  }
+}
+
+// Collective tickets go to the active collectives of each iteration: in the prefill and the drain
+// the one collective with a batch holds ticket 0.
+TEST(SimulateSource, TicketsCountOnlyActiveCollectives) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm"],
+    "tasks": [
+      {"name": "c1", "lookahead": 1, "collective": true, "writes": ["x"]},
+      {"name": "c2", "stream": "comm", "collective": true, "reads": ["x"]}
+    ],
+    "thread_maps": ["per_task"],
+    "costs": {"tasks": {"c1": {"host_us": 30}, "c2": {"host_us": 5}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const Timeline t = weft::plan::simulate(compiled, file.thread_maps.at(0).assign(compiled),
+                                          *file.costs, {.num_batches = 3});
+  ASSERT_EQ(t.host.size(), 6u);
+  for (const auto& h : t.host) {
+    // c1 alone in iteration 0, c2 alone in iteration 3; both in 1 and 2, c1 first.
+    const bool alone = (h.task == "c1" && h.batch == 0) || (h.task == "c2" && h.batch == 2);
+    EXPECT_EQ(h.ticket, alone || h.task == "c1" ? 0 : 1) << h.task << " " << h.batch;
+  }
+}
+
+// A long source approaches the steady state: each batch more adds one steady-state step.
+TEST(SimulateSource, LongSourcesGrowByTheSteadyStateStep) {
+  for (const char* name : {"full_split_d6", "default_d3", "per_task_d3"}) {
+    SCOPED_TRACE(name);
+    const auto& v = weft::hstu::hstu_variant(name);
+    const CompiledSchedule compiled(weft::hstu::hstu_schedule({.cascade = v.cascade}));
+    const auto threads = ThreadMap::preset(v.thread_map).assign(compiled);
+    const double steady =
+        weft::plan::simulate(compiled, threads, CostModel::hstu_defaults(),
+                             {.num_progress = 60}).step_us;
+    const double m40 = weft::plan::simulate(compiled, threads, CostModel::hstu_defaults(),
+                                            {.num_batches = 40}).step_us;
+    const double m80 = weft::plan::simulate(compiled, threads, CostModel::hstu_defaults(),
+                                            {.num_batches = 80}).step_us;
+    EXPECT_NEAR((m80 - m40) / 40, steady, 0.01 * steady);
+    EXPECT_GT(m40, 40 * steady * 0.99);  // the fill and the drain add, never save
+  }
 }
 
 TEST(CostModel, BadInputNamesTheProblem) {
