@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 
+#include "test_support.hpp"
 #include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/pipeline.hpp"
 
@@ -18,7 +19,7 @@ namespace weft::pipeline {
 namespace {
 
 // A host backend that counts record() per task and checks every wait() finds its event recorded.
-class CountingBackend final : public Backend {
+class CountingBackend final : public testing::ForwardingBackend {
  public:
   struct Counts {
     std::mutex mutex;
@@ -29,15 +30,13 @@ class CountingBackend final : public Backend {
   };
   explicit CountingBackend(std::shared_ptr<Counts> counts) : counts_(std::move(counts)) {}
   std::string_view name() const noexcept override { return "counting"; }
-  void bind(const CompiledSchedule& schedule) override { inner_.bind(schedule); }
-  void* stream_handle(StreamId stream) override { return inner_.stream_handle(stream); }
   void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override {
     {
       std::lock_guard lock(counts_->mutex);
       ++counts_->records[task];
       counts_->recorded[{task, ring_slot}] = true;
     }
-    inner_.record(task, ring_slot, stream);
+    ForwardingBackend::record(task, ring_slot, stream);
   }
   void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override {
     {
@@ -45,15 +44,11 @@ class CountingBackend final : public Backend {
       ++counts_->num_waits;
       if (!counts_->recorded[{producer, ring_slot}]) ++counts_->num_waits_unrecorded;
     }
-    inner_.wait(stream, producer, ring_slot);
+    ForwardingBackend::wait(stream, producer, ring_slot);
   }
-  void synchronize() override { inner_.synchronize(); }
-  std::uint64_t fence() override { return inner_.fence(); }
-  bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
 
  private:
   std::shared_ptr<Counts> counts_;
-  HostBackend inner_;
 };
 
 TEST(EventRecords, OnlyProducersOfCrossStreamWaitsRecord) {

@@ -200,34 +200,18 @@ TEST(SlotLifetime, FinishedBatchesAreReleasedWhileTheRunGoesOn) {
 
 
 // A host backend that counts synchronize() calls.
-class SyncCountingBackend final : public Backend {
+class SyncCountingBackend final : public testing::ForwardingBackend {
  public:
   explicit SyncCountingBackend(std::shared_ptr<std::atomic<int>> num_syncs)
       : num_syncs_(std::move(num_syncs)) {}
   std::string_view name() const noexcept override { return "sync-counting"; }
-  void bind(const CompiledSchedule& schedule) override { inner_.bind(schedule); }
-  void* stream_handle(StreamId stream) override { return inner_.stream_handle(stream); }
-  void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override {
-    inner_.record(task, ring_slot, stream);
-  }
-  void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override {
-    inner_.wait(stream, producer, ring_slot);
-  }
-  bool waits_for_future_records() const noexcept override { return true; }
-  void wait_for_record(StreamId stream, TaskId producer, std::uint32_t ring_slot,
-                       std::uint64_t num_records) override {
-    inner_.wait_for_record(stream, producer, ring_slot, num_records);
-  }
   void synchronize() override {
     ++*num_syncs_;
-    inner_.synchronize();
+    ForwardingBackend::synchronize();
   }
-  std::uint64_t fence() override { return inner_.fence(); }
-  bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
 
  private:
   std::shared_ptr<std::atomic<int>> num_syncs_;
-  HostBackend inner_;
 };
 
 // The end of data waits for the streams (its values go); a new source after it has nothing to

@@ -20,6 +20,26 @@
 
 namespace weft::pipeline::testing {
 
+// A backend that forwards the required calls to a host backend (the optional ones keep
+// Backend's defaults): a test's backend overrides the calls it observes.
+class ForwardingBackend : public Backend {
+ public:
+  void bind(const CompiledSchedule& schedule) override { inner_.bind(schedule); }
+  void* stream_handle(StreamId stream) override { return inner_.stream_handle(stream); }
+  void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override {
+    inner_.record(task, ring_slot, stream);
+  }
+  void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override {
+    inner_.wait(stream, producer, ring_slot);
+  }
+  void synchronize() override { inner_.synchronize(); }
+  std::uint64_t fence() override { return inner_.fence(); }
+  bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
+
+ private:
+  HostBackend inner_;
+};
+
 // Runs fn, expects a weft::Error whose message contains every fragment.
 inline void expect_error(const std::function<void()>& fn, std::vector<std::string> fragments) {
   try {

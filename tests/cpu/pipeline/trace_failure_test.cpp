@@ -18,21 +18,9 @@ namespace {
 // The host backend with GPU spans timed on the host clock. As on the CUDA backend (an elapsed
 // time needs both events recorded), a span that was begun and never ended cannot be measured:
 // take_gpu_spans() throws.
-class SpanBackend final : public Backend {
+class SpanBackend final : public testing::ForwardingBackend {
  public:
   std::string_view name() const noexcept override { return "spans"; }
-  void bind(const CompiledSchedule& schedule) override { inner_.bind(schedule); }
-  void* stream_handle(StreamId stream) override { return inner_.stream_handle(stream); }
-  void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override {
-    inner_.record(task, ring_slot, stream);
-  }
-  void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override {
-    inner_.wait(stream, producer, ring_slot);
-  }
-  void synchronize() override { inner_.synchronize(); }
-  std::uint64_t fence() override { return inner_.fence(); }
-  bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
-
   void set_gpu_spans(bool enabled) override { enabled_ = enabled; }
   std::uint64_t begin_gpu_span(TaskId task, StreamId stream, std::int64_t batch) override {
     if (!enabled_) return 0;
@@ -69,7 +57,6 @@ class SpanBackend final : public Backend {
     GpuSpan span;  // times in ns since the clock's epoch until taken
     bool ended;
   };
-  HostBackend inner_;
   bool enabled_ = false;
   std::mutex mutex_;
   std::vector<Pending> spans_;
