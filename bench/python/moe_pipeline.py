@@ -76,8 +76,7 @@ import weft.moe as moe
 from weft import plan
 from weft.moe.planning import depth_variants, merged_trace, suggest_variant
 from weft.moe.step import COMM_STAGES
-from weft.step_planning import (SOURCE_RUNAHEAD, error_pct, fit_calibration, predicted_ms,
-                                rms_error_pct)
+from weft.step_planning import error_pct, fit_calibration, predicted_ms, rms_error_pct
 
 SHAPES = {"dsv3": (7168, 256, 8, 2048), "comm": (2048, 128, 8, 768), "tiny": (64, 16, 4, 32)}
 OUT_DIR = "bench-out"
@@ -534,7 +533,7 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
     print("# planner's step per micro-batch (us): "
           + ", ".join(f"{v.name} {v.timeline.step_us:.0f}" for v in drawn), flush=True)
     source = plan.simulate(moe.moe_schedule(L, depth), moe.moe_thread_map(L), costs,
-                           num_batches=a.micro_batches, max_host_runahead=SOURCE_RUNAHEAD)
+                           num_batches=a.micro_batches)
     print(f"# depth {depth}: planner {source.timeline.step_us / 1e3:.2f} ms per step (a source of "
           f"{a.micro_batches} micro-batches, fill and drain), measured "
           f"{_median(measured_ms):.2f} ms (median)", flush=True)

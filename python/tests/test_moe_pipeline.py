@@ -144,6 +144,37 @@ def test_every_task_on_one_engine_thread_agrees_with_the_serial_step(depth):
     step.close()
 
 
+class ThreeCallDispatcher:
+    """A user's dispatcher of the three calls alone (no dispatch_begin, no weft base class)."""
+
+    keeps_layouts = False
+
+    def __init__(self, num_experts):
+        self._inner = moe.LocalDispatcher(num_experts)
+        self.num_ranks, self.rank = 1, 0
+        self.num_local_experts = num_experts
+
+    def dispatch(self, x, topk_idx, topk_weights):
+        return self._inner.dispatch(x, topk_idx, topk_weights)
+
+    def combine(self, y, handle, weights=None):
+        return self._inner.combine(y, handle, weights)
+
+    def dispatch_cached(self, x, handle):
+        return self._inner.dispatch_cached(x, handle)
+
+
+def test_a_dispatcher_of_the_three_calls_alone_runs_the_step():
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=3, **SMALL)
+    piped = copy.deepcopy(serial)
+    ref = copy.deepcopy(serial)
+    d = ThreeCallDispatcher(8)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=4, depth=4)
+    _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(2)], lr=0.05,
+                 serial_slots=moe.LayoutSlots.shared(d, 2))
+    step.close()
+
+
 def test_one_buffer_per_live_layout_means_no_layout_is_re_run():
     x, target = _inputs(0)
     want = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL)

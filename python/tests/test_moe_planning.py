@@ -92,12 +92,10 @@ def test_the_shared_helpers_give_the_hstu_step_its_numbers():
 def test_a_moe_step_is_one_source_of_its_micro_batches():
     """Simulated whole, fill and drain included: every task once per micro-batch, and more than
     M steady-state progress() calls (the prefill and the drain run partial iterations)."""
-    from weft.step_planning import SOURCE_RUNAHEAD
-
     v = depth_variants(L, [3], M)[0]
     assert v.source_batches == M
     source = plan.simulate(moe.moe_schedule(L, 3), moe.moe_thread_map(L), FIXED_COSTS,
-                           num_batches=M, max_host_runahead=SOURCE_RUNAHEAD)
+                           num_batches=M)
     assert predicted_ms(v, FIXED_COSTS) == source.timeline.step_us / 1e3
     runs = sorted((h.task, h.batch) for h in source.timeline.host)
     assert runs == sorted((t.name, b) for t in v.schedule().tasks for b in range(M))

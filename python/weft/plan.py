@@ -202,9 +202,10 @@ class Suggestion:
     """One schedule suggest() found: ``config`` (a weft.pipeline.ScheduleConfig: the thread map
     and every task's lookahead; ``config.apply(schedule)`` and ``Engine(schedule,
     config.thread_map)`` run it), and what the simulator predicts: step_us, host_step_us,
-    num_threads, busiest_thread and its busy_us in one progress(), bound ("host", "stream NAME"
-    or "GPU waits across streams (...)"), waits (the
-    drawn progress()'s cross-thread waits, longest first) and placement."""
+    num_threads, busiest_thread and its busy_us in one progress() (with num_batches, in the
+    whole source), bound ("host", "stream NAME" or "GPU waits across streams (...)"), waits
+    (the drawn progress()'s cross-thread waits, or every iteration's, longest first) and
+    placement."""
 
     def __init__(self, native) -> None:
         from .pipeline import ScheduleConfig

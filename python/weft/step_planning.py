@@ -5,8 +5,8 @@ leaves out (a thread's wake-up cost, the GIL, a stream whose GPU work runs slowe
 because another stream's work holds SMs it would use).
 
 A variant is any object with ``name``, ``thread_map`` (what weft.plan.simulate takes),
-``schedule()`` (its weft.pipeline Schedule; bodies are not needed), ``source_batches`` and
-``num_progress_per_step``. A step that is one engine source of M batches (a micro-batched step:
+``schedule()`` (its weft.pipeline Schedule; bodies are not needed), ``num_progress_per_step``
+and optionally ``source_batches`` (0 where absent). A step that is one engine source of M batches (a micro-batched step:
 one batch per micro-batch, then the drain) has source_batches M and is simulated as that source,
 its prefill and drain included; a step of a long-running loop (source_batches 0) is
 num_progress_per_step steady-state progress() calls (1 where a step is one progress()).
@@ -33,10 +33,6 @@ __all__ = ["Calibration", "SLOWDOWN_GRID", "WAKE_UP_GRID_US", "calibrated_costs"
 
 # The wake-up costs fit_calibration tries, in us.
 WAKE_UP_GRID_US = tuple(range(0, 2001, 10))
-
-# A source's iterations are not paced by the host reading results (max_host_runahead): nothing
-# reads one between the batches of a step.
-SOURCE_RUNAHEAD = 1 << 20
 
 # The slowdown factors fit_calibration tries for a stream (fit_calibration's slowdown_stream).
 SLOWDOWN_GRID = tuple(1 + k / 20 for k in range(21))
@@ -88,10 +84,9 @@ def predicted_ms(variant, costs, calibration: Optional[Calibration] = None) -> f
 
 
 def _simulated_ms(variant, schedule, costs, calibration: Calibration) -> float:
-    batches = variant.source_batches
+    batches = getattr(variant, "source_batches", 0)
     report = plan.simulate(schedule, variant.thread_map, calibrated_costs(costs, calibration),
                            name=variant.name, num_batches=batches,
-                           max_host_runahead=SOURCE_RUNAHEAD if batches else 2,
                            wake_up_us=calibration.wake_up_us, gil=calibration.gil)
     if batches:
         return report.timeline.step_us / 1e3

@@ -133,6 +133,18 @@ void CudaBackend::synchronize() {
   for (cudaStream_t s : streams_) WEFT_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
+void CudaBackend::join_streams() {
+  if (streams_.size() < 2) return;
+  WEFT_CUDA_CHECK(cudaSetDevice(device_));
+  fence();  // an event recorded on every stream, kept until it completes
+  const std::vector<cudaEvent_t>& events = pending_fences_.back();
+  for (std::size_t s = 0; s < streams_.size(); ++s) {
+    for (std::size_t other = 0; other < streams_.size(); ++other) {
+      if (other != s) WEFT_CUDA_CHECK(cudaStreamWaitEvent(streams_[s], events[other], 0));
+    }
+  }
+}
+
 std::uint64_t CudaBackend::fence() {
   std::vector<cudaEvent_t> fence;
   fence.reserve(streams_.size());

@@ -279,16 +279,21 @@ void EngineCore::set_source(Source source) {
 }
 
 void EngineCore::reset() {
-  // With no value held and no failure (e.g. a new source after a clean end of data, whose
-  // values went when it ended) there is no work to discard, and the streams go on unwaited:
-  // the caller's work queued since (an optimizer step) overlaps the new source's first tasks.
+  // With no batch in flight, no value held and no failure (e.g. a new source after a clean end
+  // of data, whose values went when it ended) there is no work to discard: the streams are
+  // joined on the device instead of waited for, so that the caller's work queued since (an
+  // optimizer step) overlaps the new source's first tasks on the host and still precedes them
+  // on every stream.
   const auto holds = [](const Batch& b) {
     return std::any_of(b.values_.begin(), b.values_.end(),
                        [](const std::any& v) { return v.has_value(); });
   };
-  const bool discards = failed_ || !retired_.empty() || holds(result_) ||
+  const bool discards = failed_ || (!ended_ && num_pulled_ != num_returned_) ||
+                        !retired_.empty() || holds(result_) ||
                         std::any_of(ring_.begin(), ring_.end(), holds);
-  if (discards) {
+  if (!discards) {
+    backend_->join_streams();
+  } else {
     try {
       backend_->synchronize();
     } catch (const std::exception&) {

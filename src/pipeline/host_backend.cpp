@@ -155,6 +155,19 @@ void HostBackend::synchronize() {
   if (error) std::rethrow_exception(error);
 }
 
+void HostBackend::join_streams() {
+  std::vector<std::uint64_t> ends;
+  ends.reserve(streams_.size());
+  for (const auto& s : streams_) ends.push_back(s->num_enqueued());
+  for (std::size_t s = 0; s < streams_.size(); ++s) {
+    for (std::size_t other = 0; other < streams_.size(); ++other) {
+      if (other == s || streams_[other]->num_completed() >= ends[other]) continue;
+      streams_[s]->enqueue(
+          [&source = *streams_[other], position = ends[other]] { source.wait_for(position); });
+    }
+  }
+}
+
 std::uint64_t HostBackend::fence() {
   std::vector<std::uint64_t> positions;
   positions.reserve(streams_.size());

@@ -185,7 +185,8 @@ std::string Simulator::edge_cause(const pipeline::WaitEdge& e) const {
 // after the GPU work of an earlier one finished.
 void Simulator::run_host(int p) {
   double begin = p == 0 ? 0 : progress_end_[p - 1];
-  if (p >= options_.max_host_runahead) {
+  // A source's iterations are not paced: nothing reads a result between them.
+  if (!finite_ && p >= options_.max_host_runahead) {
     begin = std::max(begin, gpu_done_[p - options_.max_host_runahead]);
   }
   progress_begin_[p] = begin;

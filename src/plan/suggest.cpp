@@ -319,14 +319,14 @@ std::vector<std::vector<ThreadLabel>> start_stream_assignments(const SearchSpace
 }
 
 // What bounds a candidate's step: a stream busy all the step, the host, or else the GPU waits
-// across streams.
+// across streams. runs_per_step: how often each task runs in t's step (a source's batches).
 std::string step_bound(const CompiledSchedule& schedule, const CostModel& costs,
-                       const Timeline& t) {
-  // The busiest stream's work per step, from the costs (every task runs once per step).
+                       const Timeline& t, int runs_per_step) {
+  // The busiest stream's work per step, from the costs.
   std::map<std::string, double> stream_busy;
   for (TaskId id = 0; id < schedule.num_tasks(); ++id) {
     for (const auto& seg : costs.placed_cost_of(schedule.task(id)).gpu)
-      stream_busy[seg.stream] += seg.us;
+      stream_busy[seg.stream] += seg.us * runs_per_step;
   }
   const auto busiest =
       std::max_element(stream_busy.begin(), stream_busy.end(),
@@ -375,7 +375,7 @@ Suggestion describe_candidate(Search& search, const CompiledSchedule& schedule,
   std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
     return a.waited_us > b.waited_us;
   });
-  s.bound = step_bound(compiled, costs, t);
+  s.bound = step_bound(compiled, costs, t, std::max(1, options.simulation.num_batches));
   return s;
 }
 

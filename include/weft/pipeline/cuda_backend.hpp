@@ -51,6 +51,8 @@ class CudaBackend final : public Backend {
   void record(TaskId task, std::uint32_t ring_slot, StreamId stream) override;
   void wait(StreamId stream, TaskId producer, std::uint32_t ring_slot) override;
   void synchronize() override;
+  // Every stream waits for a fence's events of the others.
+  void join_streams() override;
   // A fence is one event per stream (pooled, reused once the fence completed).
   std::uint64_t fence() override;
   bool fence_completed(std::uint64_t fence) override;

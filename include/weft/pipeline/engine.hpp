@@ -15,9 +15,11 @@
 //    destroys every value the engine still holds.
 //  - set_source() starts a new data source and resets the ring; calling it while batches of the
 //    previous source are in flight (not all results returned) is an error: drain first, or reset().
-//    It waits for the streams only where it discards values or an error; after a clean end of
-//    data (every value already gone) the streams go on, so that work the caller queued since
-//    overlaps the new source's first tasks.
+//    It waits for the streams only where it discards values, batches in flight or an error;
+//    otherwise (e.g. after a clean end of data, every value already gone) it joins them on the
+//    device (Backend::join_streams: every stream after the work queued on every stream), so
+//    that work the caller queued since overlaps the new source's first tasks on the host and
+//    still precedes them on every stream.
 //  - One caller: the methods are called by one thread at a time, never from a task body or init
 //    of this engine, nor from the destructor of a slot value it destroys.
 //  - Threaded executor (any map but legacy): persistent threads, one per thread of the map, each

@@ -85,6 +85,8 @@ class HostBackend final : public Backend {
   void wait_for_record(StreamId stream, TaskId producer, std::uint32_t ring_slot,
                        std::uint64_t num_records) override;
   void synchronize() override;
+  // Every stream gets a marker that waits for the others' work enqueued so far.
+  void join_streams() override;
   std::uint64_t fence() override;
   bool fence_completed(std::uint64_t fence) override;
 

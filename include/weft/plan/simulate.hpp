@@ -43,7 +43,8 @@ struct SimulationOptions {
   // > 0: one finite source of this many batches (above), and num_progress is not used.
   int num_batches = 0;
   // The host may start progress p only when all GPU work of progress p - max_host_runahead has
-  // finished (a training loop reads some result of an earlier step, e.g. its loss).
+  // finished (a training loop reads some result of an earlier step, e.g. its loss). Not applied
+  // within a finite source (num_batches > 0): nothing reads a result between its iterations.
   int max_host_runahead = 2;
   // A thread that blocked on a task of another thread (a host wait or a collective ticket)
   // starts its task this long after the release: the cost of waking a sleeping thread. 0 (the

@@ -61,7 +61,9 @@ struct Suggestion {
   // lookahead and every movable task's stream.
   pipeline::ScheduleConfig config;
   std::vector<TaskPlacement> placement;  // in run order
-  double step_us = 0;                    // the predicted steady-state step (Timeline::step_us)
+  // The predicted steady-state step (Timeline::step_us; with SimulationOptions::num_batches, the
+  // whole source's time, and the host and thread times below are the source's too).
+  double step_us = 0;
   double host_step_us = 0;               // the predicted progress() makespan on the host
   std::size_t num_threads = 0;           // engine threads of config's thread map
   std::string busiest_thread;  // the thread whose task bodies take longest in one progress()

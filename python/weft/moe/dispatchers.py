@@ -38,6 +38,15 @@ class Dispatcher:
         return Dispatched(self.dispatch(x, topk_idx, topk_weights))
 
 
+def begin_dispatch(dispatcher, x, topk_idx, topk_weights):
+    """dispatcher.dispatch_begin(...), or for a dispatcher of the three calls alone (dispatch,
+    combine, dispatch_cached) its whole dispatch, Dispatched."""
+    begin = getattr(dispatcher, "dispatch_begin", None)
+    if begin is None:
+        return Dispatched(dispatcher.dispatch(x, topk_idx, topk_weights))
+    return begin(x, topk_idx, topk_weights)
+
+
 class Dispatched:
     """A dispatch that is done: finish() returns its results."""
 
@@ -147,10 +156,12 @@ class NativeEpDispatcher(Dispatcher):
     every rank's first dispatch makes it together), for max_tokens tokens per rank and call.
     It holds one layout, its latest dispatch's: a combine or cached dispatch of an older handle
     is refused (weft.Error: the handle is stale); LayoutSlots.native_ep makes one per live
-    layout. Every call runs on the current stream; finish() on another stream first orders that
-    stream after the begin's. The pending dispatch keeps x and the selections alive until
-    finish(). A later call on the dispatcher abandons a dispatch begun and not finished (its
-    finish() then raises weft.Error)."""
+    layout. Every call runs on the current stream, the dispatcher's calls in that stream's order;
+    finish() may run on another stream: it first orders that stream after the begin's, and the
+    next call, on its own stream, after the finish's copy. The inputs are recorded on the streams
+    that read them (Tensor.record_stream), so the caller may drop them at once. A later call on
+    the dispatcher abandons a dispatch begun and not finished (its finish() then raises
+    weft.Error)."""
 
     keeps_layouts = True  # the Buffer's window holds the latest layout only
 
@@ -171,6 +182,8 @@ class NativeEpDispatcher(Dispatcher):
         self.buffer = None  # the NativeBuffer, made at the first dispatch
         self._pending: Optional[_PendingNativeDispatch] = None
         self._begun = None  # torch.cuda.Event recorded by each begin
+        self._finished = None  # recorded by a finish() on a stream other than its begin's
+        self._finished_stream: Optional[int] = None  # that stream, until a call orders after it
 
     def _buffer_for(self, x, top_k: int):
         b = self.buffer
@@ -180,6 +193,7 @@ class NativeEpDispatcher(Dispatcher):
                 self.group, max_tokens=self.max_tokens, hidden=x.shape[1],
                 num_experts=self.num_experts, top_k=top_k, timeout_s=self.timeout_s)
             self._begun = torch.cuda.Event()
+            self._finished = torch.cuda.Event()
         elif x.shape[1] != b.hidden or top_k != b.top_k:
             raise Error(f"NativeEpDispatcher: its Buffer was made for hidden {b.hidden} and "
                         f"top-k {b.top_k}; this call has hidden {x.shape[1]} and top-k {top_k}")
@@ -198,7 +212,9 @@ class NativeEpDispatcher(Dispatcher):
             raise Error("NativeEpDispatcher dispatches bf16 rows")
         b.check_selections(num_tokens, topk_idx, topk_weights)
         self._pending = None  # abandons one begun and not finished
-        stream = torch.cuda.current_stream(b.device)
+        stream = self._ordered_stream(b)
+        for t in (x, topk_idx, topk_weights):  # read by the kernel after the count is out
+            t.record_stream(stream)
         b.launch_dispatch(x, False, topk_idx, topk_weights, None, None, 0, None, True,
                           hold=True, defer_own_rows=True, wait_later=True)
         self._begun.record(stream)
@@ -213,8 +229,10 @@ class NativeEpDispatcher(Dispatcher):
         self._pending = None
         b = self.buffer
         current = torch.cuda.current_stream(b.device)
-        if current.cuda_stream != pending.stream:
+        elsewhere = current.cuda_stream != pending.stream
+        if elsewhere:
             current.wait_event(self._begun)
+            pending.x.record_stream(current)  # the copy reads the own rows from x
         counts = b.finish_dispatch()
         if counts.tokens_required:
             raise Error(f"NativeEpDispatcher: a rank sent {counts.tokens_required} tokens, more "
@@ -225,6 +243,9 @@ class NativeEpDispatcher(Dispatcher):
         recv_w = torch.empty(n, top_k, dtype=torch.float32, device=b.device)
         b.copy_out(n, recv_x, topk_idx=recv_idx, topk_weights=recv_w,
                    stream=current.cuda_stream, own_x=pending.x)
+        if elsewhere:  # the next call, on the dispatcher's stream, comes after the copy
+            self._finished.record(current)
+            self._finished_stream = current.cuda_stream
         return (recv_x, recv_idx, recv_w, counts.handle,
                 sum(counts.tokens_per_local_expert_list))
 
@@ -232,7 +253,17 @@ class NativeEpDispatcher(Dispatcher):
         self._pending = None  # a later call abandons a dispatch begun and not finished
         if self.buffer is None:
             raise Error("NativeEpDispatcher: no dispatch has run (a handle comes from one)")
+        self._ordered_stream(self.buffer)
         return self.buffer
+
+    def _ordered_stream(self, b):
+        """The current stream, ordered after a finish() made on another stream."""
+        stream = torch.cuda.current_stream(b.device)
+        if self._finished_stream is not None:
+            if stream.cuda_stream != self._finished_stream:
+                stream.wait_event(self._finished)
+            self._finished_stream = None
+        return stream
 
     def combine(self, y, handle, weights=None):
         b = self._live_buffer()
@@ -262,7 +293,7 @@ class NativeEpDispatcher(Dispatcher):
 
 class _PendingNativeDispatch:
     """NativeEpDispatcher.dispatch_begin's result: finish() gives dispatch()'s. It keeps the
-    call's inputs alive until then (the kernel and the copy read them)."""
+    call's inputs until then (finish() reads x's own rows)."""
 
     __slots__ = ("dispatcher", "x", "topk_idx", "topk_weights", "stream")
 

@@ -23,6 +23,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
+from .dispatchers import begin_dispatch
+
 REFERENCE_HIDDEN = 7168  # the rows the tables below were measured with: bf16 [T, 7168]
 
 
@@ -129,7 +131,7 @@ class EmulatedDispatcher:
         return out
 
     def dispatch_begin(self, x, topk_idx, topk_weights):
-        begun = self.inner.dispatch_begin(x, topk_idx, topk_weights)
+        begun = begin_dispatch(self.inner, x, topk_idx, topk_weights)
         self._hold("dispatch", x)
         return begun
 
@@ -162,11 +164,8 @@ def predict_step_us(num_layers: int, depths, compute_us: Mapping[str, float],
     in steady state): compute_us the compute stages' times (measured without communication),
     comm_us the comm stages' (comm_stage_us)."""
     from weft import plan
-    from weft.step_planning import SOURCE_RUNAHEAD
     from .step import moe_costs, moe_schedule, moe_thread_map
 
     costs = moe_costs(num_layers, {**compute_us, **comm_us}, host_us)
     return {d: plan.simulate(moe_schedule(num_layers, d), moe_thread_map(num_layers), costs,
-                             num_batches=num_micro_batches,
-                             max_host_runahead=SOURCE_RUNAHEAD if num_micro_batches else 2
-                             ).timeline.step_us for d in depths}
+                             num_batches=num_micro_batches).timeline.step_us for d in depths}

@@ -45,6 +45,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from weft import Error
+from .dispatchers import begin_dispatch
 from .expert_backward import ExpertWgrad, expert_dgrad
 from .experts import expert_forward
 from .slots import LayoutSlots
@@ -169,8 +170,8 @@ class _Stages:
     def dispatch(self, mb: MicroBatch, layer: int) -> None:
         idx, weights = mb.route[layer]
         with torch.no_grad():
-            mb.recv[layer] = self._dispatcher(mb, layer).dispatch_begin(
-                mb.h[layer].detach(), idx, weights.detach())
+            mb.recv[layer] = begin_dispatch(self._dispatcher(mb, layer), mb.h[layer].detach(),
+                                            idx, weights.detach())
 
     def experts(self, mb: MicroBatch, layer: int) -> None:
         mb.recv[layer] = mb.recv[layer].finish()  # the dispatch's count wait, if it has one

@@ -199,49 +199,91 @@ TEST(SlotLifetime, FinishedBatchesAreReleasedWhileTheRunGoesOn) {
 }
 
 
-// A host backend that counts synchronize() calls.
+// A host backend that counts synchronize() and join_streams() calls.
 class SyncCountingBackend final : public testing::ForwardingBackend {
  public:
-  explicit SyncCountingBackend(std::shared_ptr<std::atomic<int>> num_syncs)
-      : num_syncs_(std::move(num_syncs)) {}
+  struct Counts {
+    std::atomic<int> syncs{0};
+    std::atomic<int> joins{0};
+  };
+  explicit SyncCountingBackend(std::shared_ptr<Counts> counts) : counts_(std::move(counts)) {}
   std::string_view name() const noexcept override { return "sync-counting"; }
   void synchronize() override {
-    ++*num_syncs_;
+    ++counts_->syncs;
     ForwardingBackend::synchronize();
+  }
+  void join_streams() override {
+    ++counts_->joins;
+    ForwardingBackend::join_streams();
   }
 
  private:
-  std::shared_ptr<std::atomic<int>> num_syncs_;
+  std::shared_ptr<Counts> counts_;
 };
 
 // The end of data waits for the streams (its values go); a new source after it has nothing to
-// discard and does not wait again, so that work queued between two sources (an optimizer step)
-// overlaps the next source's first tasks. Where values or an error are discarded, the streams
-// are waited for first.
+// discard and joins the streams on the device instead of waiting for them, so that work queued
+// between two sources (an optimizer step) overlaps the next source's first tasks on the host.
+// Where values, batches in flight or an error are discarded, the streams are waited for first.
 TEST(SlotLifetime, ANewSourceWaitsForTheStreamsOnlyWhereItDiscards) {
-  auto num_syncs = std::make_shared<std::atomic<int>>(0);
+  auto counts = std::make_shared<SyncCountingBackend::Counts>();
   Schedule s;
   s.add_stream("side");
   s.add_input("input");
   s.add(Task("late").lookahead(1).stream("side").reads("input").writes("x"));
   s.add(Task("early").reads("x"));
   Engine engine(std::move(s), ThreadMap::preset("per_task"),
-                std::make_unique<SyncCountingBackend>(num_syncs));
+                std::make_unique<SyncCountingBackend>(counts));
   for (int source = 0; source < 3; ++source) {
     engine.set_source(testing::counting_source(kNumBatches));
+    EXPECT_EQ(counts->joins.load(), source + 1);
     int num_steps = 0;
     while (engine.progress()) ++num_steps;
     EXPECT_EQ(num_steps, kNumBatches);
-    EXPECT_EQ(num_syncs->load(), source + 1) << "one wait per source: its end of data";
+    EXPECT_EQ(counts->syncs.load(), source + 1) << "one wait per source: its end of data";
   }
   // Batches in flight (lookahead 1) and a result with the caller: discarded after a wait.
   engine.set_source(testing::counting_source(kNumBatches));
   ASSERT_TRUE(engine.progress().has_value());
   engine.reset();
-  EXPECT_EQ(num_syncs->load(), 4);
+  EXPECT_EQ(counts->syncs.load(), 4);
   // A reset right after it holds nothing any more.
   engine.reset();
-  EXPECT_EQ(num_syncs->load(), 4);
+  EXPECT_EQ(counts->syncs.load(), 4);
+  EXPECT_EQ(counts->joins.load(), 5);
+}
+
+// The join keeps stream order across sources: work the caller queued on the default stream
+// between two sources (slow here) runs before the new source's first task on another stream.
+TEST(SlotLifetime, ANewSourcesStreamsRunAfterWorkQueuedBetweenSources) {
+  auto caller_done = std::make_shared<std::atomic<bool>>(false);
+  auto num_early = std::make_shared<std::atomic<int>>(0);
+  Schedule s;
+  s.add_stream("side");
+  s.add_input("input");
+  s.add(Task("late").lookahead(1).stream("side").reads("input").writes("x").body(
+      [caller_done, num_early](TaskContext& c) {
+        host_stream(c).enqueue([caller_done, num_early] {
+          if (!caller_done->load()) ++*num_early;
+        });
+      }));
+  s.add(Task("early").reads("x"));
+  Engine engine(std::move(s), ThreadMap::preset("per_task"));
+  engine.set_source(testing::counting_source(2));
+  while (engine.progress()) {
+  }
+  num_early->store(0);  // the first source ran before any caller's work
+  auto& default_stream = static_cast<HostBackend&>(engine.backend()).stream(
+      engine.schedule().find_stream("default").value());
+  default_stream.enqueue([caller_done] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    caller_done->store(true);
+  });
+  engine.set_source(testing::counting_source(2));
+  while (engine.progress()) {
+  }
+  EXPECT_TRUE(caller_done->load());
+  EXPECT_EQ(num_early->load(), 0) << "the side stream ran the new source before the caller's work";
 }
 
 }  // namespace

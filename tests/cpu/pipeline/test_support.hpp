@@ -33,6 +33,7 @@ class ForwardingBackend : public Backend {
     inner_.wait(stream, producer, ring_slot);
   }
   void synchronize() override { inner_.synchronize(); }
+  void join_streams() override { inner_.join_streams(); }
   std::uint64_t fence() override { return inner_.fence(); }
   bool fence_completed(std::uint64_t fence) override { return inner_.fence_completed(fence); }
 

@@ -12,6 +12,7 @@
 #include "weft/hstu/schedule.hpp"
 #include "weft/pipeline/compiled_schedule.hpp"
 #include "weft/plan/schedule_file.hpp"
+#include "weft/plan/suggest.hpp"
 
 namespace {
 
@@ -188,8 +189,7 @@ TEST(SimulateSource, TwoStagePipelineByHand) {
   const auto threads = file.thread_maps.at(0).assign(compiled);
   for (int m : {1, 2, 4, 9}) {
     SCOPED_TRACE(m);
-    const Timeline t = weft::plan::simulate(compiled, threads, *file.costs,
-                                            {.num_batches = m, .max_host_runahead = 1000});
+    const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = m});
     // s1 loads batch b in [100 b, 100 (b + 1)); s2 uses it right after: the last use ends at
     // 100 M + 50.
     EXPECT_DOUBLE_EQ(t.step_us, 100.0 * m + 50);
@@ -205,6 +205,16 @@ TEST(SimulateSource, TwoStagePipelineByHand) {
   }
   // The steady state of the same schedule: one batch per 100 us.
   EXPECT_DOUBLE_EQ(weft::plan::simulate(compiled, threads, *file.costs).step_us, 100);
+  // A search over the source names the stream busy all of it: s1, 900 of 950 us at M = 9 (its
+  // work counted once per batch, as the source runs it).
+  weft::plan::SuggestOptions options{.max_threads = 2, .simulation = {.num_batches = 9}};
+  const auto found = weft::plan::suggest(compiled, *file.costs, options);
+  ASSERT_FALSE(found.suggestions.empty());
+  EXPECT_DOUBLE_EQ(found.suggestions[0].step_us, 950);
+  EXPECT_EQ(found.suggestions[0].bound, "GPU waits across streams (busiest: s1, 900.0 us)");
+  options.simulation.num_batches = 100;  // 10000 of 10050 us: within 1%
+  EXPECT_EQ(weft::plan::suggest(compiled, *file.costs, options).suggestions[0].bound,
+            "stream s1");
   EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = -1}),
                weft::Error);
 }

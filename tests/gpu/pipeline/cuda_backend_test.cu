@@ -318,6 +318,44 @@ TEST(CudaBackendTest, AdoptsTheCallersStreamsAndLeavesThemAlive) {
   WEFT_CUDA_CHECK(cudaStreamDestroy(mine_side));
 }
 
+// A new source after a clean end of data joins the streams on the device: work queued on the
+// default stream between the two sources (a slow kernel, then a flag) precedes the new source's
+// first task on another stream, though the host does not wait for it.
+TEST(CudaBackendTest, ANewSourceJoinsTheStreamsOnTheDevice) {
+  WEFT_NEED_GPUS(1);
+  DeviceInts flag(1), seen(2);
+  Schedule s;
+  s.add_stream("side");
+  s.add_input("input");
+  s.add(Task("late").lookahead(1).stream("side").reads("input").writes("x").body(
+      [&](TaskContext& c) {
+        copy_kernel<<<1, 1, 0, cuda_stream(c)>>>(flag.get(), seen.get() + c.batch_index());
+      }));
+  s.add(Task("early").reads("x"));
+  auto backend = std::make_unique<CudaBackend>(0);
+  CudaBackend* cuda = backend.get();
+  Engine engine(std::move(s), ThreadMap::per_task(), std::move(backend));
+  const auto two_batches = [] {
+    return [n = std::int64_t{0}](Batch& b) mutable {
+      if (n == 2) return false;
+      b.set("input", n++);
+      return true;
+    };
+  };
+  engine.set_source(two_batches());
+  while (engine.progress()) {
+  }
+  auto* def = static_cast<cudaStream_t>(
+      cuda->stream_handle(engine.schedule().find_stream("default").value()));
+  spin_kernel<<<1, 1, 0, def>>>(50'000'000);  // 50 ms, then the flag
+  write_kernel<<<1, 1, 0, def>>>(flag.get(), 1);
+  engine.set_source(two_batches());
+  while (engine.progress()) {
+  }
+  engine.synchronize();
+  EXPECT_EQ(seen.read(), (std::vector<int>{1, 1}));
+}
+
 TEST(CudaBackendTest, AdoptingAStreamTheScheduleLacksIsAnError) {
   WEFT_NEED_GPUS(1);
   Schedule s;
