@@ -58,8 +58,9 @@ of the compute stream's work) fitted to traced runs of depth 0 and every --depth
 (weft.step_planning.fit_calibration), shown as fit ms and used by the search. The
 table: per row of the family, the step's range, x its serial (a), planner ms (the variant's
 step with those costs: one source of --micro-batches batches, fill and drain), err % against
-the median of the timed runs, and bits: the first step's loss and every gradient bit for bit against (a)'s (the
-exit status is 1 if any differ); its last line the rms of the errors over the engine rows.
+the median of the timed runs, and bits: the first step's loss and every gradient bit for bit
+against (a)'s (the exit status is 1 if any differ); its last line the rms of the errors over
+the engine rows.
 """
 
 import argparse
@@ -137,12 +138,12 @@ def _dispatcher_factories(a, group, experts, T, M):
             return moe.NativeEpDispatcher(group, experts, max_tokens)
         import weft.ep
         return moe.EpDispatcher(weft.ep.Buffer(group, 0, max_tokens=max_tokens), experts)
+
+    def local_ep_slots(num_slots):
+        return moe.LayoutSlots(lambda layer, s: ep_dispatcher(), num_slots)
     if a.comm == "local":
         shared_a2a = moe.LayoutSlots.shared(a2a, num_layers)
-
-        def ep_slots(num_slots):
-            return moe.LayoutSlots(lambda layer, s: ep_dispatcher(), num_slots)
-        return ep_slots, lambda: shared_a2a, "", None
+        return local_ep_slots, lambda: shared_a2a, "", None
     import weft.ep
 
     tables = moe.emulated.TARGETS[a.target]
@@ -156,9 +157,6 @@ def _dispatcher_factories(a, group, experts, T, M):
 
     emulated_a2a = moe.LayoutSlots.shared(
         moe.EmulatedDispatcher(a2a, tables["a2a"], a2a_sms), num_layers)
-
-    def local_ep_slots(num_slots):
-        return moe.LayoutSlots(lambda layer, s: ep_dispatcher(), num_slots)
     return ep_slots, lambda: emulated_a2a, "emu ", local_ep_slots
 
 

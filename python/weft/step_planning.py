@@ -5,11 +5,11 @@ leaves out (a thread's wake-up cost, the GIL, a stream whose GPU work runs slowe
 because another stream's work holds SMs it would use).
 
 A variant is any object with ``name``, ``thread_map`` (what weft.plan.simulate takes),
-``schedule()`` (its weft.pipeline Schedule; bodies are not needed), ``num_progress_per_step``
-and optionally ``source_batches`` (0 where absent). A step that is one engine source of M batches (a micro-batched step:
-one batch per micro-batch, then the drain) has source_batches M and is simulated as that source,
-its prefill and drain included; a step of a long-running loop (source_batches 0) is
-num_progress_per_step steady-state progress() calls (1 where a step is one progress()).
+``schedule()`` (its weft.pipeline Schedule; bodies are not needed) and what one measured step
+is: ``source_batches`` M for a step that is one engine source of M batches (a micro-batched
+step: a batch per micro-batch, then the drain), simulated as that source, its prefill and drain
+included; else ``num_progress_per_step``, the steady-state progress() calls of a step of a
+long-running loop (1 where a step is one progress()).
 
     ms = predicted_ms(variant, costs)                  # costs as weft.plan.simulate takes them
     error = error_pct(ms, measured_ms)
@@ -78,8 +78,8 @@ def calibrated_costs(costs, calibration: Optional[Calibration]):
 
 def predicted_ms(variant, costs, calibration: Optional[Calibration] = None) -> float:
     """The simulated step of ``variant`` with ``costs`` and ``calibration``, in ms: its source
-    of ``variant.source_batches`` batches, or ``variant.num_progress_per_step`` steady-state
-    progress() calls."""
+    of ``variant.source_batches`` batches, or else ``variant.num_progress_per_step``
+    steady-state progress() calls."""
     return _simulated_ms(variant, variant.schedule(), costs, calibration or Calibration())
 
 

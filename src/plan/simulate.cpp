@@ -1,7 +1,6 @@
 #include "weft/plan/simulate.hpp"
 
 #include <algorithm>
-#include <cstdint>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -11,6 +10,7 @@
 #include <utility>
 
 #include "weft/core/error.hpp"
+#include "weft/pipeline/step_rule.hpp"
 #include "weft/pipeline/wait_edges.hpp"
 
 namespace weft::plan {
@@ -72,9 +72,7 @@ class Simulator {
   std::string edge_cause(const pipeline::WaitEdge& e) const;
   // Whether task t works on a batch at progress (iteration) p: always in steady state.
   bool active(int p, TaskId t) const {
-    if (!finite_) return true;
-    const std::int64_t batch = p - (schedule_.max_lookahead() - schedule_.task(t).lookahead());
-    return batch >= 0 && batch < options_.num_batches;
+    return !finite_ || rule_.runs(schedule_.task(t).lookahead(), p, options_.num_batches);
   }
   bool drawn(int p) const { return finite_ || p == drawn_; }
 
@@ -84,6 +82,7 @@ class Simulator {
   const std::size_t num_tasks_;
   const std::size_t num_threads_;
   const bool finite_;  // one source of options.num_batches batches, every iteration drawn
+  const pipeline::StepRule rule_;  // which task works on which batch at which iteration
   const int num_progress_;
   const int drawn_;  // the progress() the timeline draws (steady state)
   std::vector<TaskCost> cost_;
@@ -122,7 +121,8 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
       num_tasks_(schedule.num_tasks()),
       num_threads_(threads.num_threads()),
       finite_(options.num_batches > 0),
-      num_progress_(finite_ ? options.num_batches + schedule.max_lookahead()
+      rule_(schedule.max_lookahead()),
+      num_progress_(finite_ ? int(rule_.num_iterations(options.num_batches))
                             : options.num_progress),
       drawn_(options.num_progress - 2) {
   WEFT_CHECK(options.num_batches >= 0 && options.num_batches <= 1'000'000,
@@ -412,14 +412,13 @@ void Simulator::draw_source(Timeline& timeline) const {
   timeline.step_us = *std::max_element(gpu_done_.begin(), gpu_done_.end());
   timeline.host_step_us = progress_end_.back();
   timeline.waits = waits_;
-  const int max_lookahead = schedule_.max_lookahead();
   for (int p = 0; p < num_progress_; ++p) {
     for (TaskId t : schedule_.run_order()) {
       if (!active(p, t)) continue;
       timeline.host.push_back({schedule_.task(t).name(),
                                threads_.thread_names[threads_.thread_of_task[t]],
                                host_start_[std::size_t(p)][t], host_end_[std::size_t(p)][t],
-                               p - (max_lookahead - schedule_.task(t).lookahead()),
+                               rule_.batch_at(schedule_.task(t).lookahead(), p),
                                ticket_of_[std::size_t(p)][t]});
     }
   }

@@ -62,7 +62,6 @@ class StepVariant(NamedTuple):
     config: Optional[ScheduleConfig] = None
 
     num_progress_per_step = 1  # one progress() is one training step (weft.step_planning)
-    source_batches = 0         # of a long-running loop: steady-state progress() calls
 
     def schedule(self, bodies: Dict[str, Callable] = None) -> Schedule:
         """step_schedule of this cascade with ``bodies``, the config applied."""

@@ -12,11 +12,11 @@ device tensor instead.
     out, combined_w = d.combine(y, handle, weights=None)
     recv_grad = d.dispatch_cached(grad_out, handle)
 
-A dispatch also comes in two halves, dispatch_begin(x, topk_idx, topk_weights).finish() (what
-the micro-batched step calls: its dispatch stage begins, its experts stage finishes). Only
-NativeEpDispatcher splits the work: its begin launches the kernel and returns, its finish waits
-for the count (published to the host while the rows move) and copies the rows out; the others
-do the whole dispatch in begin.
+A dispatch also comes in two halves, begin_dispatch(d, x, topk_idx, topk_weights).finish()
+(what the micro-batched step calls: its dispatch stage begins, its experts stage finishes).
+NativeEpDispatcher splits the work (its dispatch_begin launches the kernel and returns, its
+finish waits for the count, published to the host while the rows move, and copies the rows
+out); for a dispatcher without dispatch_begin the begin is its whole dispatch.
 """
 
 from __future__ import annotations
@@ -31,16 +31,9 @@ from weft import Error
 from .experts import count_entries
 
 
-class Dispatcher:
-    """What every dispatcher shares: dispatch_begin, by default the whole dispatch."""
-
-    def dispatch_begin(self, x, topk_idx, topk_weights) -> "Dispatched":
-        return Dispatched(self.dispatch(x, topk_idx, topk_weights))
-
-
 def begin_dispatch(dispatcher, x, topk_idx, topk_weights):
-    """dispatcher.dispatch_begin(...), or for a dispatcher of the three calls alone (dispatch,
-    combine, dispatch_cached) its whole dispatch, Dispatched."""
+    """dispatcher.dispatch_begin(...), or for a dispatcher without it (the three calls alone:
+    dispatch, combine, dispatch_cached) its whole dispatch, Dispatched."""
     begin = getattr(dispatcher, "dispatch_begin", None)
     if begin is None:
         return Dispatched(dispatcher.dispatch(x, topk_idx, topk_weights))
@@ -59,7 +52,7 @@ class Dispatched:
         return self.results
 
 
-class LocalDispatcher(Dispatcher):
+class LocalDispatcher:
     """One rank, every expert local, in plain torch: the reference of the others."""
 
     keeps_layouts = False  # a handle carries its whole layout
@@ -91,7 +84,7 @@ class LocalDispatcher(Dispatcher):
         return x[handle[0]]
 
 
-class EpDispatcher(Dispatcher):
+class EpDispatcher:
     """weft.ep's DeepEP-compatible Buffer (owned tensors, as training keeps them for backward).
 
     num_worst_tokens > 0: every dispatch returns that many rows (weft.ep's worst-case dispatch:
@@ -141,7 +134,7 @@ class EpDispatcher(Dispatcher):
         return torch.where(received, recv, 0)
 
 
-class NativeEpDispatcher(Dispatcher):
+class NativeEpDispatcher:
     """weft.ep's native Buffer (weft.ep.NativeBuffer) with owned results, its dispatch in two
     halves: dispatch_begin launches the kernel on the current stream and returns without
     waiting (the kernel publishes the count to the host as soon as the count exchange ends,
@@ -218,8 +211,7 @@ class NativeEpDispatcher(Dispatcher):
         b.launch_dispatch(x, False, topk_idx, topk_weights, None, None, 0, None, True,
                           hold=True, defer_own_rows=True, wait_later=True)
         self._begun.record(stream)
-        self._pending = _PendingNativeDispatch(self, x, topk_idx, topk_weights,
-                                               stream.cuda_stream)
+        self._pending = _PendingNativeDispatch(self, x, topk_idx.dtype, stream.cuda_stream)
         return self._pending
 
     def _finish(self, pending: "_PendingNativeDispatch"):
@@ -239,7 +231,7 @@ class NativeEpDispatcher(Dispatcher):
                         f"than the Buffer's max_tokens ({b.max_tokens}); no row moved")
         n, top_k = counts.num_recv, b.top_k
         recv_x = torch.empty(n, b.hidden, dtype=torch.bfloat16, device=b.device)
-        recv_idx = torch.empty(n, top_k, dtype=pending.topk_idx.dtype, device=b.device)
+        recv_idx = torch.empty(n, top_k, dtype=pending.idx_dtype, device=b.device)
         recv_w = torch.empty(n, top_k, dtype=torch.float32, device=b.device)
         b.copy_out(n, recv_x, topk_idx=recv_idx, topk_weights=recv_w,
                    stream=current.cuda_stream, own_x=pending.x)
@@ -292,20 +284,20 @@ class NativeEpDispatcher(Dispatcher):
 
 
 class _PendingNativeDispatch:
-    """NativeEpDispatcher.dispatch_begin's result: finish() gives dispatch()'s. It keeps the
-    call's inputs until then (finish() reads x's own rows)."""
+    """NativeEpDispatcher.dispatch_begin's result: finish() gives dispatch()'s. It keeps x
+    (finish() copies its own rows), the selections' dtype (the received ones') and the begin's
+    stream."""
 
-    __slots__ = ("dispatcher", "x", "topk_idx", "topk_weights", "stream")
+    __slots__ = ("dispatcher", "x", "idx_dtype", "stream")
 
-    def __init__(self, dispatcher, x, topk_idx, topk_weights, stream: int) -> None:
-        self.dispatcher, self.x = dispatcher, x
-        self.topk_idx, self.topk_weights, self.stream = topk_idx, topk_weights, stream
+    def __init__(self, dispatcher, x, idx_dtype, stream: int) -> None:
+        self.dispatcher, self.x, self.idx_dtype, self.stream = dispatcher, x, idx_dtype, stream
 
     def finish(self):
         return self.dispatcher._finish(self)
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher:
     """The dispatcher MoE users have today: sizes exchanged with an all_to_all (read to the host),
     rows permuted by destination, then torch.distributed.all_to_all_single of rows, indices and
     weights; combine sends the rows back the same way."""

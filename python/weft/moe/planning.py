@@ -62,11 +62,6 @@ class MoeVariant(NamedTuple):
         """A step is one engine source of a batch per micro-batch (weft.step_planning)."""
         return self.num_micro_batches
 
-    @property
-    def num_progress_per_step(self) -> int:
-        """One progress() per micro-batch."""
-        return self.num_micro_batches
-
     def schedule(self, bodies=None):
         """moe_schedule of this depth with ``bodies``, the config applied."""
         schedule = moe_schedule(self.num_layers, self.depth, bodies)
