@@ -6,6 +6,7 @@
 //   weft plan --schedule my_schedule.json --json waits.json
 //   weft plan --trace run.trace.json           # a real run's trace, drawn the same way
 //   weft plan --trace run.trace.json --costs costs.json   # and the HSTU variants with those costs
+//   weft plan --schedule step.json --batches 4  # a step of 4 micro-batches, fill and drain included
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -36,6 +37,7 @@ struct PlanOptions {
   std::vector<std::string> traces;
   std::string json_path;
   int num_progress = 12;
+  int num_batches = 0;  // > 0: one finite source of this many batches (SimulationOptions)
 };
 
 nlohmann::json timeline_json(const plan::VariantReport& v) {
@@ -62,6 +64,7 @@ nlohmann::json timeline_json(const plan::VariantReport& v) {
                            {"thread", s.thread},
                            {"start_us", s.start_us},
                            {"end_us", s.end_us},
+                           {"batch", s.batch},
                            {"ticket", s.ticket}});
   }
   out["gpu"] = json::array();
@@ -93,6 +96,8 @@ void run_plan(const PlanOptions& options) {
   if (!options.json_path.empty()) json_file.emplace(options.json_path);
   std::vector<plan::VariantReport> reports;
   plan::ReportOptions report_options;
+  const plan::SimulationOptions simulation{.num_progress = options.num_progress,
+                                           .num_batches = options.num_batches};
   std::optional<plan::CostModel> costs;
   if (!options.costs_path.empty()) costs = plan::CostModel::load(options.costs_path);
   // A schedule file's own costs are checked when it is read; --costs here.
@@ -124,8 +129,7 @@ void run_plan(const PlanOptions& options) {
       std::fprintf(stderr, "[%zu/%zu] %s\n", i + 1, file.thread_maps.size(),
                    file.thread_map_names[i].c_str());
       reports.push_back(plan::simulate_variant(file.thread_map_names[i], "custom", compiled,
-                                               file.thread_maps[i], *costs,
-                                               {.num_progress = options.num_progress}));
+                                               file.thread_maps[i], *costs, simulation));
     }
   } else if (draw_hstu) {
     if (!costs) costs = plan::CostModel::hstu_defaults();
@@ -146,7 +150,7 @@ void run_plan(const PlanOptions& options) {
       reports.push_back(plan::simulate_variant(std::string(v.name),
                                                std::string(hstu::to_string(v.cascade)), compiled,
                                                pipeline::ThreadMap::preset(v.thread_map), *costs,
-                                               {.num_progress = options.num_progress}));
+                                               simulation));
     }
   }
   for (const auto& path : options.traces) {
@@ -162,6 +166,10 @@ void run_plan(const PlanOptions& options) {
   }
   html_file.commit();
   if (json_file) json_file->commit();
+  if (options.num_batches > 0) {
+    std::printf("simulated as one source of %d batches: step = the whole source\n",
+                options.num_batches);
+  }
   for (const auto& r : reports) {
     std::printf("%-26s step %9.1f us   host %8.1f us   %2zu threads   %zu waits\n",
                 r.name.c_str(), r.timeline.step_us, r.timeline.host_step_us,
@@ -198,13 +206,19 @@ void register_plan(CLI::App& app) {
                       "progress() calls to simulate; the second to last is drawn")
       ->capture_default_str()
       ->check(CLI::Range(4, 10000));
+  command->add_option("--batches", options->num_batches,
+                      "simulate one finite source of this many batches (e.g. a training step of "
+                      "that many micro-batches), its fill and drain included, instead of "
+                      "steady-state progress() calls (0: steady state)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1'000'000));
   auto suggest = std::make_shared<SuggestCliOptions>();
   add_suggest_options(*command, *suggest);
   command->callback([options, suggest] {
     if (!suggest->enabled) return run_plan(*options);
     run_suggest(*suggest, {options->out, options->json_path, options->variants,
                            options->costs_path, options->schedule_path, options->traces,
-                           options->num_progress});
+                           options->num_progress, options->num_batches});
   });
 }
 

@@ -158,6 +158,7 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
                                       .max_lookahead = options.max_lookahead,
                                       .num_best = options.num_best};
   search_options.simulation.num_progress = inputs.num_progress;
+  search_options.simulation.num_batches = inputs.num_batches;
   search_options.simulation.thread_wake_up_us = options.wake_up_us;
   for (const auto& name : options.gil_tasks) {
     if (name != "all") {

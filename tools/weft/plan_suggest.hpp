@@ -34,6 +34,7 @@ struct SuggestInputs {
   std::string schedule_path;
   std::vector<std::string> traces;
   int num_progress = 12;
+  int num_batches = 0;  // SimulationOptions::num_batches
 };
 
 void add_suggest_options(CLI::App& command, SuggestCliOptions& options);

@@ -140,5 +140,28 @@ else
   fail "--trace with --costs:"; cat "$work/trace_costs.log"
 fi
 
+# --batches: one finite source. The schedule is GPU-bound on the default stream (forward 900 us +
+# allreduce 150 us a batch, the host 390 us), so one more batch adds exactly that 1050 us, and a
+# source of 3 batches takes 3 x 1050 us plus its fill (the first batch's load and forward bodies).
+for m in 3 4; do
+  "$weft" plan --schedule "$data/schedule_ok.json" --batches $m -o "$work/batches$m.html" \
+    --json "$work/batches$m.json" >"$work/batches$m.log" 2>&1 || cat "$work/batches$m.log"
+done
+if python3 - "$work/batches3.json" "$work/batches4.json" <<'EOF'
+import json, sys
+three, four = (json.load(open(p))["variants"] for p in sys.argv[1:])
+for a, b in zip(three, four):
+    assert abs(b["step_us"] - a["step_us"] - 1050) < 1e-6, (a["name"], a["step_us"], b["step_us"])
+    assert a["step_us"] > 3 * 1050, (a["name"], a["step_us"])
+    batches = sorted({s["batch"] for s in a["host"] if s["task"] == "forward"})
+    assert batches == [0, 1, 2], (a["name"], batches)
+EOF
+then
+  pass "--batches simulates one source"
+else
+  fail "--batches:"; cat "$work/batches3.log" "$work/batches4.log"
+fi
+expect_failure negative_batches "--batches" --schedule "$data/schedule_ok.json" --batches -1
+
 echo "$passed passed, $failures failed"
 exit $((failures > 0))
