@@ -108,6 +108,7 @@ void bind_suggest(nb::module_& m) {
       [](const pl::Schedule& schedule, const plan::CostModel& costs, int max_threads,
          int min_lookahead, int max_lookahead, int num_best, int num_progress, int num_batches,
          int max_host_runahead, double wake_up_us, const std::vector<std::string>& gil_tasks,
+         const std::string& slowed_stream, double overlap_slowdown,
          const std::vector<pl::ThreadMap>& start_maps) {
         plan::SuggestOptions options{.max_threads = max_threads,
                                      .min_lookahead = min_lookahead,
@@ -117,14 +118,17 @@ void bind_suggest(nb::module_& m) {
                                                     .num_batches = num_batches,
                                                     .max_host_runahead = max_host_runahead,
                                                     .thread_wake_up_us = wake_up_us,
-                                                    .gil_tasks = gil_tasks},
+                                                    .gil_tasks = gil_tasks,
+                                                    .slowed_stream = slowed_stream,
+                                                    .overlap_slowdown = overlap_slowdown},
                                      .start_maps = start_maps};
         return plan::suggest(pl::CompiledSchedule(schedule), costs, options);
       },
       nb::arg("schedule"), nb::arg("costs"), nb::arg("max_threads"), nb::arg("min_lookahead"),
       nb::arg("max_lookahead"), nb::arg("num_best"), nb::arg("num_progress"),
       nb::arg("num_batches"), nb::arg("max_host_runahead"), nb::arg("wake_up_us"),
-      nb::arg("gil_tasks"), nb::arg("start_maps"),
+      nb::arg("gil_tasks"), nb::arg("slowed_stream"), nb::arg("overlap_slowdown"),
+      nb::arg("start_maps"),
       "Searches thread maps and lookaheads (max_lookahead -1: the schedule's largest).");
 }
 
@@ -181,7 +185,8 @@ void bind_plan(nb::module_& m) {
       [](const std::string& name, const std::string& cascade, const pl::Schedule& schedule,
          const pl::ThreadMap& map, const plan::CostModel& costs, int num_progress,
          int num_batches, int max_host_runahead, double wake_up_us,
-         const std::vector<std::string>& gil_tasks) {
+         const std::vector<std::string>& gil_tasks, const std::string& slowed_stream,
+         double overlap_slowdown) {
         const pl::CompiledSchedule compiled(schedule);
         costs.check_against(compiled);
         return plan::simulate_variant(name, cascade, compiled, map, costs,
@@ -189,11 +194,14 @@ void bind_plan(nb::module_& m) {
                                        .num_batches = num_batches,
                                        .max_host_runahead = max_host_runahead,
                                        .thread_wake_up_us = wake_up_us,
-                                       .gil_tasks = gil_tasks});
+                                       .gil_tasks = gil_tasks,
+                                       .slowed_stream = slowed_stream,
+                                       .overlap_slowdown = overlap_slowdown});
       },
       nb::arg("name"), nb::arg("cascade"), nb::arg("schedule"), nb::arg("thread_map"),
       nb::arg("costs"), nb::arg("num_progress"), nb::arg("num_batches"),
       nb::arg("max_host_runahead"), nb::arg("wake_up_us"), nb::arg("gil_tasks"),
+      nb::arg("slowed_stream"), nb::arg("overlap_slowdown"),
       "Checks the costs against the schedule and simulates it under the thread map.");
   m.def(
       "render_html",

@@ -119,6 +119,32 @@ def test_lookahead_that_overlaps_copy_and_compute():
     assert r.num_refused == 1  # load at 0, compute at 1: compute would read an unloaded batch
 
 
+def test_an_overlap_slowdown_makes_the_overlap_pay_less():
+    # The same copy and compute with the compute stream at half speed while the copy runs
+    # beside it (docs/planner.md, "overlap slowdown"): loading ahead still pays, less.
+    s = Schedule([
+        Task.from_fn("load", lambda ctx: None, stream="memcpy", reads=["batch_cpu"],
+                     writes=["batch"]),
+        Task.from_fn("compute", lambda ctx: None, reads=["batch"]),
+    ])
+    costs = {"tasks": {"load": {"host_us": 100, "gpu": [{"stream": "memcpy", "us": 1000}]},
+                       "compute": {"host_us": 100, "gpu": [{"stream": "default", "us": 1000}]}}}
+    slowed = ("default", 2)
+    r = plan.suggest(s, costs, max_threads=1, max_lookahead=1, max_host_runahead=1,
+                     overlap_slowdown=slowed)
+    best = r.suggestions[0]
+    assert best.config.lookahead == {"load": 1, "compute": 0}
+    assert 1200 < best.step_us < 2100 and r.start.step_us == 2100  # serial: nothing overlaps
+    best.config.apply(s)
+    assert plan.simulate(s, "legacy", costs, max_host_runahead=1,
+                         overlap_slowdown=slowed).timeline.step_us == best.step_us
+    assert plan.simulate(s, "legacy", costs, max_host_runahead=1).timeline.step_us == 1200
+    with pytest.raises(weft.Error, match="overlap_slowdown must be in"):
+        plan.simulate(s, "legacy", costs, overlap_slowdown=("default", 0.5))
+    with pytest.raises(TypeError, match=r"overlap_slowdown is \(stream name, factor\)"):
+        plan.suggest(s, costs, overlap_slowdown=2)
+
+
 def test_same_input_gives_byte_identical_output(tmp_path):
     a = plan.suggest("full_split_d6")
     b = plan.suggest("full_split_d6")

@@ -90,7 +90,8 @@ def _resolve(variant: VariantLike) -> Tuple[str, str, Schedule, ThreadMap]:
 def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike] = None,
              costs: CostsLike = None, *, num_steps: int = 12, num_batches: int = 0,
              max_host_runahead: int = 2, name: Optional[str] = None, wake_up_us: float = 0.0,
-             gil: Union[None, str, Iterable[str]] = None) -> VariantReport:
+             gil: Union[None, str, Iterable[str]] = None,
+             overlap_slowdown: Optional[Tuple[str, float]] = None) -> VariantReport:
     """Simulates ``num_steps`` progress() calls (>= 4; the second to last is drawn), or with
     ``num_batches`` > 0 one finite source of that many batches as the engine runs it (its
     prefill and drain; num_steps unused): the timeline then draws every internal iteration and
@@ -102,8 +103,9 @@ def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike]
     (``thread_map`` then stays None). costs: a CostModel, a dict in the cost file's JSON form
     (docs/planner.md), the path of one, or None: the HSTU figures for a schedule of exactly the
     HSTU tasks, else 20 us of host time per task. max_host_runahead: progress p starts only once
-    the GPU work of progress p - max_host_runahead has finished. wake_up_us and gil: as suggest()
-    takes them (a thread's wake-up cost; the tasks whose bodies hold the GIL), default none.
+    the GPU work of progress p - max_host_runahead has finished. wake_up_us, gil and
+    overlap_slowdown: as suggest() takes them (a thread's wake-up cost; the tasks whose bodies
+    hold the GIL; a stream's slowdown while another stream's work runs), default none.
     """
     if isinstance(schedule, str):
         if thread_map is not None:
@@ -114,7 +116,7 @@ def simulate(schedule: Union[Schedule, str], thread_map: Optional[ThreadMapLike]
             raise TypeError("simulate: a Schedule needs a thread_map")
         variant = (name or "custom", schedule, thread_map)
     return _simulate(_resolve(variant), costs, num_steps, max_host_runahead, wake_up_us, gil,
-                     num_batches)
+                     num_batches, overlap_slowdown)
 
 
 def _gil_tasks(gil: Union[None, str, Iterable[str]], schedule: Schedule, caller: str) -> List[str]:
@@ -129,7 +131,8 @@ def _gil_tasks(gil: Union[None, str, Iterable[str]], schedule: Schedule, caller:
 
 def _simulate(resolved: Tuple[str, str, Schedule, ThreadMap], costs: CostsLike, num_steps: int,
               max_host_runahead: int, wake_up_us: float = 0.0,
-              gil: Union[None, str, Iterable[str]] = None, num_batches: int = 0) -> VariantReport:
+              gil: Union[None, str, Iterable[str]] = None, num_batches: int = 0,
+              overlap_slowdown: Optional[Tuple[str, float]] = None) -> VariantReport:
     name, cascade, schedule, thread_map = resolved
     num_steps = _checks.integer(num_steps, "num_steps", *_checks.INT32)
     num_batches = _checks.integer(num_batches, "num_batches", *_checks.INT32)
@@ -138,7 +141,20 @@ def _simulate(resolved: Tuple[str, str, Schedule, ThreadMap], costs: CostsLike, 
     return _native.simulate(name, cascade, schedule._to_native(with_bodies=False),
                             thread_map._native, _cost_model(costs, schedule), num_steps,
                             num_batches, max_host_runahead, wake_up_us,
-                            _gil_tasks(gil, schedule, "simulate"))
+                            _gil_tasks(gil, schedule, "simulate"),
+                            *_overlap(overlap_slowdown, "simulate"))
+
+
+def _overlap(overlap_slowdown: Optional[Tuple[str, float]], caller: str) -> Tuple[str, float]:
+    """(slowed stream, factor) of an overlap_slowdown argument; ("", 1.0) for None."""
+    if overlap_slowdown is None:
+        return "", 1.0
+    if not isinstance(overlap_slowdown, (tuple, list)) or len(overlap_slowdown) != 2:
+        raise TypeError(f"{caller}: overlap_slowdown is (stream name, factor), got "
+                        f"{overlap_slowdown!r}")
+    stream, factor = overlap_slowdown
+    return _checks.name(stream, "overlap_slowdown's stream"), \
+        _checks.number(factor, "overlap_slowdown's factor")
 
 
 def _write_page(path: Union[str, os.PathLike], text: str) -> None:
@@ -273,6 +289,7 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
             min_lookahead: int = 0, max_lookahead: Optional[int] = None, num_best: int = 3,
             num_steps: int = 12, num_batches: int = 0, max_host_runahead: int = 2,
             wake_up_us: float = 0.0, gil: Union[None, str, Iterable[str]] = None,
+            overlap_slowdown: Optional[Tuple[str, float]] = None,
             start_maps: Sequence[ThreadMapLike] = ()) -> SuggestResult:
     """Searches thread maps (at most ``max_threads`` threads) and lookaheads (each task's in
     [min_lookahead, max_lookahead]; None: up to the schedule's largest) for the lowest simulated
@@ -289,7 +306,9 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     (what Python bodies do, at most), a list of task names, or None. num_batches > 0: every
     candidate simulated as one finite source of that many batches (simulate()), so that deeper
     lookaheads are weighed with their longer prefill and drain. Bad input, or a schedule the
-    search cannot move (one task and fixed lookaheads), raises weft.Error.
+    search cannot move (one task and fixed lookaheads), raises weft.Error. overlap_slowdown:
+    (stream, factor), the stream's GPU work running factor times slower while another stream's
+    work runs beside it (the SMs a concurrent kernel holds; factor in [1, 100]), or None.
     """
     maps = [ThreadMap.of(m) for m in start_maps]
     if isinstance(schedule, str):
@@ -313,4 +332,6 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     wake_up_us = _checks.number(wake_up_us, "wake_up_us")
     gil_tasks = _gil_tasks(gil, schedule, "suggest")
     return SuggestResult(_native.suggest(schedule._to_native(with_bodies=False), model, *args,
-                                         wake_up_us, gil_tasks, [m._native for m in maps]))
+                                         wake_up_us, gil_tasks,
+                                         *_overlap(overlap_slowdown, "suggest"),
+                                         [m._native for m in maps]))

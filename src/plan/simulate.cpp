@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "stream_model.hpp"
 #include "weft/core/error.hpp"
 #include "weft/pipeline/step_rule.hpp"
 #include "weft/pipeline/wait_edges.hpp"
@@ -37,13 +38,6 @@ WaitRule plan_rule(const pipeline::WaitEdge& edge, const CompiledSchedule& sched
   return WaitRule::kSameLookahead;
 }
 
-struct GpuRecord {
-  std::string task;
-  std::string stream;
-  double start_us;
-  double end_us;
-};
-
 // When the next task of a thread can start.
 struct Start {
   double at;         // when the task starts
@@ -51,7 +45,8 @@ struct Start {
 };
 
 // One simulation: for each progress() in turn, the task bodies placed on their threads (the host
-// pass), then the GPU work they enqueue placed on the streams (the GPU pass).
+// pass), then the GPU work they enqueue handed to the stream model (the GPU pass), which runs it
+// as far as a later host pass needs (max_host_runahead) and to the end after the last.
 class Simulator {
  public:
   Simulator(const CompiledSchedule& schedule, const ThreadAssignment& threads,
@@ -65,7 +60,8 @@ class Simulator {
   void place(std::size_t th, const Start& s);
   void record_waits(std::size_t th, TaskId t, const Start& s);
   [[noreturn]] void fail_deadlocked() const;
-  void run_gpu(int p);
+  void enqueue_gpu(int p);
+  double gpu_done(int p);
   void draw(Timeline& timeline) const;
   void draw_source(Timeline& timeline) const;
   std::vector<std::string> drawn_streams(std::set<std::string> seen) const;
@@ -96,12 +92,16 @@ class Simulator {
   std::vector<std::vector<int>> ticket_of_;
   std::vector<int> ticket_prev_;
 
-  // Per progress: when each task's body started and ended, and its GPU work ended.
-  std::vector<std::vector<double>> host_start_, host_end_, gpu_end_;
+  // Per progress: when each task's body started and ended.
+  std::vector<std::vector<double>> host_start_, host_end_;
   std::vector<double> progress_begin_, progress_end_;
-  std::vector<double> gpu_done_;  // all GPU work of a progress finished
-  std::map<std::string, double> stream_free_;
-  std::vector<GpuRecord> gpu_records_;
+  // The GPU work: per progress, each active task's job in the stream model (-1: none yet) and
+  // the first of the progress's jobs; each job's task.
+  detail::StreamModel gpu_;
+  std::vector<std::vector<long long>> job_of_;
+  std::vector<std::size_t> first_job_;
+  std::vector<TaskId> task_of_job_;
+  std::vector<double> gpu_done_;  // per progress, all its GPU work finished (after the run)
   std::vector<WaitEdge> waits_;  // of the drawn progress
 
   // The host pass of progress p_, which began at begin_.
@@ -124,7 +124,8 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
       rule_(schedule.max_lookahead()),
       num_progress_(finite_ ? int(rule_.num_iterations(options.num_batches))
                             : options.num_progress),
-      drawn_(options.num_progress - 2) {
+      drawn_(options.num_progress - 2),
+      gpu_(options.slowed_stream, options.overlap_slowdown) {
   WEFT_CHECK(options.num_batches >= 0 && options.num_batches <= 1'000'000,
              "num_batches must be in [0, 1000000], got ", options.num_batches);
   WEFT_CHECK(finite_ || options.num_progress >= 4,
@@ -155,17 +156,19 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
   ticket_of_.resize(std::size_t(num_progress_));
   host_start_.resize(std::size_t(num_progress_));
   host_end_.resize(std::size_t(num_progress_));
-  gpu_end_.resize(std::size_t(num_progress_));
   progress_begin_.resize(std::size_t(num_progress_));
   progress_end_.resize(std::size_t(num_progress_));
-  gpu_done_.assign(std::size_t(num_progress_), 0);
+  job_of_.resize(std::size_t(num_progress_));
+  first_job_.assign(std::size_t(num_progress_) + 1, 0);
 }
 
 Timeline Simulator::run() {
   for (int p = 0; p < num_progress_; ++p) {
     run_host(p);
-    run_gpu(p);
+    enqueue_gpu(p);
   }
+  gpu_.run_until_done(0, task_of_job_.size());
+  for (int p = 0; p < num_progress_; ++p) gpu_done_.push_back(gpu_done(p));
   Timeline timeline;
   timeline.threads = threads_.thread_names;
   draw(timeline);
@@ -187,7 +190,7 @@ void Simulator::run_host(int p) {
   double begin = p == 0 ? 0 : progress_end_[p - 1];
   // A source's iterations are not paced: nothing reads a result between them.
   if (!finite_ && p >= options_.max_host_runahead) {
-    begin = std::max(begin, gpu_done_[p - options_.max_host_runahead]);
+    begin = std::max(begin, gpu_done(p - options_.max_host_runahead));
   }
   progress_begin_[p] = begin;
   host_start_[p].assign(num_tasks_, kUnknown);
@@ -325,8 +328,9 @@ void Simulator::fail_deadlocked() const {
             " ) on a task that runs later on another thread or on a collective ticket");
 }
 
-// The GPU pass of progress p: tasks enqueue in the order their bodies finished.
-void Simulator::run_gpu(int p) {
+// The GPU pass of progress p: tasks enqueue in the order their bodies finished, each after the
+// GPU work of its stream-wait producers (of the producer's batch).
+void Simulator::enqueue_gpu(int p) {
   const auto& end = host_end_[p];
   std::vector<TaskId> order(num_tasks_);
   std::iota(order.begin(), order.end(), TaskId{0});
@@ -334,32 +338,34 @@ void Simulator::run_gpu(int p) {
     return end[a] != end[b] ? end[a] < end[b]
                             : schedule_.run_position(a) < schedule_.run_position(b);
   });
-  gpu_end_[p].assign(num_tasks_, 0);
-  double done = progress_end_[p];
+  auto& jobs = job_of_[std::size_t(p)];
+  jobs.assign(num_tasks_, -1);
+  first_job_[std::size_t(p)] = task_of_job_.size();
+  std::vector<std::size_t> after;
   for (TaskId t : order) {
     if (!active(p, t)) continue;
-    const std::string& own = schedule_.stream(schedule_.stream_of(t)).name;
-    double base = end[t];
+    after.clear();
     for (const auto* e : stream_in_[t]) {
       const int q = p - e->progress_distance;  // the progress of the producer's batch
-      if (q >= 0 && active(q, e->producer)) base = std::max(base, gpu_end_[q][e->producer]);
+      if (q < 0) continue;
+      const long long producer = job_of_[std::size_t(q)][e->producer];
+      if (producer >= 0) after.push_back(std::size_t(producer));
     }
-    base = std::max(base, stream_free_[own]);
-    double last = base;
-    for (const auto& seg : cost_[t].gpu) {
-      const double seg_start = std::max(last, stream_free_[seg.stream]);
-      const double seg_end = seg_start + seg.us;
-      stream_free_[seg.stream] = seg_end;
-      if (seg.us > 0) {
-        gpu_records_.push_back({schedule_.task(t).name(), seg.stream, seg_start, seg_end});
-      }
-      last = seg_end;
-    }
-    stream_free_[own] = std::max(stream_free_[own], last);  // side streams join back
-    gpu_end_[p][t] = last;
-    done = std::max(done, last);
+    jobs[t] = (long long)gpu_.add_job(end[t], schedule_.stream(schedule_.stream_of(t)).name,
+                                      cost_[t].gpu, after);
+    task_of_job_.push_back(t);
   }
-  gpu_done_[p] = done;
+  first_job_[std::size_t(p) + 1] = task_of_job_.size();
+}
+
+// When all GPU work of progress p has finished (and its host pass: a progress without GPU work
+// is done when its bodies are).
+double Simulator::gpu_done(int p) {
+  const std::size_t first = first_job_[std::size_t(p)], end = first_job_[std::size_t(p) + 1];
+  gpu_.run_until_done(first, end);
+  double done = progress_end_[p];
+  for (std::size_t j = first; j < end; ++j) done = std::max(done, gpu_.job_end(j));
+  return done;
 }
 
 // The timeline of the drawn progress: its steady-state step, host spans and waits, and the GPU
@@ -385,11 +391,11 @@ void Simulator::draw(Timeline& timeline) const {
   // GPU activity during one step starting with the drawn progress, whatever progress enqueued it.
   const double window = std::max(timeline.step_us, timeline.host_step_us);
   std::set<std::string> streams_seen;
-  for (std::size_t i = 0; i < gpu_records_.size(); ++i) {
-    const auto& r = gpu_records_[i];
+  for (const auto& r : gpu_.segment_runs()) {
     const double s = std::max(r.start_us, origin), e = std::min(r.end_us, origin + window);
     if (e <= s) continue;
-    timeline.gpu.push_back({r.task, r.stream, s - origin, e - origin});
+    timeline.gpu.push_back({schedule_.task(task_of_job_[r.job]).name(), r.stream, s - origin,
+                            e - origin});
     streams_seen.insert(r.stream);
   }
   timeline.streams = drawn_streams(std::move(streams_seen));
@@ -423,8 +429,9 @@ void Simulator::draw_source(Timeline& timeline) const {
     }
   }
   std::set<std::string> streams_seen;
-  for (const auto& r : gpu_records_) {
-    timeline.gpu.push_back({r.task, r.stream, r.start_us, r.end_us});
+  for (const auto& r : gpu_.segment_runs()) {
+    timeline.gpu.push_back(
+        {schedule_.task(task_of_job_[r.job]).name(), r.stream, r.start_us, r.end_us});
     streams_seen.insert(r.stream);
   }
   timeline.streams = drawn_streams(std::move(streams_seen));

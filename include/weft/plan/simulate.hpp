@@ -9,7 +9,8 @@
 //    held while a task enqueues).
 // progress() returns when every thread is done; the next one starts then (the legacy map runs
 // everything on one thread). A task's GPU segments start after its body ended, when their stream
-// is free and every stream-wait producer's GPU work (of the producer's batch) has ended.
+// is free and every stream-wait producer's GPU work (of the producer's batch) has ended; with an
+// overlap slowdown (SimulationOptions), one stream's work runs slower while another's runs.
 // The step time is the steady-state period of GPU completion (or of the host, without GPU work).
 // The drawn timeline is the second-to-last progress(): its host spans, and the GPU activity of any
 // progress during one step period from its start.
@@ -55,6 +56,12 @@ struct SimulationOptions {
   // task that can start first. Empty (the default): no shared lock. Waiting for it is not drawn
   // as a wait.
   std::vector<std::string> gil_tasks;
+  // GPU work on slowed_stream runs overlap_slowdown times slower while work of any other stream
+  // runs beside it (a concurrent kernel holds SMs the slowed stream's kernels would use), at its
+  // cost alone. 1 (the default): streams never slow each other. In [1, 100]; a factor other
+  // than 1 needs slowed_stream.
+  std::string slowed_stream;
+  double overlap_slowdown = 1;
 };
 
 Timeline simulate(const pipeline::CompiledSchedule& schedule,

@@ -286,6 +286,105 @@ TEST(SimulateSource, LongSourcesGrowByTheSteadyStateStep) {
   }
 }
 
+// The overlap slowdown: s1's work runs at half speed while s2's runs. Load b + 1 starts with use
+// b: 50 us of use at full speed, during which the load does 25 of its 100 us, then 75 alone, so
+// every load after the first takes 125 us; a source of M batches ends at 150 + 125 (M - 1) (100 M
+// + 50 without the slowdown), the steady state is one batch per 125 us.
+TEST(SimulateOverlap, TheSlowedStreamRunsSlowerOnlyWhileAnotherRuns) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["s1", "s2"],
+    "tasks": [
+      {"name": "load", "stream": "s1", "lookahead": 1, "writes": ["x"]},
+      {"name": "use", "stream": "s2", "reads": ["x"]}
+    ],
+    "thread_maps": [{"groups": {"t0": ["load"], "t1": ["use"]}}],
+    "costs": {"tasks": {"load": {"host_us": 0, "gpu": [{"stream": "s1", "us": 100}]},
+                        "use": {"host_us": 0, "gpu": [{"stream": "s2", "us": 50}]}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  for (int m : {1, 2, 5}) {
+    SCOPED_TRACE(m);
+    const Timeline t = weft::plan::simulate(
+        compiled, threads, *file.costs,
+        {.num_batches = m, .slowed_stream = "s1", .overlap_slowdown = 2});
+    EXPECT_DOUBLE_EQ(t.step_us, 150.0 + 125.0 * (m - 1));
+    for (const auto& g : t.gpu) {
+      const double expected = g.task == "use" ? 50 : g.start_us == 0 ? 100 : 125;
+      EXPECT_DOUBLE_EQ(g.end_us - g.start_us, expected) << g.task << " at " << g.start_us;
+    }
+  }
+  EXPECT_DOUBLE_EQ(weft::plan::simulate(compiled, threads, *file.costs,
+                                        {.slowed_stream = "s1", .overlap_slowdown = 2})
+                       .step_us,
+                   125);
+  // Slowing s2 instead: each use overlaps the next load whole, taking 100 us, and ends with it;
+  // the last one runs alone. The step stays 100 M + 50.
+  const Timeline t = weft::plan::simulate(
+      compiled, threads, *file.costs,
+      {.num_batches = 4, .slowed_stream = "s2", .overlap_slowdown = 2});
+  EXPECT_DOUBLE_EQ(t.step_us, 450);
+  for (const auto& g : t.gpu) {
+    if (g.task != "use") continue;
+    EXPECT_DOUBLE_EQ(g.end_us - g.start_us, g.start_us == 400 ? 50 : 100) << g.start_us;
+  }
+  // A factor of 1 (the default) is the simulation without the model.
+  const Timeline plain = weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = 4});
+  const Timeline one = weft::plan::simulate(
+      compiled, threads, *file.costs,
+      {.num_batches = 4, .slowed_stream = "s1", .overlap_slowdown = 1});
+  EXPECT_DOUBLE_EQ(one.step_us, plain.step_us);
+  ASSERT_EQ(one.gpu.size(), plain.gpu.size());
+  for (std::size_t i = 0; i < one.gpu.size(); ++i) {
+    EXPECT_EQ(one.gpu[i].task, plain.gpu[i].task);
+    EXPECT_DOUBLE_EQ(one.gpu[i].start_us, plain.gpu[i].start_us);
+    EXPECT_DOUBLE_EQ(one.gpu[i].end_us, plain.gpu[i].end_us);
+  }
+  for (double bad : {0.5, 101.0}) {
+    EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs,
+                                      {.slowed_stream = "s1", .overlap_slowdown = bad}),
+                 weft::Error);
+  }
+  EXPECT_THROW(weft::plan::simulate(compiled, threads, *file.costs, {.overlap_slowdown = 2}),
+               weft::Error);
+}
+
+// A task's work on a side stream joins back: the next task of its own stream waits for it, and
+// the side stream's segment is what overlaps (and slows) the other stream's work.
+TEST(SimulateOverlap, SideStreamWorkJoinsBackAndSlowsTheOtherStream) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm", "side"],
+    "tasks": [
+      {"name": "a", "writes": ["x"]},
+      {"name": "b", "stream": "comm", "reads": ["x"], "writes": ["y"]},
+      {"name": "c", "writes": ["z"]}
+    ],
+    "thread_maps": ["legacy"],
+    "costs": {"tasks": {"a": {"host_us": 0, "gpu": [{"stream": "default", "us": 40},
+                                                    {"stream": "side", "us": 60}]},
+                        "b": {"host_us": 0, "gpu": [{"stream": "comm", "us": 30}]},
+                        "c": {"host_us": 0, "gpu": [{"stream": "default", "us": 20}]}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  // a: default [0, 40), then side [40, 100), the default stream busy until 100; b waits for a's
+  // work (its reads): comm [100, 130); c waits for the default stream: [100, 120), alongside b.
+  const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = 1});
+  EXPECT_DOUBLE_EQ(t.step_us, 130);
+  // Slowing default x 3 while another stream runs: c [100, 160) beside b's [100, 130): 30 us at a
+  // third of its speed (10 us of work), then 10 alone: c ends at 140.
+  const Timeline slowed = weft::plan::simulate(
+      compiled, threads, *file.costs,
+      {.num_batches = 1, .slowed_stream = "default", .overlap_slowdown = 3});
+  EXPECT_DOUBLE_EQ(slowed.step_us, 140);
+  for (const auto& g : slowed.gpu) {
+    if (g.task == "c") {
+      EXPECT_DOUBLE_EQ(g.start_us, 100);
+      EXPECT_DOUBLE_EQ(g.end_us, 140);
+    }
+  }
+}
+
 TEST(CostModel, BadInputNamesTheProblem) {
   auto message = [](const char* json) {
     try {
