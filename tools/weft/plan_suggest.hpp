@@ -9,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace weft::tools {
@@ -35,6 +36,7 @@ struct SuggestInputs {
   std::vector<std::string> traces;
   int num_progress = 12;
   int num_batches = 0;  // SimulationOptions::num_batches
+  std::pair<std::string, double> overlap_slowdown{"", 1.0};  // slowed_stream, overlap_slowdown
 };
 
 void add_suggest_options(CLI::App& command, SuggestCliOptions& options);

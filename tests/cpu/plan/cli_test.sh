@@ -163,5 +163,23 @@ else
 fi
 expect_failure negative_batches "--batches" --schedule "$data/schedule_ok.json" --batches -1
 
+# --overlap-slowdown: the default stream's work slower while the memcpy stream's load runs beside
+# it, so every map's source takes longer; a factor below 1 is refused.
+if "$weft" plan --schedule "$data/schedule_ok.json" --batches 3 --overlap-slowdown default 2 \
+     -o "$work/slowed.html" --json "$work/slowed.json" >"$work/slowed.log" 2>&1 &&
+   python3 - "$work/batches3.json" "$work/slowed.json" <<'EOF'
+import json, sys
+plain, slowed = (json.load(open(p))["variants"] for p in sys.argv[1:])
+for a, b in zip(plain, slowed):
+    assert b["step_us"] > a["step_us"], (a["name"], a["step_us"], b["step_us"])
+EOF
+then
+  pass "--overlap-slowdown slows the overlapped work"
+else
+  fail "--overlap-slowdown:"; cat "$work/slowed.log"
+fi
+expect_failure overlap_below_one "overlap_slowdown must be in [1, 100], got 0.5" \
+  --schedule "$data/schedule_ok.json" --overlap-slowdown default 0.5
+
 echo "$passed passed, $failures failed"
 exit $((failures > 0))
