@@ -102,9 +102,8 @@ def test_gil_bodies_gain_nothing_from_threads():
         plan.suggest(heavy_pair(), HEAVY_COSTS, gil="a")
 
 
-def test_lookahead_that_overlaps_copy_and_compute():
-    # The host may run one progress ahead: at equal lookaheads copy and compute of a batch are
-    # serial (100 + 100 + 1000 + 1000 us); load one batch ahead hides the copy (1200 us).
+def copy_and_compute():
+    """load (memcpy stream) then compute (default stream), 100 us of host and 1000 of GPU each."""
     s = Schedule([
         Task.from_fn("load", lambda ctx: None, stream="memcpy", reads=["batch_cpu"],
                      writes=["batch"]),
@@ -112,6 +111,13 @@ def test_lookahead_that_overlaps_copy_and_compute():
     ])
     costs = {"tasks": {"load": {"host_us": 100, "gpu": [{"stream": "memcpy", "us": 1000}]},
                        "compute": {"host_us": 100, "gpu": [{"stream": "default", "us": 1000}]}}}
+    return s, costs
+
+
+def test_lookahead_that_overlaps_copy_and_compute():
+    # The host may run one progress ahead: at equal lookaheads copy and compute of a batch are
+    # serial (100 + 100 + 1000 + 1000 us); load one batch ahead hides the copy (1200 us).
+    s, costs = copy_and_compute()
     r = plan.suggest(s, costs, max_threads=1, max_lookahead=1, max_host_runahead=1)
     assert [x.step_us for x in r.suggestions] == [1200]  # one map: one suggestion
     assert r.start.step_us == 2100
@@ -122,13 +128,7 @@ def test_lookahead_that_overlaps_copy_and_compute():
 def test_an_overlap_slowdown_makes_the_overlap_pay_less():
     # The same copy and compute with the compute stream at half speed while the copy runs
     # beside it (docs/planner.md, "overlap slowdown"): loading ahead still pays, less.
-    s = Schedule([
-        Task.from_fn("load", lambda ctx: None, stream="memcpy", reads=["batch_cpu"],
-                     writes=["batch"]),
-        Task.from_fn("compute", lambda ctx: None, reads=["batch"]),
-    ])
-    costs = {"tasks": {"load": {"host_us": 100, "gpu": [{"stream": "memcpy", "us": 1000}]},
-                       "compute": {"host_us": 100, "gpu": [{"stream": "default", "us": 1000}]}}}
+    s, costs = copy_and_compute()
     slowed = ("default", 2)
     r = plan.suggest(s, costs, max_threads=1, max_lookahead=1, max_host_runahead=1,
                      overlap_slowdown=slowed)

@@ -172,10 +172,9 @@ TEST(Simulate, CollectiveTicketsSerialiseAcrossThreads) {
   EXPECT_EQ(t.waits[0].cause, "collective ticket 1 after ticket 0");
 }
 
-// A finite source of M batches: the engine's iterations 0 .. M + L - 1, prefill and drain, each
-// task once per batch; the step is the whole source.
-TEST(SimulateSource, TwoStagePipelineByHand) {
-  const auto file = weft::plan::ScheduleFile::parse(R"({
+// load (s1, 100 us, lookahead 1) then use (s2, 50 us), on threads of their own, no host time.
+weft::plan::ScheduleFile two_stage_pipeline() {
+  return weft::plan::ScheduleFile::parse(R"({
     "streams": ["s1", "s2"],
     "tasks": [
       {"name": "load", "stream": "s1", "lookahead": 1, "writes": ["x"]},
@@ -185,6 +184,12 @@ TEST(SimulateSource, TwoStagePipelineByHand) {
     "costs": {"tasks": {"load": {"host_us": 0, "gpu": [{"stream": "s1", "us": 100}]},
                         "use": {"host_us": 0, "gpu": [{"stream": "s2", "us": 50}]}}}
   })");
+}
+
+// A finite source of M batches: the engine's iterations 0 .. M + L - 1, prefill and drain, each
+// task once per batch; the step is the whole source.
+TEST(SimulateSource, TwoStagePipelineByHand) {
+  const auto file = two_stage_pipeline();
   const CompiledSchedule compiled(file.schedule);
   const auto threads = file.thread_maps.at(0).assign(compiled);
   for (int m : {1, 2, 4, 9}) {
@@ -291,16 +296,7 @@ TEST(SimulateSource, LongSourcesGrowByTheSteadyStateStep) {
 // every load after the first takes 125 us; a source of M batches ends at 150 + 125 (M - 1) (100 M
 // + 50 without the slowdown), the steady state is one batch per 125 us.
 TEST(SimulateOverlap, TheSlowedStreamRunsSlowerOnlyWhileAnotherRuns) {
-  const auto file = weft::plan::ScheduleFile::parse(R"({
-    "streams": ["s1", "s2"],
-    "tasks": [
-      {"name": "load", "stream": "s1", "lookahead": 1, "writes": ["x"]},
-      {"name": "use", "stream": "s2", "reads": ["x"]}
-    ],
-    "thread_maps": [{"groups": {"t0": ["load"], "t1": ["use"]}}],
-    "costs": {"tasks": {"load": {"host_us": 0, "gpu": [{"stream": "s1", "us": 100}]},
-                        "use": {"host_us": 0, "gpu": [{"stream": "s2", "us": 50}]}}}
-  })");
+  const auto file = two_stage_pipeline();
   const CompiledSchedule compiled(file.schedule);
   const auto threads = file.thread_maps.at(0).assign(compiled);
   for (int m : {1, 2, 5}) {
