@@ -135,6 +135,8 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
   WEFT_CHECK(options.thread_wake_up_us >= 0 && options.thread_wake_up_us <= CostModel::kMaxCostUs,
              "thread_wake_up_us must be in [0, 1e9], got ", options.thread_wake_up_us);
   costs.check_against(schedule);
+  WEFT_CHECK(options.slowed_stream.empty() || schedule.find_stream(options.slowed_stream),
+             "overlap slowdown: the schedule has no stream '", options.slowed_stream, "'");
 
   cost_.resize(num_tasks_);
   for (TaskId t = 0; t < num_tasks_; ++t) cost_[t] = costs.placed_cost_of(schedule.task(t));

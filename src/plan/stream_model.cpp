@@ -20,7 +20,7 @@ std::size_t StreamModel::stream_index(const std::string& name) {
   for (std::size_t s = 0; s < streams_.size(); ++s) {
     if (streams_[s].name == name) return s;
   }
-  streams_.push_back({name, {}, -1});
+  streams_.push_back({name, name == slowed_name_, {}, -1});
   return streams_.size() - 1;
 }
 
@@ -55,15 +55,25 @@ std::size_t StreamModel::add_job(double enqueue_us, const std::string& own_strea
   return id;
 }
 
-bool StreamModel::at_front(std::size_t stream, Item item) {
+std::optional<StreamModel::Item> StreamModel::front(std::size_t stream) {
   auto& queue = streams_[stream].queue;
   while (!queue.empty()) {
-    const Item front = queue.front();
-    const bool done = front >= 0 ? segments_[std::size_t(front)].done : jobs_[std::size_t(~front)].done;
-    if (!done) break;
+    const Item item = queue.front();
+    const bool done = item >= 0 ? segments_[std::size_t(item)].done : jobs_[std::size_t(~item)].done;
+    if (!done) return item;
     queue.pop_front();
   }
-  return !queue.empty() && queue.front() == item;
+  return std::nullopt;
+}
+
+bool StreamModel::at_front(std::size_t stream, Item item) { return front(stream) == item; }
+
+std::size_t StreamModel::job_of(Item item) const {
+  return item >= 0 ? segments_[std::size_t(item)].job : std::size_t(~item);
+}
+
+bool StreamModel::can_start(const Job& job) {
+  return job.enqueue_us <= now_ && job.waiting_for == 0 && at_front(job.own, job.first_own_item);
 }
 
 void StreamModel::finish_job(std::size_t id) {
@@ -74,16 +84,19 @@ void StreamModel::finish_job(std::size_t id) {
   while (first_unfinished_ < jobs_.size() && jobs_[first_unfinished_].done) ++first_unfinished_;
 }
 
-// Starts what can start now (segments of no work end at once); true if anything changed.
+// Starts what can start now (segments of no work end at once); true if anything changed. Only
+// a job with an item at the front of a stream's queue can start or go on (its next segment, or
+// its join where it has no segment on its own stream), so only those are looked at.
 bool StreamModel::start_ready() {
   bool changed = false;
-  for (std::size_t id = first_unfinished_; id < jobs_.size(); ++id) {
+  for (std::size_t s = 0; s < streams_.size(); ++s) {
+    const auto item = front(s);
+    if (!item) continue;
+    const std::size_t id = job_of(*item);
     Job& job = jobs_[id];
     if (job.done) continue;
     if (!job.started) {
-      if (job.enqueue_us > now_ || job.waiting_for > 0 || !at_front(job.own, job.first_own_item)) {
-        continue;
-      }
+      if (!can_start(job)) continue;
       job.started = changed = true;
     }
     while (job.next < job.segments.size()) {
@@ -113,7 +126,7 @@ void StreamModel::set_rates() {
   bool others = false;
   for (const auto& stream : streams_) {
     if (stream.running < 0) continue;
-    if (stream.name == slowed_name_) {
+    if (stream.slowed) {
       slowed = stream.running;
     } else {
       others = true;
@@ -129,14 +142,16 @@ void StreamModel::set_rates() {
   seg.end_us = now_ + std::max(0.0, seg.left_us) / rate;
 }
 
-// The next time anything can change: a running segment ending, or a job's enqueue.
-double StreamModel::next_event() const {
+// The next time anything can change: a running segment ending, or the enqueue of a job at the
+// front of a stream (only such a job can start).
+double StreamModel::next_event() {
   double next = std::numeric_limits<double>::infinity();
-  for (const auto& stream : streams_) {
+  for (std::size_t s = 0; s < streams_.size(); ++s) {
+    const Stream& stream = streams_[s];
     if (stream.running >= 0) next = std::min(next, segments_[std::size_t(stream.running)].end_us);
-  }
-  for (std::size_t id = first_unfinished_; id < jobs_.size(); ++id) {
-    const Job& job = jobs_[id];
+    const auto item = front(s);
+    if (!item) continue;
+    const Job& job = jobs_[job_of(*item)];
     if (!job.started && job.enqueue_us > now_) next = std::min(next, job.enqueue_us);
   }
   return next;

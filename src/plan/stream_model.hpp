@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <deque>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,16 +80,21 @@ class StreamModel {
   };
   struct Stream {
     std::string name;
+    bool slowed;  // the overlap slowdown's stream
     std::deque<Item> queue;
     long long running = -1;  // the segment that runs on it
   };
 
   std::size_t stream_index(const std::string& name);
+  // The first unfinished item of a stream's queue (finished ones are dropped).
+  std::optional<Item> front(std::size_t stream);
   bool at_front(std::size_t stream, Item item);
+  std::size_t job_of(Item item) const;
+  bool can_start(const Job& job);
   bool start_ready();
   void finish_job(std::size_t job);
   void set_rates();
-  double next_event() const;
+  double next_event();
 
   std::string slowed_name_;
   double slowdown_;

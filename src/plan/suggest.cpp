@@ -321,12 +321,17 @@ std::vector<std::vector<ThreadLabel>> start_stream_assignments(const SearchSpace
 // What bounds a candidate's step: a stream busy all the step, the host, or else the GPU waits
 // across streams. runs_per_step: how often each task runs in t's step (a source's batches).
 std::string step_bound(const CompiledSchedule& schedule, const CostModel& costs,
-                       const Timeline& t, int runs_per_step) {
-  // The busiest stream's work per step, from the costs.
+                       const SimulationOptions& simulation, const Timeline& t, int runs_per_step) {
+  // The busiest stream's work per step: from the costs, or, where a stream runs slower while
+  // others run (an overlap slowdown), from the simulated spans of the step.
   std::map<std::string, double> stream_busy;
-  for (TaskId id = 0; id < schedule.num_tasks(); ++id) {
-    for (const auto& seg : costs.placed_cost_of(schedule.task(id)).gpu)
-      stream_busy[seg.stream] += seg.us * runs_per_step;
+  if (simulation.overlap_slowdown == 1) {
+    for (TaskId id = 0; id < schedule.num_tasks(); ++id) {
+      for (const auto& seg : costs.placed_cost_of(schedule.task(id)).gpu)
+        stream_busy[seg.stream] += seg.us * runs_per_step;
+    }
+  } else {
+    for (const auto& g : t.gpu) stream_busy[g.stream] += g.end_us - g.start_us;
   }
   const auto busiest =
       std::max_element(stream_busy.begin(), stream_busy.end(),
@@ -375,7 +380,8 @@ Suggestion describe_candidate(Search& search, const CompiledSchedule& schedule,
   std::stable_sort(s.waits.begin(), s.waits.end(), [](const WaitEdge& a, const WaitEdge& b) {
     return a.waited_us > b.waited_us;
   });
-  s.bound = step_bound(compiled, costs, t, std::max(1, options.simulation.num_batches));
+  s.bound = step_bound(compiled, costs, options.simulation, t,
+                       std::max(1, options.simulation.num_batches));
   return s;
 }
 

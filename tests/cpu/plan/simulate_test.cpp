@@ -345,8 +345,8 @@ TEST(SimulateOverlap, TheSlowedStreamRunsSlowerOnlyWhileAnotherRuns) {
                weft::Error);
 }
 
-// A task's work on a side stream joins back: the next task of its own stream waits for it, and
-// the side stream's segment is what overlaps (and slows) the other stream's work.
+// A task's work on a side stream joins back: the next task of its own stream waits for it; a
+// slowed stream runs slower beside any other stream's segment, a side stream's included.
 TEST(SimulateOverlap, SideStreamWorkJoinsBackAndSlowsTheOtherStream) {
   const auto file = weft::plan::ScheduleFile::parse(R"({
     "streams": ["comm", "side"],
@@ -379,6 +379,25 @@ TEST(SimulateOverlap, SideStreamWorkJoinsBackAndSlowsTheOtherStream) {
       EXPECT_DOUBLE_EQ(g.end_us, 140);
     }
   }
+  // A side stream's segment slows the slowed stream too: s (own stream comm) works 60 us on
+  // side, t 30 us on default beside it from 0: 20 us of t's work by 60 at a third of its speed,
+  // the last 10 alone: t ends at 70.
+  const auto side = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm", "side"],
+    "tasks": [{"name": "s", "stream": "comm"}, {"name": "t"}],
+    "thread_maps": ["legacy"],
+    "costs": {"tasks": {"s": {"host_us": 0, "gpu": [{"stream": "side", "us": 60}]},
+                        "t": {"host_us": 0, "gpu": [{"stream": "default", "us": 30}]}}}
+  })");
+  const CompiledSchedule two(side.schedule);
+  const Timeline both = weft::plan::simulate(
+      two, side.thread_maps.at(0).assign(two), *side.costs,
+      {.num_batches = 1, .slowed_stream = "default", .overlap_slowdown = 3});
+  EXPECT_DOUBLE_EQ(both.step_us, 70);
+  EXPECT_THROW(weft::plan::simulate(
+                   two, side.thread_maps.at(0).assign(two), *side.costs,
+                   {.num_batches = 1, .slowed_stream = "no_such", .overlap_slowdown = 3}),
+               weft::Error);
 }
 
 TEST(CostModel, BadInputNamesTheProblem) {
