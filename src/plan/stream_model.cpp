@@ -89,8 +89,8 @@ void StreamModel::finish_job(std::size_t id) {
 // its join where it has no segment on its own stream), so only those are looked at.
 bool StreamModel::start_ready() {
   bool changed = false;
-  for (std::size_t s = 0; s < streams_.size(); ++s) {
-    const auto item = front(s);
+  for (std::size_t stream = 0; stream < streams_.size(); ++stream) {
+    const auto item = front(stream);
     if (!item) continue;
     const std::size_t id = job_of(*item);
     Job& job = jobs_[id];
