@@ -194,6 +194,9 @@ def main():
     p.add_argument("--gpu-costs", choices=plan.GPU_COST_KINDS, default="busy",
                    help="--suggest: a task's GPU cost, its busy time or its whole span")
     p.add_argument("--max-threads", type=int, default=2, help="--suggest: the thread bound")
+    p.add_argument("--min-gain-pct", type=float, default=1.0,
+                   help="--suggest: keep the step's own schedule (the best depth under its thread "
+                        "map) unless the search predicts more than this gain")
     p.add_argument("--config-out", help="--suggest: where the suggestion's config goes")
     p.add_argument("--trace-dir", help="--suggest: write the traced runs' Chrome traces here")
     a = p.parse_args()
@@ -388,7 +391,7 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
             f"{fit.rms_error_pct:.1f}%, uncalibrated "
             f"{rms_error_pct(traced_ms, fitted, costs):.1f}%)", flush=True)
     found = suggest_variant(costs, L, M, num_slots=num_slots, max_threads=a.max_threads,
-                            calibration=fit)
+                            calibration=fit, min_gain_pct=a.min_gain_pct)
     path = a.config_out or os.path.join(a.trace_dir or ".", f"moe_{tag}_suggested.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     found.write_config(path)

@@ -22,7 +22,7 @@ from weft.hstu import planning as hstu_planning  # noqa: E402
 from weft.hstu.variants import step_variants  # noqa: E402
 from weft.moe.planning import (MoeVariant, check_layouts, depth_variants,  # noqa: E402
                                merged_trace, suggest_variant, variant_from_config)
-from weft.pipeline import ScheduleConfig  # noqa: E402
+from weft.pipeline import ScheduleConfig, ThreadMap  # noqa: E402
 from weft.step_planning import (Calibration, fit_calibration,  # noqa: E402
                                 predicted_ms, rms_error_pct)
 from test_moe_pipeline import (SMALL, _check_steps, _inputs, _one_layout_slots,  # noqa: E402
@@ -121,6 +121,26 @@ def test_the_search_is_deterministic_and_keeps_to_the_layouts(num_slots):
             assert a.step_ms <= predicted_ms(v, FIXED_COSTS) + 1e-9
     # Every candidate is simulated as the step's source: the fill and drain are searched.
     assert "fill and drain" not in a.describe()
+
+
+@pytest.mark.timeout(120)
+def test_a_gain_inside_min_gain_pct_keeps_the_steps_own_schedule():
+    # With [2, 2] layouts the lookahead search finds a schedule 0.1 ms (0.3%) below the best
+    # depth that fits: a gain the default min_gain_pct (1%) does not take.
+    slots = [2, 2]
+    lowest = suggest_variant(FIXED_COSTS, L, M, num_slots=slots, min_gain_pct=0)
+    own = min(predicted_ms(v, FIXED_COSTS) for v in depth_variants(L, range(moe.max_depth(L) + 1), M)
+              if all(n <= h for n, h in zip(v.layouts(), slots)))
+    gain_pct = 100 * (1 - lowest.step_ms / own)
+    assert lowest.source == "lookahead search" and 0 < gain_pct < 1
+    kept = suggest_variant(FIXED_COSTS, L, M, num_slots=slots)
+    assert kept.step_ms == pytest.approx(own)
+    assert kept.source.startswith("depth family d")
+    assert kept.variant.config.thread_map == ThreadMap.of(moe.moe_thread_map(L))
+    assert suggest_variant(FIXED_COSTS, L, M, num_slots=slots,
+                           min_gain_pct=gain_pct / 2).step_ms == pytest.approx(lowest.step_ms)
+    with pytest.raises(ValueError, match="min_gain_pct must be >= 0"):
+        suggest_variant(FIXED_COSTS, L, M, min_gain_pct=-1)
 
 
 @pytest.mark.timeout(60)

@@ -115,14 +115,17 @@ class Suggested(NamedTuple):
 
 def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                     num_slots: Optional[Sequence[int]] = None, max_threads: int = 2,
-                    calibration: Optional[Calibration] = None,
+                    calibration: Optional[Calibration] = None, min_gain_pct: float = 1.0,
                     name: str = "suggested") -> Suggested:
     """The best schedule for the step with ``costs`` (as weft.plan.simulate takes them) and
     ``calibration`` that keeps to ``num_slots`` layouts per layer (the step's LayoutSlots; None:
     a dispatcher that keeps no layout, any lookahead fits), at most ``max_threads`` threads.
 
     Two searches, the best of both (the lowest predicted step; ties to the lookahead search's
-    pick, then the shallower depth, then the maps in the order below):
+    pick, then the shallower depth, then the maps in the order below), unless the step's own
+    schedules (the depth family under moe_thread_map) have one predicted within min_gain_pct %
+    of it: then the best of those (a gain inside the model's error is no reason to leave the
+    schedule the step was built with; 0 keeps the lowest prediction):
     - weft.plan.suggest over the depth-B schedule, B = min(max_depth, min(num_slots) - 1):
       thread maps and every lookahead in [0, B], from moe_thread_map and the presets;
     - the depth family: every depth whose layouts fit, under moe_thread_map, one thread
@@ -131,10 +134,11 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     calibration = calibration or Calibration()
     deepest = max_depth(num_layers)
     bound = deepest if num_slots is None else min(deepest, min(num_slots) - 1)
-    candidates = []  # (step ms, order, variant, source)
+    candidates = []  # (step ms, order, variant, source, the family under moe_thread_map)
     searched, not_searched = [], []
     result = None
-    maps = [{"groups": moe_thread_map(num_layers)}, "legacy"]  # the config file's JSON form
+    own_map = {"groups": moe_thread_map(num_layers)}  # the config file's JSON form
+    maps = [own_map, "legacy"]
     num_evaluated = 0
     if bound > 0 or max_threads > 1:
         result = plan.suggest(moe_schedule(num_layers, bound), costs, max_threads=max_threads,
@@ -146,7 +150,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
         num_evaluated += result.num_evaluated
         for k, s in enumerate(result.suggestions):
             v = _variant(name, num_layers, num_micro_batches, bound, s.config)
-            candidates.append((s.step_us / 1e3, (0, 0, k), v, "lookahead search"))
+            candidates.append((s.step_us / 1e3, (0, 0, k), v, "lookahead search", False))
             maps.append(json.loads(s.config.to_json())["thread_map"])
         searched.append(f"weft.plan.suggest ({result.method}, {result.num_evaluated} schedules "
                         f"simulated): thread maps of at most {max_threads} threads, every "
@@ -162,7 +166,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
             config = ScheduleConfig.from_dict({"thread_map": m, "lookahead": lookaheads})
             v = _variant(name, num_layers, num_micro_batches, d, config)
             ms = predicted_ms(v, costs, calibration)
-            candidates.append((ms, (1, d, k), v, f"depth family d{d}"))
+            candidates.append((ms, (1, d, k), v, f"depth family d{d}", m is own_map))
             num_evaluated += 1
     searched.append(f"the depth family (stage_lookaheads) at every depth whose layouts fit "
                     f"({', '.join(f'd{d}' for d in fitting)}), under {len(maps)} maps "
@@ -171,7 +175,16 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     if bound < deepest:
         not_searched.append(f"lookaheads above {bound} other than the depth family's (the step's "
                             f"layout slots hold {list(num_slots)} layouts per layer)")
-    ms, _, variant, source = min(candidates, key=lambda c: (round(c[0] * 1e6), c[1]))
+    if not min_gain_pct >= 0:
+        raise ValueError(f"min_gain_pct must be >= 0, got {min_gain_pct!r}")
+    key = lambda c: (round(c[0] * 1e6), c[1])  # noqa: E731
+    best = min(candidates, key=key)
+    own = [c for c in candidates if c[4]]
+    if own:
+        own_best = min(own, key=key)
+        if best[0] >= own_best[0] * (1 - min_gain_pct / 100):
+            best = own_best
+    ms, _, variant, source, _ = best
     check_layouts(variant, num_slots)
     return Suggested(variant, ms, _num_threads(num_layers, json.loads(
         variant.config.to_json())["thread_map"]), source, num_evaluated, searched, not_searched,
