@@ -53,10 +53,10 @@ from typing import Dict, List, Optional  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from launch import world_group  # noqa: E402
+from launch import rank0_value, world_group  # noqa: E402
 from weft.hstu.planning import (error_pct, fit_calibration, predicted_ms,  # noqa: E402
                                 rms_error_pct, suggest_variant, variant_from_config)
-from weft.hstu.step import (CONFIGS, OVERRIDES, Run, measured_costs, rank0_value,  # noqa: E402
+from weft.hstu.step import (CONFIGS, OVERRIDES, Run, measured_costs,  # noqa: E402
                             run_once, same_bits, trace_figures)
 from weft.hstu.variants import StepVariant, step_variants  # noqa: E402
 

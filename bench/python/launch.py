@@ -36,3 +36,15 @@ def world_group(device: torch.device):
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
                             device_id=device_id)
     return dist.group.WORLD
+
+
+def rank0_value(value, group):
+    """Rank 0's ``value`` (any picklable object) on every rank of ``group`` (None: one rank, the
+    value itself); each rank passes its own. What a planner reads (costs, measured steps) goes
+    through it, so that every rank plans the same schedule (all ranks of a collective must run
+    one)."""
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

@@ -6,6 +6,7 @@ communication (weft.moe.step); the pipelined schedules run them as weft.pipeline
     python bench/python/moe_pipeline.py --comm emulated --shapes comm,dsv3 --tokens 4096,8192
     torchrun --nproc-per-node 2 bench/python/moe_pipeline.py
     python bench/python/moe_pipeline.py --device cpu --shapes tiny --tokens 256
+    torchrun --nproc-per-node 2 bench/python/moe_pipeline.py --device cpu --shapes tiny   # gloo
 
 --comm local (default): the dispatchers' own data path; at one rank "communication" is weft.ep's
 local copy (or the all_to_all dispatcher's permutation), so the figures measure the schedule and
@@ -45,7 +46,8 @@ schedules with stage costs measured from (a), and prints the planner's predicted
 the measured one. On the CPU the weft.ep rows are left out (weft.ep needs a GPU), and torch runs
 one intra-op thread.
 
---suggest (one rank; weft.moe.planning, docs/planner.md "From a trace to a schedule (MoE)"): per
+--suggest (weft.moe.planning, docs/planner.md "From a trace to a schedule (MoE)"; at several ranks
+every rank plans with rank 0's costs and measured steps, so all run the same schedule): per
 shape and token count, for the pipelined family of the run ((b) weft.ep on a GPU, (c) a2a on the
 CPU), first one traced run at depth 0 (--warmup steps, then --iters steps each traced): its
 costs, per task (each layer's tasks apart) the median host span and, per stream, the median GPU
@@ -74,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 import weft.moe as moe
+from launch import rank0_value, world_group
 from weft import plan
 from weft.moe.planning import depth_variants, merged_trace, suggest_variant
 from weft.moe.step import COMM_STAGES
@@ -210,15 +213,12 @@ def main():
     if device == "cpu":  # each engine thread that calls torch gets its own OpenMP team else
         torch.set_num_threads(1)
     group = None
-    if device == "cuda":
-        from launch import process_group_from_env
-        group = process_group_from_env()
+    if "RANK" in os.environ:  # torchrun: NCCL on GPUs, gloo on the CPU
+        group = world_group(torch.device(device))
     world = group.size() if group else 1
     rank = group.rank() if group else 0
     if a.comm == "emulated" and world != 1:
         p.error("--comm emulated runs at one rank (it stands in for the other GPUs)")
-    if a.suggest and world != 1:
-        p.error("--suggest runs at one rank (every rank would have to plan rank 0's schedule)")
     out = print if rank == 0 else (lambda *_, **__: None)
     max_depth = moe.max_depth(a.layers)
     depths = sorted({max_depth if d == "max" else int(d) for d in a.depth.split(",")})
@@ -273,7 +273,7 @@ def main():
                     family = (f"(c) {emu}pipe+a2a", f"(a) {emu}a2a", None)
                     family_slots = (lambda num_slots: a2a_slots())
                 plan_state = _plan_family(a, family, family_slots, make_model, x, target, depths,
-                                          backend, device, f"{shape}_T{T}", out)
+                                          backend, device, f"{shape}_T{T}", out, group)
                 configs.append(plan_state["config"])
             base_name = configs[0][0]
             out(f"{'shape':6s} {'T':>6s} {'schedule':24s} {'step ms':>17s} "
@@ -353,16 +353,20 @@ def _traced_run(a, make_model, slots, x, target, depth, backend, device):
 
 
 def _plan_family(a, family, family_slots, make_model, x, target, depths, backend, device, tag,
-                 out):
+                 out, group):
     """The traced runs, the costs, the fit (--calibrate), the search: what the table needs, and
-    the suggestion's config entry (name, slots factory, depth, config)."""
+    the suggestion's config entry (name, slots factory, depth, config). Every rank runs the
+    traced steps (they are collective); the costs and the measured steps are rank 0's on every
+    rank (rank0_value), so every rank finds the same suggestion (checked); rank 0 writes the
+    files."""
+    rank = group.rank() if group else 0
     prefix, serial, num_slots = family
     L, M = a.layers, a.micro_batches
 
     def trace(depth, name):
         ms, traces, schedule = _traced_run(a, make_model, family_slots(num_slots), x, target,
                                            depth, backend, device)
-        if a.trace_dir:
+        if a.trace_dir and rank == 0:
             os.makedirs(a.trace_dir, exist_ok=True)
             traces[-1].write_chrome_json(os.path.join(a.trace_dir,
                                                       f"moe_{tag}_{name}.trace.json"))
@@ -370,7 +374,7 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
         return ms, merged_trace(traces), schedule
 
     ms0, trace0, schedule0 = trace(0, "d0")
-    costs = plan.trace_costs(trace0, schedule0, gpu=a.gpu_costs)
+    costs = rank0_value(plan.trace_costs(trace0, schedule0, gpu=a.gpu_costs), group)
     gpu_ms = sum(g["us"] for t in costs["tasks"].values() for g in t.get("gpu", [])) / 1e3
     host_ms = sum(t["host_us"] for t in costs["tasks"].values()) / 1e3
     out(f"# costs: {prefix} d0's traced run ({a.iters} steps), {len(costs['tasks'])} tasks, per "
@@ -380,8 +384,8 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
     fit = None
     if a.calibrate:
         fitted = depth_variants(L, sorted({0, *depths}), M)
-        traced_ms = {v.name: ms0 if v.depth == 0 else trace(v.depth, v.name)[0]
-                     for v in fitted}
+        traced_ms = rank0_value({v.name: ms0 if v.depth == 0 else trace(v.depth, v.name)[0]
+                                 for v in fitted}, group)
         # On a GPU the compute stream's work runs slower beside the communication's (the
         # emulated dispatcher's hold takes SMs): the overlap slowdown of "default" is fitted too.
         fit = fit_calibration(traced_ms, fitted, costs,
@@ -392,9 +396,13 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
             f"{rms_error_pct(traced_ms, fitted, costs):.1f}%)", flush=True)
     found = suggest_variant(costs, L, M, num_slots=num_slots, max_threads=a.max_threads,
                             calibration=fit, min_gain_pct=a.min_gain_pct)
+    mine = found.variant.config.to_json()
+    if rank0_value(mine, group) != mine:
+        raise RuntimeError(f"rank {rank} found another schedule than rank 0 from rank 0's costs")
     path = a.config_out or os.path.join(a.trace_dir or ".", f"moe_{tag}_suggested.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    found.write_config(path)
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        found.write_config(path)
     layouts = "any number" if num_slots is None else f"at most {num_slots}"
     out(f"# suggested ({found.source}, {found.num_evaluated} schedules simulated; layouts kept "
         f"to {layouts} per layer, it keeps {found.variant.layouts()}; config in {path}): "

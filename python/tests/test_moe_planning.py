@@ -241,6 +241,30 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
 
 
 @pytest.mark.timeout(300)
+def test_moe_pipeline_suggest_at_two_ranks_plans_with_rank_0s_figures(tmp_path):
+    # Two CPU ranks (gloo, the all_to_all dispatcher): every rank runs the traced steps, plans
+    # with rank 0's costs (checked: the same suggestion), and runs the suggestion with the
+    # serial step's bits; rank 0 alone prints and writes the files.
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
+    env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    args = ["--device", "cpu", "--shapes", "tiny", "--tokens", "64", "--layers", "2",
+            "--depth", "1", "--warmup", "1", "--iters", "1", "--repeats", "1", "--suggest",
+            "--trace-dir", str(tmp_path)]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(REPO / "bench" / "python" / "moe_pipeline.py"),
+                          *args], env=env, capture_output=True, text=True, timeout=280,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert "CPU x 2" in out
+    assert out.count("# suggested (") == 1  # rank 0 prints
+    assert "# every row bit-identical to (a) a2a" in out
+    variant_from_config(tmp_path / "moe_tiny_T64_suggested.json", 2, 4)
+
+
+@pytest.mark.timeout(300)
 def test_the_fit_recovers_a_compute_stream_overlap_slowdown():
     variants = depth_variants(L, [0, 1, 4, 8], M)
     truth = Calibration(0.0, None, slowdown=("default", 1.3))

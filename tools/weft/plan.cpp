@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "command.hpp"
@@ -39,7 +38,8 @@ struct PlanOptions {
   std::string json_path;
   int num_progress = 12;
   int num_batches = 0;  // > 0: one finite source of this many batches (SimulationOptions)
-  std::pair<std::string, double> overlap_slowdown{"", 1.0};  // (stream, factor)
+  std::string slowed_stream;     // SimulationOptions::slowed_stream
+  double overlap_slowdown = 1;   // SimulationOptions::overlap_slowdown
 };
 
 nlohmann::json timeline_json(const plan::VariantReport& v) {
@@ -100,8 +100,8 @@ void run_plan(const PlanOptions& options) {
   plan::ReportOptions report_options;
   const plan::SimulationOptions simulation{.num_progress = options.num_progress,
                                            .num_batches = options.num_batches,
-                                           .slowed_stream = options.overlap_slowdown.first,
-                                           .overlap_slowdown = options.overlap_slowdown.second};
+                                           .slowed_stream = options.slowed_stream,
+                                           .overlap_slowdown = options.overlap_slowdown};
   std::optional<plan::CostModel> costs;
   if (!options.costs_path.empty()) costs = plan::CostModel::load(options.costs_path);
   // A schedule file's own costs are checked when it is read; --costs here.
@@ -216,10 +216,13 @@ void register_plan(CLI::App& app) {
                       "steady-state progress() calls (0: steady state)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1'000'000));
+  command->add_option("--slowed-stream", options->slowed_stream,
+                      "the stream that --overlap-slowdown slows");
   command->add_option("--overlap-slowdown", options->overlap_slowdown,
-                      "STREAM FACTOR: that stream's GPU work runs FACTOR (1 to 100) times slower "
-                      "while another stream's work runs beside it (the SMs a concurrent kernel "
-                      "holds); also for --suggest");
+                      "--slowed-stream's GPU work runs this many (1 to 100) times slower while "
+                      "another stream's work runs beside it (the SMs a concurrent kernel holds); "
+                      "also for --suggest")
+      ->capture_default_str();
   auto suggest = std::make_shared<SuggestCliOptions>();
   add_suggest_options(*command, *suggest);
   command->callback([options, suggest] {
@@ -227,7 +230,7 @@ void register_plan(CLI::App& app) {
     run_suggest(*suggest, {options->out, options->json_path, options->variants,
                            options->costs_path, options->schedule_path, options->traces,
                            options->num_progress, options->num_batches,
-                           options->overlap_slowdown});
+                           options->slowed_stream, options->overlap_slowdown});
   });
 }
 

@@ -9,7 +9,6 @@
 
 #include <CLI/CLI.hpp>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace weft::tools {
@@ -36,7 +35,8 @@ struct SuggestInputs {
   std::vector<std::string> traces;
   int num_progress = 12;
   int num_batches = 0;  // SimulationOptions::num_batches
-  std::pair<std::string, double> overlap_slowdown{"", 1.0};  // slowed_stream, overlap_slowdown
+  std::string slowed_stream;    // SimulationOptions::slowed_stream
+  double overlap_slowdown = 1;  // SimulationOptions::overlap_slowdown
 };
 
 void add_suggest_options(CLI::App& command, SuggestCliOptions& options);

@@ -22,7 +22,7 @@ from .tasks import HstuConfig, HstuStep
 from .variants import StepVariant
 
 __all__ = ["CONFIGS", "DRAIN_BATCHES", "OVERRIDES", "Run", "measured_costs", "run_once",
-           "rank0_value", "same_bits", "synchronize", "trace_figures", "union_us"]
+           "same_bits", "synchronize", "trace_figures", "union_us"]
 
 # (config, device type) -> sizes. GPU-bound: a big dense model, light preprocessing. Host-bound:
 # many raw events per token to sort and a small model, so collate() and the host syncs dominate.
@@ -151,15 +151,6 @@ def measured_costs(trace, schedule=None, gpu: str = "busy") -> dict:
     it that the trace shows, weft.plan.trace_costs; ``schedule``, the traced schedule, names the
     producers waited for) or its median GPU span (``gpu="span"``)."""
     return plan.trace_costs(trace, schedule, gpu=gpu)
-
-
-def rank0_value(value, group):
-    """Rank 0's ``value`` (any picklable object) on every rank of ``group``; each rank passes its
-    own. What the planner reads (costs, measured steps) goes through it, so every rank plans the
-    same schedule (all ranks of a collective must run one)."""
-    box = [value]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return box[0]
 
 
 def same_bits(a: Run, b: Run) -> bool:

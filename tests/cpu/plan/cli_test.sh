@@ -163,9 +163,9 @@ else
 fi
 expect_failure negative_batches "--batches" --schedule "$data/schedule_ok.json" --batches -1
 
-# --overlap-slowdown: the default stream's work slower while the memcpy stream's load runs beside
-# it, so every map's source takes longer; a factor below 1 is refused.
-if "$weft" plan --schedule "$data/schedule_ok.json" --batches 3 --overlap-slowdown default 2 \
+# --slowed-stream and --overlap-slowdown: the default stream's work slower while the memcpy
+# stream's load runs beside it, so every map's source takes longer; a factor below 1 is refused.
+if "$weft" plan --schedule "$data/schedule_ok.json" --batches 3 --slowed-stream default --overlap-slowdown 2 \
      -o "$work/slowed.html" --json "$work/slowed.json" >"$work/slowed.log" 2>&1 &&
    python3 - "$work/batches3.json" "$work/slowed.json" <<'EOF'
 import json, sys
@@ -179,7 +179,7 @@ else
   fail "--overlap-slowdown:"; cat "$work/slowed.log"
 fi
 expect_failure overlap_below_one "overlap_slowdown must be in [1, 100], got 0.5" \
-  --schedule "$data/schedule_ok.json" --overlap-slowdown default 0.5
+  --schedule "$data/schedule_ok.json" --slowed-stream default --overlap-slowdown 0.5
 
 echo "$passed passed, $failures failed"
 exit $((failures > 0))
