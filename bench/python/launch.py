@@ -48,3 +48,13 @@ def rank0_value(value, group):
     box = [value]
     dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
+
+
+def every_rank(flag: bool, group) -> bool:
+    """Whether ``flag`` holds on every rank of ``group`` (None: this one), on every rank: so that
+    a check that fails on one rank fails on all of them, not only where it was made."""
+    if group is None:
+        return bool(flag)
+    flags = [None] * group.size()
+    dist.all_gather_object(flags, bool(flag), group=group)
+    return all(flags)

@@ -43,7 +43,8 @@ against (a) a2a); the goals printed with it: local, step(b) <= 1.02 x step(a); e
 hidden >= 0.8. Run from a folder that has bench-out/ (scripts/gpu-test.sh runs from the build
 folder), it writes there an engine trace of one (b) step and the planner's drawing of the
 schedules with stage costs measured from (a), and prints the planner's predicted step beside
-the measured one. On the CPU the weft.ep rows are left out (weft.ep needs a GPU), and torch runs
+the measured one (at several ranks rank 0's folder decides; every rank runs those steps, rank 0
+writes). On the CPU the weft.ep rows are left out (weft.ep needs a GPU), and torch runs
 one intra-op thread.
 
 --suggest (weft.moe.planning, docs/planner.md "From a trace to a schedule (MoE)"; at several ranks
@@ -76,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 import weft.moe as moe
-from launch import rank0_value, world_group
+from launch import every_rank, rank0_value, world_group
 from weft import plan
 from weft.moe.planning import depth_variants, merged_trace, suggest_variant
 from weft.moe.step import COMM_STAGES
@@ -207,6 +208,8 @@ def main():
         sys.setswitchinterval(a.switch_interval_ms / 1e3)
     if a.calibrate and not a.suggest:
         p.error("--calibrate goes with --suggest")
+    if not a.min_gain_pct >= 0:
+        p.error(f"--min-gain-pct must be >= 0, got {a.min_gain_pct}")
     device = a.device
     if a.comm == "emulated" and device != "cuda":
         p.error("--comm emulated needs --device cuda")
@@ -220,6 +223,8 @@ def main():
     if a.comm == "emulated" and world != 1:
         p.error("--comm emulated runs at one rank (it stands in for the other GPUs)")
     out = print if rank == 0 else (lambda *_, **__: None)
+    # Rank 0's folder decides whether the ranks trace and draw a step (a collective).
+    draw = rank0_value(os.path.isdir(OUT_DIR), group)
     max_depth = moe.max_depth(a.layers)
     depths = sorted({max_depth if d == "max" else int(d) for d in a.depth.split(",")})
     M = a.micro_batches
@@ -298,10 +303,9 @@ def main():
                 ratio = f"{min(runs) / max(base):.2f}-{max(runs) / min(base):.2f}x"
                 out(f"{shape:6s} {T:6d} {cname:24s} {min(runs):8.2f}-{max(runs):<8.2f} "
                     f"{ratio:>20s}", flush=True)
-                if (depth is not None and config is None and not traced
-                        and os.path.isdir(OUT_DIR) and rank == 0):
+                if depth is not None and config is None and not traced and draw:
                     _trace_and_plan(model, slots, x, target, a, depth, backend, device,
-                                    f"{shape}_T{T}{'_emu' if emu else ''}", times[cname])
+                                    f"{shape}_T{T}{'_emu' if emu else ''}", times[cname], rank)
                     traced = True
                 if depth is not None:
                     piped.close()
@@ -325,9 +329,13 @@ def main():
                 mismatches += _print_plan_table(out, a, plan_state, times, losses)
             if emu and "no comm" in times:
                 _print_prediction(out, a, shape, T, hidden, compute_us, depths, times)
+    # A rank whose bits differ fails the run on every rank (rank 0 prints its own bits only).
+    same_everywhere = every_rank(mismatches == 0, group)
+    if not same_everywhere:
+        out("# MISMATCH: the bits of a schedule differ from the serial step's on some rank")
     if group:
         dist.destroy_process_group()
-    return 1 if mismatches else 0
+    return 0 if same_everywhere else 1
 
 
 def _traced_run(a, make_model, slots, x, target, depth, backend, device):
@@ -395,10 +403,11 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
             f"{fit.rms_error_pct:.1f}%, uncalibrated "
             f"{rms_error_pct(traced_ms, fitted, costs):.1f}%)", flush=True)
     found = suggest_variant(costs, L, M, num_slots=num_slots, max_threads=a.max_threads,
-                            calibration=fit, min_gain_pct=a.min_gain_pct)
+                            calibration=fit, min_gain_pct=a.min_gain_pct,
+                            own_thread_map=moe.moe_thread_map(L, a.threads))
     mine = found.variant.config.to_json()
-    if rank0_value(mine, group) != mine:
-        raise RuntimeError(f"rank {rank} found another schedule than rank 0 from rank 0's costs")
+    if not every_rank(rank0_value(mine, group) == mine, group):
+        raise RuntimeError("a rank found another schedule than rank 0 from rank 0's costs")
     path = a.config_out or os.path.join(a.trace_dir or ".", f"moe_{tag}_suggested.json")
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -519,19 +528,22 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
                 + ", ".join(parts), flush=True)
 
 
-def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, measured_ms):
+def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, measured_ms, rank):
     """One traced (b) step (Chrome JSON), and the planner's page of depths 0 .. 4 x layers with
     stage costs measured from a serial step, into bench-out/; the planner's step beside the
-    measured one."""
+    measured one. Every rank runs the steps (they are collective); rank 0 writes and prints."""
     L = len(model.moe)
     traced = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
                                trace=True)
     traced(x, target, 0.0)
     _sync(device)
-    trace_path = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_d{depth}.trace.json")
-    traced.engine.take_trace().write_chrome_json(trace_path)
+    trace = traced.engine.take_trace()
     traced.close()
     costs_us = stage_costs_us(model, slots, x, target, a.micro_batches, device)
+    if rank != 0:
+        return
+    trace_path = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_d{depth}.trace.json")
+    trace.write_chrome_json(trace_path)
     costs = moe.moe_costs(L, costs_us)
     variants = [(f"moe_depth{d}", moe.moe_schedule(L, d), moe.moe_thread_map(L))
                 for d in range(moe.max_depth(L) + 1)]

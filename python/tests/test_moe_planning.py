@@ -137,6 +137,13 @@ def test_a_gain_inside_min_gain_pct_keeps_the_steps_own_schedule():
     assert kept.step_ms == pytest.approx(own)
     assert kept.source.startswith("depth family d")
     assert kept.variant.config.thread_map == ThreadMap.of(moe.moe_thread_map(L))
+    assert "searched: kept the step's own schedule (depth family d" in kept.describe()
+    assert "within min_gain_pct 1%" in kept.describe()
+    # The step's own map is the caller's: one thread, the family under legacy.
+    one = suggest_variant(FIXED_COSTS, L, M, num_slots=slots,
+                          own_thread_map=moe.moe_thread_map(L, 1))
+    assert one.source.startswith("depth family d")
+    assert one.variant.config.thread_map == ThreadMap.of(moe.moe_thread_map(L, 1))
     assert suggest_variant(FIXED_COSTS, L, M, num_slots=slots,
                            min_gain_pct=gain_pct / 2).step_ms == pytest.approx(lowest.step_ms)
     with pytest.raises(ValueError, match="min_gain_pct must be >= 0"):
@@ -244,7 +251,9 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
 def test_moe_pipeline_suggest_at_two_ranks_plans_with_rank_0s_figures(tmp_path):
     # Two CPU ranks (gloo, the all_to_all dispatcher): every rank runs the traced steps, plans
     # with rank 0's costs (checked: the same suggestion), and runs the suggestion with the
-    # serial step's bits; rank 0 alone prints and writes the files.
+    # serial step's bits; rank 0 alone prints and writes the files. A bench-out/ folder: every
+    # rank runs the traced step drawn there (collective), rank 0 writes it.
+    (tmp_path / "bench-out").mkdir()
     env = dict(os.environ)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
     env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
@@ -260,8 +269,10 @@ def test_moe_pipeline_suggest_at_two_ranks_plans_with_rank_0s_figures(tmp_path):
     out = run.stdout
     assert "CPU x 2" in out
     assert out.count("# suggested (") == 1  # rank 0 prints
-    assert "# every row bit-identical to (a) a2a" in out
+    assert "# every row bit-identical to (a) a2a" in out and "MISMATCH" not in out
     variant_from_config(tmp_path / "moe_tiny_T64_suggested.json", 2, 4)
+    assert out.count("# wrote ") == 1
+    assert (tmp_path / "bench-out" / "moe_pipeline_tiny_T64_d1.trace.json").is_file()
 
 
 @pytest.mark.timeout(300)

@@ -117,6 +117,11 @@ void run_plan(const PlanOptions& options) {
   // With --trace, the HSTU variants are drawn too when --variant or --costs asks for them.
   const bool draw_hstu = options.schedule_path.empty() &&
                          (options.traces.empty() || !options.variants.empty() || costs.has_value());
+  WEFT_CHECK(draw_hstu || !options.schedule_path.empty() ||
+                 (options.num_batches == 0 && options.slowed_stream.empty()),
+             "--batches, --slowed-stream and --overlap-slowdown shape a simulation, and with "
+             "--trace alone nothing is simulated (add --variant or --costs to simulate the HSTU "
+             "variants beside the trace)");
   if (!options.schedule_path.empty()) {
     auto file = plan::ScheduleFile::load(options.schedule_path);
     if (!costs) costs = file.costs;
@@ -206,23 +211,30 @@ void register_plan(CLI::App& app) {
       ->check(CLI::ExistingFile);
   command->add_option("--json", options->json_path,
                       "also write the timelines and every wait as JSON");
-  command->add_option("--steps", options->num_progress,
-                      "progress() calls to simulate; the second to last is drawn")
+  auto* steps = command
+                    ->add_option("--steps", options->num_progress,
+                                 "progress() calls to simulate; the second to last is drawn")
+                    ->capture_default_str()
+                    ->check(CLI::Range(4, 10000));
+  command
+      ->add_option("--batches", options->num_batches,
+                   "simulate one finite source of this many batches (e.g. a training step of "
+                   "that many micro-batches), its fill and drain included, instead of "
+                   "steady-state progress() calls (0: steady state); also for --suggest")
       ->capture_default_str()
-      ->check(CLI::Range(4, 10000));
-  command->add_option("--batches", options->num_batches,
-                      "simulate one finite source of this many batches (e.g. a training step of "
-                      "that many micro-batches), its fill and drain included, instead of "
-                      "steady-state progress() calls (0: steady state)")
+      ->check(CLI::Range(0, 1'000'000))
+      ->excludes(steps);
+  auto* slowed = command->add_option(
+      "--slowed-stream", options->slowed_stream,
+      "the stream whose GPU work --overlap-slowdown slows (a stream of the schedule)");
+  command
+      ->add_option("--overlap-slowdown", options->overlap_slowdown,
+                   "--slowed-stream's GPU work runs this many (1 to 100) times slower while "
+                   "another stream's work runs beside it (the SMs a concurrent kernel holds); "
+                   "also for --suggest")
       ->capture_default_str()
-      ->check(CLI::Range(0, 1'000'000));
-  command->add_option("--slowed-stream", options->slowed_stream,
-                      "the stream that --overlap-slowdown slows");
-  command->add_option("--overlap-slowdown", options->overlap_slowdown,
-                      "--slowed-stream's GPU work runs this many (1 to 100) times slower while "
-                      "another stream's work runs beside it (the SMs a concurrent kernel holds); "
-                      "also for --suggest")
-      ->capture_default_str();
+      ->check(CLI::Range(1.0, 100.0))
+      ->needs(slowed);
   auto suggest = std::make_shared<SuggestCliOptions>();
   add_suggest_options(*command, *suggest);
   command->callback([options, suggest] {

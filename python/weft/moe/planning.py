@@ -116,29 +116,35 @@ class Suggested(NamedTuple):
 def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                     num_slots: Optional[Sequence[int]] = None, max_threads: int = 2,
                     calibration: Optional[Calibration] = None, min_gain_pct: float = 1.0,
-                    name: str = "suggested") -> Suggested:
+                    own_thread_map=None, name: str = "suggested") -> Suggested:
     """The best schedule for the step with ``costs`` (as weft.plan.simulate takes them) and
     ``calibration`` that keeps to ``num_slots`` layouts per layer (the step's LayoutSlots; None:
     a dispatcher that keeps no layout, any lookahead fits), at most ``max_threads`` threads.
 
     Two searches, the best of both (the lowest predicted step; ties to the lookahead search's
-    pick, then the shallower depth, then the maps in the order below), unless the step's own
-    schedules (the depth family under moe_thread_map) have one predicted within min_gain_pct %
-    of it: then the best of those (a gain inside the model's error is no reason to leave the
-    schedule the step was built with; 0 keeps the lowest prediction):
+    pick, then the shallower depth, then the maps in the order below):
     - weft.plan.suggest over the depth-B schedule, B = min(max_depth, min(num_slots) - 1):
       thread maps and every lookahead in [0, B], from moe_thread_map and the presets;
-    - the depth family: every depth whose layouts fit, under moe_thread_map, one thread
-      (legacy) and each map the first search found, those of at most max_threads threads.
-    The same costs give the same suggestion; its layouts fit num_slots (check_layouts)."""
+    - the depth family: every depth whose layouts fit, under the step's own thread map
+      (``own_thread_map``, a thread -> tasks dict; None: moe_thread_map), one thread (legacy)
+      and each map the first search found, those of at most max_threads threads.
+    The pick is the step's own schedule (the best depth under its own map) unless the lowest
+    prediction is more than ``min_gain_pct`` % below it (a gain inside the model's error is no
+    reason to leave the schedule the step was built with; ties go to the step's own schedule;
+    0 takes any lower prediction). Where the own map has more threads than max_threads it is
+    not a candidate and the lowest prediction is the pick. The same costs give the same
+    suggestion; its layouts fit num_slots (check_layouts)."""
+    if not min_gain_pct >= 0:
+        raise ValueError(f"min_gain_pct must be >= 0, got {min_gain_pct!r}")
     calibration = calibration or Calibration()
     deepest = max_depth(num_layers)
     bound = deepest if num_slots is None else min(deepest, min(num_slots) - 1)
-    candidates = []  # (step ms, order, variant, source, the family under moe_thread_map)
+    candidates = []  # (step ms, order, variant, source, under the step's own map)
     searched, not_searched = [], []
     result = None
-    own_map = {"groups": moe_thread_map(num_layers)}  # the config file's JSON form
-    maps = [own_map, "legacy"]
+    own = own_thread_map if own_thread_map is not None else moe_thread_map(num_layers)
+    # The family's maps in the config file's JSON form, each marked whether it is the own map.
+    maps = [({"groups": own}, True), ("legacy", False)]
     num_evaluated = 0
     if bound > 0 or max_threads > 1:
         result = plan.suggest(moe_schedule(num_layers, bound), costs, max_threads=max_threads,
@@ -146,43 +152,46 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                               num_batches=num_micro_batches,
                               wake_up_us=calibration.wake_up_us, gil=calibration.gil,
                               overlap_slowdown=calibration.slowdown,
-                              start_maps=[ThreadMap.of(moe_thread_map(num_layers))])
+                              start_maps=[ThreadMap.of(own)])
         num_evaluated += result.num_evaluated
         for k, s in enumerate(result.suggestions):
             v = _variant(name, num_layers, num_micro_batches, bound, s.config)
             candidates.append((s.step_us / 1e3, (0, 0, k), v, "lookahead search", False))
-            maps.append(json.loads(s.config.to_json())["thread_map"])
+            maps.append((json.loads(s.config.to_json())["thread_map"], False))
         searched.append(f"weft.plan.suggest ({result.method}, {result.num_evaluated} schedules "
                         f"simulated): thread maps of at most {max_threads} threads, every "
                         f"lookahead in [0, {bound}] (any combination keeps at most {bound + 1} "
                         "layouts per layer)")
         not_searched += result.not_searched
-    maps = [m for m in maps if _num_threads(num_layers, m) <= max_threads]
+    maps = [(m, is_own) for m, is_own in maps if _num_threads(num_layers, m) <= max_threads]
     fitting = [d for d in range(deepest + 1)
                if _fits(num_layout_slots(num_layers, d), num_slots)]
     for d in fitting:
         lookaheads = stage_lookaheads(num_layers, d)
-        for k, m in enumerate(maps):
+        for k, (m, is_own) in enumerate(maps):
             config = ScheduleConfig.from_dict({"thread_map": m, "lookahead": lookaheads})
             v = _variant(name, num_layers, num_micro_batches, d, config)
             ms = predicted_ms(v, costs, calibration)
-            candidates.append((ms, (1, d, k), v, f"depth family d{d}", m is own_map))
+            candidates.append((ms, (1, d, k), v, f"depth family d{d}", is_own))
             num_evaluated += 1
     searched.append(f"the depth family (stage_lookaheads) at every depth whose layouts fit "
                     f"({', '.join(f'd{d}' for d in fitting)}), under {len(maps)} maps "
-                    f"(moe_thread_map, one thread, the lookahead search's picks; those of at "
+                    f"(the step's own, one thread, the lookahead search's picks; those of at "
                     f"most {max_threads} threads)")
     if bound < deepest:
         not_searched.append(f"lookaheads above {bound} other than the depth family's (the step's "
                             f"layout slots hold {list(num_slots)} layouts per layer)")
-    if not min_gain_pct >= 0:
-        raise ValueError(f"min_gain_pct must be >= 0, got {min_gain_pct!r}")
-    key = lambda c: (round(c[0] * 1e6), c[1])  # noqa: E731
-    best = min(candidates, key=key)
-    own = [c for c in candidates if c[4]]
-    if own:
-        own_best = min(own, key=key)
-        if best[0] >= own_best[0] * (1 - min_gain_pct / 100):
+    ns = lambda c: round(c[0] * 1e6)  # noqa: E731  (predictions compared to the nanosecond)
+    best = min(candidates, key=lambda c: (ns(c), c[1]))
+    under_own = [c for c in candidates if c[4]]
+    if under_own:
+        own_best = min(under_own, key=lambda c: (ns(c), c[1]))
+        if ns(best) >= ns(own_best) * (1 - min_gain_pct / 100):
+            if best is not own_best and ns(best) < ns(own_best):
+                searched.append(f"kept the step's own schedule ({own_best[3]}, {own_best[0]:.3f} "
+                                f"ms): the lowest prediction ({best[3]}, {best[0]:.3f} ms) is "
+                                f"{100 * (1 - best[0] / own_best[0]):.2f}% below it, within "
+                                f"min_gain_pct {min_gain_pct:g}%")
             best = own_best
     ms, _, variant, source, _ = best
     check_layouts(variant, num_slots)

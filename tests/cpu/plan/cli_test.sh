@@ -178,8 +178,16 @@ then
 else
   fail "--overlap-slowdown:"; cat "$work/slowed.log"
 fi
-expect_failure overlap_below_one "overlap_slowdown must be in [1, 100], got 0.5" \
+expect_failure overlap_below_one "--overlap-slowdown: Value 0.5 not in range" \
   --schedule "$data/schedule_ok.json" --slowed-stream default --overlap-slowdown 0.5
+expect_failure overlap_without_stream "--overlap-slowdown requires --slowed-stream" \
+  --schedule "$data/schedule_ok.json" --overlap-slowdown 2
+expect_failure slowed_stream_unknown "the schedule has no stream 'warp'" \
+  --schedule "$data/schedule_ok.json" --slowed-stream warp --overlap-slowdown 2
+expect_failure batches_and_steps "--steps excludes --batches" \
+  --schedule "$data/schedule_ok.json" --batches 3 --steps 20
+expect_failure batches_trace_alone "with --trace alone nothing is simulated" \
+  --trace "$data/trace_small.json" --batches 3
 
 echo "$passed passed, $failures failed"
 exit $((failures > 0))
