@@ -56,8 +56,8 @@ busy time (weft.plan.trace_costs; --gpu-costs span: the spans). Then weft.plan.s
 over moe_schedule, kept to the layouts the family's steps hold (weft.ep: those of the deepest
 --depth; a2a: any), with at most --max-threads threads; the suggestion's config goes to
 --config-out (default moe_SHAPE_TTOKENS_suggested.json in --trace-dir, else here) and runs,
-timed, as "suggested". --calibrate: a wake-up cost and the GIL model (on a GPU also the compute
-stream's slowdown while other streams' work runs) fitted to traced runs of depth 0 and every --depth
+timed, as "suggested". --calibrate: a wake-up cost and the GIL model (on a GPU also a slowdown
+of the compute stream's work) fitted to traced runs of depth 0 and every --depth
 (weft.step_planning.fit_calibration), shown as fit ms and used by the search. The
 table: per row of the family, the step's range, x its serial (a), planner ms (the variant's
 step with those costs: one source of --micro-batches batches, fill and drain), err % against
@@ -394,8 +394,8 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
         fitted = depth_variants(L, sorted({0, *depths}), M)
         traced_ms = rank0_value({v.name: ms0 if v.depth == 0 else trace(v.depth, v.name)[0]
                                  for v in fitted}, group)
-        # On a GPU the compute stream's work runs slower beside the communication's (the
-        # emulated dispatcher's hold takes SMs): the overlap slowdown of "default" is fitted too.
+        # On a GPU the compute stream's work may run slower beside the communication's (the
+        # emulated dispatcher's hold takes SMs): a slowdown of "default" is fitted too.
         fit = fit_calibration(traced_ms, fitted, costs,
                               slowdown_stream="default" if device == "cuda" else None)
         out(f"# calibration, fitted on the traced runs of {len(fitted)} depths "

@@ -23,7 +23,7 @@ from weft.hstu.variants import step_variants  # noqa: E402
 from weft.moe.planning import (MoeVariant, check_layouts, depth_variants,  # noqa: E402
                                merged_trace, suggest_variant, variant_from_config)
 from weft.pipeline import ScheduleConfig, ThreadMap  # noqa: E402
-from weft.step_planning import (Calibration, fit_calibration,  # noqa: E402
+from weft.step_planning import (Calibration, calibrated_costs, fit_calibration,  # noqa: E402
                                 predicted_ms, rms_error_pct)
 from test_moe_pipeline import (SMALL, _check_steps, _inputs, _one_layout_slots,  # noqa: E402
                                _relayouts)
@@ -275,25 +275,24 @@ def test_moe_pipeline_suggest_at_two_ranks_plans_with_rank_0s_figures(tmp_path):
     assert (tmp_path / "bench-out" / "moe_pipeline_tiny_T64_d1.trace.json").is_file()
 
 
-@pytest.mark.timeout(300)
-def test_the_fit_recovers_a_compute_stream_overlap_slowdown():
+@pytest.mark.timeout(120)
+def test_the_fit_recovers_a_compute_stream_slowdown():
     variants = depth_variants(L, [0, 1, 4, 8], M)
     truth = Calibration(0.0, None, slowdown=("default", 1.3))
+    slowed = calibrated_costs(FIXED_COSTS, truth)
+    assert slowed["tasks"]["experts_0"]["gpu"] == [{"stream": "default", "us": 900 * 1.3}]
+    assert slowed["tasks"]["dispatch_0"]["gpu"] == [{"stream": "comm", "us": 400}]
+    assert FIXED_COSTS["tasks"]["experts_0"]["gpu"][0]["us"] == 900  # not changed in place
     measured = {v.name: predicted_ms(v, FIXED_COSTS, truth) for v in variants}
-    plain = {v.name: predicted_ms(v, FIXED_COSTS) for v in variants}
-    # Compute beside the comm stream's work runs slower: every schedule takes longer, the
-    # deepest (the most overlap) the most.
-    slower = {name: measured[name] / plain[name] for name in measured}
-    assert min(slower.values()) >= 1 and slower["d8"] == max(slower.values()) > 1.02, slower
-    assert rms_error_pct(measured, variants, FIXED_COSTS) > 2
+    assert rms_error_pct(measured, variants, FIXED_COSTS) > 5
     fit = fit_calibration(measured, variants, FIXED_COSTS, slowdown_stream="default")
     assert fit.slowdown == ("default", 1.3) and fit.rms_error_pct == pytest.approx(0, abs=1e-9)
-    assert "stream default's GPU work x 1.3 while another stream's runs" in fit.describe()
+    assert "stream default's GPU work x 1.3" in fit.describe()
     assert fit_calibration(measured, variants, FIXED_COSTS).slowdown is None
     found = suggest_variant(FIXED_COSTS, L, M, calibration=fit)
     assert predicted_ms(found.variant, FIXED_COSTS, fit) == pytest.approx(found.step_ms)
-    with pytest.raises(weft.Error, match="overlap_slowdown"):
-        predicted_ms(variants[0], FIXED_COSTS, Calibration(slowdown=("default", 0.5)))
+    with pytest.raises(weft.Error, match="needs the costs as a dict"):
+        predicted_ms(variants[0], HOST_BOUND_COSTS, truth)
 
 
 @pytest.mark.timeout(60)

@@ -22,7 +22,7 @@ from typing import List, NamedTuple, Optional, Union
 
 from .. import plan
 from ..pipeline import ScheduleConfig, ThreadMap
-from ..step_planning import (WAKE_UP_GRID_US, Calibration, error_pct,
+from ..step_planning import (WAKE_UP_GRID_US, Calibration, calibrated_costs, error_pct,
                              fit_calibration, predicted_ms, rms_error_pct)
 from .variants import MOVABLE_STREAMS, StepVariant, step_schedule, step_variants
 
@@ -63,9 +63,10 @@ def suggest_variant(costs, *, max_threads: int = 4, calibration: Optional[Calibr
     gives it "h2d alone on a thread", one stream step away. The same costs give the same
     suggestion."""
     calibration = calibration or Calibration()
-    result = plan.suggest(step_schedule(cascade=SEARCH_CASCADE), costs, max_threads=max_threads,
+    result = plan.suggest(step_schedule(cascade=SEARCH_CASCADE),
+                          calibrated_costs(costs, calibration), max_threads=max_threads,
                           num_best=1, wake_up_us=calibration.wake_up_us, gil=calibration.gil,
-                          overlap_slowdown=calibration.slowdown, start_maps=start_maps())
+                          start_maps=start_maps())
     top = result.suggestions[0]
     return Suggested(StepVariant.of_config(name, top.config, SEARCH_CASCADE), top, result)
 

@@ -37,7 +37,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Union
 from .. import plan
 from .._weft import Error
 from ..pipeline import ScheduleConfig, ThreadMap
-from ..step_planning import Calibration, predicted_ms
+from ..step_planning import Calibration, calibrated_costs, predicted_ms
 from .step import (layouts_of, max_depth, moe_schedule, moe_thread_map, num_layout_slots,
                    stage_lookaheads)
 
@@ -147,11 +147,11 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     maps = [({"groups": own}, True), ("legacy", False)]
     num_evaluated = 0
     if bound > 0 or max_threads > 1:
-        result = plan.suggest(moe_schedule(num_layers, bound), costs, max_threads=max_threads,
+        result = plan.suggest(moe_schedule(num_layers, bound),
+                              calibrated_costs(costs, calibration), max_threads=max_threads,
                               min_lookahead=0, max_lookahead=bound, num_best=3,
                               num_batches=num_micro_batches,
                               wake_up_us=calibration.wake_up_us, gil=calibration.gil,
-                              overlap_slowdown=calibration.slowdown,
                               start_maps=[ThreadMap.of(own)])
         num_evaluated += result.num_evaluated
         for k, s in enumerate(result.suggestions):
