@@ -6,7 +6,7 @@
 //   weft plan --schedule my_schedule.json --json waits.json
 //   weft plan --trace run.trace.json           # a real run's trace, drawn the same way
 //   weft plan --trace run.trace.json --costs costs.json   # and the HSTU variants with those costs
-//   weft plan --schedule step.json --batches 4  # a step of 4 micro-batches, fill and drain included
+//   weft plan --schedule step.json --batches 4  # 4 micro-batches, fill and drain included
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -36,10 +36,8 @@ struct PlanOptions {
   std::string schedule_path;
   std::vector<std::string> traces;
   std::string json_path;
-  int num_progress = 12;
-  int num_batches = 0;  // > 0: one finite source of this many batches (SimulationOptions)
-  std::string slowed_stream;     // SimulationOptions::slowed_stream
-  double overlap_slowdown = 1;   // SimulationOptions::overlap_slowdown
+  // How every variant is simulated: --steps, --batches, --slowed-stream, --overlap-slowdown.
+  plan::SimulationOptions simulation;
 };
 
 nlohmann::json timeline_json(const plan::VariantReport& v) {
@@ -98,10 +96,6 @@ void run_plan(const PlanOptions& options) {
   if (!options.json_path.empty()) json_file.emplace(options.json_path);
   std::vector<plan::VariantReport> reports;
   plan::ReportOptions report_options;
-  const plan::SimulationOptions simulation{.num_progress = options.num_progress,
-                                           .num_batches = options.num_batches,
-                                           .slowed_stream = options.slowed_stream,
-                                           .overlap_slowdown = options.overlap_slowdown};
   std::optional<plan::CostModel> costs;
   if (!options.costs_path.empty()) costs = plan::CostModel::load(options.costs_path);
   // A schedule file's own costs are checked when it is read; --costs here.
@@ -118,7 +112,7 @@ void run_plan(const PlanOptions& options) {
   const bool draw_hstu = options.schedule_path.empty() &&
                          (options.traces.empty() || !options.variants.empty() || costs.has_value());
   WEFT_CHECK(draw_hstu || !options.schedule_path.empty() ||
-                 (options.num_batches == 0 && options.slowed_stream.empty()),
+                 (options.simulation.num_batches == 0 && options.simulation.slowed_stream.empty()),
              "--batches, --slowed-stream and --overlap-slowdown shape a simulation, and with "
              "--trace alone nothing is simulated (add --variant or --costs to simulate the HSTU "
              "variants beside the trace)");
@@ -138,7 +132,7 @@ void run_plan(const PlanOptions& options) {
       std::fprintf(stderr, "[%zu/%zu] %s\n", i + 1, file.thread_maps.size(),
                    file.thread_map_names[i].c_str());
       reports.push_back(plan::simulate_variant(file.thread_map_names[i], "custom", compiled,
-                                               file.thread_maps[i], *costs, simulation));
+                                               file.thread_maps[i], *costs, options.simulation));
     }
   } else if (draw_hstu) {
     if (!costs) costs = plan::CostModel::hstu_defaults();
@@ -159,7 +153,7 @@ void run_plan(const PlanOptions& options) {
       reports.push_back(plan::simulate_variant(std::string(v.name),
                                                std::string(hstu::to_string(v.cascade)), compiled,
                                                pipeline::ThreadMap::preset(v.thread_map), *costs,
-                                               simulation));
+                                               options.simulation));
     }
   }
   for (const auto& path : options.traces) {
@@ -175,9 +169,9 @@ void run_plan(const PlanOptions& options) {
   }
   html_file.commit();
   if (json_file) json_file->commit();
-  if (options.num_batches > 0) {
+  if (options.simulation.num_batches > 0) {
     std::printf("simulated as one source of %d batches: step = the whole source\n",
-                options.num_batches);
+                options.simulation.num_batches);
   }
   for (const auto& r : reports) {
     std::printf("%-26s step %9.1f us   host %8.1f us   %2zu threads   %zu waits\n",
@@ -212,12 +206,12 @@ void register_plan(CLI::App& app) {
   command->add_option("--json", options->json_path,
                       "also write the timelines and every wait as JSON");
   auto* steps = command
-                    ->add_option("--steps", options->num_progress,
+                    ->add_option("--steps", options->simulation.num_progress,
                                  "progress() calls to simulate; the second to last is drawn")
                     ->capture_default_str()
                     ->check(CLI::Range(4, 10000));
   command
-      ->add_option("--batches", options->num_batches,
+      ->add_option("--batches", options->simulation.num_batches,
                    "simulate one finite source of this many batches (e.g. a training step of "
                    "that many micro-batches), its fill and drain included, instead of "
                    "steady-state progress() calls (0: steady state); also for --suggest")
@@ -225,10 +219,10 @@ void register_plan(CLI::App& app) {
       ->check(CLI::Range(0, 1'000'000))
       ->excludes(steps);
   auto* slowed = command->add_option(
-      "--slowed-stream", options->slowed_stream,
+      "--slowed-stream", options->simulation.slowed_stream,
       "the stream whose GPU work --overlap-slowdown slows (a stream of the schedule)");
   command
-      ->add_option("--overlap-slowdown", options->overlap_slowdown,
+      ->add_option("--overlap-slowdown", options->simulation.overlap_slowdown,
                    "--slowed-stream's GPU work runs this many (1 to 100) times slower while "
                    "another stream's work runs beside it (the SMs a concurrent kernel holds); "
                    "also for --suggest")
@@ -241,8 +235,7 @@ void register_plan(CLI::App& app) {
     if (!suggest->enabled) return run_plan(*options);
     run_suggest(*suggest, {options->out, options->json_path, options->variants,
                            options->costs_path, options->schedule_path, options->traces,
-                           options->num_progress, options->num_batches,
-                           options->slowed_stream, options->overlap_slowdown});
+                           options->simulation});
   });
 }
 

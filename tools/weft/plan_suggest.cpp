@@ -157,10 +157,7 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
                                       .min_lookahead = options.min_lookahead,
                                       .max_lookahead = options.max_lookahead,
                                       .num_best = options.num_best};
-  search_options.simulation.num_progress = inputs.num_progress;
-  search_options.simulation.num_batches = inputs.num_batches;
-  search_options.simulation.slowed_stream = inputs.slowed_stream;
-  search_options.simulation.overlap_slowdown = inputs.overlap_slowdown;
+  search_options.simulation = inputs.simulation;
   search_options.simulation.thread_wake_up_us = options.wake_up_us;
   for (const auto& name : options.gil_tasks) {
     if (name != "all") {

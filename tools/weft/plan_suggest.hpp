@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "weft/plan/simulate.hpp"
+
 namespace weft::tools {
 
 struct SuggestCliOptions {
@@ -33,10 +35,8 @@ struct SuggestInputs {
   std::string costs_path;
   std::string schedule_path;
   std::vector<std::string> traces;
-  int num_progress = 12;
-  int num_batches = 0;  // SimulationOptions::num_batches
-  std::string slowed_stream;    // SimulationOptions::slowed_stream
-  double overlap_slowdown = 1;  // SimulationOptions::overlap_slowdown
+  // --steps, --batches, --slowed-stream, --overlap-slowdown (the search adds its own options).
+  plan::SimulationOptions simulation;
 };
 
 void add_suggest_options(CLI::App& command, SuggestCliOptions& options);

@@ -187,7 +187,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     if under_own:
         own_best = min(under_own, key=lambda c: (ns(c), c[1]))
         if ns(best) >= ns(own_best) * (1 - min_gain_pct / 100):
-            if best is not own_best and ns(best) < ns(own_best):
+            if ns(best) < ns(own_best):
                 searched.append(f"kept the step's own schedule ({own_best[3]}, {own_best[0]:.3f} "
                                 f"ms): the lowest prediction ({best[3]}, {best[0]:.3f} ms) is "
                                 f"{100 * (1 - best[0] / own_best[0]):.2f}% below it, within "
