@@ -2,9 +2,11 @@
 // weft/plan.py). Schedules and thread maps are weft._weft.pipeline's objects; results are
 // read-only copies of weft::plan's structs.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -165,12 +167,14 @@ void bind_trace_costs(nb::module_& m) {
   m.def(
       "trace_costs",
       [](nb::handle trace, const pl::Schedule* schedule, const std::string& gpu,
-         double skip_fraction) {
-        const plan::TraceCostOptions options{.gpu = plan::parse_gpu_cost(gpu),
-                                             .skip_fraction = skip_fraction};
+         double skip_fraction, const std::map<std::string, std::string>& gpu_waits) {
+        plan::TraceCostOptions options{.gpu = plan::parse_gpu_cost(gpu),
+                                       .skip_fraction = skip_fraction};
+        options.gpu_waits.insert(gpu_waits.begin(), gpu_waits.end());
         return plan::trace_costs(trace_of(trace), schedule, options);
       },
       nb::arg("trace"), nb::arg("schedule").none(), nb::arg("gpu"), nb::arg("skip_fraction"),
+      nb::arg("gpu_waits"),
       "weft::plan::trace_costs of an engine trace, or of any object with a trace's fields.");
   m.def("read_engine_trace", &plan::read_engine_trace, nb::arg("path"));
 }

@@ -65,6 +65,34 @@ def test_a_release_outside_the_span_leaves_the_span(b_begin_us, b_end_us):
     assert gpu_us(plan.trace_costs(t, PRODUCER_CONSUMER), "B") == {"s2": b_end_us - b_begin_us}
 
 
+def test_a_gpu_wait_is_left_out_of_the_waiting_tasks_host_time_and_simulated_instead():
+    # B's body waits for A's GPU work of its batch (a count A's kernel writes). Batch 0's span
+    # [10, 140] holds the wait to 110 (30 us of host work), batch 1's began after A's GPU work
+    # ended (40 whole), batch 2's ended before it (45 whole): the median 40, against 45 without.
+    t = trace(["A", "B"], ["s1", "s2"],
+              [host(0, 0, 0, 0, 10), host(1, 0, 0, 10, 140), host(0, 1, 1, 140, 150),
+               host(1, 1, 1, 300, 340), host(0, 2, 2, 340, 350), host(1, 2, 2, 450, 495)],
+              [gpu(0, 0, 0, 10, 110), gpu(0, 0, 1, 150, 250), gpu(0, 0, 2, 400, 500)])
+    costs = plan.trace_costs(t, PRODUCER_CONSUMER, gpu_waits={"B": "A"})
+    assert costs["tasks"]["B"] == {"host_us": 40, "waits_for_gpu_of": "A"}
+    assert "waits_for_gpu_of" not in costs["tasks"]["A"]
+    assert plan.trace_costs(t, PRODUCER_CONSUMER)["tasks"]["B"] == {"host_us": 45}
+    # The simulator then starts B's host work when A's GPU work of its batch ends: one thread,
+    # A 10 us of host and 100 of GPU (the medians): B at 110, after a wait of 100 us.
+    report = plan.simulate(PRODUCER_CONSUMER, "legacy", costs, name="waits", num_batches=1)
+    starts = {s.task: s.start_us for s in report.timeline.host}
+    assert starts == {"A": 0, "B": 110}
+    waits = [w for w in report.timeline.waits if w.rule == "gpu_wait"]
+    assert [(w.producer, w.consumer, w.producer_thread, w.waited_us) for w in waits] == \
+        [("A", "B", "stream s1", 100)]
+    with pytest.raises(weft.Error, match="gpu_waits producer 'ghost' is not a task"):
+        plan.trace_costs(t, PRODUCER_CONSUMER, gpu_waits={"B": "ghost"})
+    with pytest.raises(weft.Error, match="waits for its own GPU work"):
+        plan.trace_costs(t, PRODUCER_CONSUMER, gpu_waits={"B": "B"})
+    with pytest.raises(TypeError, match="gpu_waits maps task names"):
+        plan.trace_costs(t, PRODUCER_CONSUMER, gpu_waits={"B": 0})
+
+
 def test_a_task_without_waits_keeps_its_spans_median():
     t = trace(["A"], ["default"],
               [host(0, b, b, 1000 * b, 1000 * b + 7) for b in range(3)],

@@ -263,7 +263,8 @@ class SuggestResult:
 GPU_COST_KINDS = ("busy", "span")
 
 
-def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy") -> dict:
+def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy",
+                gpu_waits: Optional[Mapping[str, str]] = None) -> dict:
     """The cost model (the cost file's JSON form) an engine trace measures, by weft's one reading
     of a trace into costs (weft::plan::trace_costs; docs/planner.md "Costs from a trace"): per
     task, ``host_us`` the median of its host spans and, per stream it ran on, a GPU segment with
@@ -275,9 +276,20 @@ def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy"
     host_spans with task, batch, iteration, ticket, begin_us, end_us, failed; gpu_spans with
     task, stream, batch, begin_us, end_us, failed). schedule: the traced tasks' Schedule, or None
     (then only stream order and the collective order are known). weft.Error for an unknown
-    ``gpu`` or a schedule task the trace lacks; the same trace gives the same costs."""
+    ``gpu`` or a schedule task the trace lacks; the same trace gives the same costs.
+
+    gpu_waits: task -> the task whose GPU work of the same batch its body waits for on the host
+    (e.g. a count the producer's kernel writes): such a task's ``host_us`` leaves that wait out
+    (the part of each span before the producer's GPU work of its batch ended, where it ended
+    inside the span) and its cost says ``"waits_for_gpu_of"``, which simulate() and suggest()
+    then model as a wait for that work."""
     native_schedule = None if schedule is None else schedule._to_native(with_bodies=False)
-    model = json.loads(_native.trace_costs(trace, native_schedule, gpu, 0.0).to_json())
+    waits = dict(gpu_waits or {})
+    for task, producer in waits.items():
+        if not isinstance(task, str) or not isinstance(producer, str):
+            raise TypeError("trace_costs: gpu_waits maps task names to task names, got "
+                            f"{task!r}: {producer!r}")
+    model = json.loads(_native.trace_costs(trace, native_schedule, gpu, 0.0, waits).to_json())
     for entry in model["tasks"].values():
         if not entry["gpu"]:
             del entry["gpu"]  # the cost file's form: no "gpu" for a task without GPU work
@@ -321,7 +333,7 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
         if costs is not None:
             raise TypeError("suggest: give costs or a trace, not both")
         model = _native.trace_costs(_native.read_engine_trace(os.fspath(trace)),
-                                    schedule._to_native(with_bodies=False), "busy", 0.0)
+                                    schedule._to_native(with_bodies=False), "busy", 0.0, {})
     else:
         model = _cost_model(costs, schedule)
     args = [_checks.integer(v, n, *_checks.INT32) for v, n in (

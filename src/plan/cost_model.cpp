@@ -46,9 +46,13 @@ CostModel CostModel::parse(std::string_view json_text) {
     WEFT_CHECK(tasks.is_object(), "$.tasks: expected an object of task name -> cost");
     for (const auto& [name, entry] : tasks.items()) {
       const std::string path = "$.tasks." + name;
-      only_keys(entry, path, {"host_us", "gpu"});
+      only_keys(entry, path, {"host_us", "gpu", "waits_for_gpu_of"});
       TaskCost cost;
       if (entry.contains("host_us")) cost.host_us = cost_at(entry["host_us"], path + ".host_us");
+      if (entry.contains("waits_for_gpu_of")) {
+        cost.waits_for_gpu_of = json_input::name_at(entry["waits_for_gpu_of"],
+                                                    path + ".waits_for_gpu_of", "a task name");
+      }
       if (entry.contains("gpu")) {
         json_input::for_each_element(
             entry["gpu"], path + ".gpu", "{stream, us}",
@@ -81,6 +85,7 @@ std::string CostModel::to_json() const {
     entry["host_us"] = cost.host_us;
     entry["gpu"] = json::array();
     for (const auto& seg : cost.gpu) entry["gpu"].push_back({{"stream", seg.stream}, {"us", seg.us}});
+    if (!cost.waits_for_gpu_of.empty()) entry["waits_for_gpu_of"] = cost.waits_for_gpu_of;
     root["tasks"][name] = entry;
   }
   return root.dump(2);
@@ -110,6 +115,10 @@ void CostModel::check_against(const pipeline::CompiledSchedule& schedule) const 
       WEFT_CHECK(schedule.find_stream(cost.gpu[i].stream).has_value(), "$.tasks.", name, ".gpu[", i,
                  "].stream: the schedule has no stream '", cost.gpu[i].stream, "'");
     }
+    const std::string& producer = cost.waits_for_gpu_of;
+    WEFT_CHECK(producer.empty() || (producer != name && schedule.find_task(producer)),
+               "$.tasks.", name, ".waits_for_gpu_of: '", producer, "' is ",
+               producer == name ? "the task itself" : "no task of the schedule");
   }
 }
 
@@ -119,7 +128,7 @@ CostModel CostModel::hstu_defaults() {
   CostModel model;
   model.default_host_us = 20;
   auto add = [&](const char* task, double host_us, std::vector<GpuSegment> gpu) {
-    model.tasks[task] = TaskCost{host_us, std::move(gpu)};
+    model.tasks[task] = TaskCost{host_us, std::move(gpu), {}};
   };
   add("h2d", 300, {{"memcpy", 800}});
   add("start_shuffle", 400, {{"memcpy", 40}});

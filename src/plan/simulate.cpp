@@ -40,8 +40,9 @@ WaitRule plan_rule(const pipeline::WaitEdge& edge, const CompiledSchedule& sched
 
 // When the next task of a thread can start.
 struct Start {
-  double at;         // when the task starts
-  double deps_done;  // when its host-wait producers were done (before its ticket)
+  double at;          // when the task starts its host work
+  double deps_done;   // when its host-wait producers were done (before its ticket)
+  double gpu_wait_from;  // when it began to wait for a producer's GPU work (at, where it did not)
 };
 
 // One simulation: for each progress() in turn, the task bodies placed on their threads (the host
@@ -56,6 +57,8 @@ class Simulator {
 
  private:
   void run_host(int p);
+  void run_settled(int p);
+  long long gpu_wait_job(int p, TaskId t) const;
   std::optional<Start> next_start(std::size_t th) const;
   void place(std::size_t th, const Start& s);
   void record_waits(std::size_t th, TaskId t, const Start& s);
@@ -84,6 +87,11 @@ class Simulator {
   std::vector<TaskCost> cost_;
   std::vector<bool> holds_gil_;
   bool any_gil_ = false;
+  // Per task, the producer whose GPU work its body waits for (waits_for_gpu_of; -1: none), and
+  // in the progress being placed, the end of that work (0 until known).
+  std::vector<long long> gpu_wait_of_;
+  std::vector<double> gpu_wait_end_;
+  bool any_gpu_wait_ = false;
   std::vector<pipeline::WaitEdge> edges_;
   // Host-wait edges into each consumer, and stream-wait edges into each consumer.
   std::vector<std::vector<const pipeline::WaitEdge*>> host_in_, stream_in_;
@@ -147,6 +155,19 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
     holds_gil_[*id] = true;
   }
   any_gil_ = !options.gil_tasks.empty();
+  gpu_wait_of_.assign(num_tasks_, -1);
+  for (TaskId t = 0; t < num_tasks_; ++t) {
+    const std::string& producer = cost_[t].waits_for_gpu_of;
+    if (producer.empty()) continue;
+    const TaskId id = *schedule.find_task(producer);  // check_against: a task of the schedule
+    const auto& consumer = schedule.task(t);
+    WEFT_CHECK(schedule.task(id).lookahead() >= consumer.lookahead(), "task '", consumer.name(),
+               "' (lookahead ", consumer.lookahead(), ") waits for the GPU work of '", producer,
+               "' (lookahead ", schedule.task(id).lookahead(),
+               "), which works on its batch later: the wait would never end");
+    gpu_wait_of_[t] = (long long)id;
+    any_gpu_wait_ = true;
+  }
 
   edges_ = pipeline::wait_edges(schedule, threads);
   host_in_.resize(num_tasks_);
@@ -166,8 +187,12 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
 
 Timeline Simulator::run() {
   for (int p = 0; p < num_progress_; ++p) {
-    run_host(p);
-    enqueue_gpu(p);
+    if (any_gpu_wait_) {
+      run_settled(p);
+    } else {
+      run_host(p);
+      enqueue_gpu(p);
+    }
   }
   gpu_.run_until_done(0, task_of_job_.size());
   for (int p = 0; p < num_progress_; ++p) gpu_done_.push_back(gpu_done(p));
@@ -247,6 +272,65 @@ void Simulator::run_host(int p) {
   progress_end_[p] = *std::max_element(end.begin(), end.end());
 }
 
+// Progress p where bodies wait for GPU work: placed with the waits' ends known so far (none at
+// first), its GPU work enqueued, the ends read; while some wait would start before the end it
+// waits for, the GPU model, the jobs and the drawn waits go back to before p and p is placed
+// again with those ends. An end only grows from one placement to the next (the ends kept are
+// the largest found), so the waits settle, after at most one more placement per waiting task
+// where each end moves once. The ends read run the model no further than the bodies that waited:
+// every later job is enqueued after them.
+void Simulator::run_settled(int p) {
+  gpu_wait_end_.assign(num_tasks_, 0);
+  const bool waits = [&] {
+    for (TaskId t = 0; t < num_tasks_; ++t) {
+      if (gpu_wait_of_[t] < 0 || !active(p, t)) continue;
+      const auto producer = std::size_t(gpu_wait_of_[t]);
+      const int q = p - (schedule_.task(producer).lookahead() - schedule_.task(t).lookahead());
+      if (q >= 0 && active(q, producer)) return true;
+    }
+    return false;
+  }();
+  if (!waits) {
+    run_host(p);
+    enqueue_gpu(p);
+    return;
+  }
+  const detail::StreamModel gpu_before = gpu_;
+  const std::size_t num_jobs = task_of_job_.size(), num_waits = waits_.size();
+  const int max_rounds = 2 * int(num_tasks_) + 8;
+  for (int round = 1;; ++round) {
+    run_host(p);
+    enqueue_gpu(p);
+    bool settled = true;
+    for (TaskId t = 0; t < num_tasks_; ++t) {
+      const long long job = gpu_wait_job(p, t);
+      if (job < 0) continue;
+      gpu_.run_until_done(std::size_t(job), std::size_t(job) + 1);
+      const double end = gpu_.job_end(std::size_t(job));
+      if (end > gpu_wait_end_[t]) {
+        gpu_wait_end_[t] = end;
+        settled = false;
+      }
+    }
+    if (settled) return;
+    WEFT_CHECK(round < max_rounds, "internal: the GPU waits of progress ", p,
+               " did not settle in ", max_rounds, " placements");
+    gpu_ = gpu_before;
+    task_of_job_.resize(num_jobs);
+    waits_.resize(num_waits);
+  }
+}
+
+// The stream model's job that task t's GPU wait in progress p is for: its producer's run on
+// t's batch (a task of lookahead k works on batch p - (L - k) at progress p). -1 where there is
+// none: t waits for nothing or has no batch at p, or that run is before the first progress.
+long long Simulator::gpu_wait_job(int p, TaskId t) const {
+  if (gpu_wait_of_[t] < 0 || !active(p, t)) return -1;
+  const auto producer = std::size_t(gpu_wait_of_[t]);
+  const int q = p - (schedule_.task(producer).lookahead() - schedule_.task(t).lookahead());
+  return q < 0 ? -1 : job_of_[std::size_t(q)][producer];
+}
+
 // When the next task of thread th can start, or nothing while a producer has not run yet.
 std::optional<Start> Simulator::next_start(std::size_t th) const {
   const auto& end = host_end_[p_];
@@ -264,10 +348,17 @@ std::optional<Start> Simulator::next_start(std::size_t th) const {
   if (prev >= 0 && end[std::size_t(prev)] == kUnknown) return std::nullopt;
   const double deps_done = at;
   if (prev >= 0) at = std::max(at, end[std::size_t(prev)]);
-  if (on && holds_gil_[t]) at = std::max(at, gil_free_);
   // Producers on this thread ended by thread_ready: a later start blocked on another.
-  if (at > thread_ready_[th]) at += options_.thread_wake_up_us;
-  return Start{at, deps_done};
+  bool blocked = at > thread_ready_[th];
+  const double gpu_wait_from = at;
+  // The GPU wait spins (no wake-up of its own), without the GIL, which the body takes after it.
+  if (on && gpu_wait_of_[t] >= 0) at = std::max(at, gpu_wait_end_[t]);
+  if (on && holds_gil_[t] && gil_free_ > at) {
+    at = gil_free_;
+    blocked = true;
+  }
+  if (blocked) at += options_.thread_wake_up_us;
+  return Start{at, deps_done, gpu_wait_from};
 }
 
 void Simulator::place(std::size_t th, const Start& s) {
@@ -315,6 +406,15 @@ void Simulator::record_waits(std::size_t th, TaskId t, const Start& s) {
          end[std::size_t(prev)] - s.deps_done,
          "collective ticket " + std::to_string(ticket_of_[std::size_t(p_)][t]) +
              " after ticket " + std::to_string(ticket_of_[std::size_t(p_)][std::size_t(prev)])});
+  }
+  if (gpu_wait_of_[t] >= 0 && gpu_wait_end_[t] > s.gpu_wait_from) {
+    const auto producer = std::size_t(gpu_wait_of_[t]);
+    waits_.push_back({schedule_.task(producer).name(), schedule_.task(t).name(),
+                      "stream " + schedule_.stream(schedule_.stream_of(producer)).name,
+                      threads_.thread_names[th], WaitRule::kGpuWait, gpu_wait_end_[t] - origin,
+                      gpu_wait_end_[t] - s.gpu_wait_from,
+                      "the body waits for the GPU work of its batch's " +
+                          schedule_.task(producer).name() + " (waits_for_gpu_of)"});
   }
 }
 

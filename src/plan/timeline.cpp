@@ -13,12 +13,14 @@ const char* to_string(WaitRule rule) noexcept {
     case WaitRule::kSyncBoth: return "sync_both";
     case WaitRule::kTicket: return "ticket";
     case WaitRule::kStreamOrder: return "stream_order";
+    case WaitRule::kGpuWait: return "gpu_wait";
   }
   return "unknown";
 }
 
 bool is_lookahead_rule(WaitRule rule) noexcept {
-  return rule != WaitRule::kTicket && rule != WaitRule::kStreamOrder;
+  return rule != WaitRule::kTicket && rule != WaitRule::kStreamOrder &&
+         rule != WaitRule::kGpuWait;
 }
 
 std::vector<ThreadLoad> thread_loads(const Timeline& timeline) {

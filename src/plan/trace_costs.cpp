@@ -206,8 +206,31 @@ CostModel trace_costs(const Trace& trace, const pipeline::Schedule* schedule,
   std::stable_sort(host.begin(), host.end(), [](const HostSpan* a, const HostSpan* b) {
     return std::tie(a->begin_us, a->end_us) < std::tie(b->begin_us, b->end_us);
   });
+  // A waiting task's spans count from the end of its producer's GPU work of their batch.
+  std::vector<std::optional<TaskId>> waits_for(num_tasks);
+  for (const auto& [task, producer] : options.gpu_waits) {
+    const TaskId t = index_of(trace, task, "gpu_waits task");
+    const TaskId p = index_of(trace, producer, "gpu_waits producer");
+    WEFT_CHECK(t != p, "trace_costs: gpu_waits: '", task, "' waits for its own GPU work");
+    waits_for[t] = p;
+  }
+  std::map<Run, double> gpu_end;  // (task, batch) -> the end of its last GPU span
+  for (const GpuSpan* g : gpu) {
+    double& end = gpu_end.try_emplace({g->task, g->batch}, g->end_us).first->second;
+    end = std::max(end, g->end_us);
+  }
   std::vector<std::vector<double>> host_us(num_tasks);
-  for (const HostSpan* s : host) host_us[s->task].push_back(s->end_us - s->begin_us);
+  for (const HostSpan* s : host) {
+    double begin = s->begin_us;
+    if (const auto& p = waits_for[s->task]) {
+      const auto end = gpu_end.find({*p, s->batch});
+      // A producer's end outside the span: the body did not wait for it (or for all of it).
+      if (end != gpu_end.end() && end->second > s->begin_us && end->second <= s->end_us) {
+        begin = end->second;
+      }
+    }
+    host_us[s->task].push_back(s->end_us - begin);
+  }
   std::vector<std::vector<std::vector<double>>> gpu_us(
       num_tasks, std::vector<std::vector<double>>(num_streams));
   for (std::size_t i = 0; i < gpu.size(); ++i) {
@@ -218,7 +241,8 @@ CostModel trace_costs(const Trace& trace, const pipeline::Schedule* schedule,
   model.default_host_us = 0;
   for (std::size_t t = 0; t < num_tasks; ++t) {
     if (host_us[t].empty()) continue;
-    TaskCost cost{.host_us = median_after(host_us[t], options.skip_fraction), .gpu = {}};
+    TaskCost cost{.host_us = median_after(host_us[t], options.skip_fraction), .gpu = {},
+                  .waits_for_gpu_of = waits_for[t] ? trace.task_names[*waits_for[t]] : ""};
     for (std::size_t st = 0; st < num_streams; ++st) {
       if (gpu_us[t][st].empty()) continue;
       cost.gpu.push_back(

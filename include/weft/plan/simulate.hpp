@@ -11,6 +11,11 @@
 // everything on one thread). A task's GPU segments start after its body ended, when their stream
 // is free and every stream-wait producer's GPU work (of the producer's batch) has ended; with an
 // overlap slowdown (SimulationOptions), one stream's work runs slower while another's runs.
+// A task whose cost has waits_for_gpu_of starts its host work no earlier than the end of that
+// producer's GPU work for its batch, holding its thread meanwhile (not the GIL). Such a wait can
+// depend on GPU work its own progress() enqueues: each progress() with one is placed again with
+// the waits found until they settle (the GPU model taken back each time); waits on a producer of
+// an earlier progress() settle at once.
 // The step time is the steady-state period of GPU completion (or of the host, without GPU work).
 // The drawn timeline is the second-to-last progress(): its host spans, and the GPU activity of any
 // progress during one step period from its start.

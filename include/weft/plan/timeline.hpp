@@ -16,12 +16,14 @@ enum class WaitRule {
   kSyncBoth,       // same_progress_sync edge, both sides
   kTicket,         // collective ticket order: an earlier collective of this progress still enqueuing
   kStreamOrder,    // two threads feed one stream: run order kept on that stream
+  kGpuWait,        // the body waits for a producer's GPU work (CostModel's waits_for_gpu_of)
 };
 
 const char* to_string(WaitRule rule) noexcept;
 
 // True for the waits the schedule's lookahead rules cause (same-lookahead ordering, same-progress
-// sync); false for the engine's own orderings (collective tickets, stream order).
+// sync); false for the engine's own orderings (collective tickets, stream order) and a body's
+// own wait for the GPU.
 bool is_lookahead_rule(WaitRule rule) noexcept;
 
 // The placement of one task: which stream it enqueues on, which thread runs it, how far ahead.
@@ -53,8 +55,8 @@ struct GpuSpan {
 struct WaitEdge {
   std::string producer;
   std::string consumer;
-  std::string producer_thread;  // the engine thread of each side
-  std::string consumer_thread;
+  std::string producer_thread;  // the engine thread of each side (a GPU wait: the producer's
+  std::string consumer_thread;  // stream, "stream NAME")
   WaitRule rule = WaitRule::kSameLookahead;
   double released_at_us = 0;  // when the producer side finished and the consumer could go on
   double waited_us = 0;       // how long the consumer's thread (or stream) sat idle for it

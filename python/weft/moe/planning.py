@@ -7,7 +7,8 @@ bench/python/moe_pipeline.py --suggest is the command line over it.
     traces = []                               # a PipelinedStep(..., trace=True), step by step
     for _ in range(3):
         step(x, target, lr); traces.append(step.engine.take_trace())
-    costs = weft.plan.trace_costs(merged_trace(traces), step.schedule)   # per task, each layer's
+    costs = weft.plan.trace_costs(merged_trace(traces), step.schedule,   # per task, each layer's
+                                  gpu_waits=count_waits(num_layers))     # (native dispatcher)
     variants = depth_variants(num_layers, [1, 8], num_micro_batches=4)
     found = suggest_variant(costs, num_layers, 4, num_slots=[8, 4])   # .variant, .step_ms
     found.write_config("suggested.json")      # variant_from_config() reads it back
@@ -41,8 +42,8 @@ from ..step_planning import Calibration, calibrated_costs, predicted_ms
 from .step import (layouts_of, max_depth, moe_schedule, moe_thread_map, num_layout_slots,
                    stage_lookaheads)
 
-__all__ = ["MoeVariant", "Suggested", "check_layouts", "depth_variants", "merged_trace",
-           "suggest_variant", "variant_from_config"]
+__all__ = ["MoeVariant", "Suggested", "check_layouts", "count_waits", "depth_variants",
+           "merged_trace", "suggest_variant", "variant_from_config"]
 
 
 class MoeVariant(NamedTuple):
@@ -72,6 +73,17 @@ class MoeVariant(NamedTuple):
     def layouts(self) -> List[int]:
         """Per layer, the layouts the variant keeps live at once (layouts_of)."""
         return layouts_of({t.name: t.lookahead for t in self.schedule().tasks}, self.num_layers)
+
+
+def count_waits(num_layers: int) -> Dict[str, str]:
+    """The step's host waits for GPU work, as weft.plan.trace_costs takes them (``gpu_waits``),
+    with a dispatcher whose dispatch is begun in the dispatch stage and finished in the experts
+    stage (NativeEpDispatcher, LayoutSlots.native_ep): experts_l's body waits for the count
+    dispatch_l's kernel publishes. Costs read with them leave that wait out of experts_l's host
+    time, and the simulator waits for dispatch_l's GPU work of the same micro-batch instead, so
+    that a schedule is weighed by where the count is on the GPU, not by the wait of the traced
+    run. (A dispatcher that waits inside its dispatch call, EpDispatcher, has no such split.)"""
+    return {f"experts_{layer}": f"dispatch_{layer}" for layer in range(num_layers)}
 
 
 def depth_variants(num_layers: int, depths: Sequence[int],

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -400,6 +401,150 @@ TEST(SimulateOverlap, SideStreamWorkJoinsBackAndSlowsTheOtherStream) {
                weft::Error);
 }
 
+// dispatch (comm, host 10 us, GPU 100 us) writes x; experts (default, host 20, GPU 50) reads it
+// and, where `waits`, waits for dispatch's GPU work of its batch before its host work (a body
+// that reads a count the dispatch kernel writes); one thread; lookaheads as given.
+weft::plan::ScheduleFile dispatch_then_experts(int dispatch_lookahead, bool waits) {
+  const std::string wait = waits ? R"(, "waits_for_gpu_of": "dispatch")" : "";
+  return weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm"],
+    "tasks": [
+      {"name": "dispatch", "stream": "comm", "lookahead": )" +
+                                         std::to_string(dispatch_lookahead) + R"(, "writes": ["x"]},
+      {"name": "experts", "reads": ["x"]}
+    ],
+    "thread_maps": ["legacy"],
+    "costs": {"tasks": {"dispatch": {"host_us": 10, "gpu": [{"stream": "comm", "us": 100}]},
+                        "experts": {"host_us": 20, "gpu": [{"stream": "default", "us": 50}])" +
+                                         wait + R"(}}}
+  })");
+}
+
+// Same lookahead: batch b's dispatch body runs at 130 b, its GPU work until 130 b + 110, and the
+// experts' host work only then, to 130 b + 130, when the next iteration begins: 130 us a batch,
+// the last experts' GPU work ending at 130 (M - 1) + 180. Without the wait the comm stream bounds:
+// 100 us a batch, the last experts' work ending at 100 (M - 1) + 160.
+TEST(SimulateGpuWait, TheBodyStartsItsHostWorkWhenTheProducersGpuWorkEnds) {
+  for (int m : {1, 3, 5}) {
+    SCOPED_TRACE(m);
+    const auto file = dispatch_then_experts(0, true);
+    const CompiledSchedule compiled(file.schedule);
+    const auto threads = file.thread_maps.at(0).assign(compiled);
+    const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = m});
+    EXPECT_DOUBLE_EQ(t.step_us, 130.0 * (m - 1) + 180);
+    ASSERT_EQ(t.host.size(), std::size_t(2 * m));
+    std::size_t num_waits = 0;
+    for (const auto& h : t.host) {
+      if (h.task == "experts") EXPECT_DOUBLE_EQ(h.start_us, 130.0 * double(h.batch) + 110);
+    }
+    for (const auto& w : t.waits) {
+      if (w.rule != WaitRule::kGpuWait) continue;
+      ++num_waits;
+      EXPECT_EQ(w.producer, "dispatch");
+      EXPECT_EQ(w.consumer, "experts");
+      EXPECT_EQ(w.producer_thread, "stream comm");
+      EXPECT_DOUBLE_EQ(w.waited_us, 100);  // from the end of dispatch's body to its GPU's end
+      EXPECT_FALSE(weft::plan::is_lookahead_rule(w.rule));
+    }
+    EXPECT_EQ(num_waits, std::size_t(m));
+    // The wait spins: no wake-up after it (the thread did not block on another thread).
+    EXPECT_DOUBLE_EQ(weft::plan::simulate(compiled, threads, *file.costs,
+                                          {.num_batches = m, .thread_wake_up_us = 5})
+                         .step_us,
+                     130.0 * (m - 1) + 180);
+
+    const auto plain = dispatch_then_experts(0, false);
+    const CompiledSchedule plain_compiled(plain.schedule);
+    EXPECT_DOUBLE_EQ(weft::plan::simulate(plain_compiled, plain.thread_maps.at(0).assign(
+                                                              plain_compiled),
+                                          *plain.costs, {.num_batches = m})
+                         .step_us,
+                     100.0 * (m - 1) + 160);
+  }
+}
+
+// dispatch one batch ahead (lookahead 1), M = 3: iteration 0 runs dispatch 0 ([0, 10], GPU
+// [10, 110]); iteration 1 dispatch 1 ([10, 20], GPU [110, 210]) and experts 0, which waits for
+// dispatch 0's GPU work of the iteration before: [110, 130], GPU [130, 180]; iteration 2
+// dispatch 2 ([130, 140], GPU [210, 310]) and experts 1 ([210, 230]); iteration 3 experts 2
+// ([310, 330], GPU [330, 380]). Without the wait: 360 (experts 2's GPU work after dispatch 2's).
+TEST(SimulateGpuWait, AWaitOnTheBatchOfAnEarlierIteration) {
+  const auto file = dispatch_then_experts(1, true);
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, {.num_batches = 3});
+  EXPECT_DOUBLE_EQ(t.step_us, 380);
+  std::map<long long, double> experts_start;
+  for (const auto& h : t.host) {
+    if (h.task == "experts") experts_start[h.batch] = h.start_us;
+  }
+  EXPECT_EQ(experts_start, (std::map<long long, double>{{0, 110}, {1, 210}, {2, 310}}));
+  const auto plain = dispatch_then_experts(1, false);
+  const CompiledSchedule plain_compiled(plain.schedule);
+  EXPECT_DOUBLE_EQ(
+      weft::plan::simulate(plain_compiled, plain.thread_maps.at(0).assign(plain_compiled),
+                           *plain.costs, {.num_batches = 3})
+          .step_us,
+      360);
+}
+
+// The wait holds its thread but not the GIL: `other` (another thread, 60 us, GIL) runs while
+// experts waits for dispatch's GPU work, and experts takes the GIL after it.
+TEST(SimulateGpuWait, AWaitingBodyLeavesTheGilToOthers) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm", "s3"],
+    "tasks": [
+      {"name": "dispatch", "stream": "comm", "writes": ["x"]},
+      {"name": "experts", "reads": ["x"]},
+      {"name": "other", "stream": "s3"}
+    ],
+    "thread_maps": [{"groups": {"t0": ["dispatch", "experts"], "t1": ["other"]}}],
+    "costs": {"tasks": {"dispatch": {"host_us": 10, "gpu": [{"stream": "comm", "us": 100}]},
+                        "experts": {"host_us": 20, "waits_for_gpu_of": "dispatch"},
+                        "other": {"host_us": 60}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads = file.thread_maps.at(0).assign(compiled);
+  weft::plan::SimulationOptions options{.num_batches = 1};
+  options.gil_tasks = {"dispatch", "experts", "other"};
+  const Timeline t = weft::plan::simulate(compiled, threads, *file.costs, options);
+  std::map<std::string, std::pair<double, double>> spans;
+  for (const auto& h : t.host) spans[h.task] = {h.start_us, h.end_us};
+  EXPECT_EQ(spans["dispatch"], (std::pair<double, double>{0, 10}));
+  EXPECT_EQ(spans["other"], (std::pair<double, double>{10, 70}));
+  EXPECT_EQ(spans["experts"], (std::pair<double, double>{110, 130}));
+}
+
+TEST(SimulateGpuWait, BadWaitsAreRefused) {
+  auto message = [](int dispatch_lookahead, const std::string& producer) {
+    auto file = dispatch_then_experts(dispatch_lookahead, true);
+    file.costs->tasks["experts"].waits_for_gpu_of = producer;
+    try {
+      const CompiledSchedule compiled(file.schedule);
+      weft::plan::simulate(compiled, file.thread_maps.at(0).assign(compiled), *file.costs);
+    } catch (const weft::Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(0, "ghost"), "$.tasks.experts.waits_for_gpu_of: 'ghost' is no task of the schedule");
+  EXPECT_EQ(message(0, "experts"), "$.tasks.experts.waits_for_gpu_of: 'experts' is the task itself");
+  // experts (lookahead 1) before dispatch (lookahead 0) in its batch: the wait could never end.
+  auto ahead = weft::plan::ScheduleFile::parse(R"({
+    "tasks": [{"name": "a"}, {"name": "b", "lookahead": 1}],
+    "costs": {"tasks": {"b": {"host_us": 1, "waits_for_gpu_of": "a"}}}
+  })");
+  const CompiledSchedule compiled(ahead.schedule);
+  try {
+    weft::plan::simulate(compiled, ThreadMap::preset("legacy").assign(compiled), *ahead.costs);
+    FAIL() << "a wait on a later batch's producer was accepted";
+  } catch (const weft::Error& e) {
+    EXPECT_EQ(e.message(), "task 'b' (lookahead 1) waits for the GPU work of 'a' (lookahead 0), "
+                           "which works on its batch later: the wait would never end");
+  }
+  EXPECT_THROW(CostModel::parse(R"({"tasks": {"b": {"waits_for_gpu_of": 3}}})"), weft::Error);
+}
+
 TEST(CostModel, BadInputNamesTheProblem) {
   auto message = [](const char* json) {
     try {
@@ -428,7 +573,9 @@ TEST(CostModel, BadInputNamesTheProblem) {
 }
 
 TEST(CostModel, JsonRoundTrip) {
-  const auto model = CostModel::hstu_defaults();
+  auto model = CostModel::hstu_defaults();
+  EXPECT_EQ(CostModel::parse(model.to_json()), model);
+  model.tasks["backward"].waits_for_gpu_of = "forward";
   EXPECT_EQ(CostModel::parse(model.to_json()), model);
 }
 

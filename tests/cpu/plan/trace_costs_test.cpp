@@ -89,6 +89,39 @@ TEST(TraceCosts, ASpanThatHoldsAWaitForAProducerIsChargedItsBusyTime) {
   EXPECT_EQ(gpu_us(trace_costs(t, nullptr), "B").at("s2"), 250);  // the edge is unknown
 }
 
+// B's body waits for A's GPU work of its batch (a count A's kernel writes): batch 0's span
+// [10, 140] holds the wait to A's end at 110 (30 us of host work), batch 1's began after A's
+// GPU work ended (40, whole), batch 2's ended before A's did (45, whole: it did not wait for
+// all of it); A's failed span of batch 1 does not count.
+TEST(TraceCosts, AGpuWaitIsLeftOutOfTheWaitingTasksHostTime) {
+  const Trace t = make_trace(
+      {"A", "B"}, {"s1", "s2"},
+      {host(0, 0, 0, 0, 10), host(1, 0, 0, 10, 140), host(0, 1, 1, 140, 150),
+       host(1, 1, 1, 300, 340), host(0, 2, 2, 340, 350), host(1, 2, 2, 450, 495)},
+      {gpu(0, 0, 0, 10, 110), gpu(0, 0, 1, 150, 250), gpu(0, 0, 1, 250, 320, true),
+       gpu(0, 0, 2, 400, 500)});
+  const CostModel waited = trace_costs(t, nullptr, {.gpu_waits = {{"B", "A"}}});
+  EXPECT_EQ(waited.tasks.at("B").host_us, 40);  // median of 30, 40, 45
+  EXPECT_EQ(waited.tasks.at("B").waits_for_gpu_of, "A");
+  EXPECT_EQ(waited.tasks.at("A").waits_for_gpu_of, "");
+  const CostModel plain = trace_costs(t, nullptr);
+  EXPECT_EQ(plain.tasks.at("B").host_us, 45);  // median of 130, 40, 45
+  EXPECT_EQ(plain.tasks.at("B").waits_for_gpu_of, "");
+  auto message = [&](std::string task, std::string producer) {
+    try {
+      trace_costs(t, nullptr, {.gpu_waits = {{task, producer}}});
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message("B", "ghost"),
+            "trace_costs: gpu_waits producer 'ghost' is not a task of the trace (A, B)");
+  EXPECT_EQ(message("ghost", "A"),
+            "trace_costs: gpu_waits task 'ghost' is not a task of the trace (A, B)");
+  EXPECT_EQ(message("B", "B"), "trace_costs: gpu_waits: 'B' waits for its own GPU work");
+}
+
 TEST(TraceCosts, AReleaseOutsideTheSpanLeavesTheSpan) {
   const Schedule s = producer_consumer();
   for (const auto& [begin, end] : std::vector<std::pair<double, double>>{{300, 420}, {10, 290}}) {
