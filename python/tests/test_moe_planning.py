@@ -20,8 +20,9 @@ import weft.moe as moe  # noqa: E402
 from weft import plan  # noqa: E402
 from weft.hstu import planning as hstu_planning  # noqa: E402
 from weft.hstu.variants import step_variants  # noqa: E402
-from weft.moe.planning import (MoeVariant, check_layouts, depth_variants,  # noqa: E402
-                               merged_trace, suggest_variant, variant_from_config)
+from weft.moe.planning import (MoeVariant, check_layouts, count_waits,  # noqa: E402
+                               depth_variants, merged_trace, suggest_variant,
+                               variant_from_config)
 from weft.pipeline import ScheduleConfig, ThreadMap  # noqa: E402
 from weft.step_planning import (Calibration, calibrated_costs, fit_calibration,  # noqa: E402
                                 predicted_ms, rms_error_pct)
@@ -71,6 +72,23 @@ def test_costs_from_a_traced_step_name_every_task_of_every_layer():
     assert predicted_ms(depth_variants(L, [1], M)[0], costs) > 0
     with pytest.raises(weft.Error, match="no traces"):
         merged_trace([])
+
+
+@pytest.mark.timeout(60)
+def test_the_count_waits_simulate_under_every_depth_and_cost_the_wait_they_make():
+    # experts_l waits for dispatch_l's GPU work of its micro-batch (NativeEpDispatcher's count).
+    assert count_waits(2) == {"experts_0": "dispatch_0", "experts_1": "dispatch_1"}
+    waits = json.loads(json.dumps(FIXED_COSTS))
+    for task, producer in count_waits(L).items():
+        waits["tasks"][task]["waits_for_gpu_of"] = producer
+    # Every depth of the family (under the step's map and one thread) has the dispatch before the
+    # experts stage, so no wait is refused; at depth 0 on one thread every experts stage waits
+    # for its dispatch's 400 us of GPU work, which the plain costs do not make it do.
+    for v in depth_variants(L, [0, 1, 4, 8], M):
+        for thread_map in (v.thread_map, "legacy"):
+            assert predicted_ms(v._replace(thread_map=thread_map), waits) > 0
+    serial = depth_variants(L, [0], M)[0]._replace(thread_map="legacy")
+    assert predicted_ms(serial, waits) > predicted_ms(serial, FIXED_COSTS)
 
 
 @pytest.mark.timeout(60)

@@ -155,17 +155,13 @@ Simulator::Simulator(const CompiledSchedule& schedule, const ThreadAssignment& t
     holds_gil_[*id] = true;
   }
   any_gil_ = !options.gil_tasks.empty();
+  const std::string endless = endless_gpu_wait(schedule, threads, costs);
+  WEFT_CHECK(endless.empty(), endless);
   gpu_wait_of_.assign(num_tasks_, -1);
   for (TaskId t = 0; t < num_tasks_; ++t) {
     const std::string& producer = cost_[t].waits_for_gpu_of;
     if (producer.empty()) continue;
-    const TaskId id = *schedule.find_task(producer);  // check_against: a task of the schedule
-    const auto& consumer = schedule.task(t);
-    WEFT_CHECK(schedule.task(id).lookahead() >= consumer.lookahead(), "task '", consumer.name(),
-               "' (lookahead ", consumer.lookahead(), ") waits for the GPU work of '", producer,
-               "' (lookahead ", schedule.task(id).lookahead(),
-               "), which works on its batch later: the wait would never end");
-    gpu_wait_of_[t] = (long long)id;
+    gpu_wait_of_[t] = (long long)*schedule.find_task(producer);  // check_against: it is a task
     any_gpu_wait_ = true;
   }
 
@@ -273,12 +269,15 @@ void Simulator::run_host(int p) {
 }
 
 // Progress p where bodies wait for GPU work: placed with the waits' ends known so far (none at
-// first), its GPU work enqueued, the ends read; while some wait would start before the end it
-// waits for, the GPU model, the jobs and the drawn waits go back to before p and p is placed
-// again with those ends. An end only grows from one placement to the next (the ends kept are
-// the largest found), so the waits settle, after at most one more placement per waiting task
-// where each end moves once. The ends read run the model no further than the bodies that waited:
-// every later job is enqueued after them.
+// first), its GPU work enqueued, the ends read; until the ends read are the ends placed with,
+// the GPU model, the jobs and the drawn waits go back to before p and p is placed again with
+// the ends read. Where those alternate (a later start of the waiting body can end its
+// producer's work earlier: less overlap under an overlap slowdown, or another order on a
+// stream), the largest end found is kept after kExactRounds placements, which settles: the ends
+// then only grow, and none can grow past the body it waits in (endless_gpu_wait refused those).
+// The ends read run the model no further than the bodies that waited, and every later job is
+// enqueued after them. Each placement copies the stream model: a source of many batches with a
+// wait in every iteration takes time quadratic in its length.
 void Simulator::run_settled(int p) {
   gpu_wait_end_.assign(num_tasks_, 0);
   const bool waits = [&] {
@@ -297,7 +296,8 @@ void Simulator::run_settled(int p) {
   }
   const detail::StreamModel gpu_before = gpu_;
   const std::size_t num_jobs = task_of_job_.size(), num_waits = waits_.size();
-  const int max_rounds = 2 * int(num_tasks_) + 8;
+  constexpr int kExactRounds = 8;
+  const int max_rounds = kExactRounds + 4 * int(num_tasks_) + 8;
   for (int round = 1;; ++round) {
     run_host(p);
     enqueue_gpu(p);
@@ -307,7 +307,7 @@ void Simulator::run_settled(int p) {
       if (job < 0) continue;
       gpu_.run_until_done(std::size_t(job), std::size_t(job) + 1);
       const double end = gpu_.job_end(std::size_t(job));
-      if (end > gpu_wait_end_[t]) {
+      if (end > gpu_wait_end_[t] || (end < gpu_wait_end_[t] && round <= kExactRounds)) {
         gpu_wait_end_[t] = end;
         settled = false;
       }
@@ -350,9 +350,14 @@ std::optional<Start> Simulator::next_start(std::size_t th) const {
   if (prev >= 0) at = std::max(at, end[std::size_t(prev)]);
   // Producers on this thread ended by thread_ready: a later start blocked on another.
   bool blocked = at > thread_ready_[th];
-  const double gpu_wait_from = at;
-  // The GPU wait spins (no wake-up of its own), without the GIL, which the body takes after it.
-  if (on && gpu_wait_of_[t] >= 0) at = std::max(at, gpu_wait_end_[t]);
+  double gpu_wait_from = at;
+  if (on && gpu_wait_of_[t] >= 0) {
+    // Woken from its host wait, the body spins on the GPU work (no wake-up of its own), without
+    // the GIL, which it takes after.
+    if (blocked) gpu_wait_from = at += options_.thread_wake_up_us;
+    blocked = false;
+    at = std::max(at, gpu_wait_end_[t]);
+  }
   if (on && holds_gil_[t] && gil_free_ > at) {
     at = gil_free_;
     blocked = true;
@@ -551,6 +556,58 @@ std::vector<TaskPlacement> placement(const CompiledSchedule& schedule,
                       task.is_collective()});
   }
   return result;
+}
+
+std::string endless_gpu_wait(const CompiledSchedule& schedule, const ThreadAssignment& threads,
+                             const CostModel& costs) {
+  const std::size_t n = schedule.num_tasks();
+  // What must end before what within one progress(): run order on a thread, the host waits, the
+  // collective tickets (every task active: the steady state, a source's fullest iteration).
+  std::vector<std::vector<TaskId>> next(n);
+  for (const auto& tasks : threads.tasks_of_thread) {
+    for (std::size_t i = 1; i < tasks.size(); ++i) next[tasks[i - 1]].push_back(tasks[i]);
+  }
+  for (const auto& e : pipeline::wait_edges(schedule, threads)) {
+    if (e.host_wait) next[e.producer].push_back(e.consumer);
+  }
+  const auto collectives = schedule.collective_order();
+  for (std::size_t i = 1; i < collectives.size(); ++i) {
+    next[collectives[i - 1]].push_back(collectives[i]);
+  }
+  for (TaskId t = 0; t < n; ++t) {
+    const auto& task = schedule.task(t);
+    const std::string& name = costs.cost_of(task.name()).waits_for_gpu_of;
+    if (name.empty()) continue;
+    const auto producer = schedule.find_task(name);
+    if (!producer) continue;  // CostModel::check_against names it
+    const int la = schedule.task(*producer).lookahead();
+    if (la < task.lookahead()) {
+      return "task '" + task.name() + "' (lookahead " + std::to_string(task.lookahead()) +
+             ") waits for the GPU work of '" + name + "' (lookahead " + std::to_string(la) +
+             "), which works on its batch later: the wait would never end";
+    }
+    if (la > task.lookahead()) continue;  // its batch's run is in an earlier progress()
+    std::vector<bool> seen(n, false);
+    std::vector<TaskId> todo{t};
+    seen[t] = true;
+    while (!todo.empty()) {
+      const TaskId u = todo.back();
+      todo.pop_back();
+      for (const TaskId v : next[u]) {
+        if (v == *producer) {
+          return "task '" + task.name() + "' waits for the GPU work of '" + name +
+                 "', whose body runs after it in the same progress() (after it on its thread, "
+                 "or waiting for it through host waits or collective tickets) under this "
+                 "thread map: the wait would never end";
+        }
+        if (!seen[v]) {
+          seen[v] = true;
+          todo.push_back(v);
+        }
+      }
+    }
+  }
+  return {};
 }
 
 Timeline simulate(const CompiledSchedule& schedule, const ThreadAssignment& threads,

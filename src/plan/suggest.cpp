@@ -65,17 +65,25 @@ class Search {
   Search(const CompiledSchedule& schedule, const CostModel& costs, const SuggestOptions& options)
       : schedule_(schedule), costs_(costs), options_(options) {}
 
-  // The score of a candidate, or nothing where the schedule's rules refuse its lookaheads.
+  // The score of a candidate, or nothing where the schedule's rules refuse its lookaheads or a
+  // GPU wait of the costs could never end under it (endless_gpu_wait).
   std::optional<Score> score(const Candidate& c) {
     if (const auto it = scores_.find(c); it != scores_.end()) return it->second;
     std::optional<Score> result;
-    if (const CompiledSchedule* compiled = compiled_with(c.lookahead, c.stream)) {
-      const Timeline t =
-          simulate(*compiled, thread_map(c).assign(*compiled), costs_, options_.simulation);
+    const CompiledSchedule* compiled = compiled_with(c.lookahead, c.stream);
+    const auto threads = compiled ? thread_map(c).assign(*compiled) : pipeline::ThreadAssignment{};
+    if (compiled && !endless_gpu_wait(*compiled, threads, costs_).empty()) {
+      compiled = nullptr;
+      ++num_refused_;
+    }
+    if (compiled) {
+      const Timeline t = simulate(*compiled, threads, costs_, options_.simulation);
       long long sum = 0;
       for (int la : c.lookahead) sum += la;
-      double waited_us = 0;
-      for (const auto& w : t.waits) waited_us += w.waited_us;
+      double waited_us = 0;  // across threads: a body's own wait for the GPU is not one
+      for (const auto& w : t.waits) {
+        if (w.rule != WaitRule::kGpuWait) waited_us += w.waited_us;
+      }
       result = Score{std::llround(t.step_us * 1000), std::llround(t.host_step_us * 1000),
                      std::llround(waited_us * 1000), num_threads_of(c), sum};
     }
@@ -506,7 +514,9 @@ SuggestResult suggest(const CompiledSchedule& schedule, const CostModel& costs,
   WEFT_CHECK(!ranked.empty(),
              "suggest: every candidate was refused by the schedule's rules "
              "(the lookahead bounds [",
-             space.lo, ", ", space.hi, "] and the streams tasks may move to admit no valid schedule)");
+             space.lo, ", ", space.hi,
+             "] and the streams tasks may move to admit no valid schedule) or by a GPU wait of "
+             "the costs that could never end under it");
   std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
     return std::tie(a.first, *a.second) < std::tie(b.first, *b.second);
   });
@@ -579,7 +589,7 @@ std::string describe(const SuggestResult& result) {
   }
   text += "search: " + result.method + ", " + std::to_string(result.num_evaluated) +
           " schedules simulated, " + std::to_string(result.num_refused) +
-          " lookahead/stream combinations refused by the schedule's rules\n";
+          " candidates refused (by the schedule's rules, or a GPU wait that could never end)\n";
   for (const auto& line : result.searched) text += "  searched: " + line + "\n";
   for (const auto& line : result.not_searched) text += "  not searched: " + line + "\n";
   return text;

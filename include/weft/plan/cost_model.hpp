@@ -14,8 +14,9 @@
 // A task's GPU segments run one after the other, each on its stream, after the task's body has
 // enqueued them. A task with waits_for_gpu_of blocks its thread, before its host work, until the
 // GPU work of that task for the same batch has ended (a body that reads a count the producer's
-// kernel writes); its host_us is the work besides that wait. Every figure is in [0, kMaxCostUs] (1000 s: a larger figure is a unit mistake,
-// and the simulation's sums stay finite). Unknown keys, JSON nested deeper than 64 levels, files
+// kernel writes); its host_us is the work besides that wait. Every figure is in
+// [0, kMaxCostUs] (1000 s: a larger figure is a unit mistake, and the simulation's sums stay
+// finite). Unknown keys, JSON nested deeper than 64 levels, files
 // over 16 MiB and, when checked against a schedule, tasks or streams the schedule lacks are errors
 // whose message starts with the JSON path ("$.tasks.h2d.host_us").
 #pragma once

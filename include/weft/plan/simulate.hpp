@@ -14,8 +14,8 @@
 // A task whose cost has waits_for_gpu_of starts its host work no earlier than the end of that
 // producer's GPU work for its batch, holding its thread meanwhile (not the GIL). Such a wait can
 // depend on GPU work its own progress() enqueues: each progress() with one is placed again with
-// the waits found until they settle (the GPU model taken back each time); waits on a producer of
-// an earlier progress() settle at once.
+// the waits' ends found until they settle (the GPU model taken back each time). A wait that could
+// never end (endless_gpu_wait) is refused.
 // The step time is the steady-state period of GPU completion (or of the host, without GPU work).
 // The drawn timeline is the second-to-last progress(): its host spans, and the GPU activity of any
 // progress during one step period from its start.
@@ -72,6 +72,15 @@ struct SimulationOptions {
 Timeline simulate(const pipeline::CompiledSchedule& schedule,
                   const pipeline::ThreadAssignment& threads, const CostModel& costs,
                   const SimulationOptions& options = {});
+
+// The first wait of `costs` (waits_for_gpu_of) that could never end under this schedule and
+// thread map, described, or empty where there is none: a producer of lower lookahead than the
+// waiting task (it works on the task's batch later), or one of the same lookahead whose body can
+// run only after the waiting body in one progress() (after it on its thread, or behind it
+// through host waits or collective tickets; every task active, as in the steady state). simulate
+// throws weft::Error with this text; suggest refuses such candidates.
+std::string endless_gpu_wait(const pipeline::CompiledSchedule& schedule,
+                             const pipeline::ThreadAssignment& threads, const CostModel& costs);
 
 // Where each task runs, in run order (for the report's topology).
 std::vector<TaskPlacement> placement(const pipeline::CompiledSchedule& schedule,

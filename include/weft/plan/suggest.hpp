@@ -84,7 +84,8 @@ struct SuggestResult {
   std::vector<std::string> searched;  // what the search covered, one line each
   std::vector<std::string> not_searched;  // what it left fixed or skipped, one line each
   std::size_t num_evaluated = 0;  // distinct candidates simulated
-  std::size_t num_refused = 0;    // candidates the schedule's rules refused
+  // Candidates refused: by the schedule's rules, or for a GPU wait that could never end.
+  std::size_t num_refused = 0;
 };
 
 // Throws weft::Error for options out of range, costs the schedule lacks, or a space of one point

@@ -435,7 +435,9 @@ TEST(SimulateGpuWait, TheBodyStartsItsHostWorkWhenTheProducersGpuWorkEnds) {
     ASSERT_EQ(t.host.size(), std::size_t(2 * m));
     std::size_t num_waits = 0;
     for (const auto& h : t.host) {
-      if (h.task == "experts") EXPECT_DOUBLE_EQ(h.start_us, 130.0 * double(h.batch) + 110);
+      if (h.task == "experts") {
+        EXPECT_DOUBLE_EQ(h.start_us, 130.0 * double(h.batch) + 110);
+      }
     }
     for (const auto& w : t.waits) {
       if (w.rule != WaitRule::kGpuWait) continue;
@@ -461,6 +463,59 @@ TEST(SimulateGpuWait, TheBodyStartsItsHostWorkWhenTheProducersGpuWorkEnds) {
                          .step_us,
                      100.0 * (m - 1) + 160);
   }
+  // In steady state the same: 130 us of host per progress(), one drawn wait of 100 us.
+  const auto file = dispatch_then_experts(0, true);
+  const CompiledSchedule compiled(file.schedule);
+  const Timeline steady =
+      weft::plan::simulate(compiled, file.thread_maps.at(0).assign(compiled), *file.costs);
+  EXPECT_DOUBLE_EQ(steady.step_us, 130);
+  ASSERT_EQ(steady.waits.size(), 1u);
+  EXPECT_EQ(steady.waits[0].rule, WaitRule::kGpuWait);
+  EXPECT_DOUBLE_EQ(steady.waits[0].waited_us, 100);
+}
+
+// experts on a thread of its own waits for dispatch's body (t1), then for its GPU work. With a
+// 5 us wake-up it is woken at 15 and spins to 110 (the wake-up is not added after the spin).
+// M = 2: dispatch 0 [0, 10], GPU [10, 110]; experts 0 [110, 130], GPU [130, 180]; the next
+// iteration at 130: dispatch 1 [130, 140], GPU [140, 240]; experts 1 [240, 260], GPU [260, 310].
+TEST(SimulateGpuWait, AWaitOnAnotherThreadsProducer) {
+  auto file = dispatch_then_experts(0, true);
+  const CompiledSchedule compiled(file.schedule);
+  const auto threads =
+      ThreadMap::groups({{"t0", {"experts"}}, {"t1", {"dispatch"}}}).assign(compiled);
+  for (double wake_up_us : {0.0, 5.0}) {
+    const Timeline t = weft::plan::simulate(
+        compiled, threads, *file.costs, {.num_batches = 2, .thread_wake_up_us = wake_up_us});
+    EXPECT_DOUBLE_EQ(t.step_us, 310) << wake_up_us;
+    std::map<long long, double> experts_start;
+    for (const auto& h : t.host) {
+      if (h.task == "experts") experts_start[h.batch] = h.start_us;
+    }
+    EXPECT_EQ(experts_start, (std::map<long long, double>{{0, 110}, {1, 240}})) << wake_up_us;
+  }
+}
+
+// Under an overlap slowdown the first placement overlaps experts' GPU work (no data edge: it
+// does not wait for dispatch's on the GPU) with dispatch's and slows it; the settled one does
+// not: dispatch's GPU work [10, 110], experts' host work from 110, its GPU work [130, 530].
+TEST(SimulateGpuWait, TheWaitSettlesOnTheEndOfTheSettledPlacement) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm"],
+    "tasks": [{"name": "dispatch", "stream": "comm"}, {"name": "experts"}],
+    "thread_maps": ["legacy"],
+    "costs": {"tasks": {"dispatch": {"host_us": 10, "gpu": [{"stream": "comm", "us": 100}]},
+                        "experts": {"host_us": 20, "gpu": [{"stream": "default", "us": 400}],
+                                    "waits_for_gpu_of": "dispatch"}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  weft::plan::SimulationOptions options{.num_batches = 1};
+  options.slowed_stream = "comm";
+  options.overlap_slowdown = 1.5;
+  const Timeline t =
+      weft::plan::simulate(compiled, file.thread_maps.at(0).assign(compiled), *file.costs, options);
+  EXPECT_DOUBLE_EQ(t.step_us, 530);
+  ASSERT_EQ(t.host.size(), 2u);
+  EXPECT_DOUBLE_EQ(t.host[1].start_us, 110);
 }
 
 // dispatch one batch ahead (lookahead 1), M = 3: iteration 0 runs dispatch 0 ([0, 10], GPU
@@ -527,8 +582,10 @@ TEST(SimulateGpuWait, BadWaitsAreRefused) {
     }
     return std::string("no error");
   };
-  EXPECT_EQ(message(0, "ghost"), "$.tasks.experts.waits_for_gpu_of: 'ghost' is no task of the schedule");
-  EXPECT_EQ(message(0, "experts"), "$.tasks.experts.waits_for_gpu_of: 'experts' is the task itself");
+  EXPECT_EQ(message(0, "ghost"),
+            "$.tasks.experts.waits_for_gpu_of: 'ghost' is no task of the schedule");
+  EXPECT_EQ(message(0, "experts"),
+            "$.tasks.experts.waits_for_gpu_of: 'experts' is the task itself");
   // experts (lookahead 1) before dispatch (lookahead 0) in its batch: the wait could never end.
   auto ahead = weft::plan::ScheduleFile::parse(R"({
     "tasks": [{"name": "a"}, {"name": "b", "lookahead": 1}],
@@ -543,6 +600,49 @@ TEST(SimulateGpuWait, BadWaitsAreRefused) {
                            "which works on its batch later: the wait would never end");
   }
   EXPECT_THROW(CostModel::parse(R"({"tasks": {"b": {"waits_for_gpu_of": 3}}})"), weft::Error);
+
+  // A producer whose body runs after the waiting one on its thread: the engine would wait
+  // forever, the simulator says so. suggest() refuses such candidates and keeps searching.
+  auto after = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["s1"],
+    "tasks": [{"name": "a"}, {"name": "b", "stream": "s1"}],
+    "costs": {"tasks": {"a": {"host_us": 1, "waits_for_gpu_of": "b"}, "b": {"host_us": 1}}}
+  })");
+  const CompiledSchedule both(after.schedule);
+  try {
+    weft::plan::simulate(both, ThreadMap::preset("legacy").assign(both), *after.costs);
+    FAIL() << "a wait on a body that runs after it was accepted";
+  } catch (const weft::Error& e) {
+    EXPECT_NE(e.message().find("task 'a' waits for the GPU work of 'b', whose body runs after "
+                               "it in the same progress()"),
+              std::string::npos)
+        << e.message();
+  }
+  // On threads of their own (and streams: two threads on one stream keep run order, a host
+  // wait of b for a) b can run first.
+  const auto own_threads = ThreadMap::groups({{"t0", {"a"}}, {"t1", {"b"}}}).assign(both);
+  EXPECT_EQ(weft::plan::endless_gpu_wait(both, own_threads, *after.costs), "");
+}
+
+// b waits for a's GPU work with no data edge between them: the lookahead search can put a below
+// b (a works on b's batch later) and a map can put b first on a thread; those candidates are
+// refused, the rest searched.
+TEST(SimulateGpuWait, SuggestRefusesCandidatesWhoseWaitsCouldNeverEnd) {
+  const auto file = weft::plan::ScheduleFile::parse(R"({
+    "streams": ["comm"],
+    "tasks": [{"name": "a", "stream": "comm", "lookahead": 1}, {"name": "b"}],
+    "costs": {"tasks": {"a": {"host_us": 10, "gpu": [{"stream": "comm", "us": 100}]},
+                        "b": {"host_us": 20, "gpu": [{"stream": "default", "us": 50}],
+                              "waits_for_gpu_of": "a"}}}
+  })");
+  const CompiledSchedule compiled(file.schedule);
+  const auto found = weft::plan::suggest(
+      compiled, *file.costs, {.max_threads = 2, .min_lookahead = 0, .max_lookahead = 1});
+  EXPECT_GT(found.num_refused, 0u);
+  ASSERT_FALSE(found.suggestions.empty());
+  for (const auto& s : found.suggestions) {
+    EXPECT_GE(s.config.lookahead.at("a"), s.config.lookahead.at("b"));
+  }
 }
 
 TEST(CostModel, BadInputNamesTheProblem) {
