@@ -228,3 +228,12 @@ def test_costs_from_a_real_runs_trace(tmp_path):
     assert r.start.host_step_us == pytest.approx(
         sum(task["host_us"] for task in costs["tasks"].values()))
     assert r.suggestions[0].step_us <= r.start.step_us
+    # gpu_waits go to the trace's costs: a host-backend trace has no GPU work, so c's wait for
+    # a's ends at once and the figures stay; c before a on a thread would be refused.
+    waited = plan.suggest(heavy_pair(), trace=trace_path, max_threads=2, gpu_waits={"c": "a"})
+    assert waited.start.step_us == r.start.step_us
+    assert waited.suggestions[0].step_us == r.suggestions[0].step_us
+    with pytest.raises(TypeError, match="gpu_waits is for the costs a trace measures"):
+        plan.suggest(heavy_pair(), costs=costs, gpu_waits={"c": "a"})
+    with pytest.raises(TypeError, match="gpu_waits maps task names"):
+        plan.suggest(heavy_pair(), trace=trace_path, gpu_waits={"c": 1})

@@ -263,6 +263,16 @@ class SuggestResult:
 GPU_COST_KINDS = ("busy", "span")
 
 
+def _gpu_waits(gpu_waits: Optional[Mapping[str, str]], what: str) -> dict:
+    """gpu_waits as trace_costs takes it: a dict of task names to task names."""
+    waits = dict(gpu_waits or {})
+    for task, producer in waits.items():
+        if not isinstance(task, str) or not isinstance(producer, str):
+            raise TypeError(f"{what}: gpu_waits maps task names to task names, got "
+                            f"{task!r}: {producer!r}")
+    return waits
+
+
 def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy",
                 gpu_waits: Optional[Mapping[str, str]] = None) -> dict:
     """The cost model (the cost file's JSON form) an engine trace measures, by weft's one reading
@@ -284,11 +294,7 @@ def trace_costs(trace, schedule: Optional[Schedule] = None, *, gpu: str = "busy"
     inside the span) and its cost says ``"waits_for_gpu_of"``, which simulate() and suggest()
     then model as a wait for that work."""
     native_schedule = None if schedule is None else schedule._to_native(with_bodies=False)
-    waits = dict(gpu_waits or {})
-    for task, producer in waits.items():
-        if not isinstance(task, str) or not isinstance(producer, str):
-            raise TypeError("trace_costs: gpu_waits maps task names to task names, got "
-                            f"{task!r}: {producer!r}")
+    waits = _gpu_waits(gpu_waits, "trace_costs")
     model = json.loads(_native.trace_costs(trace, native_schedule, gpu, 0.0, waits).to_json())
     for entry in model["tasks"].values():
         if not entry["gpu"]:
@@ -302,7 +308,8 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
             num_steps: int = 12, num_batches: int = 0, max_host_runahead: int = 2,
             wake_up_us: float = 0.0, gil: Union[None, str, Iterable[str]] = None,
             overlap_slowdown: Optional[Tuple[str, float]] = None,
-            start_maps: Sequence[ThreadMapLike] = ()) -> SuggestResult:
+            start_maps: Sequence[ThreadMapLike] = (),
+            gpu_waits: Optional[Mapping[str, str]] = None) -> SuggestResult:
     """Searches thread maps (at most ``max_threads`` threads) and lookaheads (each task's in
     [min_lookahead, max_lookahead]; None: up to the schedule's largest) for the lowest simulated
     step, as `weft plan --suggest` does (docs/planner.md "Suggesting a schedule").
@@ -321,6 +328,8 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
     search cannot move (one task and fixed lookaheads), raises weft.Error. overlap_slowdown:
     (stream, factor), the stream's GPU work running factor times slower while another stream's
     work runs beside it (the SMs a concurrent kernel holds; factor in [1, 100]), or None.
+    gpu_waits: with ``trace``, trace_costs's (task -> the producer whose GPU work of the same
+    batch its body waits for); candidates under which such a wait could never end are refused.
     """
     maps = [ThreadMap.of(m) for m in start_maps]
     if isinstance(schedule, str):
@@ -333,7 +342,11 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
         if costs is not None:
             raise TypeError("suggest: give costs or a trace, not both")
         model = _native.trace_costs(_native.read_engine_trace(os.fspath(trace)),
-                                    schedule._to_native(with_bodies=False), "busy", 0.0, {})
+                                    schedule._to_native(with_bodies=False), "busy", 0.0,
+                                    _gpu_waits(gpu_waits, "suggest"))
+    elif gpu_waits is not None:
+        raise TypeError("suggest: gpu_waits is for the costs a trace measures (a cost model "
+                        "says waits_for_gpu_of itself)")
     else:
         model = _cost_model(costs, schedule)
     args = [_checks.integer(v, n, *_checks.INT32) for v, n in (

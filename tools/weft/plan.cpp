@@ -232,6 +232,8 @@ void register_plan(CLI::App& app) {
   auto suggest = std::make_shared<SuggestCliOptions>();
   add_suggest_options(*command, *suggest);
   command->callback([options, suggest] {
+    WEFT_CHECK(suggest->enabled || suggest->gpu_waits.empty(),
+               "--gpu-wait is for --suggest --trace (the costs a trace measures)");
     if (!suggest->enabled) return run_plan(*options);
     run_suggest(*suggest, {options->out, options->json_path, options->variants,
                            options->costs_path, options->schedule_path, options->traces,

@@ -53,6 +53,10 @@ void add_suggest_options(CLI::App& command, SuggestCliOptions& options) {
   command.add_option("--gil", options.gil_tasks,
                      "--suggest: a task whose body holds the GIL (Python bodies), simulated as "
                      "one lock shared by every thread (repeatable; all: every task)");
+  command.add_option("--gpu-wait", options.gpu_waits,
+                     "--suggest --trace: TASK=PRODUCER, TASK's body waits for PRODUCER's GPU "
+                     "work of its batch (e.g. a count its kernel writes): the costs leave that "
+                     "wait out of TASK's host time and the simulation makes it (repeatable)");
   command
       .add_option("--config-out", options.config_prefix,
                   "--suggest: write the schedule configs to PREFIX-1.json ... PREFIX-N.json")
@@ -85,6 +89,9 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
              "--variant names HSTU variants; it cannot be combined with --schedule");
   WEFT_CHECK(inputs.variants.size() <= 1,
              "--suggest takes at most one --variant (the HSTU cascade and a map to start from)");
+  WEFT_CHECK(options.gpu_waits.empty() || (inputs.costs_path.empty() && !inputs.traces.empty()),
+             "--gpu-wait applies to the costs --trace measures (a cost file given with --costs "
+             "says waits_for_gpu_of itself)");
   // Every output is checked before the search and put in place only when all were written.
   OutputFile html_file(inputs.out);
   std::optional<OutputFile> json_file;
@@ -136,8 +143,15 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
   } else if (!traces.empty()) {
     costs_source = inputs.traces[0];
     const pipeline::Trace trace = plan::read_engine_trace(costs_source);
+    plan::TraceCostOptions trace_options;
+    for (const auto& wait : options.gpu_waits) {
+      const auto eq = wait.find('=');
+      WEFT_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < wait.size(),
+                 "--gpu-wait takes TASK=PRODUCER, got '", wait, "'");
+      trace_options.gpu_waits[wait.substr(0, eq)] = wait.substr(eq + 1);
+    }
     try {
-      costs = plan::trace_costs(trace, &*schedule);
+      costs = plan::trace_costs(trace, &*schedule, trace_options);
     } catch (const Error& e) {
       WEFT_FAIL(costs_source, ": ", e.message());
     }

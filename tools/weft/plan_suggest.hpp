@@ -24,6 +24,9 @@ struct SuggestCliOptions {
   double wake_up_us = 0;  // SimulationOptions::thread_wake_up_us
   // SimulationOptions::gil_tasks; "all": every task of the schedule.
   std::vector<std::string> gil_tasks;
+  // TASK=PRODUCER: in the costs --trace measures, TASK's body waits for PRODUCER's GPU work of
+  // its batch (plan::TraceCostOptions::gpu_waits).
+  std::vector<std::string> gpu_waits;
   std::string config_prefix = "weft-suggest";  // writes PREFIX-1.json ... PREFIX-N.json
 };
 

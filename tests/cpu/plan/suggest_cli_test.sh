@@ -102,5 +102,57 @@ else
   fail "--gil all:"; cat "$tr-gil.log"
 fi
 
+# --gpu-wait: b's body waited in the trace for a's GPU work of its batch (100 us) and then
+# worked 30 us. Read as 130 us of host work, b bounds every schedule (130 us, on a thread of its
+# own); with the wait left out and simulated, a one batch ahead spares b the wait: a step is
+# a's 100 us of GPU work, on one thread.
+gw=$work/gpu_wait
+printf '%s\n' '{"streams": ["s1", "s2"], "tasks": [{"name": "a", "stream": "s1", "writes": ["x"]},' \
+  '{"name": "b", "stream": "s2", "reads": ["x"]}], "thread_maps": ["legacy"]}' >"$gw.schedule.json"
+python3 - "$gw.trace.json" <<'PY'
+import json, sys
+events = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "host"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "main"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "tid": 0, "args": {"name": "gpu"}},
+          {"ph": "M", "name": "thread_name", "pid": 2, "tid": 0, "args": {"name": "s1"}},
+          {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "s2"}}]
+for b in range(4):
+    t, run = 200 * b, {"batch": b, "lookahead": 0, "iteration": b}
+    events += [{"ph": "X", "name": "a", "pid": 1, "tid": 0, "ts": t, "dur": 10, "args": run},
+               {"ph": "X", "name": "a", "pid": 2, "tid": 0, "ts": t + 10, "dur": 100, "args": run},
+               {"ph": "X", "name": "b", "pid": 1, "tid": 0, "ts": t + 10, "dur": 130, "args": run},
+               {"ph": "X", "name": "b", "pid": 2, "tid": 1, "ts": t + 140, "dur": 50, "args": run}]
+json.dump({"traceEvents": events}, open(sys.argv[1], "w"))
+PY
+gw_best() {  # extra flags...; prints the best suggestion's step and thread map
+  "$weft" plan --suggest --schedule "$gw.schedule.json" --trace "$gw.trace.json" --max-lookahead 1 \
+    --max-threads 2 "$@" --config-out "$gw" -o "$gw.html" --json "$gw.json" >"$gw.log" 2>&1 &&
+    python3 -c 'import json, sys; s = json.load(open(sys.argv[1]))["suggestions"][0]
+print(s["step_us"], s["config"]["thread_map"] == "legacy")' "$gw.json"
+}
+if [[ "$(gw_best)" == "130.0 False" && "$(gw_best --gpu-wait b=a)" == "100.0 True" ]]; then
+  pass "--gpu-wait: the wait simulated, not charged: 100 us on one thread instead of 130"
+else
+  fail "--gpu-wait: $(gw_best) / $(gw_best --gpu-wait b=a)"; cat "$gw.log"
+fi
+expect_refusal() {  # message, then the command's arguments
+  local message=$1
+  shift
+  if "$weft" plan "$@" -o "$gw-bad.html" >"$gw-bad.log" 2>&1; then
+    fail "accepted: $*"
+  elif grep -qF -e "$message" "$gw-bad.log"; then
+    pass "refused: $*"
+  else
+    fail "refused without '$message': $*"; cat "$gw-bad.log"
+  fi
+}
+expect_refusal "--gpu-wait is for --suggest --trace" --gpu-wait b=a --schedule "$gw.schedule.json"
+expect_refusal "--gpu-wait applies to the costs --trace measures" --suggest --gpu-wait b=a \
+  --schedule "$gw.schedule.json"
+expect_refusal "--gpu-wait takes TASK=PRODUCER, got 'b'" --suggest --gpu-wait b \
+  --schedule "$gw.schedule.json" --trace "$gw.trace.json"
+expect_refusal "gpu_waits producer 'c' is not a task of the trace" --suggest --gpu-wait b=c \
+  --schedule "$gw.schedule.json" --trace "$gw.trace.json"
+
 echo "$passed passed, $failures failed"
 ((failures == 0))
