@@ -237,3 +237,8 @@ def test_costs_from_a_real_runs_trace(tmp_path):
         plan.suggest(heavy_pair(), costs=costs, gpu_waits={"c": "a"})
     with pytest.raises(TypeError, match="gpu_waits maps task names"):
         plan.suggest(heavy_pair(), trace=trace_path, gpu_waits={"c": 1})
+    with pytest.raises(TypeError, match="gpu_waits maps task names"):
+        plan.suggest(heavy_pair(), trace=trace_path, gpu_waits="c=a")
+    # No waits is no waits, with a cost model too.
+    assert plan.suggest(heavy_pair(), costs=costs, max_threads=2,
+                        gpu_waits={}).start.step_us == pytest.approx(r.start.step_us)

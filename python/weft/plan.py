@@ -265,6 +265,9 @@ GPU_COST_KINDS = ("busy", "span")
 
 def _gpu_waits(gpu_waits: Optional[Mapping[str, str]], what: str) -> dict:
     """gpu_waits as trace_costs takes it: a dict of task names to task names."""
+    if gpu_waits is not None and not isinstance(gpu_waits, Mapping):
+        raise TypeError(f"{what}: gpu_waits maps task names to task names, got "
+                        f"{type(gpu_waits).__name__}")
     waits = dict(gpu_waits or {})
     for task, producer in waits.items():
         if not isinstance(task, str) or not isinstance(producer, str):
@@ -344,7 +347,7 @@ def suggest(schedule: Union[Schedule, str] = "full_split_d6", costs: CostsLike =
         model = _native.trace_costs(_native.read_engine_trace(os.fspath(trace)),
                                     schedule._to_native(with_bodies=False), "busy", 0.0,
                                     _gpu_waits(gpu_waits, "suggest"))
-    elif gpu_waits is not None:
+    elif gpu_waits:
         raise TypeError("suggest: gpu_waits is for the costs a trace measures (a cost model "
                         "says waits_for_gpu_of itself)")
     else:

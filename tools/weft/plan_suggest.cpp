@@ -55,8 +55,9 @@ void add_suggest_options(CLI::App& command, SuggestCliOptions& options) {
                      "one lock shared by every thread (repeatable; all: every task)");
   command.add_option("--gpu-wait", options.gpu_waits,
                      "--suggest --trace: TASK=PRODUCER, TASK's body waits for PRODUCER's GPU "
-                     "work of its batch (e.g. a count its kernel writes): the costs leave that "
-                     "wait out of TASK's host time and the simulation makes it (repeatable)");
+                     "work of its batch (e.g. a count its kernel writes): the costs the first "
+                     "--trace measures leave that wait out of TASK's host time and the "
+                     "simulation makes it (repeatable, one per task)");
   command
       .add_option("--config-out", options.config_prefix,
                   "--suggest: write the schedule configs to PREFIX-1.json ... PREFIX-N.json")
@@ -90,8 +91,8 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
   WEFT_CHECK(inputs.variants.size() <= 1,
              "--suggest takes at most one --variant (the HSTU cascade and a map to start from)");
   WEFT_CHECK(options.gpu_waits.empty() || (inputs.costs_path.empty() && !inputs.traces.empty()),
-             "--gpu-wait applies to the costs --trace measures (a cost file given with --costs "
-             "says waits_for_gpu_of itself)");
+             "--gpu-wait applies to the costs the first --trace measures (without --costs: a "
+             "cost file says waits_for_gpu_of itself)");
   // Every output is checked before the search and put in place only when all were written.
   OutputFile html_file(inputs.out);
   std::optional<OutputFile> json_file;
@@ -148,7 +149,10 @@ void run_suggest(const SuggestCliOptions& options, const SuggestInputs& inputs) 
       const auto eq = wait.find('=');
       WEFT_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < wait.size(),
                  "--gpu-wait takes TASK=PRODUCER, got '", wait, "'");
-      trace_options.gpu_waits[wait.substr(0, eq)] = wait.substr(eq + 1);
+      const std::string task = wait.substr(0, eq);
+      const bool first = trace_options.gpu_waits.emplace(task, wait.substr(eq + 1)).second;
+      WEFT_CHECK(first, "--gpu-wait names task '", task,
+                 "' twice: a body waits for one producer's GPU work");
     }
     try {
       costs = plan::trace_costs(trace, &*schedule, trace_options);

@@ -105,7 +105,7 @@ fi
 # --gpu-wait: b's body waited in the trace for a's GPU work of its batch (100 us) and then
 # worked 30 us. Read as 130 us of host work, b bounds every schedule (130 us, on a thread of its
 # own); with the wait left out and simulated, a one batch ahead spares b the wait: a step is
-# a's 100 us of GPU work, on one thread.
+# a's 100 us of GPU work (one thread ranks first among the maps that reach it).
 gw=$work/gpu_wait
 printf '%s\n' '{"streams": ["s1", "s2"], "tasks": [{"name": "a", "stream": "s1", "writes": ["x"]},' \
   '{"name": "b", "stream": "s2", "reads": ["x"]}], "thread_maps": ["legacy"]}' >"$gw.schedule.json"
@@ -147,8 +147,13 @@ expect_refusal() {  # message, then the command's arguments
   fi
 }
 expect_refusal "--gpu-wait is for --suggest --trace" --gpu-wait b=a --schedule "$gw.schedule.json"
-expect_refusal "--gpu-wait applies to the costs --trace measures" --suggest --gpu-wait b=a \
-  --schedule "$gw.schedule.json"
+expect_refusal "--gpu-wait applies to the costs the first --trace measures" --suggest \
+  --gpu-wait b=a --schedule "$gw.schedule.json"
+expect_refusal "--gpu-wait applies to the costs the first --trace measures" --suggest \
+  --gpu-wait b=a --schedule "$gw.schedule.json" --trace "$gw.trace.json" \
+  --costs "$data/costs_forward.json"
+expect_refusal "--gpu-wait names task 'b' twice" --suggest --gpu-wait b=b --gpu-wait b=a \
+  --schedule "$gw.schedule.json" --trace "$gw.trace.json"
 expect_refusal "--gpu-wait takes TASK=PRODUCER, got 'b'" --suggest --gpu-wait b \
   --schedule "$gw.schedule.json" --trace "$gw.trace.json"
 expect_refusal "gpu_waits producer 'c' is not a task of the trace" --suggest --gpu-wait b=c \
