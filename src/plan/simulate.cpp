@@ -58,6 +58,7 @@ class Simulator {
  private:
   void run_host(int p);
   void run_settled(int p);
+  int gpu_wait_progress(int p, TaskId t) const;
   long long gpu_wait_job(int p, TaskId t) const;
   std::optional<Start> next_start(std::size_t th) const;
   void place(std::size_t th, const Start& s);
@@ -280,15 +281,8 @@ void Simulator::run_host(int p) {
 // wait in every iteration takes time quadratic in its length.
 void Simulator::run_settled(int p) {
   gpu_wait_end_.assign(num_tasks_, 0);
-  const bool waits = [&] {
-    for (TaskId t = 0; t < num_tasks_; ++t) {
-      if (gpu_wait_of_[t] < 0 || !active(p, t)) continue;
-      const auto producer = std::size_t(gpu_wait_of_[t]);
-      const int q = p - (schedule_.task(producer).lookahead() - schedule_.task(t).lookahead());
-      if (q >= 0 && active(q, producer)) return true;
-    }
-    return false;
-  }();
+  bool waits = false;
+  for (TaskId t = 0; t < num_tasks_; ++t) waits = waits || gpu_wait_progress(p, t) >= 0;
   if (!waits) {
     run_host(p);
     enqueue_gpu(p);
@@ -321,14 +315,20 @@ void Simulator::run_settled(int p) {
   }
 }
 
-// The stream model's job that task t's GPU wait in progress p is for: its producer's run on
-// t's batch (a task of lookahead k works on batch p - (L - k) at progress p). -1 where there is
-// none: t waits for nothing or has no batch at p, or that run is before the first progress.
-long long Simulator::gpu_wait_job(int p, TaskId t) const {
+// The progress in which task t's GPU wait in progress p has its producer run on t's batch (a
+// task of lookahead k works on batch p - (L - k) at progress p). -1 where there is none: t waits
+// for nothing or has no batch at p, or the producer has no run on that batch.
+int Simulator::gpu_wait_progress(int p, TaskId t) const {
   if (gpu_wait_of_[t] < 0 || !active(p, t)) return -1;
   const auto producer = std::size_t(gpu_wait_of_[t]);
   const int q = p - (schedule_.task(producer).lookahead() - schedule_.task(t).lookahead());
-  return q < 0 ? -1 : job_of_[std::size_t(q)][producer];
+  return q >= 0 && active(q, producer) ? q : -1;
+}
+
+// The stream model's job that task t's GPU wait in progress p is for (-1: none).
+long long Simulator::gpu_wait_job(int p, TaskId t) const {
+  const int q = gpu_wait_progress(p, t);
+  return q < 0 ? -1 : job_of_[std::size_t(q)][std::size_t(gpu_wait_of_[t])];
 }
 
 // When the next task of thread th can start, or nothing while a producer has not run yet.
@@ -561,6 +561,11 @@ std::vector<TaskPlacement> placement(const CompiledSchedule& schedule,
 std::string endless_gpu_wait(const CompiledSchedule& schedule, const ThreadAssignment& threads,
                              const CostModel& costs) {
   const std::size_t n = schedule.num_tasks();
+  bool any = false;
+  for (TaskId t = 0; t < n && !any; ++t) {
+    any = !costs.cost_of(schedule.task(t).name()).waits_for_gpu_of.empty();
+  }
+  if (!any) return {};  // the common case: no graph to build
   // What must end before what within one progress(): run order on a thread, the host waits, the
   // collective tickets (every task active: the steady state, a source's fullest iteration).
   std::vector<std::vector<TaskId>> next(n);
