@@ -184,29 +184,26 @@ struct CopyOutArgs {
   bool async_finish = false;
 };
 
-// DeepEP's low_latency_dispatch as one call (weft/ep/low_latency.py): with `packed`, the fp8
-// cast of x into it (ep::cast_to_fp8); the expanded dispatch of x, or of the packed rows, with
-// fixed-stride segments (alignment 1, no zero padding) and the count on the device; then the
-// layout of its results (ep::Buffer::low_latency_layout). All on comm_stream after the work
-// queued so far on `stream`, which then waits for it unless async_finish.
-struct LowLatencyArgs {
-  std::uintptr_t x = 0;             // [num_tokens, hidden] bf16
-  int64_t num_tokens = 0;
-  // fp8: [>= num_tokens, fp8_row_bytes(hidden)] uint8, the cast's rows (what moves); 0: x moves
-  std::uintptr_t packed = 0;
-  bool round_scale = false;         // the cast's power-of-two scales
-  std::uintptr_t topk_idx = 0;      // [num_tokens, top_k] int32 / int64
-  bool topk_idx_int64 = true;
-  std::uintptr_t topk_weights = 0;  // [num_tokens, top_k] fp32
-  std::uintptr_t stats = 0;         // optional [num_local_experts] int32: counts added to it
+// The fixed arguments of one low-latency window (weft/ep/low_latency.py's slot), set once; a
+// call passes the rest (PyBuffer::low_latency_dispatch / low_latency_combine).
+struct LowLatencySlot {
+  std::uintptr_t topk_weights = 0;  // [max_tokens, top_k] fp32 zeros: the dispatch moves none
   int64_t segment_stride = 0;       // > 0
   std::uintptr_t src_info = 0;      // ep::LowLatencyTargets
   std::uintptr_t layout_range = 0;
-  std::uintptr_t scales = 0;
-  std::uintptr_t ue8m0 = 0;
-  std::uintptr_t stream = 0;
+  std::uintptr_t scales = 0;        // used by a call with kLowLatencyFp8 (not kLowLatencyUe8m0)
+  std::uintptr_t ue8m0 = 0;         // used by a call with kLowLatencyUe8m0
   std::uintptr_t comm_stream = 0;
-  bool async_finish = false;
+};
+
+// A low-latency call's flags (bits).
+enum LowLatencyFlags : int {
+  kLowLatencyFp8 = 1,         // dispatch: x cast to fp8 on the way (DispatchInputs::cast_to_fp8)
+  kLowLatencyRoundScale = 2,  // ... with power-of-two scales
+  kLowLatencyUe8m0 = 4,       // ... and the scales as UE8M0 bytes
+  kLowLatencyOnComm = 8,      // on the comm stream after `stream` (async_finish / hook), no wait
+                              // back; else on `stream` itself
+  kLowLatencyAfter = 16,      // after `previous_stream`'s work too (the previous call's stream)
 };
 
 struct CombineArgs {
@@ -442,49 +439,73 @@ class PyBuffer {
     return out;
   }
 
-  // DeepEP's low_latency_dispatch (LowLatencyArgs): cast, dispatch and layout in one call.
-  DispatchOut low_latency_dispatch(const LowLatencyArgs a) {  // by value, as dispatch's
+  // DeepEP's low_latency_dispatch: one kernel (the fp8 cast on the way, the fixed-stride
+  // expanded dispatch, the low-latency results), launched as enter_low_latency says. The
+  // pointers come from tensors the Python layer checked (pointers_checked).
+  DispatchOut low_latency_dispatch(const LowLatencySlot& slot, std::uintptr_t x,
+                                   int64_t num_tokens, std::uintptr_t topk_idx,
+                                   bool topk_idx_int64, std::uintptr_t stats,
+                                   std::uintptr_t stream, std::uintptr_t previous_stream,
+                                   int flags) {
     ep::Buffer& b = live();
     const ep::BufferConfig& c = b.config();
     ep::DispatchInputs in;
-    if (a.packed != 0) {
-      in.x = {as_ptr(a.packed), ep::DType::kUInt8, a.num_tokens,
-              ep::fp8_row_layout(c.hidden).row_bytes};
-    } else {
-      in.x = {as_ptr(a.x), ep::DType::kBFloat16, a.num_tokens, c.hidden};
-    }
-    in.topk_idx = {as_ptr(a.topk_idx), a.topk_idx_int64 ? ep::DType::kInt64 : ep::DType::kInt32,
-                   a.num_tokens, c.top_k};
-    in.topk_weights = {as_ptr(a.topk_weights), ep::DType::kFloat32, a.num_tokens, c.top_k};
-    in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(a.stats);
+    in.x = {as_ptr(x), ep::DType::kBFloat16, num_tokens, c.hidden};
+    in.cast_to_fp8 = {.enabled = (flags & kLowLatencyFp8) != 0,
+                      .round_scale = (flags & kLowLatencyRoundScale) != 0};
+    in.topk_idx = {as_ptr(topk_idx), topk_idx_int64 ? ep::DType::kInt64 : ep::DType::kInt32,
+                   num_tokens, c.top_k};
+    in.topk_weights = {as_ptr(slot.topk_weights), ep::DType::kFloat32, num_tokens, c.top_k};
+    in.cumulative_local_expert_recv_stats = reinterpret_cast<uint32_t*>(stats);
     in.expand = {.enabled = true, .expert_alignment = 1, .zero_padding = false,
-                 .segment_stride = a.segment_stride};
+                 .segment_stride = slot.segment_stride};
     ep::LowLatencyTargets t;
-    t.src_info = reinterpret_cast<int32_t*>(a.src_info);
-    t.layout_range = reinterpret_cast<int64_t*>(a.layout_range);
-    t.scales = reinterpret_cast<float*>(a.scales);
-    t.ue8m0 = reinterpret_cast<int32_t*>(a.ue8m0);
+    t.src_info = reinterpret_cast<int32_t*>(slot.src_info);
+    t.layout_range = reinterpret_cast<int64_t*>(slot.layout_range);
+    if ((flags & kLowLatencyUe8m0) != 0) {
+      t.ue8m0 = reinterpret_cast<int32_t*>(slot.ue8m0);
+    } else if ((flags & kLowLatencyFp8) != 0) {
+      t.scales = reinterpret_cast<float*>(slot.scales);
+    }
+    in.low_latency = &t;
+    in.pointers_checked = true;
     DispatchOut out;
-    nb::gil_scoped_release release;  // pacing (pipeline_depth)
+    // The GIL stays held: nothing here waits (the windows' Buffers have no pipeline_depth).
     DeviceGuard guard(core_->device);
-    const cudaStream_t s = enter(a.stream, a.comm_stream, 0);
+    const cudaStream_t s = enter_low_latency(stream, slot.comm_stream, previous_stream, flags);
     ep::DispatchResult r;
     try {
-      if (a.packed != 0) {
-        ep::cast_to_fp8(as_ptr(a.x), a.num_tokens, c.hidden, reinterpret_cast<void*>(a.packed), s,
-                        a.round_scale);
-      }
       r = b.dispatch(in, s, ep::CountMode::kOnDevice);
-      b.low_latency_layout(t, s);
     } catch (...) {
-      // A refusal after some launches: `stream` still follows what reached comm_stream (a
-      // capture's fork stays joined).
-      leave(a.stream, a.comm_stream, false);
+      leave_low_latency(stream, slot.comm_stream, flags);
       throw;
     }
-    leave(a.stream, a.comm_stream, a.async_finish);
     set_window_fields(r, out);
     return out;
+  }
+
+  // DeepEP's low_latency_combine: the weighted expanded combine of the handle's layout into out
+  // [T, hidden] bf16, launched as enter_low_latency says; pointers as low_latency_dispatch's.
+  void low_latency_combine(const LowLatencySlot& slot, std::uintptr_t expert_out,
+                           int64_t expert_out_rows, std::uintptr_t source_weights,
+                           std::uintptr_t out, const HandleTuple& handle_tuple,
+                           std::uintptr_t stream, std::uintptr_t previous_stream, int flags) {
+    ep::Buffer& b = live();
+    const ep::Handle handle = from_tuple(handle_tuple);
+    const int64_t hidden = b.config().hidden;
+    ep::CombineInputs in;
+    in.expert_out = {as_ptr(expert_out), ep::DType::kBFloat16, expert_out_rows, hidden};
+    in.source_weights = {as_ptr(source_weights), ep::DType::kFloat32, handle.num_tokens,
+                         b.config().top_k};
+    in.pointers_checked = true;
+    DeviceGuard guard(core_->device);
+    const cudaStream_t s = enter_low_latency(stream, slot.comm_stream, previous_stream, flags);
+    try {
+      b.combine(in, handle, reinterpret_cast<void*>(out), s);
+    } catch (...) {
+      leave_low_latency(stream, slot.comm_stream, flags);
+      throw;
+    }
   }
 
   void combine(const CombineArgs a, const HandleTuple& handle_tuple) {  // by value, as dispatch's
@@ -600,6 +621,48 @@ class PyBuffer {
     }
     WEFT_CUDA_CHECK(cudaStreamWaitEvent(as_stream(comm_stream), event, 0));
     return as_stream(comm_stream);
+  }
+
+  // The stream a low-latency call launches on: `stream` itself, or with kLowLatencyOnComm
+  // comm_stream after the work queued so far on `stream`; with kLowLatencyAfter also after the
+  // work queued on previous_stream, the stream of the previous low-latency call of either window
+  // of the Buffer (the Python layer's record: every rank must run the windows' kernels in one
+  // order, and a window's calls must not overlap), which must still exist. A plain call on the
+  // previous call's stream thus costs no stream operation. A stream being captured into a CUDA
+  // graph does not wait for one that is not (a capture cannot; the graph's replays are ordered by
+  // the stream that launches them); a call outside a capture whose previous call's stream is
+  // still being captured is refused.
+  cudaStream_t enter_low_latency(std::uintptr_t stream, std::uintptr_t comm_stream,
+                                 std::uintptr_t previous_stream, int flags) {
+    const bool on_comm = (flags & kLowLatencyOnComm) != 0;
+    const cudaStream_t launch = as_stream(on_comm ? comm_stream : stream);
+    const cudaStream_t previous = as_stream(previous_stream);
+    if ((flags & kLowLatencyAfter) != 0 && previous != launch &&
+        !(on_comm && previous == as_stream(stream))) {
+      const bool launch_captured = capturing(launch);
+      const bool previous_captured = previous != nullptr && capturing(previous);
+      WEFT_CHECK(launch_captured || !previous_captured,
+                 "low-latency call: the Buffer's previous low-latency call was captured on a "
+                 "stream whose capture has not ended; end it (or make this call in it) first");
+      if (launch_captured == previous_captured) {
+        WEFT_CUDA_CHECK(cudaEventRecord(core_->exit_event, previous));
+        WEFT_CUDA_CHECK(cudaStreamWaitEvent(launch, core_->exit_event, 0));
+      }
+    }
+    if (on_comm) enter(stream, comm_stream, 0);
+    return launch;
+  }
+
+  static bool capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    WEFT_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
+
+  // A refused low-latency call: `stream` follows what enter_low_latency queued on comm_stream
+  // (a capture's fork stays joined).
+  void leave_low_latency(std::uintptr_t stream, std::uintptr_t comm_stream, int flags) {
+    if ((flags & kLowLatencyOnComm) != 0) leave(stream, comm_stream, false);
   }
 
   // Orders `stream` after the call on comm_stream, unless async_finish (the caller then orders
@@ -762,24 +825,20 @@ void bind_ep(nb::module_& m) {
       .def_rw("comm_stream", &CopyOutArgs::comm_stream)
       .def_rw("async_finish", &CopyOutArgs::async_finish);
 
-  nb::class_<LowLatencyArgs>(m, "LowLatencyArgs")
+  nb::class_<LowLatencySlot>(m, "LowLatencySlot")
       .def(nb::init<>())
-      .def_rw("x", &LowLatencyArgs::x)
-      .def_rw("num_tokens", &LowLatencyArgs::num_tokens)
-      .def_rw("packed", &LowLatencyArgs::packed)
-      .def_rw("round_scale", &LowLatencyArgs::round_scale)
-      .def_rw("topk_idx", &LowLatencyArgs::topk_idx)
-      .def_rw("topk_idx_int64", &LowLatencyArgs::topk_idx_int64)
-      .def_rw("topk_weights", &LowLatencyArgs::topk_weights)
-      .def_rw("stats", &LowLatencyArgs::stats)
-      .def_rw("segment_stride", &LowLatencyArgs::segment_stride)
-      .def_rw("src_info", &LowLatencyArgs::src_info)
-      .def_rw("layout_range", &LowLatencyArgs::layout_range)
-      .def_rw("scales", &LowLatencyArgs::scales)
-      .def_rw("ue8m0", &LowLatencyArgs::ue8m0)
-      .def_rw("stream", &LowLatencyArgs::stream)
-      .def_rw("comm_stream", &LowLatencyArgs::comm_stream)
-      .def_rw("async_finish", &LowLatencyArgs::async_finish);
+      .def_rw("topk_weights", &LowLatencySlot::topk_weights)
+      .def_rw("segment_stride", &LowLatencySlot::segment_stride)
+      .def_rw("src_info", &LowLatencySlot::src_info)
+      .def_rw("layout_range", &LowLatencySlot::layout_range)
+      .def_rw("scales", &LowLatencySlot::scales)
+      .def_rw("ue8m0", &LowLatencySlot::ue8m0)
+      .def_rw("comm_stream", &LowLatencySlot::comm_stream);
+  m.attr("LOW_LATENCY_FP8") = int(kLowLatencyFp8);
+  m.attr("LOW_LATENCY_ROUND_SCALE") = int(kLowLatencyRoundScale);
+  m.attr("LOW_LATENCY_UE8M0") = int(kLowLatencyUe8m0);
+  m.attr("LOW_LATENCY_ON_COMM") = int(kLowLatencyOnComm);
+  m.attr("LOW_LATENCY_AFTER") = int(kLowLatencyAfter);
 
   nb::class_<CombineArgs>(m, "CombineArgs")
       .def(nb::init<>())
@@ -850,7 +909,13 @@ void bind_ep(nb::module_& m) {
       .def("finish_dispatch", &PyBuffer::finish_dispatch, nb::arg("copy").none() = nb::none())
       .def("combine", &PyBuffer::combine, nb::arg("args"), nb::arg("handle"))
       .def("copy_out", &PyBuffer::copy_out, nb::arg("args"))
-      .def("low_latency_dispatch", &PyBuffer::low_latency_dispatch, nb::arg("args"))
+      .def("low_latency_dispatch", &PyBuffer::low_latency_dispatch, nb::arg("slot"),
+           nb::arg("x"), nb::arg("num_tokens"), nb::arg("topk_idx"), nb::arg("topk_idx_int64"),
+           nb::arg("stats"), nb::arg("stream"), nb::arg("previous_stream"), nb::arg("flags"))
+      .def("low_latency_combine", &PyBuffer::low_latency_combine, nb::arg("slot"),
+           nb::arg("expert_out"), nb::arg("expert_out_rows"), nb::arg("source_weights"),
+           nb::arg("out"), nb::arg("handle"), nb::arg("stream"), nb::arg("previous_stream"),
+           nb::arg("flags"))
       .def("enter_comm", &PyBuffer::enter_comm, nb::arg("stream"), nb::arg("comm_stream"),
            nb::arg("previous_event"))
       .def("leave_comm", &PyBuffer::leave_comm, nb::arg("stream"), nb::arg("comm_stream"))

@@ -358,12 +358,13 @@ def test_the_cast_is_deepeps_torch_cast_on_the_gpu(gpu_buffer, round_scale):
 
 @needs_gpus(1)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_round", "fp8_ue8m0"])
-@pytest.mark.parametrize("hook", [False, True])
-def test_dispatch_and_combine_match_the_reference(gpu_buffer, fmt, hook):
+@pytest.mark.parametrize("mode", ["plain", "async", "hook"])
+def test_dispatch_and_combine_match_the_reference(gpu_buffer, fmt, mode):
     m, hidden, num_experts, top_k = 96, 1024, 12, 5
     buf = gpu_buffer(m, hidden, num_experts)
-    g = torch.Generator().manual_seed(11 + 2 * ["bf16", "fp8", "fp8_round", "fp8_ue8m0"].index(fmt)
-                                      + hook)
+    hook = mode == "hook"
+    g = torch.Generator().manual_seed(11 + 3 * ["bf16", "fp8", "fp8_round", "fp8_ue8m0"].index(fmt)
+                                      + ["plain", "async", "hook"].index(mode))
     use_fp8, round_scale, use_ue8m0 = fmt != "bf16", fmt in ("fp8_round", "fp8_ue8m0"), \
         fmt == "fp8_ue8m0"
     for t in (0, 1, 7, 40, m):  # M far above T, and T = M
@@ -376,17 +377,17 @@ def test_dispatch_and_combine_match_the_reference(gpu_buffer, fmt, hook):
         res = buf.low_latency_dispatch(x.cuda(), idx.cuda(), m, num_experts,
                                        cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
                                        round_scale=round_scale, use_ue8m0=use_ue8m0,
-                                       async_finish=not hook, return_recv_hook=hook)
+                                       async_finish=mode == "async", return_recv_hook=hook)
         if hook:
             assert res[4] is not None
             res[4]()
         else:
-            res[3].current_stream_wait()
+            res[3].current_stream_wait()  # a plain call's event orders nothing
         rows = _check_dispatch(res, x, idx, num_experts, m, use_fp8, round_scale, use_ue8m0,
                                stats)
         y = (torch.randn((num_experts, m, hidden), generator=g)).to(torch.bfloat16)
         out, event, chook = buf.low_latency_combine(y.cuda(), idx.cuda(), w.cuda(), res[2],
-                                                    async_finish=not hook,
+                                                    async_finish=mode == "async",
                                                     return_recv_hook=hook)
         chook() if hook else event.current_stream_wait()
         want = _expected_combine(y, idx, w, rows)
@@ -452,10 +453,54 @@ def test_a_thousand_back_to_back_calls_with_fresh_inputs(gpu_buffer):
 
 
 @needs_gpus(1)
-def test_a_cuda_graph_of_dispatch_expert_matmul_combine_replays_with_new_inputs(gpu_buffer):
+def test_calls_on_other_streams_wait_for_the_windows_previous_call(gpu_buffer):
+    # A plain call runs on the current stream. Dispatch 0 (window A) is held back on stream s1
+    # behind a long kernel; dispatches 1 (window B) and 2 (window A again) are made on s2, which
+    # does not wait for s1: both must still follow dispatch 0 (a Buffer's low-latency kernels run
+    # in call order on every rank; had dispatch 2 not waited, dispatch 0 would land after it and
+    # its results would be dispatch 0's), and so must a combine of dispatch 2 made on a third
+    # stream.
+    m, hidden, num_experts, top_k = 32, 512, 8, 4
+    buf = gpu_buffer(m, hidden, num_experts)
+    g = torch.Generator().manual_seed(13)
+    s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    for use_fp8 in (False, True):
+        inputs = []
+        for _ in range(3):
+            x = torch.randn((m, hidden), generator=g).to(torch.bfloat16)
+            inputs.append((x, _routing(m, num_experts, top_k, g), x.cuda()))
+        idx_dev = [idx.cuda() for _, idx, _ in inputs]
+        torch.cuda.synchronize()
+        results = []
+        with torch.cuda.stream(s1):
+            torch.cuda._sleep(50_000_000)  # about 25 ms or more on any recent GPU
+            results.append(buf.low_latency_dispatch(inputs[0][2], idx_dev[0], m, num_experts,
+                                                    use_fp8=use_fp8))
+        with torch.cuda.stream(s2):
+            for i in (1, 2):
+                results.append(buf.low_latency_dispatch(inputs[i][2], idx_dev[i], m,
+                                                        num_experts, use_fp8=use_fp8))
+        y = torch.randn((num_experts, m, hidden), generator=g).to(torch.bfloat16)
+        w = _weights(m, top_k, g)
+        y_dev, w_dev = y.cuda(), w.cuda()
+        torch.cuda.synchronize()  # y and w are on the device before s3 reads them
+        with torch.cuda.stream(s3):
+            out, _, _ = buf.low_latency_combine(y_dev, idx_dev[2], w_dev, results[2][2])
+        torch.cuda.synchronize()
+        for i in (1, 2):
+            x, idx, _ = inputs[i]
+            rows = _check_dispatch(results[i], x, idx, num_experts, m, use_fp8)
+        want = _expected_combine(y, inputs[2][1], w, rows)
+        assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_a_cuda_graph_of_dispatch_expert_matmul_combine_replays_with_new_inputs(gpu_buffer,
+                                                                                use_fp8):
     m, hidden, num_experts, top_k = 24, 256, 4, 3
     buf = gpu_buffer(m, hidden, num_experts)
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(9 + use_fp8)
     # Static inputs the graph reads; each replay gets new contents.
     x_in = torch.zeros((m, hidden), dtype=torch.bfloat16, device="cuda")
     idx_in = torch.zeros((m, top_k), dtype=torch.int64, device="cuda")
@@ -467,9 +512,14 @@ def test_a_cuda_graph_of_dispatch_expert_matmul_combine_replays_with_new_inputs(
 
     def step():
         recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
-            x_in, idx_in, m, num_experts, use_fp8=False, return_recv_hook=True)
+            x_in, idx_in, m, num_experts, use_fp8=use_fp8, return_recv_hook=True)
         hook()
-        y = torch.bmm(recv_x, weight)
+        if use_fp8:  # the expert's input dequantised (each group times its scale)
+            q, scales = recv_x
+            rows = q.float() * scales.repeat_interleave(128, dim=2)
+            y = torch.bmm(rows.to(torch.bfloat16), weight)
+        else:
+            y = torch.bmm(recv_x, weight)
         out, _, _ = buf.low_latency_combine(y, idx_in, w_in, handle)
         return recv_x, recv_count, y, out, handle
 
@@ -498,11 +548,21 @@ def test_a_cuda_graph_of_dispatch_expert_matmul_combine_replays_with_new_inputs(
         torch.cuda.synchronize()
         rows = _expected_dispatch(x, idx, num_experts, m)
         assert recv_count.cpu().tolist() == [len(r) for r in rows], f"replay {replay}"
-        got_x = recv_x.cpu()
+        if use_fp8:
+            want_q, want_s = ref.cast_fp8(x, False)
+            got_q, got_s = (v.cpu() for v in recv_x)
+        else:
+            got_x = recv_x.cpu()
         for e, tokens in enumerate(rows):
             tt = torch.tensor(tokens, dtype=torch.long)
-            assert torch.equal(got_x[e, :len(tokens)].view(torch.int16),
-                               x[tt].view(torch.int16)), f"replay {replay} expert {e}"
+            n = len(tokens)
+            if use_fp8:
+                assert torch.equal(got_q[e, :n].view(torch.uint8), want_q[tt].view(torch.uint8)), \
+                    f"replay {replay} expert {e}"
+                assert torch.equal(got_s[e, :n], want_s[tt]), f"replay {replay} expert {e}"
+            else:
+                assert torch.equal(got_x[e, :n].view(torch.int16), x[tt].view(torch.int16)), \
+                    f"replay {replay} expert {e}"
         # The combine's input is the graph's own matmul output: the reference combines that.
         want = _expected_combine(y.cpu(), idx, w, rows)
         assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16)), \

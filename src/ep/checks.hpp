@@ -20,14 +20,16 @@ struct PointerHome {
   int device = 0;
   const char* window = nullptr;  // [window, window + window_bytes): the Buffer's own memory
   std::size_t window_bytes = 0;
+  bool vouched = false;  // the caller vouches for where the pointers are (pointers_checked)
 };
 
-PointerHome pointer_home(const BufferGroup& group, std::size_t index, int device);
+PointerHome pointer_home(const BufferGroup& group, std::size_t index, int device,
+                         bool vouched = false);
 
 // Throws unless p is null or memory the kernels may read and write as `name`: aligned to
 // `alignment` bytes, and device memory of the Buffer's device (or managed memory, or the window:
 // dispatch results passed back, e.g. expert_out = recv_x). A misaligned or foreign pointer would
-// fault inside a kernel, which ends the CUDA context.
+// fault inside a kernel, which ends the CUDA context. Where home is vouched, only the alignment.
 void check_pointer(const void* p, const char* name, const PointerHome& home,
                    std::size_t alignment);
 

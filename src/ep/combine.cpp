@@ -68,7 +68,8 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
   if (in.bias0.data != nullptr) detail::check_view(in.bias0, "bias0", {DType::kBFloat16}, T, config_.hidden);
   if (in.bias1.data != nullptr) detail::check_view(in.bias1, "bias1", {DType::kBFloat16}, T, config_.hidden);
   WEFT_CHECK(T == 0 || out != nullptr, "out is null");
-  const detail::PointerHome home = detail::pointer_home(*group_, index_, device_);
+  const detail::PointerHome home =
+      detail::pointer_home(*group_, index_, device_, in.pointers_checked);
   detail::check_pointer(in.expert_out.rows > 0 ? in.expert_out.data : nullptr, "expert_out", home, 16);
   if (T > 0) {
     detail::check_pointer(in.bias0.data, "bias0", home, 16);

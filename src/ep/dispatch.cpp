@@ -25,6 +25,13 @@ namespace {
 // scales may have no address.
 int64_t dispatch_row_bytes(const DispatchInputs& in, const BufferConfig& config) {
   const TensorView& x = in.x;
+  if (in.cast_to_fp8.enabled) {
+    WEFT_CHECK(in.expand.enabled && in.handle == nullptr && in.x_scales.data == nullptr,
+               "cast_to_fp8 is for an uncached expanded dispatch of bf16 x (no x_scales)");
+    const Fp8RowLayout l = fp8_row_layout(config.hidden);
+    detail::check_view(x, "x (cast to fp8)", {DType::kBFloat16}, x.rows, config.hidden);
+    return l.row_bytes;
+  }
   if (in.x_scales.data != nullptr || (x.dtype == DType::kUInt8 && x.cols == config.hidden)) {
     const Fp8RowLayout l = fp8_row_layout(config.hidden);
     detail::check_view(x, "x (fp8 payload)", {DType::kUInt8}, x.rows, config.hidden);
@@ -48,8 +55,35 @@ int64_t dispatch_row_bytes(const DispatchInputs& in, const BufferConfig& config)
 }
 
 detail::RowSource row_source(const DispatchInputs& in, int64_t row_bytes, int64_t hidden) {
-  return {in.x.data, row_bytes, in.x_scales.data, hidden, in.x_scales.token_stride,
-          in.x_scales.group_stride};
+  return {in.x.data,         row_bytes,
+          in.x_scales.data,  hidden,
+          in.x_scales.token_stride, in.x_scales.group_stride,
+          in.cast_to_fp8.enabled, in.cast_to_fp8.round_scale};
+}
+
+// The kernel's LowLatencyOut of a dispatch's LowLatencyTargets (null: none), checked.
+detail::ExpandDispatchParams::LowLatencyOut low_latency_out(const DispatchInputs& in,
+                                                           const BufferConfig& config,
+                                                           int64_t row_bytes,
+                                                           const detail::PointerHome& home) {
+  const LowLatencyTargets* t = in.low_latency;
+  if (t == nullptr) return {};
+  WEFT_CHECK(in.expand.enabled && in.expand.segment_stride > 0 && in.handle == nullptr,
+             "low_latency targets need an uncached expanded dispatch with fixed-stride segments ",
+             "(ExpandOptions::segment_stride > 0)");
+  WEFT_CHECK(t->src_info != nullptr, "low_latency: src_info is null");
+  WEFT_CHECK(t->layout_range != nullptr, "low_latency: layout_range is null");
+  WEFT_CHECK(row_bytes != config.row_bytes() || (t->scales == nullptr && t->ue8m0 == nullptr),
+             "low_latency: scales / ue8m0 need a dispatch of fp8 rows");
+  const int64_t num_groups = config.hidden / kFp8GroupElements;
+  WEFT_CHECK(t->ue8m0 == nullptr || num_groups % 4 == 0,
+             "low_latency: ue8m0 packs 4 scales per int32, but hidden ", config.hidden, " has ",
+             num_groups, " groups of 128");
+  detail::check_pointer(t->src_info, "low_latency: src_info", home, 4);
+  detail::check_pointer(t->layout_range, "low_latency: layout_range", home, 8);
+  detail::check_pointer(t->scales, "low_latency: scales", home, 4);
+  detail::check_pointer(t->ue8m0, "low_latency: ue8m0", home, 4);
+  return {t->src_info, t->layout_range, t->scales, t->ue8m0};
 }
 
 }  // namespace
@@ -98,11 +132,14 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
                " (only the deduplicated dispatch reports tokens_required instead)");
   }
   const int64_t row_bytes = dispatch_row_bytes(in, config_);
-  const detail::PointerHome home = detail::pointer_home(*group_, index_, device_);
+  const detail::PointerHome home =
+      detail::pointer_home(*group_, index_, device_, in.pointers_checked);
   detail::check_pointer(T > 0 ? in.x.data : nullptr, "x", home, 16);
   detail::check_pointer(T > 0 ? in.x_scales.data : nullptr, "x_scales", home, 4);
   detail::check_pointer(in.cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", home,
                 4);
+  const detail::ExpandDispatchParams::LowLatencyOut low_latency =
+      low_latency_out(in, config_, row_bytes, home);
   if (in.handle != nullptr) return dispatch_cached(in, row_bytes, stream, mode);
   detail::check_view(in.topk_idx, "topk_idx", {DType::kInt32, DType::kInt64}, T, config_.top_k);
   detail::check_view(in.topk_weights, "topk_weights", {DType::kFloat32}, T, config_.top_k);
@@ -161,6 +198,7 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     ep.zero_padding = in.expand.zero_padding;
     ep.segment_stride = in.expand.segment_stride;
     ep.expand_rows = state_->expand_rows;
+    ep.low_latency = low_latency;
     detail::launch_expand_dispatch(ep, stream);
   } else {
     detail::launch_dispatch(p, stream);

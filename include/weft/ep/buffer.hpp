@@ -101,6 +101,25 @@ struct Handle {
 // dispatch takes T above BufferConfig::max_tokens and reports it (DispatchResult::tokens_required).
 constexpr int64_t kMaxDispatchTokens = INT32_MAX;
 
+// DeepEP's low_latency_dispatch results of a dispatch (DispatchInputs::low_latency), which must
+// be an uncached expanded one with fixed-stride segments: E = num_local_experts segments of
+// S = ExpandOptions::segment_stride rows, G = hidden / 128. Device arrays of the Buffer's device,
+// written by the dispatch kernel once this rank's rows have arrived:
+struct LowLatencyTargets {
+  int32_t* src_info = nullptr;      // [E, S]: each row's source token, -1 for padding rows
+  // [E, R]: per (local expert e, source rank r), (rows of e from ranks < r) << 32 | (rows of e
+  // from rank r), the rows of e being in (source rank, source token) order.
+  int64_t* layout_range = nullptr;
+  // Optional, an fp8 dispatch's (packed rows or cast_to_fp8): fp32 [E, S, G] at strides
+  // (S * G, 1, S) elements (column-major in the last two dims), the received rows' scales;
+  // padding rows' are not written.
+  float* scales = nullptr;
+  // Optional, as scales, G a multiple of 4: int32 [E, S, G / 4] at strides (S * G / 4, 1, S),
+  // the scales' exponent bytes (bits >> 23) & 0xFF (UE8M0; exact for power-of-two scales), group
+  // 4w + i in byte i (little-endian) of word w.
+  int32_t* ue8m0 = nullptr;
+};
+
 struct DispatchInputs {
   // [T, hidden] bf16, or [T, fp8_row_layout(hidden).row_bytes] uint8 packed fp8 rows (types.hpp;
   // cast_to_fp8 makes them from bf16; hidden must be a multiple of 128); 16-byte aligned. With
@@ -147,6 +166,20 @@ struct DispatchInputs {
   // the window's rows [own_begin, own_begin + own_count) of this rank hold no payload (a
   // DispatchResult's recv_x views them stale). Deduplicated layout only (uncached or cached).
   bool defer_own_rows = false;
+  // bf16 x cast to packed fp8 rows on the way (an uncached expanded dispatch): x is [T, hidden]
+  // bf16, hidden a multiple of 128, and each row is cast where it is sent, so that the received
+  // rows are those of cast_to_fp8(x, round_scale), bit for bit, without a pass of their own.
+  struct CastToFp8 {
+    bool enabled = false;
+    bool round_scale = false;  // power-of-two scales (fp8_round_scale)
+  } cast_to_fp8;
+  // DeepEP's low-latency results of this dispatch (LowLatencyTargets), written by its kernel:
+  // an uncached expanded dispatch with fixed-stride segments. Null: none.
+  const LowLatencyTargets* low_latency = nullptr;
+  // The caller vouches that every pointer of the call is device memory of this Buffer's device
+  // (as the Python layer does for tensors it checked): their alignment is checked, but not by a
+  // query to CUDA per pointer and call.
+  bool pointers_checked = false;
 };
 
 // Worst-case sized views into the window (capacity = num_ranks * max_tokens rows, expanded:
@@ -226,23 +259,6 @@ struct CopyOutTargets {
   DispatchInputs::Fp8Scales own_x_scales;
 };
 
-// DeepEP's low_latency_dispatch results of the latest dispatch (Buffer::low_latency_layout),
-// which must be an expanded one with fixed-stride segments: E = num_local_experts segments of
-// S = ExpandOptions::segment_stride rows, G = hidden / 128. Device arrays of the Buffer's device,
-// every element written, padding rows included (from what the window holds there):
-struct LowLatencyTargets {
-  int32_t* src_info = nullptr;      // [E, S]: each row's source token, -1 for padding rows
-  // [E, R]: per (local expert e, source rank r), (rows of e from ranks < r) << 32 | (rows of e
-  // from rank r), the rows of e being in (source rank, source token) order.
-  int64_t* layout_range = nullptr;
-  // Optional, an fp8 dispatch's: fp32 [E, S, G] at strides (S * G, 1, S) elements (column-major
-  // in the last two dims), the received rows' scales.
-  float* scales = nullptr;
-  // Optional, an fp8 dispatch's, G a multiple of 4: int32 [E, S, G / 4] at strides
-  // (S * G / 4, 1, S), the scales' exponent bytes (bits >> 23) & 0xFF (UE8M0; exact for
-  // power-of-two scales), group 4w + i in byte i (little-endian) of word w.
-  int32_t* ue8m0 = nullptr;
-};
 
 enum class CountMode {
   kOnDevice,  // the count stays on the device: no host sync, graph-capturable
@@ -301,6 +317,7 @@ struct CombineInputs {
   // recv_expert_idx marks, reading the weights from the source's window, where the call copies
   // them (comb_w) on `stream` before the kernel. No biases with it.
   TensorView source_weights{};
+  bool pointers_checked = false;  // as DispatchInputs::pointers_checked
 };
 
 // The send warps of a deduplicated combine block at num_ranks ranks, from BufferOptions::
@@ -384,10 +401,6 @@ class Buffer {
   // (which must be ordered after that dispatch), before the next dispatch or combine is
   // launched. fp8 (x_scales given) needs the latest dispatch to be an fp8 one.
   void copy_out(const CopyOutTargets& targets, cudaStream_t stream);
-
-  // DeepEP's low-latency results (LowLatencyTargets) of the latest dispatch, in one kernel on
-  // stream (which must be ordered after that dispatch), before the next dispatch is launched.
-  void low_latency_layout(const LowLatencyTargets& targets, cudaStream_t stream);
 
   // out: [handle.num_tokens, hidden] bf16, fully written (not at all after an overflowed
   // expanded dispatch: see CombineInputs).

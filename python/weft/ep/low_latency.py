@@ -14,14 +14,13 @@ the rest of the segment padding. It is the expanded layout of weft's dispatch wi
 row e * M * R (no second protocol, no copy of the rows).
 
 One call into C++ per dispatch (_weft.ep.Buffer.low_latency_dispatch, after the argument checks
-here), which queues on the comm stream: with use_fp8 the cast of x into the slot's packed fp8
-rows (ep::cast_to_fp8, DeepEP's per-128 cast, round_scale: power-of-two scales), the expanded
-dispatch of x or of those rows, and the layout kernel (ep::Buffer::low_latency_layout) that
-writes the handle's src_info and layout_range and the scales in DeepEP's layouts (fp32
-column-major, or the UE8M0 exponent bytes) into the slot's tensors, padding rows included. No
-torch kernel runs in the call (async_finish or the hook record one event): recv_x, recv_count
-and the handle's tensors are made once per slot. x must be 16-byte aligned (rows move as
-16-byte vectors; the cast reads it so too).
+here) and one kernel: the expanded dispatch of x, with use_fp8 each row cast on its way
+(DeepEP's per-128 cast, round_scale: power-of-two scales) into packed fp8 rows, and at its end,
+once the rows have arrived, src_info, layout_range and the scales in DeepEP's layouts (fp32
+column-major, or the UE8M0 exponent bytes) written into the slot's tensors (received rows'
+scales only). No torch op runs in the call (async_finish or the hook record one event):
+recv_x, recv_count and the handle's tensors are made once per slot. x must be 16-byte aligned
+(rows move as 16-byte vectors; the cast reads it so too).
 
 Double buffering (DeepEP's rule that a call's results stay valid for the two latest calls): two
 windows (slots) alternate per dispatch; a dispatch's results (recv_x, recv_count, the handle's
@@ -29,10 +28,11 @@ tensors) live in its slot and stay valid until the dispatch after the next one. 
 use the handle of one of the two latest dispatches: an older one is refused (weft.Error), not
 combined from overwritten rows.
 
-Streams: every call runs on the Buffer's comm stream after the work queued so far on the
-current stream. async_finish=False and return_recv_hook=False: the current stream then waits
-for it (a dispatch's binding call queues that wait). async_finish=True: the returned
-EventOverlap orders it. return_recv_hook=True: the call is issued and returns; hook() makes the
+Streams: a plain call (async_finish=False, return_recv_hook=False) runs on the current stream
+itself, after the Buffer's previous low-latency call (of either window) if that ran on another
+stream, which must still exist (torch's streams do). With
+async_finish=True the call runs on the Buffer's comm stream after the current stream's work and
+the returned EventOverlap orders it; with return_recv_hook=True likewise, and hook() makes the
 current stream wait for the arrivals (weft's dispatch and combine are one kernel each, so the
 hook waits for that kernel rather than launching a receive kernel).
 """
@@ -110,8 +110,8 @@ class LowLatencyHandle(tuple):
 
 
 class _Slot:
-    """One of the two windows, with the persistent tensors of its results and the reused
-    arguments of its one binding call."""
+    """One of the two windows, with the persistent tensors of its results and the fixed
+    arguments of its binding calls."""
 
     def __init__(self, native: NativeBuffer, num_max_tokens: int) -> None:
         self.native = native
@@ -132,20 +132,19 @@ class _Slot:
                                          (self.stride * (g // 4), 1, self.stride),
                                          dtype=torch.int32, device=dev) \
             if h % (4 * _FP8_GROUP) == 0 else None
-        # The fp8 cast's packed rows (what an fp8 dispatch moves).
-        self.packed = torch.empty((num_max_tokens, native.fp8_row_bytes), dtype=torch.uint8,
-                                  device=dev) if h % _FP8_GROUP == 0 else None
         self.combine_buffer: Optional[torch.Tensor] = None
         # The views of the window that every call of this slot returns (recv_x bf16, the fp8
         # payload, recv_count), made at the slot's first call of each kind.
         self.recv_bf16: Optional[torch.Tensor] = None
         self.recv_q: Optional[torch.Tensor] = None
         self.recv_count: Optional[torch.Tensor] = None
-        a = _weft.ep.LowLatencyArgs()
+        a = _weft.ep.LowLatencySlot()
         a.topk_weights = self.no_weights.data_ptr()
         a.segment_stride = self.stride
         a.src_info = self.src_info.data_ptr()
         a.layout_range = self.layout_range.data_ptr()
+        a.scales = 0 if self.scales is None else self.scales.data_ptr()
+        a.ue8m0 = 0 if self.ue8m0 is None else self.ue8m0.data_ptr()
         a.comm_stream = native.comm_stream.cuda_stream
         self.args = a
 
@@ -174,6 +173,12 @@ class LowLatency:
         self._slots: List[_Slot] = []
         self._shapes: Optional[Tuple[int, int, int, int]] = None
         self._num_dispatches = 0
+        # The binding's flag bits (fp8, round_scale, ue8m0, on the comm stream, after the
+        # previous call's stream), read at the first layout (a build without CUDA has none).
+        self._flags: Tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+        # The stream (cudaStream_t) of the latest low-latency call of either window: the next
+        # call runs after its work (every rank runs the windows' kernels in one order).
+        self._previous_stream: Optional[int] = None
 
     def destroy(self) -> None:
         for s in self._slots:
@@ -197,6 +202,9 @@ class LowLatency:
                         f"{num_experts} experts, top-{top_k} at {b.group_size} ranks; size it "
                         f"with Buffer.get_low_latency_rdma_size_hint")
         self.destroy()
+        e = _weft.ep
+        self._flags = (e.LOW_LATENCY_FP8, e.LOW_LATENCY_ROUND_SCALE, e.LOW_LATENCY_UE8M0,
+                       e.LOW_LATENCY_ON_COMM, e.LOW_LATENCY_AFTER)
         for _ in range(_NUM_SLOTS):
             native = NativeBuffer(b.group, max_tokens=num_max_tokens, hidden=hidden,
                                   num_experts=num_experts, top_k=top_k,
@@ -238,24 +246,22 @@ class LowLatency:
         serial = self._num_dispatches
         slot = self._slots[serial % _NUM_SLOTS]
         native = slot.native
-        # One call: the cast (fp8) into the slot's packed rows, the dispatch, the layout of its
-        # results into the slot's tensors, on the comm stream after the current stream's work.
-        a = slot.args
-        a.x = x.data_ptr()
-        a.num_tokens = num_tokens
-        a.packed = slot.packed.data_ptr() if use_fp8 else 0
-        a.round_scale = round_scale
-        a.scales = slot.scales.data_ptr() if use_fp8 and not use_ue8m0 else 0
-        a.ue8m0 = slot.ue8m0.data_ptr() if use_ue8m0 else 0
-        a.topk_idx = topk_idx.data_ptr()
-        a.topk_idx_int64 = topk_idx.dtype == torch.int64
-        stats = cumulative_local_expert_recv_stats
-        a.stats = 0 if stats is None else stats.data_ptr()
-        a.stream = _current_raw_stream(device.index)
+        # One call, one kernel: the dispatch (fp8: each row cast on its way) and the layout of
+        # its results into the slot's tensors.
         waits = async_finish or return_recv_hook
-        a.async_finish = waits  # else the binding makes the current stream wait
-        out = native._native.low_latency_dispatch(a)
-        native_handle = NativeHandle(*out.handle)
+        fp8, round_, ue8m0, on_comm, after = self._flags
+        previous = self._previous_stream
+        flags = ((fp8 if use_fp8 else 0) | (round_ if round_scale else 0) |
+                 (ue8m0 if use_ue8m0 else 0) | (on_comm if waits else 0) |
+                 (0 if previous is None else after))
+        stats = cumulative_local_expert_recv_stats
+        stream = _current_raw_stream(device.index)
+        out = native._native.low_latency_dispatch(
+            slot.args, x.data_ptr(), num_tokens, topk_idx.data_ptr(),
+            topk_idx.dtype is torch.int64, 0 if stats is None else stats.data_ptr(), stream,
+            previous or 0, flags)
+        self._previous_stream = slot.args.comm_stream if waits else stream
+        native_handle = out.handle
         native.note_layout(native_handle)
         recv_q, recv_count = slot.views(out, use_fp8)
         if use_fp8:
@@ -360,15 +366,18 @@ class LowLatency:
         check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (t, k))
         check_tensor("topk_weights", topk_weights, (torch.float32,), device, (t, k))
         if out is None:
-            out = torch.empty((t, native.hidden), dtype=torch.bfloat16, device=device)
+            out = x.new_empty((t, native.hidden))  # bf16 on the device, as x (fewer arguments)
         else:
             check_tensor("out", out, (torch.bfloat16,), device, (t, native.hidden))
-        # The hand-off to the comm stream and, for a plain call, back, inside the one binding
-        # call; out belongs to the current stream, which (plain) waits for the kernel.
+        # One call, one kernel: on the current stream (plain) or the comm stream.
         plain = not async_finish and not return_recv_hook
-        native.launch_combine(expert_out.view(-1, native.hidden), handle.native, [], out, 0,
-                              _current_raw_stream(device.index), b._comm_stream.cuda_stream,
-                              async_finish=not plain, source_weights=topk_weights)
+        previous = self._previous_stream
+        stream = _current_raw_stream(device.index)
+        native._native.low_latency_combine(
+            slot.args, expert_out.data_ptr(), expert_out.shape[0] * expert_out.shape[1],
+            topk_weights.data_ptr(), out.data_ptr(), handle.native, stream, previous or 0,
+            (0 if plain else self._flags[3]) | (0 if previous is None else self._flags[4]))
+        self._previous_stream = stream if plain else slot.args.comm_stream
         if plain:
             return out, _NO_EVENT, None
         keep = [x, expert_out, topk_idx, topk_weights, out]

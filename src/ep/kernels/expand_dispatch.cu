@@ -35,6 +35,9 @@ namespace {
 //     metadata. Each rank also writes the metadata of its own padding rows (source (-1, -1), no
 //     selection, chain {-1, 0}) and, with zero_padding, zeroes their payload. It ends as
 //     dispatch_kernel (done flags).
+//  4. with ExpandDispatchParams::low_latency: block 0 writes layout_range after the count
+//     exchange; after the done flags every block waits for them itself (every row of this rank
+//     has arrived) and writes the rest of DeepEP's low-latency results over the whole grid.
 static_assert(kExpandSubChunkTokens <= 128, "an item packs its token index in 7 bits");
 
 // The kernel's dynamic shared memory; the launcher sizes it with the same carve.
@@ -284,6 +287,81 @@ __device__ void write_padding(const ExpandDispatchParams& ep, const ExpandSmem& 
   }
 }
 
+// 4 (block 0, right after the count exchange): layout_range of ExpandDispatchParams::low_latency
+// from this call's count words in the window, which every block has just acquired and which no
+// peer writes again before this rank's done flags let it past this call.
+__device__ void write_layout_range(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                                   const ExpandCall& call) {
+  const DispatchParams& p = ep.dispatch;
+  const CommParams& c = p.comm;
+  const int R = c.num_ranks;
+  const int E = p.num_experts;
+  const int epr = call.epr;
+  const bool here_overflowed = (*s.overflowed >> c.rank & 1u) != 0;
+  const auto* m = reinterpret_cast<const uint64_t*>(s.peer[c.rank] + c.layout.expand_matrix) +
+                  int64_t(call.parity) * R * E;
+  for (int e = threadIdx.x; e < epr; e += blockDim.x) {
+    int64_t begin = 0;
+    for (int r = 0; r < R; ++r) {
+      const int64_t n =
+          here_overflowed ? 0 : int64_t(uint32_t(__ldcg(m + int64_t(r) * E + c.rank * epr + e)));
+      ep.low_latency.layout_range[int64_t(e) * R + r] = begin << 32 | n;
+      begin += n;
+    }
+  }
+}
+
+// 4, every block once every rank's done flag of this call is in (thread 0 acquires them, so that
+// a late peer is named by the timeout): the rest of ExpandDispatchParams::low_latency from the
+// rows now here. src_info of every row (-1 for padding); the scales (and their UE8M0 bytes) of
+// the received rows only, one thread per row, consecutive threads along the scales' stride-1
+// dimension.
+__device__ void write_low_latency_rows(const ExpandDispatchParams& ep, const ExpandSmem& s,
+                                       const ExpandCall& call) {
+  const DispatchParams& p = ep.dispatch;
+  const CommParams& c = p.comm;
+  const ExpandDispatchParams::LowLatencyOut& o = ep.low_latency;
+  __shared__ int arrived;
+  if (threadIdx.x == 0) {
+    arrived = !is_broken(c) && wait_all_peers(c, s.peer[c.rank], kFlagDone, call.seq,
+                                              kWaitDispatchDone);
+  }
+  __syncthreads();
+  if (!arrived) return;
+  const int epr = call.epr;
+  const int64_t S = ep.segment_stride;
+  const bool here_overflowed = (*s.overflowed >> c.rank & 1u) != 0;
+  const char* local = s.peer[c.rank];
+  const auto* recv_src = reinterpret_cast<const int2*>(local + c.layout.recv_src);
+  const char* recv_x = local + c.layout.recv_x;
+  const int64_t num_groups = p.x.hidden / kFp8GroupElements;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; row < epr * S;
+       row += stride) {
+    const int64_t e = row / S;
+    const int64_t slot = row % S;
+    const bool valid = !here_overflowed && slot < s.total[c.rank * epr + e];
+    o.src_info[row] = valid ? __ldcg(&recv_src[row].y) : -1;
+    if (!valid) continue;
+    const auto* scales = reinterpret_cast<const float*>(recv_x + row * p.x.row_bytes + p.x.hidden);
+    if (o.scales != nullptr) {
+      float* out = o.scales + e * S * num_groups + slot;
+      for (int64_t g = 0; g < num_groups; ++g) out[g * S] = __ldcg(scales + g);
+    }
+    if (o.ue8m0 != nullptr) {
+      int32_t* out = o.ue8m0 + e * S * (num_groups / 4) + slot;
+      for (int64_t w = 0; w < num_groups / 4; ++w) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          word |= ((__float_as_uint(__ldcg(scales + 4 * w + i)) >> 23) & 0xFFu) << (8 * i);
+        }
+        out[w * S] = int32_t(word);
+      }
+    }
+  }
+}
+
 // 3, every thread: s.sel of the sub-chunk's n tokens.
 __device__ void select_experts(const DispatchParams& p, const ExpandSmem& s, int64_t sub, int n) {
   const int K = p.top_k;
@@ -350,6 +428,7 @@ __device__ void assign_rows(const ExpandDispatchParams& ep, const ExpandSmem& s,
 }
 
 // 3, every warp: one item (row of a (token, expert)) at a time, payload and metadata.
+template <bool kCast>
 __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const ExpandCall& call,
                           int64_t sub) {
   const CommParams& c = p.comm;
@@ -366,7 +445,7 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
     const int64_t row = s.row[it];
     char* base = s.peer[d];
     // Only the selections of this row's expert.
-    warp_send_token(p, base, row, t, d, call.epr, lane, [&](int64_t e) { return e == g; });
+    warp_send_token<kCast>(p, base, row, t, d, call.epr, lane, [&](int64_t e) { return e == g; });
     if (lane == 0) {
       reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] =
           make_int2(s.link[it], item >> 12);
@@ -389,7 +468,10 @@ __device__ void mark_unsent(const ExpandDispatchParams& ep, const ExpandCall& ca
 }
 
 // Named dispatch_*: profilers that total kernels by name (DeepEP's bench_kineto looks for
-// "::dispatch" and "::combine") find it as the dispatch.
+// "::dispatch" and "::combine") find it as the dispatch. kCast: x.cast_fp8 (rows cast on the
+// way); kLowLatency: low_latency given (phase 4). Variants, so that the plain dispatch carries
+// neither's registers.
+template <bool kCast, bool kLowLatency>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_expanded_kernel(const ExpandDispatchParams ep) {
   extern __shared__ __align__(16) char smem[];
@@ -418,6 +500,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     lay_out_segments(ep, s, call);
     const bool here_overflowed = (*s.overflowed >> c.rank & 1u) != 0;
     if (blockIdx.x == 0) record_layout(ep, s, call, here_overflowed);
+    if constexpr (kLowLatency) {
+      if (blockIdx.x == 0) write_layout_range(ep, s, call);
+    }
     if (!here_overflowed) write_padding(ep, s, call);
   }
   for (int64_t sub = call.chunk.begin; ok && sub < call.chunk.end; sub += kExpandSubChunkTokens) {
@@ -425,12 +510,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     select_experts(p, s, sub, n);
     if (threadIdx.x < 32) assign_rows(ep, s, call, sub, n);
     __syncthreads();
-    send_rows(p, s, call, sub);
+    send_rows<kCast>(p, s, call, sub);
     __syncthreads();
   }
   if (!ok) mark_unsent(ep, call);
 
   finish_dispatch(c, s.peer, call.seq);
+  // A broken call writes nothing more (its host raises the error); grid_barrier lets every block
+  // past once all arrived, broken or not.
+  if constexpr (kLowLatency) write_low_latency_rows(ep, s, call);
 }
 
 }  // namespace
@@ -439,7 +527,13 @@ void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t str
   const DispatchParams& p = params.dispatch;
   SmemCarver sizer{nullptr};
   ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k);
-  launch_cooperative(dispatch_expanded_kernel, params, p.num_blocks, sizer.bytes, stream);
+  const bool cast = p.x.cast_fp8;
+  const bool low_latency = params.low_latency.src_info != nullptr;
+  auto* kernel = cast ? (low_latency ? dispatch_expanded_kernel<true, true>
+                                     : dispatch_expanded_kernel<true, false>)
+                      : (low_latency ? dispatch_expanded_kernel<false, true>
+                                     : dispatch_expanded_kernel<false, false>);
+  launch_cooperative(kernel, params, p.num_blocks, sizer.bytes, stream);
 }
 
 }  // namespace weft::ep::detail

@@ -162,15 +162,19 @@ struct CommParams {
 // receiver's row (Fp8RowLayout: payload, scales, zero padding up to row_bytes): x = e4m3
 // [num_tokens, hidden] (rows hidden bytes apart, 16-byte aligned) and scales fp32
 // [num_tokens, hidden / 128] at (scale_token_stride, scale_group_stride) elements, so that
-// row-major and column-major scales are read where they are.
+// row-major and column-major scales are read where they are. Or, with cast_fp8, x = bf16
+// [num_tokens, hidden] (16-byte aligned rows), each row cast into a packed fp8 row at its
+// destination (cast_fp8_group: the bits of reference::cast_to_fp8, with round_scale).
 struct RowSource {
   const void* x;
   int64_t row_bytes;           // bytes per row at the destination, a multiple of 16 (<= 2 *
                                // hidden: the window's recv_x region holds [cap][row_bytes])
-  const float* scales;         // null: rows copied as they are
-  int64_t hidden;              // with scales: payload bytes per row, a multiple of 128
+  const float* scales;         // null: rows copied as they are (or cast, with cast_fp8)
+  int64_t hidden;              // with scales or cast_fp8: elements per row, a multiple of 128
   int64_t scale_token_stride;
   int64_t scale_group_stride;
+  bool cast_fp8;
+  bool round_scale;            // with cast_fp8: power-of-two scales
 };
 
 // Pinned host memory mapped into the device, which an uncached deduplicated dispatch fills as
@@ -233,6 +237,15 @@ struct ExpandDispatchParams {
   // it has no row (no selection, a repeat in the token, an overflowed destination): what a
   // cached dispatch of this layout moves.
   int2* expand_rows;
+  // DeepEP's low-latency results (fixed-stride segments only; src_info null: none), written once
+  // this rank's rows have all arrived (weft::ep::LowLatencyTargets, whose layouts they are:
+  // E = num_experts / R segments of S = segment_stride rows, G = hidden / 128).
+  struct LowLatencyOut {
+    int32_t* src_info;      // [E, S]
+    int64_t* layout_range;  // [E, R]
+    float* scales;          // optional [E, S, G] at strides (S * G, 1, S)
+    int32_t* ue8m0;         // optional [E, S, G / 4] at strides (S * G / 4, 1, S)
+  } low_latency;
 };
 
 // A dispatch that reuses the layout of the last uncached one (send_slot or expand_rows and
@@ -269,30 +282,6 @@ struct CastFp8Params {
   int64_t raw_bytes;           // hidden + 4 * hidden / 128
   int64_t row_bytes;
   bool round_scale;            // power-of-two scales (weft::ep::fp8_round_scale)
-};
-
-// DeepEP's low-latency results from the rows of a fixed-stride expanded dispatch in the window:
-// E = num_local_experts segments of S = segment_stride rows, row e * S + s; recv_src's padding
-// rows are (-1, -1). Every row of every segment is written (padding rows from what the window
-// holds there):
-//   src_info     [E, S] int32: recv_src[row].y (the source token; -1 for padding)
-//   layout_range [E, R] int64: (rows of e from ranks < r) << 32 | (rows of e from rank r)
-//   scales       optional fp32 [E, S, G] at strides (S * G, 1, S): the packed fp8 rows' scales
-//   ue8m0        optional int32 [E, S, G / 4] at strides (S * G / 4, 1, S): the exponent bytes
-//                (bits >> 23) & 0xFF of the scales, group 4w + i in byte i of word w
-// G = hidden / 128. scales / ue8m0 need fp8 rows (Fp8RowLayout, row_bytes apart at recv_x).
-struct LowLatencyLayoutParams {
-  const int2* recv_src;        // [E * S]
-  const char* recv_x;          // [E * S] packed fp8 rows (with scales or ue8m0)
-  int64_t row_bytes;
-  int64_t hidden;
-  int num_local_experts;
-  int num_ranks;               // <= kMaxRanks
-  int64_t segment_stride;
-  int32_t* src_info;
-  int64_t* layout_range;
-  float* scales;               // null: not written
-  int32_t* ue8m0;              // null: not written; needs G a multiple of 4
 };
 
 struct CombineParams {
@@ -383,7 +372,6 @@ void launch_combine(const CombineParams& params, cudaStream_t stream);
 // Ordinary launches (no peer involved).
 void launch_cast_fp8(const CastFp8Params& params, cudaStream_t stream);
 void launch_copy_out(const CopyOutParams& params, cudaStream_t stream);
-void launch_low_latency_layout(const LowLatencyLayoutParams& params, cudaStream_t stream);
 void launch_handshake(const HandshakeParams& params, cudaStream_t stream);
 // out[r] = NCCL's LSA pointer of rank r's window (offset 0), for r < num_ranks: the
 // CommParams::peers of a Buffer on an NCCL window.

@@ -19,9 +19,14 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <tuple>
+#include <vector>
 
+#include "fp8_cast.cuh"
 #include "params.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_error.cuh"
@@ -285,8 +290,37 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
   for (; i < n16; i += 32) dst[i] = ld_stream(src + i);
 }
 
+// One warp casts bf16 row t of src.x into a packed fp8 row at dst: payload, scales, zero
+// padding (Fp8RowLayout). Four groups' loads are issued before their casts.
+__device__ __forceinline__ void warp_cast_row(int4* __restrict__ dst, const RowSource& src,
+                                              int64_t t, int lane) {
+  constexpr int kGroupsAhead = 4;
+  const int64_t num_groups = src.hidden / kFp8GroupElements;
+  const auto* row = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(src.x) +
+                                                   t * src.hidden);
+  auto* payload = reinterpret_cast<uint32_t*>(dst);
+  auto* words = reinterpret_cast<uint32_t*>(dst) + src.hidden / 4;
+  for (int64_t g0 = 0; g0 < num_groups; g0 += kGroupsAhead) {
+    uint2 bits[kGroupsAhead];
+#pragma unroll
+    for (int u = 0; u < kGroupsAhead; ++u) {
+      if (g0 + u < num_groups) bits[u] = __ldg(row + (g0 + u) * 32 + lane);
+    }
+#pragma unroll
+    for (int u = 0; u < kGroupsAhead; ++u) {
+      if (g0 + u >= num_groups) break;
+      const Fp8Group q = cast_fp8_group(bits[u], src.round_scale);
+      payload[(g0 + u) * 32 + lane] = q.packed;
+      if (lane == 0) words[g0 + u] = __float_as_uint(q.scale);
+    }
+  }
+  for (int64_t w = num_groups + lane; w < (src.row_bytes - src.hidden) / 4; w += 32) words[w] = 0;
+}
+
 // One warp writes row t of `src` to dst (row_bytes at the destination): a plain copy, or the fp8
-// pair packed (payload, then the scales read at their strides, then zero padding).
+// pair packed (payload, then the scales read at their strides, then zero padding). A cast
+// (RowSource::cast_fp8) is warp_cast_row's, which only the expanded dispatch's variant with it
+// calls (warp_send_token<true>), so that no other kernel carries its registers.
 __device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowSource& src,
                                               int64_t t, int lane) {
   if (src.scales == nullptr) {
@@ -326,14 +360,18 @@ __device__ __forceinline__ void warp_send_metadata(const DispatchParams& p, char
   if (lane == 0) reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
 }
 
-// One warp pushes token t's row to row `row` of the window at `base`: the payload, then the
-// metadata (warp_send_metadata).
-template <typename InRow>
+// One warp pushes token t's row to row `row` of the window at `base`: the payload (kCast: the
+// row cast to fp8 on the way, RowSource::cast_fp8), then the metadata (warp_send_metadata).
+template <bool kCast = false, typename InRow>
 __device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* base, int64_t row,
                                                 int64_t t, int dest, int epr, int lane,
                                                 InRow&& in_row) {
-  warp_send_row(reinterpret_cast<int4*>(base + p.comm.layout.recv_x) + row * (p.x.row_bytes / 16),
-                p.x, t, lane);
+  int4* dst = reinterpret_cast<int4*>(base + p.comm.layout.recv_x) + row * (p.x.row_bytes / 16);
+  if constexpr (kCast) {
+    warp_cast_row(dst, p.x, t, lane);
+  } else {
+    warp_send_row(dst, p.x, t, lane);
+  }
   warp_send_metadata(p, base, row, t, dest, epr, lane, in_row);
 }
 
@@ -369,12 +407,33 @@ struct SmemCarver {
 
 // Host: a cooperative launch of `kernel` (every block co-resident) with `smem_bytes` of dynamic
 // shared memory, raising the kernel's limit first where it needs more than the default 48 KiB.
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) of kernel on the current device, where no
+// call has set `bytes` or more yet: once, not per launch (the call costs about what a launch
+// does).
+inline void ensure_dynamic_smem(const void* kernel, std::size_t bytes) {
+  static std::mutex mutex;
+  static std::vector<std::tuple<const void*, int, std::size_t>> set;  // (kernel, device, bytes)
+  int device = 0;
+  WEFT_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mutex);
+  auto it = std::find_if(set.begin(), set.end(), [&](const auto& e) {
+    return std::get<0>(e) == kernel && std::get<1>(e) == device;
+  });
+  if (it != set.end() && std::get<2>(*it) >= bytes) return;
+  WEFT_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  if (it == set.end()) {
+    set.emplace_back(kernel, device, bytes);
+  } else {
+    std::get<2>(*it) = bytes;
+  }
+}
+
 template <typename Params>
 inline void launch_cooperative(void (*kernel)(const Params), const Params& params, int num_blocks,
                                std::size_t smem_bytes, cudaStream_t stream) {
   if (smem_bytes > 48 * 1024) {
-    WEFT_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes)));
+    ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_bytes);
   }
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(num_blocks));

@@ -1,6 +1,7 @@
 // weft::ep's pieces of DeepEP's low_latency_dispatch on the GPU: the fp8 cast with and without
-// round_scale (cast_to_fp8) and Buffer::low_latency_layout after fixed-stride expanded
-// dispatches, each against the CPU reference, every element of outputs poisoned before the call.
+// round_scale (cast_to_fp8, and DispatchInputs::cast_to_fp8 on the way) and the low-latency
+// results of fixed-stride expanded dispatches (DispatchInputs::low_latency), each against the CPU
+// reference, every element of outputs poisoned before the call.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -93,20 +94,23 @@ TEST(EpLowLatency, CastMatchesTheReferenceWithAndWithoutRoundScale) {
   }
 }
 
-enum class Format { kBf16, kFp8, kFp8RoundScale };
+// kFp8 / kFp8RoundScale: bf16 x cast on the way (DispatchInputs::cast_to_fp8); kFp8Packed: x
+// cast first (cast_to_fp8) and its packed rows dispatched.
+enum class Format { kBf16, kFp8, kFp8RoundScale, kFp8Packed };
 
 // Per rank: the dispatch of random routing in `format` with fixed-stride segments of R * M rows
-// (x cast on the device for fp8), then low_latency_layout into poisoned arrays; every element
-// is checked: valid rows against reference::low_latency_layout of the reference dispatch,
-// padding rows' src_info -1 and their scales against the window's rows (what the window holds
-// there is what they copy).
-TEST(EpLowLatency, LayoutMatchesTheReference) {
+// and its low-latency results (DispatchInputs::low_latency) into poisoned arrays; every element
+// is checked: received rows (fp8: the cast's bits, from rows with NaN, inf, +-448, -0, zero and
+// tiny groups) and valid rows' results against the reference dispatch and
+// reference::low_latency_layout, padding rows' src_info -1, and padding rows' scales not written
+// (still poison). hidden 1024 (8 groups: two batches of the cast's four groups ahead, and UE8M0
+// words) and 640 (5 groups: a last batch of one; no UE8M0).
+void check_dispatch_results(int64_t hidden) {
   const int R = team_size();
-  if (R < 1) GTEST_SKIP() << "needs a GPU";
   const int64_t M = 24;
   const int epr = 3;
-  const BufferConfig config{.max_tokens = M, .hidden = 1024, .num_experts = epr * R, .top_k = 4,
-                            .expand_factor = epr};
+  const BufferConfig config{.max_tokens = M, .hidden = hidden, .num_experts = epr * R,
+                            .top_k = 4, .expand_factor = epr};
   const int64_t S = R * M;
   const int64_t H = config.hidden;
   const int64_t G = H / 128;
@@ -119,7 +123,8 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
   }
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);
-  for (Format format : {Format::kBf16, Format::kFp8, Format::kFp8RoundScale, Format::kFp8}) {
+  for (Format format : {Format::kBf16, Format::kFp8, Format::kFp8RoundScale, Format::kFp8Packed,
+                        Format::kFp8}) {
     for (int64_t T : {int64_t(0), int64_t(1), int64_t(9), M}) {
       const bool fp8 = format != Format::kBf16;
       const bool round_scale = format == Format::kFp8RoundScale;
@@ -128,8 +133,9 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
       for (int r = 0; r < R; ++r) {
         auto& in = inputs[std::size_t(r)];
         in.num_tokens = r == 0 && T > 0 ? T - 1 : T;
+        if (fp8) in.x = special_rows(in.num_tokens, H, rng);
         for (int64_t t = 0; t < in.num_tokens; ++t) {
-          for (int64_t h = 0; h < H; ++h) in.x.push_back(identity_value(r, t, h));
+          for (int64_t h = 0; fp8 == false && h < H; ++h) in.x.push_back(identity_value(r, t, h));
           for (int k = 0; k < config.top_k; ++k) {
             in.topk_idx.push_back(uni(rng) < 0.2f ? -1 : int64_t(rng() % uint32_t(epr * R)));
             in.topk_weights.push_back(0.0f);
@@ -157,35 +163,34 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
       // waits for one: the ranks' kernels wait for each other on the device, and a virtual
       // team's streams share the device's hardware queues).
       for (int r = 0; r < R; ++r) {
-        if (!fp8) break;
+        if (format != Format::kFp8Packed) break;
         WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         weft::ep::cast_to_fp8(x[std::size_t(r)].ptr, inputs[std::size_t(r)].num_tokens, H,
                               packed[std::size_t(r)].ptr, streams[std::size_t(r)], round_scale);
       }
+      std::vector<weft::ep::LowLatencyTargets> targets(static_cast<std::size_t>(R));
       for (int r = 0; r < R; ++r) {
         WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
         const int64_t n = inputs[std::size_t(r)].num_tokens;
         weft::ep::DispatchInputs in;
-        if (fp8) {
+        if (format == Format::kFp8Packed) {
           in.x = {packed[std::size_t(r)].ptr, DType::kUInt8, n, l.row_bytes};
         } else {
           in.x = {x[std::size_t(r)].ptr, DType::kBFloat16, n, H};
+          in.cast_to_fp8 = {.enabled = fp8, .round_scale = round_scale};
         }
         in.topk_idx = {idx[std::size_t(r)].ptr, DType::kInt64, n, config.top_k};
         in.topk_weights = {w[std::size_t(r)].ptr, DType::kFloat32, n, config.top_k};
         in.expand = {.enabled = true, .segment_stride = S};
-        results.push_back(eps[std::size_t(r)]->dispatch(in, streams[std::size_t(r)]));
-      }
-      for (int r = 0; r < R; ++r) {
-        WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
-        weft::ep::LowLatencyTargets t;
+        weft::ep::LowLatencyTargets& t = targets[std::size_t(r)];
         t.src_info = static_cast<int32_t*>(src_info[std::size_t(r)].ptr);
         t.layout_range = static_cast<int64_t*>(layout_range[std::size_t(r)].ptr);
         if (fp8) {
           t.scales = static_cast<float*>(scales[std::size_t(r)].ptr);
-          t.ue8m0 = static_cast<int32_t*>(ue8m0[std::size_t(r)].ptr);
+          if (G % 4 == 0) t.ue8m0 = static_cast<int32_t*>(ue8m0[std::size_t(r)].ptr);
         }
-        eps[std::size_t(r)]->low_latency_layout(t, streams[std::size_t(r)]);
+        in.low_latency = &t;
+        results.push_back(eps[std::size_t(r)]->dispatch(in, streams[std::size_t(r)]));
       }
       for (int r = 0; r < R; ++r) {
         WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
@@ -205,10 +210,12 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
         if (!fp8) continue;
         const auto window = download<uint8_t>(dev, results[std::size_t(r)].recv_x_fp8,
                                               std::size_t(epr * S * l.row_bytes));
-        const auto got_scales = download<float>(dev, scales[std::size_t(r)].ptr,
-                                                std::size_t(epr * S * G));
-        const auto got_ue8m0 = download<int32_t>(dev, ue8m0[std::size_t(r)].ptr,
-                                                 std::size_t(epr * S * G / 4));
+        const auto got_scales = download<uint32_t>(dev, scales[std::size_t(r)].ptr,
+                                                   std::size_t(epr * S * G));
+        const auto got_ue8m0 = download<uint32_t>(dev, ue8m0[std::size_t(r)].ptr,
+                                                  std::size_t(epr * S * G / 4));
+        uint32_t poison = 0;
+        std::memset(&poison, kPoison, sizeof(poison));
         std::size_t wrong = 0;
         std::size_t wrong_rows = 0;  // the device's cast, as received
         for (int64_t e = 0; e < epr; ++e) {
@@ -222,28 +229,13 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
           for (int64_t s = 0; s < S; ++s) {
             for (int64_t g = 0; g < G; ++g) {
               const auto i = std::size_t((e * G + g) * S + s);
-              float expected = want.scales[i];
-              if (s >= count) {  // padding: the window's row
-                std::memcpy(&expected, window.data() + (e * S + s) * l.row_bytes + H + 4 * g, 4);
-              }
-              uint32_t a, b;
-              std::memcpy(&a, &got_scales[i], 4);
-              std::memcpy(&b, &expected, 4);
-              wrong += a != b;
+              uint32_t expected = poison;  // padding: not written
+              if (s < count) std::memcpy(&expected, &want.scales[i], 4);
+              wrong += got_scales[i] != expected;
             }
-            for (int64_t v = 0; v < G / 4; ++v) {
+            for (int64_t v = 0; G % 4 == 0 && v < G / 4; ++v) {
               const auto i = std::size_t((e * G / 4 + v) * S + s);
-              uint32_t expected = uint32_t(want.ue8m0[i]);
-              if (s >= count) {
-                expected = 0;
-                for (int k = 0; k < 4; ++k) {
-                  uint32_t bits;
-                  std::memcpy(&bits, window.data() + (e * S + s) * l.row_bytes + H + 16 * v + 4 * k,
-                              4);
-                  expected |= ((bits >> 23) & 0xFFu) << (8 * k);
-                }
-              }
-              wrong += uint32_t(got_ue8m0[i]) != expected;
+              wrong += got_ue8m0[i] != (s < count ? uint32_t(want.ue8m0[i]) : poison);
             }
           }
         }
@@ -252,36 +244,107 @@ TEST(EpLowLatency, LayoutMatchesTheReference) {
       }
     }
   }
-  // Refusals: the latest dispatch a packed expanded one; scales of a bf16 dispatch; no src_info.
-  if (R == 1) {
+  for (auto s : streams) cudaStreamDestroy(s);
+}
+
+TEST(EpLowLatency, DispatchResultsMatchTheReference) {
+  if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
+  for (int64_t hidden : {1024, 640}) {
+    SCOPED_TRACE(testing::Message() << "hidden " << hidden);
+    check_dispatch_results(hidden);
+  }
+}
+
+// Refusals, each for its own reason, on the host (nothing launched).
+TEST(EpLowLatency, BadLowLatencyAndCastInputsAreRefused) {
+  if (team_size() != 1) GTEST_SKIP() << "one rank";
+  const int64_t M = 24;
+  const int epr = 3;
+  const BufferConfig config{.max_tokens = M, .hidden = 1024, .num_experts = epr, .top_k = 4,
+                            .expand_factor = epr};
+  const int64_t S = M;
+  const int64_t H = config.hidden;
+  auto eps = make_team(config);
+  std::vector<cudaStream_t> streams(1);
+  WEFT_CUDA_CHECK(cudaSetDevice(rank_device(0)));
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[0], cudaStreamNonBlocking));
+  {
     DeviceArray xd(0, std::size_t(H * 2)), id(0, 64), wd(0, 64), out(0, std::size_t(epr * S * 8));
-    weft::ep::DispatchInputs in;
-    in.x = {xd.ptr, DType::kBFloat16, 0, H};
-    in.topk_idx = {id.ptr, DType::kInt64, 0, config.top_k};
-    in.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
-    in.expand = {.enabled = true, .segment_stride = S};
-    eps[0]->dispatch(in, streams[0]);
-    // Each refusal for its own reason.
-    auto expect_refusal = [&](const weft::ep::LowLatencyTargets& t, const std::string& reason) {
+    weft::ep::LowLatencyTargets t;
+    t.src_info = static_cast<int32_t*>(out.ptr);
+    t.layout_range = static_cast<int64_t*>(out.ptr);
+    auto expect_refusal = [&](weft::ep::DispatchInputs in, const std::string& reason) {
+      in.x = {xd.ptr, DType::kBFloat16, 0, H};
+      in.topk_idx = {id.ptr, DType::kInt64, 0, config.top_k};
+      in.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
       try {
-        eps[0]->low_latency_layout(t, streams[0]);
+        eps[0]->dispatch(in, streams[0]);
         ADD_FAILURE() << "not refused: " << reason;
       } catch (const weft::Error& e) {
         EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
       }
     };
-    weft::ep::LowLatencyTargets t;
-    t.src_info = static_cast<int32_t*>(out.ptr);
-    t.layout_range = static_cast<int64_t*>(out.ptr);
-    t.scales = static_cast<float*>(out.ptr);
-    expect_refusal(t, "need the latest dispatch to have moved fp8 rows");
-    t.scales = nullptr;
-    t.src_info = nullptr;
-    expect_refusal(t, "src_info is null");
+    weft::ep::DispatchInputs in;
+    in.expand = {.enabled = true, .segment_stride = S};
+    in.low_latency = &t;
+    weft::ep::LowLatencyTargets with_scales = t;
+    with_scales.scales = static_cast<float*>(out.ptr);
+    in.low_latency = &with_scales;
+    expect_refusal(in, "need a dispatch of fp8 rows");
+    weft::ep::LowLatencyTargets no_src = t;
+    no_src.src_info = nullptr;
+    in.low_latency = &no_src;
+    expect_refusal(in, "src_info is null");
+    in.low_latency = &t;
     in.expand = {.enabled = true};
-    eps[0]->dispatch(in, streams[0]);
-    t.src_info = static_cast<int32_t*>(out.ptr);
-    expect_refusal(t, "fixed-stride segments");
+    expect_refusal(in, "fixed-stride segments");
+    in.low_latency = nullptr;
+    in.expand = {};
+    in.cast_to_fp8.enabled = true;
+    expect_refusal(in, "cast_to_fp8 is for an uncached expanded dispatch");
+    // A cached dispatch takes neither (its handle from a plain expanded dispatch).
+    weft::ep::DispatchInputs plain;
+    plain.x = {xd.ptr, DType::kBFloat16, 0, H};
+    plain.topk_idx = {id.ptr, DType::kInt64, 0, config.top_k};
+    plain.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
+    plain.expand = {.enabled = true, .segment_stride = S};
+    const weft::ep::Handle handle = eps[0]->dispatch(plain, streams[0]).handle;
+    weft::ep::DispatchInputs cached;
+    cached.handle = &handle;
+    cached.x = {xd.ptr, DType::kBFloat16, 0, H};
+    cached.cast_to_fp8.enabled = true;
+    try {
+      eps[0]->dispatch(cached, streams[0]);
+      ADD_FAILURE() << "not refused: a cached dispatch with cast_to_fp8";
+    } catch (const weft::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cast_to_fp8 is for an uncached"), std::string::npos)
+          << e.what();
+    }
+    cached.cast_to_fp8.enabled = false;
+    cached.low_latency = &t;
+    try {
+      eps[0]->dispatch(cached, streams[0]);
+      ADD_FAILURE() << "not refused: a cached dispatch with low_latency";
+    } catch (const weft::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("low_latency targets need an uncached"),
+                std::string::npos)
+          << e.what();
+    }
+    // The cast takes bf16 x only: not the fp8 pair, not packed rows.
+    in.expand = {.enabled = true, .segment_stride = S};
+    float scale = 1.0f;
+    in.x_scales = {&scale, 1, 1};
+    expect_refusal(in, "cast_to_fp8 is for an uncached expanded dispatch of bf16 x");
+    in.x_scales = {};
+    weft::ep::DispatchInputs packed_in = in;
+    packed_in.x = {xd.ptr, DType::kUInt8, 0, weft::ep::fp8_row_layout(H).row_bytes};
+    try {
+      eps[0]->dispatch(packed_in, streams[0]);
+      ADD_FAILURE() << "not refused: a cast of packed rows";
+    } catch (const weft::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("x (cast to fp8) must be bfloat16"), std::string::npos)
+          << e.what();
+    }
     WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[0]));
   }
   for (auto s : streams) cudaStreamDestroy(s);
