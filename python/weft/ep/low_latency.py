@@ -95,6 +95,23 @@ def check_shapes(num_max_tokens, hidden, num_ranks: int, num_experts) -> None:
                     f"16-byte vectors)")
 
 
+def _plain_combine_inputs(x, topk_idx, topk_weights, x_shape, topk_shape, device_index) -> bool:
+    """Whether a combine's tensors are of the accepted case (x bf16 x_shape, topk_idx int64 or
+    int32 and topk_weights fp32 topk_shape, all contiguous on the device), checked with the least
+    host work; False also for what is not a tensor (check_tensor then names what is wrong)."""
+    try:
+        idx_dtype = topk_idx.dtype
+        return (x.dtype is torch.bfloat16 and topk_weights.dtype is torch.float32 and
+                (idx_dtype is torch.int64 or idx_dtype is torch.int32) and
+                x.shape == x_shape and topk_idx.shape == topk_shape and
+                topk_weights.shape == topk_shape and x.get_device() == device_index and
+                topk_idx.get_device() == device_index and
+                topk_weights.get_device() == device_index and x.is_contiguous() and
+                topk_idx.is_contiguous() and topk_weights.is_contiguous())
+    except AttributeError:  # not tensors
+        return False
+
+
 class LowLatencyHandle(tuple):
     """DeepEP's low-latency handle: (src_info [E_local, M * R] int32: the source token of each
     received row, -1 for padding; layout_range [E_local, R] int64: per (local expert, source
@@ -354,17 +371,18 @@ class LowLatency:
         slot = self._slot_of(handle, "low_latency_combine")
         native = slot.native
         shape = (native.num_local_experts, slot.stride, native.hidden)
-        check_tensor("x", x, (torch.bfloat16,), device, shape)
+        t, k = handle.num_tokens, handle.num_topk
+        if not _plain_combine_inputs(x, topk_idx, topk_weights, shape, (t, k), device.index):
+            check_tensor("x", x, (torch.bfloat16,), device, shape)
+            check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (t, k))
+            check_tensor("topk_weights", topk_weights, (torch.float32,), device, (t, k))
         if zero_copy:
             if slot.combine_buffer is None:
                 raise Error("low_latency_combine(zero_copy=True) needs the rows written into "
                             "get_next_low_latency_combine_buffer(handle) first")
             expert_out = slot.combine_buffer
         else:
-            expert_out = x  # contiguous (check_tensor)
-        t, k = handle.num_tokens, handle.num_topk
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), device, (t, k))
-        check_tensor("topk_weights", topk_weights, (torch.float32,), device, (t, k))
+            expert_out = x  # contiguous (checked above)
         if out is None:
             out = x.new_empty((t, native.hidden))  # bf16 on the device, as x (fewer arguments)
         else:
