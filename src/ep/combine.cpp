@@ -120,14 +120,9 @@ void Buffer::combine(const CombineInputs& in, const Handle& handle, void* out,
     p.sparse_heads = state_->sparse_heads;
     p.max_sparse_heads = int64_t(num_ranks_) * config_.max_tokens;
   }
-  if (source_weighted && T > 0) {
-    // The window's comb_w region holds R * max_tokens * top_k floats (>= T * top_k); the
-    // expanded combine uses it for nothing else.
-    char* window = group_->team->window(index_);
-    WEFT_CUDA_CHECK(cudaMemcpyAsync(window + group_->layout.comb_w, in.source_weights.data,
-                                    std::size_t(T) * std::size_t(config_.top_k) * sizeof(float),
-                                    cudaMemcpyDeviceToDevice, stream));
-  }
+  // The window's comb_w region holds R * max_tokens * top_k floats (>= T * top_k); the expanded
+  // combine uses it for nothing else. The kernel copies the weights there itself.
+  if (source_weighted) p.source_weights = static_cast<const float*>(in.source_weights.data);
   detail::launch_combine(p, stream);
   note_launched(stream);
 }

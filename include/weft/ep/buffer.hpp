@@ -314,8 +314,8 @@ struct CombineInputs {
   // float32, 4-byte aligned, this rank's weights of its tokens' selections. Each received row
   // then counts with the weight of its own selections (reference::combine_weighted): the
   // expert rank multiplies the row by 0.0f + source_weights[t][k] over the k its
-  // recv_expert_idx marks, reading the weights from the source's window, where the call copies
-  // them (comb_w) on `stream` before the kernel. No biases with it.
+  // recv_expert_idx marks, reading the weights from the source's window, where the source's
+  // kernel copies them (comb_w) before it signals its entry. No biases with it.
   TensorView source_weights{};
   bool pointers_checked = false;  // as DispatchInputs::pointers_checked
 };

@@ -279,8 +279,9 @@ class LowLatency:
             previous or 0, flags)
         self._previous_stream = slot.args.comm_stream if waits else stream
         native_handle = out.handle
-        native.note_layout(native_handle)
-        recv_q, recv_count = slot.views(out, use_fp8)
+        recv_q, recv_count = slot.recv_q if use_fp8 else slot.recv_bf16, slot.recv_count
+        if recv_q is None or recv_count is None:
+            recv_q, recv_count = slot.views(out, use_fp8)
         if use_fp8:
             recv_x = (recv_q, slot.ue8m0 if use_ue8m0 else slot.scales)
         else:

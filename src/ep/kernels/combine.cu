@@ -559,7 +559,19 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
       p.topk_weights != nullptr ? min(p.expert_out_rows, p.topk_weights_rows) : p.expert_out_rows;
   const bool rows_missing = call.num_recv > rows_given;
 
-  if (blockIdx.x == 0 && threadIdx.x == 0) raise_at_all_peers(c, s_peer, kFlagEntry, seq);
+  if (blockIdx.x == 0) {
+    if (p.source_weighted) {
+      // This rank's weights into its comb_w, published with the entry flag: bar.sync orders
+      // the block's stores before thread 0's system fence, which is cumulative.
+      auto* comb_w = reinterpret_cast<float*>(s_peer[c.rank] + c.layout.comb_w);
+      for (int64_t i = threadIdx.x; i < p.num_tokens * p.top_k; i += blockDim.x) {
+        comb_w[i] = p.source_weights[i];
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) __threadfence_system();
+    }
+    if (threadIdx.x == 0) raise_at_all_peers(c, s_peer, kFlagEntry, seq);
+  }
   if (int(threadIdx.x / 32) < p.num_send_warps) {
     if (threadIdx.x == 0) {
       s_ok = wait_all_peers(c, s_peer[c.rank], kFlagEntry, seq, kWaitCombineEntry);

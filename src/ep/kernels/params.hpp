@@ -311,9 +311,11 @@ struct CombineParams {
   int num_local_experts;
   int64_t expand_capacity;
   // Expanded only: each source's [num_tokens][top_k] fp32 weights are at the start of its own
-  // comb_w region (CombineInputs::source_weights; copied there before the kernel, so published
-  // by the source's entry flag); each row's sum term is scaled by its selections' weights.
+  // comb_w region (CombineInputs::source_weights, copied there by block 0 from source_weights
+  // before it raises the entry flag, which publishes them); each row's sum term is scaled by its
+  // selections' weights.
   bool source_weighted;
+  const float* source_weights;  // [num_tokens][top_k] fp32 (source_weighted)
   // Expanded only: the layout has fixed-stride segments (mostly padding rows): the send warps
   // first list the rows that head a chain into sparse_heads [<= num_ranks * max_tokens] as
   // (row, units done), then sum them together (send_chain_sums_sparse).
