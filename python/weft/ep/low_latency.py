@@ -342,7 +342,8 @@ class LowLatency:
             raise Error(f"{what}: handle must be a low_latency_dispatch handle, got "
                         f"{type(handle).__name__}")
         slot = handle.owner
-        if not any(slot is s for s in self._slots):
+        slots = self._slots  # none, or the _NUM_SLOTS == 2 windows
+        if not slots or (slot is not slots[0] and slot is not slots[-1]):
             raise Error(f"{what}: the handle is of windows laid out for other shapes (or of "
                         f"another Buffer)")
         if slot.serial != handle.serial:
@@ -386,14 +387,16 @@ class LowLatency:
             expert_out = x  # contiguous (checked above)
         if out is None:
             out = x.new_empty((t, native.hidden))  # bf16 on the device, as x (fewer arguments)
-        else:
+        elif not (type(out) is torch.Tensor and out.dtype is torch.bfloat16 and
+                  out.shape == (t, native.hidden) and out.get_device() == device.index and
+                  out.is_contiguous()):
             check_tensor("out", out, (torch.bfloat16,), device, (t, native.hidden))
         # One call, one kernel: on the current stream (plain) or the comm stream.
         plain = not async_finish and not return_recv_hook
         previous = self._previous_stream
         stream = _current_raw_stream(device.index)
         native._native.low_latency_combine(
-            slot.args, expert_out.data_ptr(), expert_out.shape[0] * expert_out.shape[1],
+            slot.args, expert_out.data_ptr(), shape[0] * shape[1],  # expert_out's rows
             topk_weights.data_ptr(), out.data_ptr(), handle.native, stream, previous or 0,
             (0 if plain else self._flags[3]) | (0 if previous is None else self._flags[4]))
         self._previous_stream = stream if plain else slot.args.comm_stream
