@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "fp8_cast.cuh"
 #include "params.hpp"
 #include "protocol.cuh"
 
@@ -54,11 +55,14 @@ struct ExpandSmem {
   int32_t* item;         // [kSub * top_k] head << 12 | token i << 5 | k
   int32_t* row;          // [kSub * top_k]
   int32_t* link;         // [kSub * top_k] the next row of the token there, or -1
+  int32_t* token_items;  // [kSub + 1] the first item of each token of the sub-chunk (and the end)
+  int4* cast_rows;       // cast: [cast_piece_tokens][row_bytes / 16] packed fp8 rows (else none)
   uint32_t* overflowed;  // bit d: rank d's aligned rows exceed the capacity
   int* num_items;
   int* ok;
+  // cast_bytes: the cast rows' bytes (cast_piece_tokens * row_bytes; 0 without a cast).
   __host__ __device__ static ExpandSmem carve(SmemCarver& m, int num_experts, int num_ranks,
-                                              int top_k) {
+                                              int top_k, std::size_t cast_bytes) {
     const std::size_t E = std::size_t(num_experts);
     const std::size_t per_sub = std::size_t(kExpandSubChunkTokens) * std::size_t(top_k);
     ExpandSmem s;
@@ -73,6 +77,8 @@ struct ExpandSmem {
     s.item = m.take<int32_t>(per_sub);
     s.row = m.take<int32_t>(per_sub);
     s.link = m.take<int32_t>(per_sub);
+    s.token_items = m.take<int32_t>(std::size_t(kExpandSubChunkTokens) + 1);
+    s.cast_rows = m.take<int4>(cast_bytes / sizeof(int4));
     s.overflowed = m.take<uint32_t>(1);
     s.num_items = m.take<int>(1);
     s.ok = m.take<int>(1);
@@ -388,6 +394,7 @@ __device__ void assign_rows(const ExpandDispatchParams& ep, const ExpandSmem& s,
   const uint32_t overflowed = *s.overflowed;
   int items = 0;
   for (int i = 0; i < n; ++i) {
+    if (lane == 0) s.token_items[i] = items;
     const int32_t g = lane < K ? s.sel[i * K + lane] : -1;
     int d = g >= 0 ? g / call.epr : -1;
     if (d >= 0 && (overflowed >> d & 1u) != 0) d = -1;
@@ -424,18 +431,23 @@ __device__ void assign_rows(const ExpandDispatchParams& ep, const ExpandSmem& s,
     items += __popc(ballot);
     __syncwarp();  // this token's s.next updates before the next token's reads
   }
-  if (lane == 0) *s.num_items = items;
+  if (lane == 0) {
+    *s.num_items = items;
+    s.token_items[n] = items;
+  }
 }
 
-// 3, every warp: one item (row of a (token, expert)) at a time, payload and metadata.
+// 3, every warp: items [begin, end) (rows of a (token, expert)) one at a time, payload and
+// metadata; with kCast the payload is the token's packed row in s.cast_rows (row i - first of
+// the piece that cast_piece cast).
 template <bool kCast>
 __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const ExpandCall& call,
-                          int64_t sub) {
+                          int64_t sub, int begin, int end, int first) {
   const CommParams& c = p.comm;
   const int K = p.top_k;
   const int lane = threadIdx.x % 32;
-  const int num_items = *s.num_items;
-  for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
+  const int64_t n16 = p.x.row_bytes / 16;
+  for (int it = begin + int(threadIdx.x / 32); it < end; it += kThreads / 32) {
     const int item = s.item[it];
     const int i = item >> 5 & 127;
     const int k = item & 31;
@@ -445,10 +457,43 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
     const int64_t row = s.row[it];
     char* base = s.peer[d];
     // Only the selections of this row's expert.
-    warp_send_token<kCast>(p, base, row, t, d, call.epr, lane, [&](int64_t e) { return e == g; });
+    auto in_row = [&](int64_t e) { return e == g; };
+    if constexpr (kCast) {
+      int4* dst = reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16;
+      const int4* src = s.cast_rows + int64_t(i - first) * n16;
+      for (int64_t v = lane; v < n16; v += 32) dst[v] = src[v];
+      warp_send_metadata(p, base, row, t, d, call.epr, lane, in_row);
+    } else {
+      warp_send_token(p, base, row, t, d, call.epr, lane, in_row);
+    }
     if (lane == 0) {
       reinterpret_cast<int2*>(base + c.layout.expand_chain)[row] =
           make_int2(s.link[it], item >> 12);
+    }
+  }
+}
+
+// 3 with a cast, every thread: tokens [sub + first, sub + first + count) cast into s.cast_rows as
+// packed fp8 rows (payload, scales, zero padding), one warp per (token, group of 128): every
+// group in parallel rather than a row's groups one after another.
+__device__ void cast_piece(const DispatchParams& p, const ExpandSmem& s, int64_t sub, int first,
+                           int count) {
+  const int lane = threadIdx.x % 32;
+  const int64_t hidden = p.x.hidden;
+  const int64_t num_groups = hidden / kFp8GroupElements;
+  const int64_t words_per_row = p.x.row_bytes / 4;
+  const auto* x = static_cast<const uint16_t*>(p.x.x);
+  for (int64_t unit = threadIdx.x / 32; unit < count * num_groups; unit += kThreads / 32) {
+    const int64_t j = unit / num_groups;
+    const int64_t g = unit % num_groups;
+    const auto* group =
+        reinterpret_cast<const uint2*>(x + (sub + first + j) * hidden + g * kFp8GroupElements);
+    const Fp8Group q = cast_fp8_group(__ldg(group + lane), p.x.round_scale);
+    auto* row = reinterpret_cast<uint32_t*>(s.cast_rows) + j * words_per_row;
+    row[g * 32 + lane] = q.packed;
+    if (lane == 0) row[hidden / 4 + g] = __float_as_uint(q.scale);
+    if (g == 0) {
+      for (int64_t w = hidden / 4 + num_groups + lane; w < words_per_row; w += 32) row[w] = 0;
     }
   }
 }
@@ -486,7 +531,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   call.epr = p.num_experts / c.num_ranks;
   call.chunk = block_chunk(p.num_tokens, gridDim.x > 1 ? 1 : 0);  // block 0 coordinates
   SmemCarver carver{smem};
-  const ExpandSmem s = ExpandSmem::carve(carver, p.num_experts, c.num_ranks, p.top_k);
+  const ExpandSmem s =
+      ExpandSmem::carve(carver, p.num_experts, c.num_ranks, p.top_k,
+                        kCast ? std::size_t(ep.cast_piece_tokens) * std::size_t(p.x.row_bytes) : 0);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     c.state->layout_id = p.layout_id;
     c.state->tokens_required = 0;  // T <= max_tokens: checked on the host
@@ -510,8 +557,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     select_experts(p, s, sub, n);
     if (threadIdx.x < 32) assign_rows(ep, s, call, sub, n);
     __syncthreads();
-    send_rows<kCast>(p, s, call, sub);
-    __syncthreads();
+    if constexpr (kCast) {
+      // Pieces of the sub-chunk: cast into shared memory, then send their rows.
+      for (int first = 0; first < n; first += ep.cast_piece_tokens) {
+        const int count = min(ep.cast_piece_tokens, n - first);
+        cast_piece(p, s, sub, first, count);
+        __syncthreads();
+        send_rows<true>(p, s, call, sub, s.token_items[first], s.token_items[first + count],
+                        first);
+        __syncthreads();
+      }
+    } else {
+      send_rows<false>(p, s, call, sub, 0, *s.num_items, 0);
+      __syncthreads();
+    }
   }
   if (!ok) mark_unsent(ep, call);
 
@@ -525,9 +584,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t stream) {
   const DispatchParams& p = params.dispatch;
-  SmemCarver sizer{nullptr};
-  ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k);
   const bool cast = p.x.cast_fp8;
+  SmemCarver sizer{nullptr};
+  ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k,
+                    cast ? std::size_t(params.cast_piece_tokens) * std::size_t(p.x.row_bytes) : 0);
   const bool low_latency = params.low_latency.src_info != nullptr;
   auto* kernel = cast ? (low_latency ? dispatch_expanded_kernel<true, true>
                                      : dispatch_expanded_kernel<true, false>)

@@ -162,9 +162,10 @@ struct CommParams {
 // receiver's row (Fp8RowLayout: payload, scales, zero padding up to row_bytes): x = e4m3
 // [num_tokens, hidden] (rows hidden bytes apart, 16-byte aligned) and scales fp32
 // [num_tokens, hidden / 128] at (scale_token_stride, scale_group_stride) elements, so that
-// row-major and column-major scales are read where they are. Or, with cast_fp8, x = bf16
-// [num_tokens, hidden] (16-byte aligned rows), each row cast into a packed fp8 row at its
-// destination (cast_fp8_group: the bits of reference::cast_to_fp8, with round_scale).
+// row-major and column-major scales are read where they are. Or, with cast_fp8 (the expanded
+// dispatch only), x = bf16 [num_tokens, hidden] (16-byte aligned rows), each token cast once
+// into a packed fp8 row in the sending block's shared memory (cast_fp8_group: the bits of
+// reference::cast_to_fp8, with round_scale), which its rows then carry.
 struct RowSource {
   const void* x;
   int64_t row_bytes;           // bytes per row at the destination, a multiple of 16 (<= 2 *
@@ -220,6 +221,14 @@ struct DispatchParams {
   bool defer_own_rows;
 };
 
+// Tokens an expanded dispatch with RowSource::cast_fp8 casts at a time into a block's shared
+// memory (ExpandDispatchParams::cast_piece_tokens): as many packed rows of row_bytes as fit in
+// 96 KiB, 1 to 16.
+inline int cast_piece_tokens(int64_t row_bytes) {
+  const int64_t fit = int64_t(96 * 1024) / row_bytes;
+  return int(fit < 1 ? 1 : fit > 16 ? 16 : fit);
+}
+
 // The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
 // block_counts and expert_counts unused) plus the expanded layout's.
 struct ExpandDispatchParams {
@@ -233,6 +242,9 @@ struct ExpandDispatchParams {
   int expert_alignment;
   bool zero_padding;
   int64_t segment_stride;  // 0: packed segments; > 0: segment e at e * segment_stride
+  // With x.cast_fp8: tokens a block casts at a time into its shared memory (the launcher's
+  // choice from the row size; ExpandSmem's cast rows hold this many packed rows).
+  int cast_piece_tokens;
   // [max_tokens][top_k] out: {row, destination rank} of selection k of token t, {-1, -1} where
   // it has no row (no selection, a repeat in the token, an overflowed destination): what a
   // cached dispatch of this layout moves.

@@ -26,7 +26,6 @@
 #include <tuple>
 #include <vector>
 
-#include "fp8_cast.cuh"
 #include "params.hpp"
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_error.cuh"
@@ -290,37 +289,9 @@ __device__ __forceinline__ void warp_copy_row(int4* __restrict__ dst, const int4
   for (; i < n16; i += 32) dst[i] = ld_stream(src + i);
 }
 
-// One warp casts bf16 row t of src.x into a packed fp8 row at dst: payload, scales, zero
-// padding (Fp8RowLayout). Four groups' loads are issued before their casts.
-__device__ __forceinline__ void warp_cast_row(int4* __restrict__ dst, const RowSource& src,
-                                              int64_t t, int lane) {
-  constexpr int kGroupsAhead = 4;
-  const int64_t num_groups = src.hidden / kFp8GroupElements;
-  const auto* row = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(src.x) +
-                                                   t * src.hidden);
-  auto* payload = reinterpret_cast<uint32_t*>(dst);
-  auto* words = reinterpret_cast<uint32_t*>(dst) + src.hidden / 4;
-  for (int64_t g0 = 0; g0 < num_groups; g0 += kGroupsAhead) {
-    uint2 bits[kGroupsAhead];
-#pragma unroll
-    for (int u = 0; u < kGroupsAhead; ++u) {
-      if (g0 + u < num_groups) bits[u] = __ldg(row + (g0 + u) * 32 + lane);
-    }
-#pragma unroll
-    for (int u = 0; u < kGroupsAhead; ++u) {
-      if (g0 + u >= num_groups) break;
-      const Fp8Group q = cast_fp8_group(bits[u], src.round_scale);
-      payload[(g0 + u) * 32 + lane] = q.packed;
-      if (lane == 0) words[g0 + u] = __float_as_uint(q.scale);
-    }
-  }
-  for (int64_t w = num_groups + lane; w < (src.row_bytes - src.hidden) / 4; w += 32) words[w] = 0;
-}
-
 // One warp writes row t of `src` to dst (row_bytes at the destination): a plain copy, or the fp8
-// pair packed (payload, then the scales read at their strides, then zero padding). A cast
-// (RowSource::cast_fp8) is warp_cast_row's, which only the expanded dispatch's variant with it
-// calls (warp_send_token<true>), so that no other kernel carries its registers.
+// pair packed (payload, then the scales read at their strides, then zero padding). Not a cast
+// (RowSource::cast_fp8): the expanded dispatch's variant with one casts in shared memory first.
 __device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowSource& src,
                                               int64_t t, int lane) {
   if (src.scales == nullptr) {
@@ -360,18 +331,14 @@ __device__ __forceinline__ void warp_send_metadata(const DispatchParams& p, char
   if (lane == 0) reinterpret_cast<int2*>(base + c.layout.recv_src)[row] = make_int2(c.rank, int(t));
 }
 
-// One warp pushes token t's row to row `row` of the window at `base`: the payload (kCast: the
-// row cast to fp8 on the way, RowSource::cast_fp8), then the metadata (warp_send_metadata).
-template <bool kCast = false, typename InRow>
+// One warp pushes token t's row to row `row` of the window at `base`: the payload, then the
+// metadata (warp_send_metadata).
+template <typename InRow>
 __device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* base, int64_t row,
                                                 int64_t t, int dest, int epr, int lane,
                                                 InRow&& in_row) {
-  int4* dst = reinterpret_cast<int4*>(base + p.comm.layout.recv_x) + row * (p.x.row_bytes / 16);
-  if constexpr (kCast) {
-    warp_cast_row(dst, p.x, t, lane);
-  } else {
-    warp_send_row(dst, p.x, t, lane);
-  }
+  warp_send_row(reinterpret_cast<int4*>(base + p.comm.layout.recv_x) + row * (p.x.row_bytes / 16),
+                p.x, t, lane);
   warp_send_metadata(p, base, row, t, dest, epr, lane, in_row);
 }
 
