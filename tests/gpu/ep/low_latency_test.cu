@@ -103,11 +103,13 @@ enum class Format { kBf16, kFp8, kFp8RoundScale, kFp8Packed };
 // is checked: received rows (fp8: the cast's bits, from rows with NaN, inf, +-448, -0, zero and
 // tiny groups) and valid rows' results against the reference dispatch and
 // reference::low_latency_layout, padding rows' src_info -1, and padding rows' scales not written
-// (still poison). hidden 1024 (8 groups: two batches of the cast's four groups ahead, and UE8M0
-// words) and 640 (5 groups: a last batch of one; no UE8M0).
-void check_dispatch_results(int64_t hidden) {
+// (still poison). Every format and T in {0, 1, 9, M} at M = 24 tokens, hidden 1024 (UE8M0 words
+// too) and 640 (5 groups: no UE8M0); and with 2 blocks (num_sms) at M = 300, hidden 7168, where
+// the one sending block casts its tokens in several sub-chunks of several pieces each
+// (cast_piece_tokens 12).
+void check_dispatch_results(int64_t hidden, int64_t M, int num_sms,
+                            std::initializer_list<Format> formats, bool every_t) {
   const int R = team_size();
-  const int64_t M = 24;
   const int epr = 3;
   const BufferConfig config{.max_tokens = M, .hidden = hidden, .num_experts = epr * R,
                             .top_k = 4, .expand_factor = epr};
@@ -123,9 +125,8 @@ void check_dispatch_results(int64_t hidden) {
   }
   std::mt19937 rng(std::random_device{}());
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);
-  for (Format format : {Format::kBf16, Format::kFp8, Format::kFp8RoundScale, Format::kFp8Packed,
-                        Format::kFp8}) {
-    for (int64_t T : {int64_t(0), int64_t(1), int64_t(9), M}) {
+  for (Format format : formats) {
+    for (int64_t T : every_t ? std::vector<int64_t>{0, 1, 9, M} : std::vector<int64_t>{M}) {
       const bool fp8 = format != Format::kBf16;
       const bool round_scale = format == Format::kFp8RoundScale;
       SCOPED_TRACE(testing::Message() << "format " << int(format) << " T " << T);
@@ -182,6 +183,7 @@ void check_dispatch_results(int64_t hidden) {
         in.topk_idx = {idx[std::size_t(r)].ptr, DType::kInt64, n, config.top_k};
         in.topk_weights = {w[std::size_t(r)].ptr, DType::kFloat32, n, config.top_k};
         in.expand = {.enabled = true, .segment_stride = S};
+        in.num_sms = num_sms;
         weft::ep::LowLatencyTargets& t = targets[std::size_t(r)];
         t.src_info = static_cast<int32_t*>(src_info[std::size_t(r)].ptr);
         t.layout_range = static_cast<int64_t*>(layout_range[std::size_t(r)].ptr);
@@ -249,10 +251,14 @@ void check_dispatch_results(int64_t hidden) {
 
 TEST(EpLowLatency, DispatchResultsMatchTheReference) {
   if (team_size() < 1) GTEST_SKIP() << "needs a GPU";
+  const auto all = {Format::kBf16, Format::kFp8, Format::kFp8RoundScale, Format::kFp8Packed,
+                    Format::kFp8};
   for (int64_t hidden : {1024, 640}) {
     SCOPED_TRACE(testing::Message() << "hidden " << hidden);
-    check_dispatch_results(hidden);
+    check_dispatch_results(hidden, 24, 0, all, true);
   }
+  SCOPED_TRACE("two blocks, M = 300, hidden 7168");
+  check_dispatch_results(7168, 300, 2, {Format::kFp8, Format::kFp8RoundScale}, false);
 }
 
 // Refusals, each for its own reason, on the host (nothing launched).
