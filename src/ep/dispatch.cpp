@@ -199,7 +199,6 @@ DispatchResult Buffer::dispatch(const DispatchInputs& in, cudaStream_t stream, C
     ep.segment_stride = in.expand.segment_stride;
     ep.expand_rows = state_->expand_rows;
     ep.low_latency = low_latency;
-    ep.cast_piece_tokens = in.cast_to_fp8.enabled ? detail::cast_piece_tokens(row_bytes) : 0;
     detail::launch_expand_dispatch(ep, stream);
   } else {
     detail::launch_dispatch(p, stream);

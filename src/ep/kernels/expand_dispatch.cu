@@ -2,6 +2,7 @@
 // expert) at the expert's rank, in expert-major segments.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -33,9 +34,11 @@ namespace {
 //     token per step, lane k = selection k; a token's experts are distinct, so one lane per
 //     expert) and links a token's rows at one destination in ascending order (expand_chain, what
 //     the expanded combine sums); then one warp per (token, expert) pushes the row and its
-//     metadata. Each rank also writes the metadata of its own padding rows (source (-1, -1), no
-//     selection, chain {-1, 0}) and, with zero_padding, zeroes their payload. It ends as
-//     dispatch_kernel (done flags).
+//     metadata (with a cast, RowSource::cast_fp8: a piece of the sub-chunk's tokens at a time,
+//     cast into packed fp8 rows in shared memory, one warp per group of 128, then those tokens'
+//     rows sent from there). Each rank also writes the metadata of its own padding rows (source
+//     (-1, -1), no selection, chain {-1, 0}) and, with zero_padding, zeroes their payload. It
+//     ends as dispatch_kernel (done flags).
 //  4. with ExpandDispatchParams::low_latency: block 0 writes layout_range after the count
 //     exchange; after the done flags every block waits for them itself (every row of this rank
 //     has arrived) and writes the rest of DeepEP's low-latency results over the whole grid.
@@ -513,9 +516,10 @@ __device__ void mark_unsent(const ExpandDispatchParams& ep, const ExpandCall& ca
 }
 
 // Named dispatch_*: profilers that total kernels by name (DeepEP's bench_kineto looks for
-// "::dispatch" and "::combine") find it as the dispatch. kCast: x.cast_fp8 (rows cast on the
-// way); kLowLatency: low_latency given (phase 4). Variants, so that the plain dispatch carries
-// neither's registers.
+// "::dispatch" and "::combine") find it as the dispatch. kCast: x.cast_fp8 (each piece of a
+// block's tokens cast into its shared memory, then sent); kLowLatency: low_latency given (phase
+// 4). Variants, so that the plain dispatch carries neither's registers nor the cast's shared
+// memory.
 template <bool kCast, bool kLowLatency>
 __global__ void __launch_bounds__(kThreads, 1)
     dispatch_expanded_kernel(const ExpandDispatchParams ep) {
@@ -582,12 +586,36 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
-void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t stream) {
+void launch_expand_dispatch(ExpandDispatchParams params, cudaStream_t stream) {
   const DispatchParams& p = params.dispatch;
   const bool cast = p.x.cast_fp8;
   SmemCarver sizer{nullptr};
-  ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k,
-                    cast ? std::size_t(params.cast_piece_tokens) * std::size_t(p.x.row_bytes) : 0);
+  ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k, 0);
+  if (cast) {
+    // The piece: at most 16 rows, no more than a sending block's share of the tokens (block 0
+    // coordinates where there are others), in the shared memory the rest of the carve leaves.
+    int device = 0;
+    int most_bytes = 0;
+    WEFT_CUDA_CHECK(cudaGetDevice(&device));
+    WEFT_CUDA_CHECK(
+        cudaDeviceGetAttribute(&most_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    // Static shared memory (the kernel's __shared__ words) and the carve's alignment slack.
+    constexpr std::size_t kReserveBytes = 1024;
+    const std::size_t left = std::size_t(most_bytes) > sizer.bytes + kReserveBytes
+                                 ? std::size_t(most_bytes) - sizer.bytes - kReserveBytes
+                                 : 0;
+    const auto row_bytes = std::size_t(p.x.row_bytes);
+    WEFT_CHECK(left >= row_bytes, "the fp8 cast on the way needs ", row_bytes,
+               " bytes of shared memory per block for one packed row beyond the dispatch's ",
+               sizer.bytes, "; the device has ", most_bytes, " (cast x with cast_to_fp8 first)");
+    const int64_t senders = p.num_blocks > 1 ? p.num_blocks - 1 : 1;
+    const int64_t share = std::max<int64_t>(1, (p.num_tokens + senders - 1) / senders);
+    params.cast_piece_tokens = int(std::min<int64_t>(
+        {16, int64_t(left / row_bytes), share, int64_t(kExpandSubChunkTokens)}));
+    sizer = SmemCarver{nullptr};
+    ExpandSmem::carve(sizer, p.num_experts, p.comm.num_ranks, p.top_k,
+                      std::size_t(params.cast_piece_tokens) * row_bytes);
+  }
   const bool low_latency = params.low_latency.src_info != nullptr;
   auto* kernel = cast ? (low_latency ? dispatch_expanded_kernel<true, true>
                                      : dispatch_expanded_kernel<true, false>)

@@ -221,14 +221,6 @@ struct DispatchParams {
   bool defer_own_rows;
 };
 
-// Tokens an expanded dispatch with RowSource::cast_fp8 casts at a time into a block's shared
-// memory (ExpandDispatchParams::cast_piece_tokens): as many packed rows of row_bytes as fit in
-// 96 KiB, 1 to 16.
-inline int cast_piece_tokens(int64_t row_bytes) {
-  const int64_t fit = int64_t(96 * 1024) / row_bytes;
-  return int(fit < 1 ? 1 : fit > 16 ? 16 : fit);
-}
-
 // The expanded dispatch (types.hpp ExpandOptions): the deduplicated dispatch's parameters (its
 // block_counts and expert_counts unused) plus the expanded layout's.
 struct ExpandDispatchParams {
@@ -242,8 +234,9 @@ struct ExpandDispatchParams {
   int expert_alignment;
   bool zero_padding;
   int64_t segment_stride;  // 0: packed segments; > 0: segment e at e * segment_stride
-  // With x.cast_fp8: tokens a block casts at a time into its shared memory (the launcher's
-  // choice from the row size; ExpandSmem's cast rows hold this many packed rows).
+  // With x.cast_fp8: tokens a block casts at a time into its shared memory (set by
+  // launch_expand_dispatch: at most 16, a sending block's share of the tokens, and what the
+  // device's shared memory holds beside the rest of the kernel's).
   int cast_piece_tokens;
   // [max_tokens][top_k] out: {row, destination rank} of selection k of token t, {-1, -1} where
   // it has no row (no selection, a repeat in the token, an overflowed destination): what a
@@ -380,7 +373,7 @@ struct HandshakeParams {
 // expand_dispatch.cu), the same one the kernel carves.
 void launch_dispatch(const DispatchParams& params, cudaStream_t stream);
 void launch_cached_dispatch(const CachedDispatchParams& params, cudaStream_t stream);
-void launch_expand_dispatch(const ExpandDispatchParams& params, cudaStream_t stream);
+void launch_expand_dispatch(ExpandDispatchParams params, cudaStream_t stream);
 // params.expand_info non-null: the combine of an expanded dispatch.
 void launch_combine(const CombineParams& params, cudaStream_t stream);
 // Ordinary launches (no peer involved).

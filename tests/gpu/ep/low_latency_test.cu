@@ -105,8 +105,8 @@ enum class Format { kBf16, kFp8, kFp8RoundScale, kFp8Packed };
 // reference::low_latency_layout, padding rows' src_info -1, and padding rows' scales not written
 // (still poison). Every format and T in {0, 1, 9, M} at M = 24 tokens, hidden 1024 (UE8M0 words
 // too) and 640 (5 groups: no UE8M0); and with 2 blocks (num_sms) at M = 300, hidden 7168, where
-// the one sending block casts its tokens in several sub-chunks of several pieces each
-// (cast_piece_tokens 12).
+// the one sending block casts its tokens in several sub-chunks (128 tokens) of several pieces
+// each (16 tokens, the most; the last pieces shorter).
 void check_dispatch_results(int64_t hidden, int64_t M, int num_sms,
                             std::initializer_list<Format> formats, bool every_t) {
   const int R = team_size();
