@@ -144,6 +144,54 @@ def test_a_handle_older_than_the_two_latest_dispatches_is_refused():
     assert isinstance(h, tuple) and len(h) == 5 and h[2:] == (8, 128, 8)
 
 
+def test_every_call_runs_after_the_previous_calls_stream(monkeypatch):
+    # The stream logic of the Python layer on the CPU, with the binding recorded: a plain call
+    # names the current stream, one with async_finish or the hook the comm stream, and every
+    # call after the first the stream of the previous call of either window (flag AFTER).
+    flags = dict(LOW_LATENCY_FP8=1, LOW_LATENCY_ROUND_SCALE=2, LOW_LATENCY_UE8M0=4,
+                 LOW_LATENCY_ON_COMM=8, LOW_LATENCY_AFTER=16)
+    calls = []
+
+    class Native:
+        def low_latency_dispatch(self, slot, x, t, idx, int64, stats, stream, previous, f):
+            calls.append(("dispatch", slot.comm_stream, stream, previous, f))
+            return types.SimpleNamespace(handle=(slot.comm_stream,) * 9)
+
+        def low_latency_combine(self, slot, y, rows, w, out, handle, stream, previous, f):
+            calls.append(("combine", slot.comm_stream, stream, previous, f))
+
+    m, hidden, num_experts, top_k, comm = 4, 128, 2, 2, 99
+    state = _cpu_state(num_ranks=1)
+    state._shapes = (m, hidden, num_experts, top_k)
+    state._flags = tuple(flags.values())
+    recv = torch.empty((num_experts, m, hidden), dtype=torch.bfloat16)
+    state._slots = [types.SimpleNamespace(
+        native=types.SimpleNamespace(_native=Native(), num_local_experts=num_experts,
+                                     hidden=hidden),
+        args=types.SimpleNamespace(comm_stream=comm), serial=-1, stride=m, src_info=None,
+        layout_range=None, scales=None, ue8m0=None, combine_buffer=None, recv_q=recv,
+        recv_bf16=recv, recv_count=torch.zeros(num_experts, dtype=torch.int32))
+        for _ in range(2)]
+    current = [7]
+    monkeypatch.setattr(ll, "_current_raw_stream", lambda index: current[0])
+    # The event of an async call needs a CUDA stream: none here.
+    monkeypatch.setattr(state, "_finish", lambda a, r, keep: (None, None))
+    x = torch.zeros((m, hidden), dtype=torch.bfloat16)
+    idx = torch.zeros((m, top_k), dtype=torch.int64)
+    w = torch.zeros((m, top_k), dtype=torch.float32)
+    h0 = state.dispatch(x, idx, m, num_experts, **_dispatch_kwargs())[2]
+    current[0] = 8
+    state.dispatch(x, idx, m, num_experts, **_dispatch_kwargs(return_recv_hook=True))
+    state.combine(recv, idx, w, h0, False, False, False, False, None, None)
+    state.dispatch(x, idx, m, num_experts, **_dispatch_kwargs(async_finish=True, use_fp8=True))
+    assert calls == [
+        ("dispatch", comm, 7, 0, 0),        # the first call waits for nothing
+        ("dispatch", comm, 8, 7, 8 | 16),   # on the comm stream, after stream 7
+        ("combine", comm, 8, comm, 16),     # plain, on stream 8, after the comm stream
+        ("dispatch", comm, 8, 8, 1 | 8 | 16),
+    ]
+
+
 def test_power_of_two_at_or_above_is_exact():
     v = torch.tensor([1.0, 0.75, 1.0 + 2**-23, 3.0, 2.0**-20, 448.0, 0.5 - 2**-25],
                      dtype=torch.float32)

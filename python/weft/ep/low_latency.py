@@ -409,9 +409,9 @@ class LowLatency:
     # -- streams ------------------------------------------------------------------------------
     def _finish(self, async_finish: bool, return_recv_hook: bool,
                 keep) -> Tuple[EventOverlap, Optional[Callable[[], None]]]:
-        """The completion of a call made with async_finish or return_recv_hook (a plain call's
-        binding call makes the current stream wait itself): the EventOverlap or the hook waits
-        for the comm stream; keep's tensors live until then."""
+        """The completion of a call made with async_finish or return_recv_hook, which ran on the
+        comm stream (a plain call runs on the current stream itself): the EventOverlap or the
+        hook waits for the comm stream; keep's tensors live until then."""
         done = EventHandle(self._buffer._comm_stream)
         tensors = [t for t in keep if isinstance(t, torch.Tensor)]
         event = EventOverlap(done, tensors) if async_finish else _NO_EVENT
