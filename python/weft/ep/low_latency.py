@@ -14,8 +14,9 @@ the rest of the segment padding. It is the expanded layout of weft's dispatch wi
 row e * M * R (no second protocol, no copy of the rows).
 
 One call into C++ per dispatch (_weft.ep.Buffer.low_latency_dispatch, after the argument checks
-here) and one kernel: the expanded dispatch of x, with use_fp8 each row cast on its way
-(DeepEP's per-128 cast, round_scale: power-of-two scales) into packed fp8 rows, and at its end,
+here) and one kernel: the expanded dispatch of x, with use_fp8 each token cast once (DeepEP's
+per-128 cast, round_scale: power-of-two scales) into packed fp8 rows before they go out, and at
+its end,
 once the rows have arrived, src_info, layout_range and the scales in DeepEP's layouts (fp32
 column-major, or the UE8M0 exponent bytes) written into the slot's tensors (received rows'
 scales only). No torch op runs in the call (async_finish or the hook record one event):
@@ -263,8 +264,8 @@ class LowLatency:
         serial = self._num_dispatches
         slot = self._slots[serial % _NUM_SLOTS]
         native = slot.native
-        # One call, one kernel: the dispatch (fp8: each row cast on its way) and the layout of
-        # its results into the slot's tensors.
+        # One call, one kernel: the dispatch (fp8: each token cast before its rows go out) and
+        # the layout of its results into the slot's tensors.
         waits = async_finish or return_recv_hook
         fp8, round_, ue8m0, on_comm, after = self._flags
         previous = self._previous_stream

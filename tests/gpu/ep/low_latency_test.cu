@@ -271,89 +271,68 @@ TEST(EpLowLatency, BadLowLatencyAndCastInputsAreRefused) {
   const int64_t S = M;
   const int64_t H = config.hidden;
   auto eps = make_team(config);
-  std::vector<cudaStream_t> streams(1);
+  cudaStream_t stream = nullptr;
   WEFT_CUDA_CHECK(cudaSetDevice(rank_device(0)));
-  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[0], cudaStreamNonBlocking));
-  {
-    DeviceArray xd(0, std::size_t(H * 2)), id(0, 64), wd(0, 64), out(0, std::size_t(epr * S * 8));
-    weft::ep::LowLatencyTargets t;
-    t.src_info = static_cast<int32_t*>(out.ptr);
-    t.layout_range = static_cast<int64_t*>(out.ptr);
-    auto expect_refusal = [&](weft::ep::DispatchInputs in, const std::string& reason) {
-      in.x = {xd.ptr, DType::kBFloat16, 0, H};
-      in.topk_idx = {id.ptr, DType::kInt64, 0, config.top_k};
-      in.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
-      try {
-        eps[0]->dispatch(in, streams[0]);
-        ADD_FAILURE() << "not refused: " << reason;
-      } catch (const weft::Error& e) {
-        EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
-      }
-    };
-    weft::ep::DispatchInputs in;
-    in.expand = {.enabled = true, .segment_stride = S};
-    in.low_latency = &t;
-    weft::ep::LowLatencyTargets with_scales = t;
-    with_scales.scales = static_cast<float*>(out.ptr);
-    in.low_latency = &with_scales;
-    expect_refusal(in, "need a dispatch of fp8 rows");
-    weft::ep::LowLatencyTargets no_src = t;
-    no_src.src_info = nullptr;
-    in.low_latency = &no_src;
-    expect_refusal(in, "src_info is null");
-    in.low_latency = &t;
-    in.expand = {.enabled = true};
-    expect_refusal(in, "fixed-stride segments");
-    in.low_latency = nullptr;
-    in.expand = {};
-    in.cast_to_fp8.enabled = true;
-    expect_refusal(in, "cast_to_fp8 is for an uncached expanded dispatch");
-    // A cached dispatch takes neither (its handle from a plain expanded dispatch).
-    weft::ep::DispatchInputs plain;
-    plain.x = {xd.ptr, DType::kBFloat16, 0, H};
-    plain.topk_idx = {id.ptr, DType::kInt64, 0, config.top_k};
-    plain.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
-    plain.expand = {.enabled = true, .segment_stride = S};
-    const weft::ep::Handle handle = eps[0]->dispatch(plain, streams[0]).handle;
-    weft::ep::DispatchInputs cached;
-    cached.handle = &handle;
-    cached.x = {xd.ptr, DType::kBFloat16, 0, H};
-    cached.cast_to_fp8.enabled = true;
+  WEFT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DeviceArray xd(0, std::size_t(H * 2)), id(0, 64), wd(0, 64), out(0, std::size_t(epr * S * 8));
+  weft::ep::LowLatencyTargets t;
+  t.src_info = static_cast<int32_t*>(out.ptr);
+  t.layout_range = static_cast<int64_t*>(out.ptr);
+  // A dispatch of no tokens of bf16 x with `in`'s other fields.
+  auto empty = [&](weft::ep::DispatchInputs in) {
+    in.x = {xd.ptr, DType::kBFloat16, 0, H};
+    in.topk_idx = {id.ptr, DType::kInt64, 0, config.top_k};
+    in.topk_weights = {wd.ptr, DType::kFloat32, 0, config.top_k};
+    return in;
+  };
+  auto expect_refusal = [&](const weft::ep::DispatchInputs& in, const std::string& reason) {
     try {
-      eps[0]->dispatch(cached, streams[0]);
-      ADD_FAILURE() << "not refused: a cached dispatch with cast_to_fp8";
+      eps[0]->dispatch(in, stream);
+      ADD_FAILURE() << "not refused: " << reason;
     } catch (const weft::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("cast_to_fp8 is for an uncached"), std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
     }
-    cached.cast_to_fp8.enabled = false;
-    cached.low_latency = &t;
-    try {
-      eps[0]->dispatch(cached, streams[0]);
-      ADD_FAILURE() << "not refused: a cached dispatch with low_latency";
-    } catch (const weft::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("low_latency targets need an uncached"),
-                std::string::npos)
-          << e.what();
-    }
-    // The cast takes bf16 x only: not the fp8 pair, not packed rows.
-    in.expand = {.enabled = true, .segment_stride = S};
-    float scale = 1.0f;
-    in.x_scales = {&scale, 1, 1};
-    expect_refusal(in, "cast_to_fp8 is for an uncached expanded dispatch of bf16 x");
-    in.x_scales = {};
-    weft::ep::DispatchInputs packed_in = in;
-    packed_in.x = {xd.ptr, DType::kUInt8, 0, weft::ep::fp8_row_layout(H).row_bytes};
-    try {
-      eps[0]->dispatch(packed_in, streams[0]);
-      ADD_FAILURE() << "not refused: a cast of packed rows";
-    } catch (const weft::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("x (cast to fp8) must be bfloat16"), std::string::npos)
-          << e.what();
-    }
-    WEFT_CUDA_CHECK(cudaStreamSynchronize(streams[0]));
-  }
-  for (auto s : streams) cudaStreamDestroy(s);
+  };
+  weft::ep::DispatchInputs in;
+  in.expand = {.enabled = true, .segment_stride = S};
+  weft::ep::LowLatencyTargets with_scales = t;
+  with_scales.scales = static_cast<float*>(out.ptr);
+  in.low_latency = &with_scales;
+  expect_refusal(empty(in), "need a dispatch of fp8 rows");
+  weft::ep::LowLatencyTargets no_src = t;
+  no_src.src_info = nullptr;
+  in.low_latency = &no_src;
+  expect_refusal(empty(in), "src_info is null");
+  in.low_latency = &t;
+  in.expand = {.enabled = true};
+  expect_refusal(empty(in), "fixed-stride segments");
+  in.low_latency = nullptr;
+  in.expand = {};
+  in.cast_to_fp8.enabled = true;
+  expect_refusal(empty(in), "cast_to_fp8 is for an uncached expanded dispatch");
+  // A cached dispatch takes neither (its handle from a plain expanded dispatch).
+  weft::ep::DispatchInputs plain;
+  plain.expand = {.enabled = true, .segment_stride = S};
+  const weft::ep::Handle handle = eps[0]->dispatch(empty(plain), stream).handle;
+  weft::ep::DispatchInputs cached;
+  cached.handle = &handle;
+  cached.x = {xd.ptr, DType::kBFloat16, 0, H};
+  cached.cast_to_fp8.enabled = true;
+  expect_refusal(cached, "cast_to_fp8 is for an uncached");
+  cached.cast_to_fp8.enabled = false;
+  cached.low_latency = &t;
+  expect_refusal(cached, "low_latency targets need an uncached");
+  // The cast takes bf16 x only: not the fp8 pair, not packed rows.
+  in.expand = {.enabled = true, .segment_stride = S};
+  float scale = 1.0f;
+  in.x_scales = {&scale, 1, 1};
+  expect_refusal(empty(in), "cast_to_fp8 is for an uncached expanded dispatch of bf16 x");
+  in.x_scales = {};
+  weft::ep::DispatchInputs packed_in = empty(in);
+  packed_in.x = {xd.ptr, DType::kUInt8, 0, weft::ep::fp8_row_layout(H).row_bytes};
+  expect_refusal(packed_in, "x (cast to fp8) must be bfloat16");
+  WEFT_CUDA_CHECK(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace
