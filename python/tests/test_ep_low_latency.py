@@ -546,6 +546,34 @@ def test_calls_on_other_streams_wait_for_the_windows_previous_call(gpu_buffer):
 
 
 @needs_gpus(1)
+def test_a_call_outside_a_capture_still_running_after_a_captured_call_is_refused(gpu_buffer):
+    # The previous call was captured on a stream whose capture has not ended: a plain call on
+    # another stream cannot wait for it (a capture is not work that runs), and running before it
+    # could break the Buffer's call order. It is refused before it launches anything, the capture
+    # goes on, and once the capture ends the same call runs and gives the reference's rows.
+    m, hidden, num_experts, top_k = 16, 256, 4, 2
+    buf = gpu_buffer(m, hidden, num_experts)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn((m, hidden), generator=g).to(torch.bfloat16)
+    idx = _routing(m, num_experts, top_k, g)
+    x_dev, idx_dev = x.cuda(), idx.cuda()
+    buf.low_latency_dispatch(x_dev, idx_dev, m, num_experts, use_fp8=False)  # lays out
+    torch.cuda.synchronize()
+    other = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+        buf.low_latency_dispatch(x_dev, idx_dev, m, num_experts, use_fp8=False)
+        with torch.cuda.stream(other):
+            with pytest.raises(weft.Error, match="capture has not ended"):
+                buf.low_latency_dispatch(x_dev, idx_dev, m, num_experts, use_fp8=False)
+    graph.replay()
+    with torch.cuda.stream(other):
+        res = buf.low_latency_dispatch(x_dev, idx_dev, m, num_experts, use_fp8=False)
+    torch.cuda.synchronize()
+    _check_dispatch(res, x, idx, num_experts, m)
+
+
+@needs_gpus(1)
 @pytest.mark.parametrize("use_fp8", [False, True])
 def test_a_cuda_graph_of_dispatch_expert_matmul_combine_replays_with_new_inputs(gpu_buffer,
                                                                                 use_fp8):

@@ -17,13 +17,16 @@ constexpr int kCopyThreads = 256;
 // the row-major scales), then the row's source and selections, or a padding row's values. The
 // payload of a row from the own range of a dispatch that deferred it comes from that dispatch's
 // x (own_x) at the row's source token, in the same forms (a bf16 or packed row, or the fp8 pair
-// read at its scales' strides).
+// read at its scales' strides). A warp issues every load of a row but the payload's before its
+// payload (the source, the selections, the first 64 scales), so that their latency overlaps the
+// payload's instead of following it: a grid of one row per warp is bound by that chain.
 __global__ void __launch_bounds__(kCopyThreads) copy_out_kernel(const CopyOutParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t num_recv = *p.num_recv;
   const bool deferred = p.own_x.x != nullptr;
   const int64_t own_lo = deferred ? p.own_begin[0] : 0;
   const int64_t own_hi = deferred ? own_lo + p.own_begin[1] : 0;
+  const int64_t num_groups = p.hidden / kFp8GroupElements;
   if (blockIdx.x == 0 && p.rank_prefix_out != nullptr) {
     for (int i = threadIdx.x; i < p.num_ranks * p.num_ranks; i += blockDim.x) {
       p.rank_prefix_out[i] = p.rank_prefix_matrix[i];
@@ -34,50 +37,58 @@ __global__ void __launch_bounds__(kCopyThreads) copy_out_kernel(const CopyOutPar
        row < p.num_rows; row += num_warps) {
     const bool received = row < num_recv && row < p.valid_rows;
     const bool own = received && row >= own_lo && row < own_hi;
-    if (own && p.own_x.scales != nullptr) {
-      const int64_t t = p.recv_src[row].y;
-      const int64_t n16 = p.hidden / 16;
-      warp_copy_row(static_cast<int4*>(p.x) + row * n16,
-                    static_cast<const int4*>(p.own_x.x) + t * n16, n16, lane);
-      const int64_t num_groups = p.hidden / kFp8GroupElements;
-      const float* scales = p.own_x.scales + t * p.own_x.scale_token_stride;
-      for (int64_t g = lane; g < num_groups; g += 32) {
-        p.x_scales[row * num_groups + g] = scales[g * p.own_x.scale_group_stride];
+    const int2 src = received ? p.recv_src[row] : make_int2(0, p.pad_token);
+    int32_t expert = -1;
+    float weight = 0.0f;
+    if (received && lane < p.num_topk) {
+      if (p.topk_idx != nullptr) expert = p.recv_expert_idx[row * p.top_k + lane];
+      if (p.topk_weights != nullptr) weight = p.recv_weights[row * p.top_k + lane];
+    }
+    if (received) {
+      // The payload and its scales: an own fp8 pair (scales at their strides), or a bf16 or
+      // packed row (scales behind the payload) from the window or from own_x.
+      const bool own_pair = own && p.own_x.scales != nullptr;
+      const char* from = own_pair ? static_cast<const char*>(p.own_x.x) + src.y * p.hidden
+                         : own    ? static_cast<const char*>(p.own_x.x) + src.y * p.row_bytes
+                                  : p.recv_x + row * p.row_bytes;
+      const float* scales = nullptr;
+      int64_t scale_stride = 1;
+      if (p.x_scales != nullptr) {
+        scales = own_pair ? p.own_x.scales + src.y * p.own_x.scale_token_stride
+                          : reinterpret_cast<const float*>(from + p.hidden);
+        scale_stride = own_pair ? p.own_x.scale_group_stride : 1;
       }
-    } else if (received) {
-      const char* from = own ? static_cast<const char*>(p.own_x.x) + p.recv_src[row].y * p.row_bytes
-                             : p.recv_x + row * p.row_bytes;
-      if (p.x_scales == nullptr) {
-        const int64_t n16 = p.hidden * 2 / 16;
-        warp_copy_row(static_cast<int4*>(p.x) + row * n16, reinterpret_cast<const int4*>(from),
-                      n16, lane);
-      } else {
-        const int64_t n16 = p.hidden / 16;
-        warp_copy_row(static_cast<int4*>(p.x) + row * n16, reinterpret_cast<const int4*>(from),
-                      n16, lane);
-        const int64_t num_groups = p.hidden / kFp8GroupElements;
-        const auto* scales = reinterpret_cast<const float*>(from + p.hidden);
-        for (int64_t g = lane; g < num_groups; g += 32) {
-          p.x_scales[row * num_groups + g] = scales[g];
+      float first_scales[2] = {0.0f, 0.0f};
+      if (scales != nullptr) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int64_t g = lane + 32 * u;
+          if (g < num_groups) first_scales[u] = scales[g * scale_stride];
         }
       }
+      const int64_t n16 = (scales != nullptr ? p.hidden : p.hidden * 2) / 16;
+      warp_copy_row(static_cast<int4*>(p.x) + row * n16, reinterpret_cast<const int4*>(from),
+                    n16, lane);
+      if (scales != nullptr) {
+        float* to = p.x_scales + row * num_groups;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int64_t g = lane + 32 * u;
+          if (g < num_groups) to[g] = first_scales[u];
+        }
+        for (int64_t g = lane + 64; g < num_groups; g += 32) to[g] = scales[g * scale_stride];
+      }
     }
-    if (p.src != nullptr && lane == 0) {
-      p.src[row] = received ? p.recv_src[row] : make_int2(0, p.pad_token);
-    }
+    if (p.src != nullptr && lane == 0) p.src[row] = src;
     if (lane < p.num_topk) {
-      const int32_t e = received ? p.recv_expert_idx[row * p.top_k + lane] : -1;
       if (p.topk_idx != nullptr) {
         if (p.topk_idx_int64) {
-          static_cast<int64_t*>(p.topk_idx)[row * p.num_topk + lane] = e;
+          static_cast<int64_t*>(p.topk_idx)[row * p.num_topk + lane] = expert;
         } else {
-          static_cast<int32_t*>(p.topk_idx)[row * p.num_topk + lane] = e;
+          static_cast<int32_t*>(p.topk_idx)[row * p.num_topk + lane] = expert;
         }
       }
-      if (p.topk_weights != nullptr) {
-        p.topk_weights[row * p.num_topk + lane] =
-            received ? p.recv_weights[row * p.top_k + lane] : 0.0f;
-      }
+      if (p.topk_weights != nullptr) p.topk_weights[row * p.num_topk + lane] = weight;
     }
   }
 }
