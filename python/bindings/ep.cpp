@@ -161,6 +161,9 @@ struct DispatchArgs {
   // for the counts (the caller makes its owned tensors while the kernel runs).
   bool wait_later = false;
   bool defer_own_rows = false;  // ep::DispatchInputs::defer_own_rows (copy_out gets x again)
+  // Every pointer comes from a tensor the Python layer checked is on the Buffer's device
+  // (ep::DispatchInputs::pointers_checked: no CUDA pointer query per pointer and call).
+  bool pointers_checked = false;
 };
 
 // Owned copies of the latest dispatch's results (ep::CopyOutTargets), on comm_stream (or
@@ -182,6 +185,7 @@ struct CopyOutArgs {
   std::uintptr_t stream = 0;
   std::uintptr_t comm_stream = 0;
   bool async_finish = false;
+  bool pointers_checked = false;  // as DispatchArgs'
 };
 
 // The fixed arguments of one low-latency window (weft/ep/low_latency.py's slot), set once; a
@@ -225,6 +229,7 @@ struct CombineArgs {
   std::uintptr_t comm_stream = 0;
   std::uintptr_t previous_event = 0;
   bool async_finish = false;
+  bool pointers_checked = false;  // as DispatchArgs'
 };
 
 // A dispatch's handle as a plain tuple (buffer_id, sequence, num_tokens, num_recv, expanded,
@@ -390,6 +395,7 @@ class PyBuffer {
     in.expand = {.enabled = a.expand, .expert_alignment = a.expert_alignment,
                  .zero_padding = a.zero_padding, .segment_stride = a.segment_stride};
     in.defer_own_rows = a.defer_own_rows;
+    in.pointers_checked = a.pointers_checked;
     DispatchOut out;
     pending_.reset();  // a dispatch launched with wait_later and never finished: abandoned
     nb::gil_scoped_release release;  // pacing (pipeline_depth) and the count read wait
@@ -526,6 +532,7 @@ class PyBuffer {
       in.source_weights = {as_ptr(a.source_weights), ep::DType::kFloat32, T, b.config().top_k};
     }
     in.num_sms = a.num_sms;
+    in.pointers_checked = a.pointers_checked;
     nb::gil_scoped_release release;  // pacing (pipeline_depth)
     DeviceGuard guard(core_->device);
     const cudaStream_t s = enter(a.stream, a.comm_stream, a.previous_event);
@@ -559,6 +566,7 @@ class PyBuffer {
     t.num_topk = a.num_topk;
     t.rank_prefix_matrix = reinterpret_cast<int32_t*>(a.rank_prefix_matrix);
     t.deferred_own_rows = a.deferred_own_rows;
+    t.pointers_checked = a.pointers_checked;
     if (a.deferred_own_rows) {
       t.own_x = a.own_x.view();
       t.own_x_scales = a.own_x.scales_view();
@@ -805,7 +813,8 @@ void bind_ep(nb::module_& m) {
       .def_rw("stream", &DispatchArgs::stream)
       .def_rw("comm_stream", &DispatchArgs::comm_stream)
       .def_rw("previous_event", &DispatchArgs::previous_event)
-      .def_rw("async_finish", &DispatchArgs::async_finish);
+      .def_rw("async_finish", &DispatchArgs::async_finish)
+      .def_rw("pointers_checked", &DispatchArgs::pointers_checked);
 
   nb::class_<CopyOutArgs>(m, "CopyOutArgs")
       .def(nb::init<>())
@@ -823,7 +832,8 @@ void bind_ep(nb::module_& m) {
       .def_rw("own_x", &CopyOutArgs::own_x)
       .def_rw("stream", &CopyOutArgs::stream)
       .def_rw("comm_stream", &CopyOutArgs::comm_stream)
-      .def_rw("async_finish", &CopyOutArgs::async_finish);
+      .def_rw("async_finish", &CopyOutArgs::async_finish)
+      .def_rw("pointers_checked", &CopyOutArgs::pointers_checked);
 
   nb::class_<LowLatencySlot>(m, "LowLatencySlot")
       .def(nb::init<>())
@@ -856,7 +866,8 @@ void bind_ep(nb::module_& m) {
       .def_rw("stream", &CombineArgs::stream)
       .def_rw("comm_stream", &CombineArgs::comm_stream)
       .def_rw("previous_event", &CombineArgs::previous_event)
-      .def_rw("async_finish", &CombineArgs::async_finish);
+      .def_rw("async_finish", &CombineArgs::async_finish)
+      .def_rw("pointers_checked", &CombineArgs::pointers_checked);
 
   nb::class_<DispatchOut>(m, "DispatchOut")
       .def_prop_ro("handle", [](const DispatchOut& o) { return to_tuple(o.handle); })

@@ -341,7 +341,8 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
   const bool expanded = state_->layout.expand.enabled;
   WEFT_CHECK(!expanded || t.rank_prefix_matrix == nullptr,
              "copy_out: an expanded layout has no rank_prefix_matrix");
-  const detail::PointerHome home = detail::pointer_home(*group_, index_, device_);
+  const detail::PointerHome home =
+      detail::pointer_home(*group_, index_, device_, t.pointers_checked);
   if (t.num_rows > 0) {
     detail::check_pointer(t.x, "copy_out: x", home, 16);
     detail::check_pointer(t.x_scales, "copy_out: x_scales", home, 4);

@@ -257,6 +257,7 @@ struct CopyOutTargets {
   bool deferred_own_rows = false;
   TensorView own_x;
   DispatchInputs::Fp8Scales own_x_scales;
+  bool pointers_checked = false;  // as DispatchInputs::pointers_checked
 };
 
 

@@ -684,12 +684,13 @@ class Buffer:
         """The reused (DispatchArgs, CopyOutArgs) of one kind of owned dispatch (uncached or
         cached, fp8 or not, host-synced or not), their constant fields set: a held launch that
         defers this rank's own rows and its copy, on the window's comm stream; a host-synced
-        one waits for its counts in finish_dispatch."""
+        one waits for its counts in finish_dispatch. Every tensor they point at is checked to be
+        on the device (the inputs by dispatch's checks, the rest made here): pointers_checked."""
         a = _weft.ep.DispatchArgs()
-        a.hold = a.defer_own_rows = True
+        a.hold = a.defer_own_rows = a.pointers_checked = True
         a.read_counts = a.wait_later = sync
         c = _weft.ep.CopyOutArgs()
-        c.deferred_own_rows = True
+        c.deferred_own_rows = c.pointers_checked = True
         a.comm_stream = c.comm_stream = native.comm_stream.cuda_stream
         for rows in (a.x, c.own_x):
             rows.dtype = _UINT8 if is_fp8 else _BF16
@@ -1056,9 +1057,11 @@ class Buffer:
 
     @staticmethod
     def _combine_args(native: NativeBuffer):
-        """The reused CombineArgs of _plain_combine, its constant field set."""
+        """The reused CombineArgs of _plain_combine, its constant fields set (its tensors are
+        checked to be on the device: pointers_checked)."""
         a = _weft.ep.CombineArgs()
         a.comm_stream = native.comm_stream.cuda_stream
+        a.pointers_checked = True
         return a
 
 

@@ -762,9 +762,11 @@ class NativeBuffer:
                                 on_current_stream)
 
     def _new_plain_args(self, cls, on_current_stream: bool):
-        """_plain_args' object, its constant fields set."""
+        """_plain_args' object, its constant fields set: the plain calls check that every
+        tensor is on the device (pointers_checked)."""
         a = cls()
         a.comm_stream = 0 if on_current_stream else self.comm_stream.cuda_stream
+        a.pointers_checked = True
         if cls is _weft.ep.DispatchArgs:
             a.x.dtype = _BF16
             a.x.cols = self.hidden
