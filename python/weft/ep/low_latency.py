@@ -16,10 +16,9 @@ row e * M * R (no second protocol, no copy of the rows).
 One call into C++ per dispatch (_weft.ep.Buffer.low_latency_dispatch, after the argument checks
 here) and one kernel: the expanded dispatch of x, with use_fp8 each token cast once (DeepEP's
 per-128 cast, round_scale: power-of-two scales) into packed fp8 rows before they go out, and at
-its end,
-once the rows have arrived, src_info, layout_range and the scales in DeepEP's layouts (fp32
-column-major, or the UE8M0 exponent bytes) written into the slot's tensors (received rows'
-scales only). No torch op runs in the call (async_finish or the hook record one event):
+its end, once the rows have arrived, src_info, layout_range and the scales in DeepEP's layouts
+(fp32 column-major, or the UE8M0 exponent bytes) written into the slot's tensors (received
+rows' scales only). No torch op runs in the call (async_finish or the hook record one event):
 recv_x, recv_count and the handle's tensors are made once per slot. x must be 16-byte aligned
 (rows move as 16-byte vectors; the cast reads it so too).
 
