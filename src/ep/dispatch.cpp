@@ -250,7 +250,11 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   p.comm = detail::comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.x = row_source(in, row_bytes, config_.hidden);
   p.num_tokens = h.num_tokens;
-  p.num_blocks = num_blocks(h.num_tokens, in.num_sms);
+  // At one rank with the own rows deferred no row is sent: the call is its protocol round (entry
+  // and done flags, the layout's checks, the stats), which one block makes without the other
+  // blocks' fences and arrivals.
+  const bool sends_nothing = num_ranks_ == 1 && in.defer_own_rows;
+  p.num_blocks = sends_nothing ? 1 : num_blocks(h.num_tokens, in.num_sms);
   p.send_slot = state_->send_slot;
   p.tokens_per_local_expert = state_->tokens_per_local_expert;
   p.num_local_experts = config_.num_local_experts(num_ranks_);

@@ -58,12 +58,12 @@ __device__ void send_expanded_rows(const CachedDispatchParams& p, char* const* p
 __device__ void send_rows(const CachedDispatchParams& p, char* const* peer, TokenChunk chunk) {
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
+  if (p.defer_own_rows && R == 1) return;  // every row is an own row: nothing to send
   const int lane = threadIdx.x % 32;
   const int64_t n16 = p.x.row_bytes / 16;
   for (int64_t item = chunk.begin * R + threadIdx.x / 32; item < chunk.end * R;
        item += kThreads / 32) {
-    // Tested before the slot is loaded: at one rank every row is an own row.
-    if (p.defer_own_rows && item % R == c.rank) continue;
+    if (p.defer_own_rows && item % R == c.rank) continue;  // tested before the slot's load
     const int64_t row = p.send_slot[item];
     if (row < 0) continue;
     warp_send_row(reinterpret_cast<int4*>(peer[item % R] + c.layout.recv_x) + row * n16, p.x,

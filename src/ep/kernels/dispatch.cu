@@ -395,22 +395,32 @@ __device__ void assign_rows(const DispatchParams& p, const DispatchSmem& s, int6
 
 // 3, every warp: pushes the sub-chunk's items (row, selections here, weights, source) straight
 // into the destinations' windows, one warp per item; with defer_own_rows, the rows to this rank
-// without their payload.
+// without their payload, one group of metadata_lanes() per item, after the others. A warp's
+// items run one after another, each behind its loads of the selections: a group per item puts
+// several items' loads in flight at once (at one rank every item is such a row).
 __device__ void send_rows(const DispatchParams& p, const DispatchSmem& s, const DispatchCall& call,
                           int64_t sub) {
   const CommParams& c = p.comm;
   const int R = c.num_ranks;
   const int lane = threadIdx.x % 32;
   const int num_items = *s.num_items;
+  const bool deferred = p.defer_own_rows;
   for (int it = threadIdx.x / 32; it < num_items; it += kThreads / 32) {
     const int i = s.item[it] >> 8;
     const int d = s.item[it] & 0xff;
+    if (deferred && d == c.rank) continue;
     auto in_row = [&](int64_t e) { return e / call.epr == d; };
-    if (p.defer_own_rows && d == c.rank) {
-      warp_send_metadata(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane, in_row);
-    } else {
-      warp_send_token(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane, in_row);
-    }
+    warp_send_token(p, s.peer[d], s.row[i * R + d], sub + i, d, call.epr, lane, in_row);
+  }
+  if (!deferred) return;
+  const int width = metadata_lanes(p.top_k);
+  const int groups = kThreads / width;
+  auto in_row = [&](int64_t e) { return e / call.epr == c.rank; };
+  for (int it = int(threadIdx.x) / width; it < num_items; it += groups) {
+    const int i = s.item[it] >> 8;
+    if ((s.item[it] & 0xff) != c.rank) continue;
+    send_metadata(p, s.peer[c.rank], s.row[i * R + c.rank], sub + i, c.rank, call.epr,
+                  int(threadIdx.x) % width, in_row);
   }
 }
 

@@ -465,7 +465,7 @@ __device__ void send_rows(const DispatchParams& p, const ExpandSmem& s, const Ex
       int4* dst = reinterpret_cast<int4*>(base + c.layout.recv_x) + row * n16;
       const int4* src = s.cast_rows + int64_t(i - first) * n16;
       for (int64_t v = lane; v < n16; v += 32) dst[v] = src[v];
-      warp_send_metadata(p, base, row, t, d, call.epr, lane, in_row);
+      send_metadata(p, base, row, t, d, call.epr, lane, in_row);
     } else {
       warp_send_token(p, base, row, t, d, call.epr, lane, in_row);
     }

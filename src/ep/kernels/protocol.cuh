@@ -310,14 +310,15 @@ __device__ __forceinline__ void warp_send_row(int4* __restrict__ dst, const RowS
   }
 }
 
-// One warp writes token t's metadata into row `row` of the window at `base` (rank dest's):
-// (lanes k < top_k) selection k's local expert and weight where in_row(e) says selection k's
-// expert e (valid, in [0, num_experts)) belongs to this row (else -1 and 0), and (lane 0) the
-// row's source (this rank, t).
+// A group of at least top_k lanes (a warp, or metadata_lanes() of one) writes token t's metadata
+// into row `row` of the window at `base` (rank dest's): (lanes k < top_k of the group) selection
+// k's local expert and weight where in_row(e) says selection k's expert e (valid, in [0,
+// num_experts)) belongs to this row (else -1 and 0), and (lane 0) the row's source (this rank,
+// t). `lane` is the thread's index in its group; no lane waits for another.
 template <typename InRow>
-__device__ __forceinline__ void warp_send_metadata(const DispatchParams& p, char* base,
-                                                   int64_t row, int64_t t, int dest, int epr,
-                                                   int lane, InRow&& in_row) {
+__device__ __forceinline__ void send_metadata(const DispatchParams& p, char* base, int64_t row,
+                                              int64_t t, int dest, int epr, int lane,
+                                              InRow&& in_row) {
   const CommParams& c = p.comm;
   const int K = p.top_k;
   if (lane < K) {
@@ -332,14 +333,22 @@ __device__ __forceinline__ void warp_send_metadata(const DispatchParams& p, char
 }
 
 // One warp pushes token t's row to row `row` of the window at `base`: the payload, then the
-// metadata (warp_send_metadata).
+// metadata (send_metadata).
 template <typename InRow>
 __device__ __forceinline__ void warp_send_token(const DispatchParams& p, char* base, int64_t row,
                                                 int64_t t, int dest, int epr, int lane,
                                                 InRow&& in_row) {
   warp_send_row(reinterpret_cast<int4*>(base + p.comm.layout.recv_x) + row * (p.x.row_bytes / 16),
                 p.x, t, lane);
-  warp_send_metadata(p, base, row, t, dest, epr, lane, in_row);
+  send_metadata(p, base, row, t, dest, epr, lane, in_row);
+}
+
+// The lanes of a group that sends a row's metadata alone: top_k rounded up to a power of two, so
+// that a warp holds 32 / metadata_lanes() groups and has that many rows' loads in flight at once.
+__device__ __forceinline__ int metadata_lanes(int top_k) {
+  int lanes = 1;
+  while (lanes < top_k) lanes *= 2;
+  return lanes;
 }
 
 // Tokens [begin, end) of block blockIdx.x when num_tokens are cut into equal chunks over blocks

@@ -180,6 +180,78 @@ class EpCopyOutTest : public EpTest {
     }
     EXPECT_EQ(download<int32_t>(dev, o.prefix.ptr, std::size_t(R * R)), L.rank_prefix_matrix);
   }
+
+  // An uncached then a cached dispatch of T tokens (new payload each) in one form, deferred or
+  // not, each followed by copy_out into poisoned arrays: the owned arrays against the reference,
+  // element by element, at every rank. With stats, both dispatches add to a zeroed
+  // cumulative_local_expert_recv_stats, which then holds twice the tokens per local expert.
+  void owned_round(Form form, bool defer, int64_t T, std::mt19937& rng, bool stats = false) {
+    SCOPED_TRACE(testing::Message() << name_of(form) << ", defer " << defer << ", T " << T
+                                    << ", top_k " << config.top_k);
+    const bool fp8 = form != Form::kBf16;
+    RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.2};
+    for (int r = 1; r < R; ++r) spec.tokens[std::size_t(r)] -= (r * 37) % std::max<int64_t>(T, 1);
+    auto inputs = make_inputs(config, R, spec, rng);
+    for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(config.hidden, in.num_tokens, in.x);
+    put_inputs(inputs);  // the selections (x is per form, below)
+    const int64_t num_local = config.num_experts / R;
+    std::vector<DeviceArray> counters;
+    for (int r = 0; r < R && stats; ++r) {
+      counters.push_back(upload(rank_device(r), std::vector<uint32_t>(std::size_t(num_local), 0)));
+    }
+    std::vector<Handle> handles;
+    for (int pass = 0; pass < 2; ++pass) {  // 0: uncached, 1: cached with new payload
+      SCOPED_TRACE(pass == 0 ? "uncached" : "cached");
+      if (pass == 1) refill_x(config, inputs, 5);
+      const auto layouts = ref::dispatch(config, inputs, {.fp8 = fp8});
+      std::vector<RankX> xs;
+      std::vector<DispatchResult> res;
+      for (int r = 0; r < R; ++r) {
+        xs.push_back(upload_x(r, inputs[std::size_t(r)], form));
+        DispatchInputs in = inputs_of(r, inputs[std::size_t(r)].num_tokens);
+        in.x = xs.back().x_view;
+        in.x_scales = xs.back().view;
+        in.defer_own_rows = defer;
+        if (stats) {
+          in.cumulative_local_expert_recv_stats = static_cast<uint32_t*>(counters[std::size_t(r)].ptr);
+        }
+        if (pass == 1) {
+          in.topk_idx = {};
+          in.topk_weights = {};
+          in.handle = &handles[std::size_t(r)];
+        }
+        res.push_back(eps[std::size_t(r)]->dispatch(
+            in, ranks[std::size_t(r)].stream, pass == 0 ? CountMode::kExact : CountMode::kOnDevice));
+      }
+      if (pass == 0) {
+        for (int r = 0; r < R; ++r) {
+          eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
+          handles.push_back(res[std::size_t(r)].handle);
+          ASSERT_EQ(res[std::size_t(r)].num_recv, layouts[std::size_t(r)].num_recv);
+        }
+      }
+      std::vector<Owned> owned;
+      for (int r = 0; r < R; ++r) {
+        owned.push_back(poisoned(r, layouts[std::size_t(r)].num_recv + kPaddingRows, fp8));
+        eps[std::size_t(r)]->copy_out(
+            targets(owned.back(), fp8, pass == 0, defer ? &xs[std::size_t(r)] : nullptr),
+            ranks[std::size_t(r)].stream);
+      }
+      sync_all();
+      for (int r = 0; r < R; ++r) {
+        eps[std::size_t(r)]->check();
+        check_owned(r, owned[std::size_t(r)], layouts[std::size_t(r)], fp8, pass == 0);
+      }
+      if (pass == 1 && stats) {
+        for (int r = 0; r < R; ++r) {
+          std::vector<uint32_t> want;
+          for (int32_t n : layouts[std::size_t(r)].tokens_per_local_expert) want.push_back(2 * uint32_t(n));
+          EXPECT_EQ(download<uint32_t>(rank_device(r), counters[std::size_t(r)].ptr, std::size_t(num_local)),
+                    want) << "rank " << r << ": cumulative stats";
+        }
+      }
+    }
+  }
 };
 
 // Uncached then cached dispatches (new payload each), every form, deferred or not: the owned
@@ -189,58 +261,22 @@ TEST_F(EpCopyOutTest, DeferredOwnRowsMatchTheReferenceInEveryForm) {
   make({.max_tokens = 384, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 6});
   std::mt19937 rng(std::random_device{}());
   for (Form form : {Form::kBf16, Form::kPacked, Form::kPairRowMajor, Form::kPairColumnMajor}) {
-    const bool fp8 = form != Form::kBf16;
     for (bool defer : {true, false}) {
-      for (int64_t T : {int64_t(1), int64_t(200), int64_t(384)}) {
-        SCOPED_TRACE(testing::Message() << name_of(form) << ", defer " << defer << ", T " << T);
-        RoutingSpec spec{.tokens = std::vector<int64_t>(std::size_t(R), T), .mask_ratio = 0.2};
-        for (int r = 1; r < R; ++r) spec.tokens[std::size_t(r)] -= (r * 37) % std::max<int64_t>(T, 1);
-        auto inputs = make_inputs(config, R, spec, rng);
-        for (auto& in : inputs) in.x_fp8 = ref::cast_to_fp8(config.hidden, in.num_tokens, in.x);
-        put_inputs(inputs);  // the selections (x is per form, below)
-        std::vector<Handle> handles;
-        for (int pass = 0; pass < 2; ++pass) {  // 0: uncached, 1: cached with new payload
-          SCOPED_TRACE(pass == 0 ? "uncached" : "cached");
-          if (pass == 1) refill_x(config, inputs, 5);
-          const auto layouts = ref::dispatch(config, inputs, {.fp8 = fp8});
-          std::vector<RankX> xs;
-          std::vector<DispatchResult> res;
-          for (int r = 0; r < R; ++r) {
-            xs.push_back(upload_x(r, inputs[std::size_t(r)], form));
-            DispatchInputs in = inputs_of(r, inputs[std::size_t(r)].num_tokens);
-            in.x = xs.back().x_view;
-            in.x_scales = xs.back().view;
-            in.defer_own_rows = defer;
-            if (pass == 1) {
-              in.topk_idx = {};
-              in.topk_weights = {};
-              in.handle = &handles[std::size_t(r)];
-            }
-            res.push_back(eps[std::size_t(r)]->dispatch(
-                in, ranks[std::size_t(r)].stream, pass == 0 ? CountMode::kExact : CountMode::kOnDevice));
-          }
-          if (pass == 0) {
-            for (int r = 0; r < R; ++r) {
-              eps[std::size_t(r)]->wait_num_recv(res[std::size_t(r)]);
-              handles.push_back(res[std::size_t(r)].handle);
-              ASSERT_EQ(res[std::size_t(r)].num_recv, layouts[std::size_t(r)].num_recv);
-            }
-          }
-          std::vector<Owned> owned;
-          for (int r = 0; r < R; ++r) {
-            owned.push_back(poisoned(r, layouts[std::size_t(r)].num_recv + kPaddingRows, fp8));
-            eps[std::size_t(r)]->copy_out(
-                targets(owned.back(), fp8, pass == 0, defer ? &xs[std::size_t(r)] : nullptr),
-                ranks[std::size_t(r)].stream);
-          }
-          sync_all();
-          for (int r = 0; r < R; ++r) {
-            eps[std::size_t(r)]->check();
-            check_owned(r, owned[std::size_t(r)], layouts[std::size_t(r)], fp8, pass == 0);
-          }
-        }
-      }
+      for (int64_t T : {int64_t(1), int64_t(200), int64_t(384)}) owned_round(form, defer, T, rng);
     }
+  }
+}
+
+// The deferred rows' metadata is sent by groups of top_k lanes rounded up to a power of two
+// (from 32 groups of one lane to one group of a warp), in the local count's mode and the grid's
+// (T > 1024), and a deferring cached dispatch at one rank runs as one block: every top_k's
+// metadata, and the statistics of both calls, against the reference.
+TEST_F(EpCopyOutTest, DeferredMetadataOfEveryTopK) {
+  REQUIRE_GPUS();
+  std::mt19937 rng(std::random_device{}());
+  for (int top_k : {1, 3, 8, 17, 32}) {
+    make({.max_tokens = 1500, .hidden = 128, .num_experts = 32 * team_size(), .top_k = top_k});
+    for (int64_t T : {int64_t(300), int64_t(1500)}) owned_round(Form::kBf16, true, T, rng, true);
   }
 }
 
