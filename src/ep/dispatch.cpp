@@ -253,8 +253,8 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   // At one rank with the own rows deferred no row is sent: the call is its protocol round (entry
   // and done flags, the layout's checks, the stats), which one block makes without the other
   // blocks' fences and arrivals.
-  const bool sends_nothing = num_ranks_ == 1 && in.defer_own_rows;
-  p.num_blocks = sends_nothing ? 1 : num_blocks(h.num_tokens, in.num_sms);
+  const int blocks = num_blocks(h.num_tokens, in.num_sms);  // checks num_sms in any case
+  p.num_blocks = num_ranks_ == 1 && in.defer_own_rows ? 1 : blocks;
   p.send_slot = state_->send_slot;
   p.tokens_per_local_expert = state_->tokens_per_local_expert;
   p.num_local_experts = config_.num_local_experts(num_ranks_);
