@@ -280,38 +280,11 @@ TEST_F(EpCopyOutTest, DeferredMetadataOfEveryTopK) {
   }
 }
 
-// A deferring cached dispatch checks its num_sms as every call does, also at one rank, where it
-// runs as one block whatever num_sms says; a refused call launches nothing, so the next one runs.
-TEST_F(EpCopyOutTest, ADeferringCachedDispatchChecksItsNumSms) {
-  REQUIRE_GPUS();
-  make({.max_tokens = 64, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4});
-  std::mt19937 rng(std::random_device{}());
-  const int64_t T = 48;
-  auto inputs = make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), T)}, rng);
-  put_inputs(inputs);
-  std::vector<Handle> handles;
-  for (int r = 0; r < R; ++r) {
-    DispatchInputs in = inputs_of(r, T);
-    in.defer_own_rows = true;
-    handles.push_back(eps[std::size_t(r)]->dispatch(in, ranks[std::size_t(r)].stream).handle);
-  }
-  sync_all();
-  for (int num_sms : {-1, 1 << 20}) {
-    DispatchInputs in = inputs_of(0, T);
-    in.defer_own_rows = true;
-    in.topk_idx = {};
-    in.topk_weights = {};
-    in.handle = &handles[0];
-    in.num_sms = num_sms;
-    const std::string what = error_of([&] { eps[0]->dispatch(in, ranks[0].stream); });
-    EXPECT_TRUE(contains(what, "num_sms")) << num_sms << ": " << what;
-  }
-  eps[0]->check();
-}
-
 // copy_out refuses what would leave rows unwritten or read the wrong source: no own_x after a
-// deferring dispatch, own_x after one that did not defer, own_x of another T or row size; and a
-// deferring expanded dispatch is refused before anything is launched.
+// deferring dispatch, own_x after one that did not defer, own_x of another T or row size; a
+// deferring cached dispatch checks its num_sms as every call does, also at one rank, where it runs
+// as one block whatever num_sms says; and a deferring expanded dispatch is refused before anything
+// is launched.
 TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
   REQUIRE_GPUS();
   make({.max_tokens = 64, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4,
@@ -332,7 +305,7 @@ TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
     sync_all();
     return res;
   };
-  dispatch_all_ranks(true);
+  const auto deferring = dispatch_all_ranks(true);
   const RankX bf16 = upload_x(0, inputs[0], Form::kBf16);
   const RankX packed = upload_x(0, inputs[0], Form::kPacked);
   Owned o = poisoned(0, layouts[0].num_recv, false);
@@ -352,6 +325,16 @@ TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
   eps[0]->copy_out(targets(o, false, false, &bf16), ranks[0].stream);
   WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[0].stream));
   EXPECT_EQ(download<uint16_t>(rank_device(0), o.x.ptr, layouts[0].recv_x.size()), layouts[0].recv_x);
+  for (int num_sms : {-1, 1 << 20}) {
+    DispatchInputs cached = inputs_of(0, T);
+    cached.defer_own_rows = true;
+    cached.topk_idx = {};
+    cached.topk_weights = {};
+    cached.handle = &deferring[0].handle;
+    cached.num_sms = num_sms;
+    what = error_of([&] { eps[0]->dispatch(cached, ranks[0].stream); });
+    EXPECT_TRUE(contains(what, "num_sms")) << num_sms << ": " << what;
+  }
 
   dispatch_all_ranks(false);
   what = error_of([&] { eps[0]->copy_out(targets(o, false, true, &bf16), nullptr); });
