@@ -53,6 +53,9 @@ struct BufferState {
   // The latest dispatch deferred its own rows (DispatchInputs::defer_own_rows): copy_out must
   // be given its x (layout.num_tokens rows: a cached dispatch moves its handle's T).
   bool latest_deferred_own = false;
+  // The latest dispatch was a cached one that launched no kernel (one rank, own rows deferred,
+  // no statistics): the next copy_out makes its checks (CopyOutParams::cached_call).
+  bool unlaunched_cached_call = false;
   cudaEvent_t count_event = nullptr;
   uint64_t count_sequence = 0;    // dispatch whose count the pinned word will hold
   cuda::DeviceErrorFlag error;    // bad data: thrown once, the Buffer stays usable

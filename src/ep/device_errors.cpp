@@ -54,9 +54,10 @@ std::string describe(const cuda::DeviceErrorRecord& r, const BufferConfig& confi
           << r.args[1] << "; the tokens it contributes to were not written to out";
       break;
     case detail::kErrLayoutMismatch:
-      out << "weft::ep on rank " << r.rank << ": a combine or cached dispatch of the layout of "
-          << "dispatch " << r.args[0] << " ran while the layout of dispatch " << r.args[1]
-          << " was in place (a CUDA graph replayed out of order?); the call was skipped";
+      out << "weft::ep on rank " << r.rank << ": a combine, cached dispatch or copy_out of the "
+          << "layout of dispatch " << r.args[0] << " ran while the layout of dispatch "
+          << r.args[1] << " was in place (a CUDA graph replayed out of order?); the call was "
+          << "skipped (a copy_out writes padding rows only)";
       break;
     case detail::kErrBadSource:
       out << "weft::ep combine on rank " << r.rank << ": received row " << r.args[0]

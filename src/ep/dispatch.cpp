@@ -245,16 +245,24 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
              " tokens, the handle's layout ", h.num_tokens);
   WEFT_CHECK(mode == CountMode::kOnDevice, "cached dispatch: the count is the handle's ",
              "(num_recv_device, or handle.num_recv after wait_num_recv); use CountMode::kOnDevice");
+  WEFT_CHECK(!(in.defer_own_rows && h.expand.enabled),
+             "cached dispatch: defer_own_rows is for the deduplicated layout, not an expanded one");
+  const int blocks = num_blocks(h.num_tokens, in.num_sms);  // checks num_sms in any case
+  // At one rank with the own rows deferred no row is sent and no peer waited for: the call is
+  // its checks of the layout (and the statistics). Without statistics it launches nothing and
+  // the copy_out that must follow makes those checks (CopyOutParams::cached_call); with them,
+  // one block makes the protocol round without the other blocks' fences and arrivals.
+  const bool one_rank_deferred = num_ranks_ == 1 && in.defer_own_rows;
+  if (one_rank_deferred && in.cumulative_local_expert_recv_stats == nullptr) {
+    note_latest(row_bytes, in, true);
+    return make_result(row_bytes, *in.handle);
+  }
   DeviceGuard guard(device_);
   detail::CachedDispatchParams p{};
   p.comm = detail::comm_params(*group_, rank_, num_ranks_, *state_, options_.timeout_s);
   p.x = row_source(in, row_bytes, config_.hidden);
   p.num_tokens = h.num_tokens;
-  // At one rank with the own rows deferred no row is sent: the call is its protocol round (entry
-  // and done flags, the layout's checks, the stats), which one block makes without the other
-  // blocks' fences and arrivals.
-  const int blocks = num_blocks(h.num_tokens, in.num_sms);  // checks num_sms in any case
-  p.num_blocks = num_ranks_ == 1 && in.defer_own_rows ? 1 : blocks;
+  p.num_blocks = one_rank_deferred ? 1 : blocks;
   p.send_slot = state_->send_slot;
   p.tokens_per_local_expert = state_->tokens_per_local_expert;
   p.num_local_experts = config_.num_local_experts(num_ranks_);
@@ -267,8 +275,6 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   }
   p.layout_id = h.sequence;
   p.max_tokens = config_.max_tokens;
-  WEFT_CHECK(!(in.defer_own_rows && h.expand.enabled),
-             "cached dispatch: defer_own_rows is for the deduplicated layout, not an expanded one");
   p.defer_own_rows = in.defer_own_rows;
   detail::launch_cached_dispatch(p, stream);
   note_latest(row_bytes, in);
@@ -276,9 +282,11 @@ DispatchResult Buffer::dispatch_cached(const DispatchInputs& in, int64_t row_byt
   return make_result(row_bytes, *in.handle);
 }
 
-void Buffer::note_latest(int64_t row_bytes, const DispatchInputs& in) {
+void Buffer::note_latest(int64_t row_bytes, const DispatchInputs& in,
+                         bool unlaunched_cached_call) {
   state_->latest_row_bytes = row_bytes;
   state_->latest_deferred_own = in.defer_own_rows;
+  state_->unlaunched_cached_call = unlaunched_cached_call;
 }
 
 int64_t Buffer::wait_num_recv(DispatchResult& result) {
@@ -386,7 +394,12 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
   p.recv_src = reinterpret_cast<const int2*>(base + layout.recv_src);
   p.recv_expert_idx = reinterpret_cast<const int32_t*>(base + layout.recv_expert_idx);
   p.recv_weights = reinterpret_cast<const float*>(base + layout.recv_weights);
-  p.num_recv = &state_->state->num_recv;
+  p.state = state_->state;
+  p.error = state_->error.device_record();
+  p.layout_id = state_->layout.sequence;
+  p.cached_call = state_->unlaunched_cached_call;
+  p.rank = rank_;
+  p.max_tokens = config_.max_tokens;
   p.top_k = config_.top_k;
   p.hidden = config_.hidden;
   p.num_rows = t.num_rows;
@@ -402,11 +415,11 @@ void Buffer::copy_out(const CopyOutTargets& t, cudaStream_t stream) {
   p.rank_prefix_matrix = state_->rank_prefix_matrix;
   p.rank_prefix_out = t.rank_prefix_matrix;
   p.own_x = own;
-  p.own_begin = &state_->state->own_begin;
   p.num_ranks = num_ranks_;
   p.max_blocks = device_num_sms_ * 8;
   DeviceGuard guard(device_);
   detail::launch_copy_out(p, stream);
+  state_->unlaunched_cached_call = false;  // its check is queued
 }
 
 void cast_to_fp8(const void* x, int64_t num_tokens, int64_t hidden, void* out,

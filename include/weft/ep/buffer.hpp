@@ -165,6 +165,8 @@ struct DispatchInputs {
   // otherwise they would be written to the window and copied from there. Until that copy_out,
   // the window's rows [own_begin, own_begin + own_count) of this rank hold no payload (a
   // DispatchResult's recv_x views them stale). Deduplicated layout only (uncached or cached).
+  // At one rank a cached dispatch with it and without statistics launches no kernel: that
+  // copy_out makes its checks of the layout.
   bool defer_own_rows = false;
   // bf16 x cast to packed fp8 rows on the way (an uncached expanded dispatch): x is [T, hidden]
   // bf16, hidden a multiple of 128, and each row is cast where it is sent, so that the received
@@ -400,7 +402,9 @@ class Buffer {
 
   // Owned copies of the latest dispatch's results (CopyOutTargets), in one kernel on stream
   // (which must be ordered after that dispatch), before the next dispatch or combine is
-  // launched. fp8 (x_scales given) needs the latest dispatch to be an fp8 one.
+  // launched. fp8 (x_scales given) needs the latest dispatch to be an fp8 one. The kernel checks
+  // that the layout copied is in place (a CUDA graph replayed over another dispatch's layout
+  // writes padding rows only and raises the layout mismatch, as combine does).
   void copy_out(const CopyOutTargets& targets, cudaStream_t stream);
 
   // out: [handle.num_tokens, hidden] bf16, fully written (not at all after an overflowed
@@ -459,8 +463,10 @@ class Buffer {
                                  cudaStream_t stream, CountMode mode);
   DispatchResult make_result(int64_t row_bytes, const Handle& handle) const;
   void wait_published(DispatchResult& result);
-  // The latest dispatch's row size, whether it deferred its own rows, and its T (copy_out).
-  void note_latest(int64_t row_bytes, const DispatchInputs& in);
+  // The latest dispatch's row size, whether it deferred its own rows, and whether it was a
+  // cached dispatch that launched no kernel (copy_out).
+  void note_latest(int64_t row_bytes, const DispatchInputs& in,
+                   bool unlaunched_cached_call = false);
   // pipeline_depth: the host wait before a launch, and the bookkeeping after it.
   void pace_host();
   void note_launched(cudaStream_t stream);

@@ -13,6 +13,34 @@ namespace {
 
 constexpr int kCopyThreads = 256;
 
+// The rows of the layout copied: DeviceState::num_recv where the rank's state holds that layout
+// (and, standing in for a cached dispatch, it did not overflow), else -1, with the error that a
+// cached dispatch or combine raises there. Every thread loads the same words.
+__device__ int64_t rows_of_layout(const CopyOutParams& p) {
+  const DeviceState& st = *p.state;
+  const uint32_t broken = st.broken;
+  const uint64_t in_place = st.layout_id;
+  const int32_t required = st.tokens_required;
+  const int32_t num_recv = st.num_recv;
+  if (broken != 0) return -1;  // a fatal error earlier, reported already
+  const bool report = blockIdx.x == 0 && threadIdx.x == 0;
+  if (in_place != p.layout_id) {
+    if (report) {
+      raise_device_error(p.error, kErrLayoutMismatch, p.rank, int64_t(p.layout_id),
+                         int64_t(in_place));
+    }
+    return -1;
+  }
+  if (p.cached_call && required > 0) {
+    if (report) {
+      raise_device_error(p.error, kErrOverflowedLayout, p.rank, st.overflow_rank, required,
+                         p.max_tokens);
+    }
+    return -1;
+  }
+  return num_recv;
+}
+
 // One warp per row (grid-stride): the payload (bf16 as it is; fp8 split into the e4m3 bytes and
 // the row-major scales), then the row's source and selections, or a padding row's values. The
 // payload of a row from the own range of a dispatch that deferred it comes from that dispatch's
@@ -22,12 +50,13 @@ constexpr int kCopyThreads = 256;
 // payload's instead of following it: a grid of one row per warp is bound by that chain.
 __global__ void __launch_bounds__(kCopyThreads) copy_out_kernel(const CopyOutParams p) {
   const int lane = threadIdx.x % 32;
-  const int64_t num_recv = *p.num_recv;
+  const int64_t layout_rows = rows_of_layout(p);
+  const int64_t num_recv = layout_rows < 0 ? 0 : layout_rows;  // not in place: padding only
   const bool deferred = p.own_x.x != nullptr;
-  const int64_t own_lo = deferred ? p.own_begin[0] : 0;
-  const int64_t own_hi = deferred ? own_lo + p.own_begin[1] : 0;
+  const int64_t own_lo = deferred ? p.state->own_begin : 0;
+  const int64_t own_hi = deferred ? own_lo + p.state->own_count : 0;
   const int64_t num_groups = p.hidden / kFp8GroupElements;
-  if (blockIdx.x == 0 && p.rank_prefix_out != nullptr) {
+  if (blockIdx.x == 0 && p.rank_prefix_out != nullptr && layout_rows >= 0) {
     for (int i = threadIdx.x; i < p.num_ranks * p.num_ranks; i += blockDim.x) {
       p.rank_prefix_out[i] = p.rank_prefix_matrix[i];
     }

@@ -36,8 +36,8 @@ enum ErrorCode : uint32_t {
                             // expert_out) was the shorter
   kErrExpandOverflow = 4,   // combine of an overflowed expanded dispatch; args: the lowest
                             // overflowed rank, the rows it needed, its capacity
-  kErrLayoutMismatch = 5,   // combine / cached dispatch of a layout that is not the one in
-                            // place; args: the call's layout, the layout in place
+  kErrLayoutMismatch = 5,   // combine / cached dispatch / copy-out of a layout that is not the
+                            // one in place; args: the call's layout, the layout in place
   kErrBadSource = 6,        // combine: a received row's source is out of range (the row was not
                             // sent back); args: row, source rank, source token
   kErrPeerRowsMissing = 7,  // combine: a peer's expert_out lacked rows, so it sent none; args:
@@ -331,15 +331,26 @@ struct CombineParams {
 };
 
 // Owned copies of the latest dispatch's results (the first num_rows rows of the window's
-// regions); rows at or past the received count (*num_recv, read on the device) are padding:
-// payload not written, src (0, pad_token), topk_idx -1, topk_weights 0.
+// regions); rows at or past the received count (DeviceState::num_recv, read on the device) are
+// padding: payload not written, src (0, pad_token), topk_idx -1, topk_weights 0. Where the
+// rank's state does not hold the layout copied (a fatal error earlier, or layout_id not in
+// place: a copy replayed in a CUDA graph over a later dispatch's layout), every row is padding
+// and a mismatch is raised on `error` (kErrLayoutMismatch), as combine does.
 struct CopyOutParams {
   const char* recv_x;          // window rows, row_bytes apart (bf16, or packed fp8 rows)
   int64_t row_bytes;
   const int2* recv_src;
   const int32_t* recv_expert_idx;  // [cap][top_k]
   const float* recv_weights;
-  const int32_t* num_recv;
+  const DeviceState* state;    // num_recv, own_begin and own_count, layout_id, the checks'
+  cuda::DeviceErrorRecord* error;
+  uint64_t layout_id;          // the layout copied (its Handle::sequence)
+  // The copy stands in for a cached dispatch that launched no kernel (one rank, own rows
+  // deferred, no statistics: that call has no row to move and no peer to wait for), so it also
+  // makes that dispatch's check of an overflowed layout (kErrOverflowedLayout).
+  bool cached_call;
+  int rank;
+  int64_t max_tokens;          // for the report of an overflowed layout
   int top_k;
   int64_t hidden;
   int64_t num_rows;
@@ -354,11 +365,10 @@ struct CopyOutParams {
   int num_topk;                // <= top_k: the first num_topk selections
   const int32_t* rank_prefix_matrix;  // optional, with rank_prefix_out: [R][R]
   int32_t* rank_prefix_out;
-  // x.x non-null: the dispatch deferred its own rows (DispatchParams::defer_own_rows), so rows
-  // [*own_begin, *own_begin + own_begin[1]) (DeviceState's own_begin, own_count) are read from
-  // the dispatch's own x at token recv_src[row].y, not from the window.
+  // x.x non-null: the dispatch deferred its own rows (DispatchParams::defer_own_rows), so the
+  // rows [own_begin, own_begin + own_count) of DeviceState are read from the dispatch's own x at
+  // token recv_src[row].y, not from the window.
   RowSource own_x;
-  const int32_t* own_begin;
   int num_ranks;
   int max_blocks;              // the grid's cap (it strides over the rows)
 };

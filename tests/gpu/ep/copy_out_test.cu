@@ -5,6 +5,7 @@
 // the owned arrays is checked against the CPU reference, in arrays poisoned before each call.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -277,6 +278,114 @@ TEST_F(EpCopyOutTest, DeferredMetadataOfEveryTopK) {
   for (int top_k : {1, 3, 8, 17, 32}) {
     make({.max_tokens = 1500, .hidden = 128, .num_experts = 32 * team_size(), .top_k = top_k});
     for (int64_t T : {int64_t(300), int64_t(1500)}) owned_round(Form::kBf16, true, T, rng, true);
+  }
+}
+
+// A cached dispatch and its copy_out captured in a CUDA graph for one layout and replayed after
+// a dispatch of another: the replay writes padding rows only and raises the layout mismatch at
+// every rank (at one rank the deferring cached dispatch launches no kernel, so its copy_out
+// makes that check); replayed over its own layout it gives the reference's rows.
+TEST_F(EpCopyOutTest, ACopyReplayedOverAnotherLayoutWritesPaddingOnly) {
+  REQUIRE_GPUS();
+  make({.max_tokens = 128, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4});
+  std::mt19937 rng(std::random_device{}());
+  const int K = config.top_k;
+  const int64_t H = config.hidden;
+  const auto first = make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), 100)},
+                                 rng);
+  put_inputs(first);
+  const auto layouts = ref::dispatch(config, first);
+  std::vector<DispatchResult> res1;
+  for (int r = 0; r < R; ++r) {
+    DispatchInputs in = inputs_of(r, 100);
+    in.defer_own_rows = true;
+    res1.push_back(eps[std::size_t(r)]->dispatch(in, ranks[std::size_t(r)].stream, CountMode::kExact));
+  }
+  for (int r = 0; r < R; ++r) eps[std::size_t(r)]->wait_num_recv(res1[std::size_t(r)]);
+  std::vector<RankX> xs;
+  std::vector<Owned> owned;
+  std::vector<cudaGraphExec_t> replay(std::size_t(R), nullptr);
+  for (int r = 0; r < R; ++r) {
+    xs.push_back(upload_x(r, first[std::size_t(r)], Form::kBf16));
+    owned.push_back(poisoned(r, layouts[std::size_t(r)].num_recv + kPaddingRows, false));
+    DispatchInputs in{.x = xs.back().x_view, .handle = &res1[std::size_t(r)].handle};
+    in.defer_own_rows = true;
+    cudaStream_t s = ranks[std::size_t(r)].stream;
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
+    WEFT_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    eps[std::size_t(r)]->dispatch(in, s);
+    eps[std::size_t(r)]->copy_out(targets(owned.back(), false, true, &xs.back()), s);
+    cudaGraph_t graph = nullptr;
+    WEFT_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    std::size_t num_nodes = 0;
+    WEFT_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &num_nodes));
+    EXPECT_EQ(num_nodes, R == 1 ? 1u : 2u)
+        << "rank " << r << ": a deferring cached dispatch launches a kernel only with peers";
+    WEFT_CUDA_CHECK(cudaGraphInstantiate(&replay[std::size_t(r)], graph, 0));
+    WEFT_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+  auto replay_all = [&] {
+    for (int r = 0; r < R; ++r) {
+      WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
+      WEFT_CUDA_CHECK(cudaGraphLaunch(replay[std::size_t(r)], ranks[std::size_t(r)].stream));
+    }
+    wait_all();
+  };
+  replay_all();
+  for (int r = 0; r < R; ++r) {
+    eps[std::size_t(r)]->check();
+    check_owned(r, owned[std::size_t(r)], layouts[std::size_t(r)], false, true);
+  }
+
+  const auto second = make_inputs(config, R, {.tokens = std::vector<int64_t>(std::size_t(R), 60)},
+                                  rng);
+  put_inputs(second);
+  const auto res2 = dispatch_all(second, CountMode::kExact);
+  for (int r = 0; r < R; ++r) {  // in place: the graphs write these arrays
+    const Owned& o = owned[std::size_t(r)];
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
+    WEFT_CUDA_CHECK(cudaMemset(o.x.ptr, kPoison, std::size_t(o.rows * H * 2)));
+    WEFT_CUDA_CHECK(cudaMemset(o.src.ptr, kPoison, std::size_t(o.rows * 8)));
+    WEFT_CUDA_CHECK(cudaMemset(o.idx.ptr, kPoison, std::size_t(o.rows * K * 8)));
+    WEFT_CUDA_CHECK(cudaMemset(o.w.ptr, kPoison, std::size_t(o.rows * K * 4)));
+    WEFT_CUDA_CHECK(cudaMemset(o.prefix.ptr, kPoison, std::size_t(R * R * 4)));
+  }
+  replay_all();
+  for (int r = 0; r < R; ++r) {
+    const std::string what = error_of([&] { eps[std::size_t(r)]->check(); });
+    EXPECT_TRUE(contains(what, "layout of dispatch " + std::to_string(res1[0].handle.sequence) +
+                                   " ran while the layout of dispatch " +
+                                   std::to_string(res2[0].handle.sequence)))
+        << "rank " << r << ": " << what;
+    const Owned& o = owned[std::size_t(r)];
+    const int dev = rank_device(r);
+    const auto x = download<uint8_t>(dev, o.x.ptr, std::size_t(o.rows * H * 2));
+    EXPECT_EQ(std::count(x.begin(), x.end(), kPoison), std::ptrdiff_t(x.size()))
+        << "rank " << r << ": a payload row was written";
+    const auto prefix = download<uint8_t>(dev, o.prefix.ptr, std::size_t(R * R * 4));
+    EXPECT_EQ(std::count(prefix.begin(), prefix.end(), kPoison), std::ptrdiff_t(prefix.size()))
+        << "rank " << r << ": rank_prefix_matrix was written";
+    const auto src = download<int32_t>(dev, o.src.ptr, std::size_t(o.rows * 2));
+    const auto idx = download<int64_t>(dev, o.idx.ptr, std::size_t(o.rows * K));
+    const auto w = download<float>(dev, o.w.ptr, std::size_t(o.rows * K));
+    for (int64_t row = 0; row < o.rows; ++row) {
+      ASSERT_EQ(src[std::size_t(2 * row)], 0) << "rank " << r << " row " << row;
+      ASSERT_EQ(src[std::size_t(2 * row + 1)], 7) << "rank " << r << " row " << row;
+      for (int k = 0; k < K; ++k) {
+        ASSERT_EQ(idx[std::size_t(row * K + k)], -1) << "rank " << r << " row " << row;
+        ASSERT_EQ(w[std::size_t(row * K + k)], 0.0f) << "rank " << r << " row " << row;
+      }
+    }
+    WEFT_CUDA_CHECK(cudaGraphExecDestroy(replay[std::size_t(r)]));
+  }
+  // The layout in place still copies out as ever.
+  const auto layouts2 = ref::dispatch(config, second);
+  for (int r = 0; r < R; ++r) {
+    Owned o = poisoned(r, layouts2[std::size_t(r)].num_recv + kPaddingRows, false);
+    eps[std::size_t(r)]->copy_out(targets(o, false, true, nullptr), ranks[std::size_t(r)].stream);
+    WEFT_CUDA_CHECK(cudaStreamSynchronize(ranks[std::size_t(r)].stream));
+    eps[std::size_t(r)]->check();
+    check_owned(r, o, layouts2[std::size_t(r)], false, true);
   }
 }
 
