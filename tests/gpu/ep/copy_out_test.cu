@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -102,25 +103,40 @@ class EpCopyOutTest : public EpTest {
   struct Owned {
     DeviceArray x, scales, src, idx, w, prefix;
     int64_t rows = 0;
+    bool fp8 = false;
+    std::array<DeviceArray*, 6> arrays() { return {&x, &scales, &src, &idx, &w, &prefix}; }
   };
+  // The bytes of each of Owned::arrays() for rows rows (scales: 0 without fp8).
+  std::array<std::size_t, 6> owned_bytes(int64_t rows, bool fp8) const {
+    const int64_t H = config.hidden;
+    const int K = config.top_k;
+    return {std::size_t(rows * H * (fp8 ? 1 : 2)),
+            fp8 ? std::size_t(rows * (H / weft::ep::kFp8GroupElements) * 4) : 0,
+            std::size_t(rows * 8), std::size_t(rows * K * 8), std::size_t(rows * K * 4),
+            std::size_t(R * R * 4)};
+  }
   Owned poisoned(int r, int64_t rows, bool fp8) const {
     Owned o;
     o.rows = rows;
-    const int64_t H = config.hidden;
-    const int K = config.top_k;
-    const int dev = rank_device(r);
-    auto make = [&](std::size_t bytes) {
-      DeviceArray a(dev, bytes);
-      WEFT_CUDA_CHECK(cudaMemset(a.ptr, kPoison, bytes > 0 ? bytes : 16));
-      return a;
-    };
-    o.x = make(std::size_t(rows * H * (fp8 ? 1 : 2)));
-    if (fp8) o.scales = make(std::size_t(rows * (H / weft::ep::kFp8GroupElements) * 4));
-    o.src = make(std::size_t(rows * 8));
-    o.idx = make(std::size_t(rows * K * 8));
-    o.w = make(std::size_t(rows * K * 4));
-    o.prefix = make(std::size_t(R * R * 4));
+    o.fp8 = fp8;
+    const auto bytes = owned_bytes(rows, fp8);
+    const auto arrays = o.arrays();
+    for (std::size_t i = 0; i < arrays.size(); ++i) {
+      if (i != 1 || fp8) *arrays[i] = DeviceArray(rank_device(r), bytes[i]);
+    }
+    poison(r, o);
     return o;
+  }
+  // Poisons o's arrays again, in place (a captured graph writes these very arrays).
+  void poison(int r, Owned& o) const {
+    const auto bytes = owned_bytes(o.rows, o.fp8);
+    const auto arrays = o.arrays();
+    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
+    for (std::size_t i = 0; i < arrays.size(); ++i) {
+      if (arrays[i]->ptr != nullptr) {
+        WEFT_CUDA_CHECK(cudaMemset(arrays[i]->ptr, kPoison, bytes[i] > 0 ? bytes[i] : 16));
+      }
+    }
   }
 
   CopyOutTargets targets(const Owned& o, bool fp8, bool metadata, const RankX* own) const {
@@ -341,15 +357,7 @@ TEST_F(EpCopyOutTest, ACopyReplayedOverAnotherLayoutWritesPaddingOnly) {
                                   rng);
   put_inputs(second);
   const auto res2 = dispatch_all(second, CountMode::kExact);
-  for (int r = 0; r < R; ++r) {  // in place: the graphs write these arrays
-    const Owned& o = owned[std::size_t(r)];
-    WEFT_CUDA_CHECK(cudaSetDevice(rank_device(r)));
-    WEFT_CUDA_CHECK(cudaMemset(o.x.ptr, kPoison, std::size_t(o.rows * H * 2)));
-    WEFT_CUDA_CHECK(cudaMemset(o.src.ptr, kPoison, std::size_t(o.rows * 8)));
-    WEFT_CUDA_CHECK(cudaMemset(o.idx.ptr, kPoison, std::size_t(o.rows * K * 8)));
-    WEFT_CUDA_CHECK(cudaMemset(o.w.ptr, kPoison, std::size_t(o.rows * K * 4)));
-    WEFT_CUDA_CHECK(cudaMemset(o.prefix.ptr, kPoison, std::size_t(R * R * 4)));
-  }
+  for (int r = 0; r < R; ++r) poison(r, owned[std::size_t(r)]);
   replay_all();
   for (int r = 0; r < R; ++r) {
     const std::string what = error_of([&] { eps[std::size_t(r)]->check(); });
@@ -392,8 +400,8 @@ TEST_F(EpCopyOutTest, ACopyReplayedOverAnotherLayoutWritesPaddingOnly) {
 // copy_out refuses what would leave rows unwritten or read the wrong source: no own_x after a
 // deferring dispatch, own_x after one that did not defer, own_x of another T or row size; a
 // deferring cached dispatch checks its num_sms as every call does, also at one rank, where it runs
-// as one block whatever num_sms says; and a deferring expanded dispatch is refused before anything
-// is launched.
+// one block or none whatever num_sms says; and a deferring expanded dispatch is refused before
+// anything is launched.
 TEST_F(EpCopyOutTest, RefusesAMismatchedOwnSource) {
   REQUIRE_GPUS();
   make({.max_tokens = 64, .hidden = 256, .num_experts = 8 * team_size(), .top_k = 4,
