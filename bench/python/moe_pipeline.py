@@ -92,9 +92,51 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_step(step, model, x, target, a, device):
-    """(loss and gradients of the first step, [ms per step for each repeat])."""
-    loss = (step(x, target).clone(), [p.grad.clone() for p in model.parameters()])
+def _bits(t):
+    """t's bytes, flat (bit-for-bit comparison: NaN equals itself, -0 differs from 0)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def host_bits(loss, model):
+    """The first step's loss and gradients, copied to the host: the reference every schedule's
+    first step is compared with. They are kept there, not on the GPU: a DeepSeek-V3-sized layer's
+    gradients take 22.5 GB, and a copy beside the next schedule's model and gradients would not
+    fit an 80 GB GPU. (A copy on the CPU too: later steps may write the gradients in place.)"""
+    return (_bits(loss).to("cpu", copy=True),
+            [_bits(p.grad).to("cpu", copy=True) for p in model.parameters()])
+
+
+def same_bits(loss, model, reference, chunk_bytes=1 << 28):
+    """Whether loss and the model's gradients equal reference (host_bits) bit for bit, each
+    tensor brought to the host a chunk at a time (no second copy of the gradients anywhere)."""
+    ref_loss, ref_grads = reference
+    if not torch.equal(_bits(loss).cpu(), ref_loss):
+        return False
+    params = list(model.parameters())
+    if len(params) != len(ref_grads):
+        return False
+    for p, ref in zip(params, ref_grads):
+        mine = _bits(p.grad)
+        if mine.numel() != ref.numel():
+            return False
+        for begin in range(0, ref.numel(), chunk_bytes):
+            end = min(begin + chunk_bytes, ref.numel())
+            if not torch.equal(mine[begin:end].cpu(), ref[begin:end]):
+                return False
+    return True
+
+
+def time_step(step, model, x, target, a, device, reference):
+    """(whether the first step's loss and gradients equal reference bit for bit, [ms per step for
+    each repeat]). reference: a dict; an empty one takes this first step's bits (host_bits), and
+    the result is then True."""
+    loss = step(x, target)
+    if reference:
+        same = same_bits(loss, model, reference["bits"])
+    else:
+        reference["bits"] = host_bits(loss, model)
+        same = True
+    del loss
     for _ in range(a.warmup):
         step(x, target)
     runs = []
@@ -105,7 +147,7 @@ def time_step(step, model, x, target, a, device):
             step(x, target)
         _sync(device)
         runs.append((time.perf_counter() - start) * 1e3 / a.iters)
-    return loss, runs
+    return same, runs
 
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device):
@@ -114,6 +156,8 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
     from weft.moe.step import _Stages, chain, micro_batches
 
     stages = _Stages(model, slots)
+    for p in model.parameters():  # as a step starts: the timed steps' gradients freed
+        p.grad = None
     sums = dict.fromkeys(moe.STAGES, 0.0)
     counts = dict.fromkeys(moe.STAGES, 0)
     for mb in micro_batches(x, target, num_micro_batches, len(model.moe)):
@@ -283,7 +327,8 @@ def main():
             base_name = configs[0][0]
             out(f"{'shape':6s} {'T':>6s} {'schedule':24s} {'step ms':>17s} "
                 f"{'vs ' + base_name:>20s}", flush=True)
-            times, losses = {}, {}
+            # The first config's first step is the reference of every config's bits.
+            times, same, reference = {}, {}, {}
             for cname, make_slots, depth, config in configs:
                 slots = make_slots()
                 model = make_model()
@@ -297,7 +342,8 @@ def main():
 
                     def step(x, t):
                         return piped(x, t, 0.0)
-                losses[cname], times[cname] = time_step(step, model, x, target, a, device)
+                same[cname], times[cname] = time_step(step, model, x, target, a, device,
+                                                      reference)
                 base = times[base_name]
                 runs = times[cname]
                 ratio = f"{min(runs) / max(base):.2f}-{max(runs) / min(base):.2f}x"
@@ -321,12 +367,16 @@ def main():
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
-            first = next(iter(losses.values()))[0]
-            same = all(torch.equal(first, v[0]) for v in losses.values())
-            out(f"{shape:6s} {T:6d} losses identical across schedules: {same}", flush=True)
+            different = [k for k, v in same.items() if not v]
+            mismatches += len(different)
+            out(f"{shape:6s} {T:6d} the first step's loss and every gradient bit-identical "
+                f"across schedules: {not different}"
+                + (f" (DIFFERENT from {base_name}: {', '.join(different)})" if different else ""),
+                flush=True)
+            del reference
             _print_hidden(out, shape, T, times, emu)
             if a.suggest:
-                mismatches += _print_plan_table(out, a, plan_state, times, losses)
+                _print_plan_table(out, a, plan_state, times, same)
             if emu and "no comm" in times:
                 _print_prediction(out, a, shape, T, hidden, compute_us, depths, times)
     # A rank whose bits differ fails the run on every rank (rank 0 prints its own bits only).
@@ -431,12 +481,11 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
             "serial": serial, "rows": rows, "costs": costs, "fit": fit}
 
 
-def _print_plan_table(out, a, state, times, losses):
-    """The --suggest table (hstu_step.py's columns); returns the number of rows whose bits
-    differ from the serial step's."""
+def _print_plan_table(out, a, state, times, same):
+    """The --suggest table (hstu_step.py's columns); same: per row, whether its first step's
+    bits equal the run's reference (the first config's: (a), the serial step)."""
     serial, costs, fit = state["serial"], state["costs"], state["fit"]
     base = times[serial]
-    ref_loss, ref_grads = losses[serial]
     fit_header = f" {'fit ms':>7s} {'fit err %':>9s}" if fit else ""
     out(f"{'schedule':30s} {'step ms':>17s} {'x serial':>11s} {'planner ms':>10s} {'err %':>7s}"
         f"{fit_header}  bits", flush=True)
@@ -444,10 +493,7 @@ def _print_plan_table(out, a, state, times, losses):
     timed_ms = {}
     for key, variant in [(serial, None)] + state["rows"]:
         ms = times[key]
-        loss, grads = losses[key]
-        same = torch.equal(loss, ref_loss) and all(torch.equal(g, r)
-                                                   for g, r in zip(grads, ref_grads))
-        mismatches += 0 if same else 1
+        mismatches += 0 if same[key] else 1
         columns = []
         for calibration in [None] + ([fit] if fit else []):
             predicted = None if variant is None else predicted_ms(variant, costs, calibration)
@@ -460,7 +506,7 @@ def _print_plan_table(out, a, state, times, losses):
                   if fit else "")
         out(f"{key:30s} {min(ms):8.2f}-{max(ms):<8.2f} {ratio:>11s} "
             f"{_fmt(columns[0], '10.2f'):>10s} {_fmt(columns[1], '+7.1f'):>7s}{fitted}  "
-            f"{'identical' if same else 'DIFFERENT'}", flush=True)
+            f"{'identical' if same[key] else 'DIFFERENT'}", flush=True)
     rows = [v for _, v in state["rows"]]
     out(f"# planner error over the {len(rows)} engine rows (timed medians): rms "
         f"{rms_error_pct(timed_ms, rows, costs):.1f}%"
@@ -468,7 +514,6 @@ def _print_plan_table(out, a, state, times, losses):
         flush=True)
     out(f"# {'every row bit-identical to ' + serial if mismatches == 0 else 'MISMATCH'} (the "
         "first step's loss and gradients)", flush=True)
-    return mismatches
 
 
 def _fmt(x, spec):

@@ -114,3 +114,31 @@ def test_experts_wgrad_refuses_micro_batches_out_of_order():
         stages.run(mbs[1], stage, layer)
     with pytest.raises(weft.Error, match="micro-batch 1 after 0"):
         stages.run(mbs[1], "experts_wgrad", 0)
+
+
+def test_experts_wgrad_adds_to_gradients_already_there_in_place():
+    # Stages run outside a step (the bench's stage costs) may find the gradients of an earlier
+    # step: the expert weights' gradients are added to them in place (no third weight-sized
+    # tensor), with the bits an out-of-place sum gives.
+    from weft.moe.step import _Stages, chain, micro_batches
+
+    model = moe.MoEModel(num_layers=1, hidden=64, num_experts=8, top_k=2, ffn=32,
+                         dispatcher=moe.LocalDispatcher(8))
+    stages = _Stages(model, moe.LayoutSlots.shared(moe.LocalDispatcher(8), 1))
+    x, target = torch.randn((32, 64)).bfloat16(), torch.randn((32, 64)).bfloat16()
+
+    def run_once():
+        for mb in micro_batches(x, target, 2, 1):
+            for _, stage, layer in chain(1):
+                stages.run(mb, stage, layer)
+
+    experts = model.moe[0]
+    run_once()
+    first = [experts.w13.grad.clone(), experts.w2.grad.clone()]
+    earlier = [torch.randn_like(g) for g in first]
+    experts.w13.grad, experts.w2.grad = (g.clone() for g in earlier)
+    storage = [experts.w13.grad.data_ptr(), experts.w2.grad.data_ptr()]
+    run_once()
+    for p, e, f, ptr in zip((experts.w13, experts.w2), earlier, first, storage):
+        assert p.grad.data_ptr() == ptr
+        assert torch.equal(p.grad, e + f)

@@ -265,6 +265,35 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
     assert (tmp_path / "moe_tiny_T64_d0.trace.json").is_file()
 
 
+@pytest.mark.timeout(60)
+def test_moe_pipeline_bits_tell_one_flipped_gradient_bit():
+    # The bench compares every schedule's first step with the first schedule's, kept on the host
+    # and read back a chunk at a time: one flipped bit anywhere (a chunk past the first
+    # included) is a difference, a NaN equals itself, -0 differs from 0.
+    sys.path.insert(0, str(REPO / "bench" / "python"))
+    try:
+        import moe_pipeline as bench
+    finally:
+        sys.path.pop(0)
+    model = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    model.bias.grad[1] = float("nan")
+    loss = torch.tensor(0.25)
+    reference = bench.host_bits(loss, model)
+    assert bench.same_bits(loss, model, reference, chunk_bytes=4)
+    words = model.weight.grad.view(torch.int16).view(-1)
+    words[-1] ^= 1
+    assert not bench.same_bits(loss, model, reference, chunk_bytes=4)
+    words[-1] ^= 1
+    assert bench.same_bits(loss, model, reference, chunk_bytes=4)
+    assert not bench.same_bits(torch.tensor(0.5), model, reference)
+    model.bias.grad[0] = 0.0
+    reference = bench.host_bits(loss, model)
+    model.bias.grad[0] = -0.0
+    assert not bench.same_bits(loss, model, reference)
+
+
 @pytest.mark.timeout(300)
 def test_moe_pipeline_suggest_at_two_ranks_plans_with_rank_0s_figures(tmp_path):
     # Two CPU ranks (gloo, the all_to_all dispatcher): every rank runs the traced steps, plans

@@ -224,7 +224,10 @@ class _Stages:
             moe = self.model.moe[layer]
             with torch.no_grad():
                 for p, g in zip((moe.w13, moe.w2), wgrad.compute()):
-                    p.grad = g if p.grad is None else p.grad + g
+                    if p.grad is None:
+                        p.grad = g
+                    else:  # in place: no third expert-weight-sized tensor at the peak
+                        p.grad.add_(g)
 
     def dense_router_bwd(self, mb: MicroBatch, layer: int) -> None:
         grad_h, grad_w = mb.grad_h[layer]
