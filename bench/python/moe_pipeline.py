@@ -37,7 +37,9 @@ task on one thread, and --switch-interval-ms sets how soon a thread waiting for 
 (sys.setswitchinterval; Python's default is 5 ms): the two ways to tell the GIL's share of a
 pipelined step's time.
 Step time: wall time of --iters steps after --warmup (synchronised), ranges over --repeats runs,
-ratios against (a) weft.ep of the same run ((a) a2a on the CPU). hidden = (step(a) - step(b)) /
+ratios against (a) weft.ep of the same run ((a) a2a on the CPU). Every schedule's first step,
+its loss and every gradient, is compared bit for bit with the first schedule's (kept on the
+host); the exit status is 1 if any differ. hidden = (step(a) - step(b)) /
 (step(a) - floor): the share of (a)'s communication time that (b) hides (likewise (c)
 against (a) a2a); the goals printed with it: local, step(b) <= 1.02 x step(a); emulated,
 hidden >= 0.8. Run from a folder that has bench-out/ (scripts/gpu-test.sh runs from the build
