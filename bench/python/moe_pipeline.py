@@ -103,7 +103,7 @@ def host_bits(loss, model):
     """The first step's loss and gradients, copied to the host: the reference every schedule's
     first step is compared with. They are kept there, not on the GPU: a DeepSeek-V3-sized layer's
     gradients take 22.5 GB, and a copy beside the next schedule's model and gradients would not
-    fit an 80 GB GPU. (A copy on the CPU too: later steps may write the gradients in place.)"""
+    fit an 80 GB GPU. (copy=True: on the CPU, `to` would return the gradients themselves.)"""
     return (_bits(loss).to("cpu", copy=True),
             [_bits(p.grad).to("cpu", copy=True) for p in model.parameters()])
 
@@ -130,14 +130,13 @@ def same_bits(loss, model, reference, chunk_bytes=1 << 28):
 
 def time_step(step, model, x, target, a, device, reference):
     """(whether the first step's loss and gradients equal reference bit for bit, [ms per step for
-    each repeat]). reference: a dict; an empty one takes this first step's bits (host_bits), and
-    the result is then True."""
+    each repeat], reference). reference: host_bits of an earlier config's first step, or None:
+    then this first step's bits become the reference (and the result is True)."""
     loss = step(x, target)
-    if reference:
-        same = same_bits(loss, model, reference["bits"])
+    if reference is None:
+        same, reference = True, host_bits(loss, model)
     else:
-        reference["bits"] = host_bits(loss, model)
-        same = True
+        same = same_bits(loss, model, reference)
     del loss
     for _ in range(a.warmup):
         step(x, target)
@@ -149,7 +148,7 @@ def time_step(step, model, x, target, a, device, reference):
             step(x, target)
         _sync(device)
         runs.append((time.perf_counter() - start) * 1e3 / a.iters)
-    return same, runs
+    return same, runs, reference
 
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device):
@@ -330,7 +329,7 @@ def main():
             out(f"{'shape':6s} {'T':>6s} {'schedule':24s} {'step ms':>17s} "
                 f"{'vs ' + base_name:>20s}", flush=True)
             # The first config's first step is the reference of every config's bits.
-            times, same, reference = {}, {}, {}
+            times, same, reference = {}, {}, None
             for cname, make_slots, depth, config in configs:
                 slots = make_slots()
                 model = make_model()
@@ -344,8 +343,8 @@ def main():
 
                     def step(x, t):
                         return piped(x, t, 0.0)
-                same[cname], times[cname] = time_step(step, model, x, target, a, device,
-                                                      reference)
+                same[cname], times[cname], reference = time_step(step, model, x, target, a,
+                                                                 device, reference)
                 base = times[base_name]
                 runs = times[cname]
                 ratio = f"{min(runs) / max(base):.2f}-{max(runs) / min(base):.2f}x"
@@ -375,7 +374,6 @@ def main():
                 f"across schedules: {not different}"
                 + (f" (DIFFERENT from {base_name}: {', '.join(different)})" if different else ""),
                 flush=True)
-            del reference
             _print_hidden(out, shape, T, times, emu)
             if a.suggest:
                 _print_plan_table(out, a, plan_state, times, same)
@@ -491,11 +489,9 @@ def _print_plan_table(out, a, state, times, same):
     fit_header = f" {'fit ms':>7s} {'fit err %':>9s}" if fit else ""
     out(f"{'schedule':30s} {'step ms':>17s} {'x serial':>11s} {'planner ms':>10s} {'err %':>7s}"
         f"{fit_header}  bits", flush=True)
-    mismatches = 0
     timed_ms = {}
     for key, variant in [(serial, None)] + state["rows"]:
         ms = times[key]
-        mismatches += 0 if same[key] else 1
         columns = []
         for calibration in [None] + ([fit] if fit else []):
             predicted = None if variant is None else predicted_ms(variant, costs, calibration)
@@ -514,7 +510,8 @@ def _print_plan_table(out, a, state, times, same):
         f"{rms_error_pct(timed_ms, rows, costs):.1f}%"
         + (f", calibrated {rms_error_pct(timed_ms, rows, costs, fit):.1f}%" if fit else ""),
         flush=True)
-    out(f"# {'every row bit-identical to ' + serial if mismatches == 0 else 'MISMATCH'} (the "
+    identical = all(same[key] for key, _ in [(serial, None)] + state["rows"])
+    out(f"# {'every row bit-identical to ' + serial if identical else 'MISMATCH'} (the "
         "first step's loss and gradients)", flush=True)
 
 

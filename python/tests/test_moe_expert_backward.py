@@ -117,9 +117,10 @@ def test_experts_wgrad_refuses_micro_batches_out_of_order():
 
 
 def test_experts_wgrad_adds_to_gradients_already_there_in_place():
-    # Stages run outside a step (the bench's stage costs) may find the gradients of an earlier
-    # step: the expert weights' gradients are added to them in place (no third weight-sized
-    # tensor), with the bits an out-of-place sum gives.
+    # Stages run outside a step (a step frees the gradients first) may find gradients there
+    # already, e.g. a caller accumulating over several batches: the expert weights' gradients are
+    # added to them in place (no third weight-sized tensor), with the bits an out-of-place sum
+    # gives.
     from weft.moe.step import _Stages, chain, micro_batches
 
     model = moe.MoEModel(num_layers=1, hidden=64, num_experts=8, top_k=2, ffn=32,
