@@ -152,9 +152,10 @@ def time_step(step, model, x, target, a, device, reference):
 
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device):
-    """Per stage, the mean time of one micro-batch's stage in a serial step (synchronised around
-    each stage; on a GPU mostly its GPU time): the planner's cost model."""
-    from weft.moe.step import _Stages, chain, micro_batches
+    """({stage: the mean time of one micro-batch's stage in a serial step}, the time of the
+    step's optimizer update after its last micro-batch), each synchronised around (on a GPU
+    mostly its GPU time): the planner's cost model."""
+    from weft.moe.step import _Stages, _sgd, chain, micro_batches
 
     stages = _Stages(model, slots)
     for p in model.parameters():  # as a step starts: the timed steps' gradients freed
@@ -169,9 +170,14 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
             _sync(device)
             sums[stage] += (time.perf_counter() - t) * 1e6
             counts[stage] += 1
+    _sync(device)
+    t = time.perf_counter()
+    _sgd(model, 0.0)  # as the timed steps (lr 0): the same pass over weights and gradients
+    _sync(device)
+    update_us = (time.perf_counter() - t) * 1e6
     for p in model.parameters():
         p.grad = None
-    return {k: v / counts[k] for k, v in sums.items()}
+    return {k: v / counts[k] for k, v in sums.items()}, update_us
 
 
 def _dispatcher_factories(a, group, experts, T, M):
@@ -357,9 +363,8 @@ def main():
                 if depth is not None:
                     piped.close()
                 if cname == "no comm" and emu:
-                    compute_us = {k: v for k, v in stage_costs_us(model, slots, x, target, M,
-                                                                  device).items()
-                                  if k not in COMM_STAGES}
+                    stage_us, update_us = stage_costs_us(model, slots, x, target, M, device)
+                    compute_us = {k: v for k, v in stage_us.items() if k not in COMM_STAGES}
                 # The step closure and the pipelined step hold the model too: drop every
                 # reference before the next config builds its own (a DeepSeek-V3-sized model
                 # and its gradients take most of a GPU).
@@ -378,7 +383,8 @@ def main():
             if a.suggest:
                 _print_plan_table(out, a, plan_state, times, same)
             if emu and "no comm" in times:
-                _print_prediction(out, a, shape, T, hidden, compute_us, depths, times)
+                _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths,
+                                  times)
     # A rank whose bits differ fails the run on every rank (rank 0 prints its own bits only).
     same_everywhere = every_rank(mismatches == 0, group)
     if not same_everywhere:
@@ -555,15 +561,17 @@ def _print_hidden(out, shape, T, times, emu):
             out(line + " (medians)", flush=True)
 
 
-def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
-    """The planner's step on each target from the compute stages measured without communication
-    and the target's call table; on --target, beside the emulated measurement (medians)."""
+def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, times):
+    """The planner's step on each target from the compute stages and the update measured without
+    communication and the target's call table; on --target, beside the emulated measurement
+    (medians)."""
     tokens = -(-T // a.micro_batches)
     for target, tables in moe.emulated.TARGETS.items():
         for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
             comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
             predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us,
-                                                     num_micro_batches=a.micro_batches)
+                                                     num_micro_batches=a.micro_batches,
+                                                     update_us=update_us)
             measured = target == a.target
             rows = [("serial", 0, f"(a) emu {kind}")] + [
                 (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in depths]
@@ -573,7 +581,8 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, depths, times):
                 parts.append(f"{label} {ms:.2f}" + (f" vs {_median(times[name]):.2f}"
                                                     if measured else ""))
             out(f"{shape:6s} {T:6d} planner on {target} {kind} (ms per step of {a.micro_batches} "
-                "micro-batches, fill and drain)" + (" vs emulated" if measured else "") + ": "
+                f"micro-batches, fill and drain, the update's {update_us / 1e3:.2f} included)"
+                + (" vs emulated" if measured else "") + ": "
                 + ", ".join(parts), flush=True)
 
 
@@ -588,7 +597,7 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
     _sync(device)
     trace = traced.engine.take_trace()
     traced.close()
-    costs_us = stage_costs_us(model, slots, x, target, a.micro_batches, device)
+    costs_us, update_us = stage_costs_us(model, slots, x, target, a.micro_batches, device)
     if rank != 0:
         return
     trace_path = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_d{depth}.trace.json")
@@ -604,8 +613,9 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
           + ", ".join(f"{v.name} {v.timeline.step_us:.0f}" for v in drawn), flush=True)
     source = plan.simulate(moe.moe_schedule(L, depth), moe.moe_thread_map(L), costs,
                            num_batches=a.micro_batches)
-    print(f"# depth {depth}: planner {source.timeline.step_us / 1e3:.2f} ms per step (a source of "
-          f"{a.micro_batches} micro-batches, fill and drain), measured "
+    step_ms = (source.timeline.step_us + update_us) / 1e3
+    print(f"# depth {depth}: planner {step_ms:.2f} ms per step (a source of {a.micro_batches} "
+          f"micro-batches, fill and drain, then the update, {update_us / 1e3:.2f}), measured "
           f"{_median(measured_ms):.2f} ms (median)", flush=True)
 
 

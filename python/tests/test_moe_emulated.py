@@ -127,6 +127,13 @@ def test_the_planner_predicts_the_step_from_compute_and_the_target_tables():
         assert (m16[d] - m8[d]) / 8 == pytest.approx(step[d], rel=1e-6)
         assert m8[d] >= 8 * step[d] - 1e-6  # the fill and the drain add
     assert all(step[d + 1] <= step[d] for d in range(8))
+    # The optimizer's update after the last micro-batch: the same tail at every depth; a
+    # steady-state micro-batch has none.
+    updated = predict_step_us(2, [0, 4, 8], compute, comm, host_us=1.0, num_micro_batches=8,
+                              update_us=250.0)
+    assert all(updated[d] == pytest.approx(m8[d] + 250.0) for d in (0, 4, 8))
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        predict_step_us(2, [0], compute, comm, update_us=250.0)
 
 
 def _overlaps(a, b):
