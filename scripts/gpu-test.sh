@@ -13,7 +13,9 @@
 # sanitizer-racecheck.log, sanitizer-synccheck.log, python-build.log, pytest.log, bench.log,
 # machine.txt, summary.txt, deepep-intranode.log and deepep-low-latency.log (with DEEPEP_DIR:
 # DeepEP's test_intranode.py and test_low_latency.py run on weft.ep by
-# scripts/deepep-test.sh intranode and scripts/deepep-test.sh low_latency), and bench-files.tar.gz (what the benchmarks wrote under the build
+# scripts/deepep-test.sh intranode and scripts/deepep-test.sh low_latency), megatron-install.log
+# (with MEGATRON_WHEELS: megatron-core installed from that folder, so that Megatron-core's DeepEP
+# integration test runs), and bench-files.tar.gz (what the benchmarks wrote under the build
 # folder's bench-out/). The sanitizer stage (not run with --only or --no-cpp-tests) runs the tests
 # of sanitize_tests below on GPU 0 alone under memcheck, racecheck and synccheck; any report, a
 # failed test, or a run past SANITIZER_TIMEOUT seconds (default 600, per tool and test program)
@@ -99,6 +101,20 @@ fi
 
 if ((run_python)); then
   if python3 -m pip install --no-build-isolation --no-deps -v . >"$out/python-build.log" 2>&1; then
+    # Megatron-core's DeepEP integration test (test_ep_megatron.py) runs only where megatron-core
+    # is importable, and skips otherwise: the summary says which. A machine without PyPI installs
+    # it from MEGATRON_WHEELS, a folder of its wheels (one per Python version: pip takes this
+    # python's).
+    if [[ -n "${MEGATRON_WHEELS:-}" ]]; then
+      python3 -m pip install --no-deps --no-index --find-links "$MEGATRON_WHEELS" megatron-core \
+        >"$out/megatron-install.log" 2>&1 || note "megatron-core: no wheel for this python in $MEGATRON_WHEELS (see megatron-install.log)"
+    fi
+    if python3 -c 'import importlib.util as u, sys
+sys.exit(0 if u.find_spec("megatron") and u.find_spec("megatron.core") else 1)'; then
+      note "megatron-core: importable, test_ep_megatron.py runs"
+    else
+      note "megatron-core: not installed, test_ep_megatron.py skips"
+    fi
     if ((run_pytest)); then
       python3 -m pytest python/tests -v -rs >"$out/pytest.log" 2>&1 || status=1
       note "python tests: $(tail -1 "$out/pytest.log")"
