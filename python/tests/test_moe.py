@@ -53,6 +53,29 @@ def test_local_and_all_to_all_dispatchers_agree_bit_for_bit():
         assert torch.equal(pa, pb)
 
 
+@pytest.mark.parametrize("num_tokens", [0, 1, 33])
+def test_all_to_all_dispatch_and_combine_match_the_local_ones_with_dropped_selections(num_tokens):
+    # Selections of -1 (a token may have none), so that some tokens go nowhere: the all_to_all
+    # dispatcher's rows (picked by a sort, their number and the entry count exchanged with its
+    # sizes) equal the local dispatcher's, element by element, and so do the combined rows.
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn((num_tokens, 32), generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(num_tokens)]) \
+        if num_tokens else torch.empty((0, 4), dtype=torch.int64)
+    idx = torch.where(torch.rand((num_tokens, 4), generator=g) < 0.4, -1, idx)
+    idx[0:1] = -1  # the first token (if any) selects nothing
+    w = torch.rand((num_tokens, 4), generator=g)
+    local, a2a = moe.LocalDispatcher(16), moe.AllToAllDispatcher(None, 16)
+    want, got = local.dispatch(x, idx, w), a2a.dispatch(x, idx, w)
+    for a, b in zip(want[:3], got[:3]):
+        assert torch.equal(a, b)
+    assert got[4] == want[4] == int((idx >= 0).sum())
+    y = torch.randn(want[0].shape, generator=g).bfloat16()
+    combined = [d.combine(y, r[3], weights=r[2]) for d, r in ((local, want), (a2a, got))]
+    assert torch.equal(combined[0][0], combined[1][0])
+    assert torch.equal(combined[0][1], combined[1][1])
+
+
 def test_gradients_match_autograd_through_the_dense_reference():
     torch.manual_seed(1)
     layer = moe.MoELayer(16, 4, 2, 8, moe.LocalDispatcher(4), dtype=torch.float32, seed=5)

@@ -298,9 +298,9 @@ class _PendingNativeDispatch:
 
 
 class AllToAllDispatcher:
-    """The dispatcher MoE users have today: sizes exchanged with an all_to_all (read to the host),
-    rows permuted by destination, then torch.distributed.all_to_all_single of rows, indices and
-    weights; combine sends the rows back the same way."""
+    """The dispatcher MoE users have today: sizes exchanged with an all_to_all and read to the host
+    (one sync a dispatch), rows permuted by destination, then torch.distributed.all_to_all_single
+    of rows, indices and weights; combine sends the rows back the same way."""
 
     keeps_layouts = False  # a handle carries its whole layout
 
@@ -323,27 +323,36 @@ class AllToAllDispatcher:
 
     def dispatch(self, x, topk_idx, topk_weights):
         R, epr = self.num_ranks, self.num_local_experts
+        num_tokens = x.shape[0]
         valid = topk_idx >= 0
         dest = torch.where(valid, topk_idx // epr, R)
-        in_rank = torch.zeros((x.shape[0], R + 1), dtype=torch.bool, device=x.device)
+        in_rank = torch.zeros((num_tokens, R + 1), dtype=torch.bool, device=x.device)
         in_rank.scatter_(1, dest, True)
         in_rank = in_rank[:, :R]
-        # Rows grouped by destination, tokens ascending within each.
-        send_tokens = [in_rank[:, d].nonzero().flatten() for d in range(R)]
-        send_split = [len(t) for t in send_tokens]
-        counts = torch.tensor(send_split, dtype=torch.int64, device=x.device)
-        recv_counts = self._a2a(counts, [1] * R, [1] * R)
-        recv_split = recv_counts.tolist()
-        order = torch.cat(send_tokens)
-        rows_dest = torch.cat([torch.full_like(t, d) for d, t in enumerate(send_tokens)])
+        # Per destination, its rows and its entries (selections of its experts), exchanged, then
+        # read to the host in one sync: the sizes all_to_all_single needs and the entry count.
+        entries = torch.zeros(R + 1, dtype=torch.int64, device=x.device)
+        entries.scatter_add_(0, dest.flatten(), torch.ones_like(dest.flatten()))
+        sizes = torch.stack([in_rank.sum(0), entries[:R]], dim=1)
+        host = torch.cat([sizes, self._a2a(sizes, [1] * R, [1] * R)]).tolist()
+        send_split = [rows for rows, _ in host[:R]]
+        recv_split = [rows for rows, _ in host[R:]]
+        num_entries = sum(n for _, n in host[R:])
+        # Rows grouped by destination, tokens ascending within each: in_rank's set entries in
+        # (destination, token) order, by a stable sort (no second sync for their number).
+        flat = torch.logical_not(in_rank.T.reshape(-1)).to(torch.int8)
+        picked = torch.argsort(flat, stable=True)[:sum(send_split)]
+        order = picked % num_tokens
+        rows_dest = picked // num_tokens
+        send_tokens = list(order.split(send_split))
         local = (topk_idx[order] // epr == rows_dest[:, None]) & valid[order]
         send_idx = torch.where(local, topk_idx[order] - rows_dest[:, None] * epr, -1)
         send_w = torch.where(local, topk_weights[order], torch.zeros_like(topk_weights[order]))
         recv_x = self._a2a(x[order], send_split, recv_split)
         recv_idx = self._a2a(send_idx, send_split, recv_split)
         recv_w = self._a2a(send_w, send_split, recv_split)
-        return (recv_x, recv_idx, recv_w, (send_tokens, send_split, recv_split, x.shape[0]),
-                count_entries(recv_idx))
+        return (recv_x, recv_idx, recv_w, (send_tokens, send_split, recv_split, num_tokens),
+                num_entries)
 
     def combine(self, y, handle, weights=None):
         send_tokens, send_split, recv_split, num_tokens = handle
