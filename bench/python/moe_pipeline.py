@@ -155,11 +155,10 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
     """({stage: the mean time of one micro-batch's stage in a serial step}, the time of the
     step's optimizer update after its last micro-batch), each synchronised around (on a GPU
     mostly its GPU time): the planner's cost model."""
-    from weft.moe.step import _Stages, _sgd, chain, micro_batches
+    from weft.moe.step import _Stages, _sgd, _zero_grads, chain, micro_batches
 
     stages = _Stages(model, slots)
-    for p in model.parameters():  # as a step starts: the timed steps' gradients freed
-        p.grad = None
+    _zero_grads(model)  # as a step starts: the timed steps' gradients freed
     sums = dict.fromkeys(moe.STAGES, 0.0)
     counts = dict.fromkeys(moe.STAGES, 0)
     for mb in micro_batches(x, target, num_micro_batches, len(model.moe)):
@@ -175,8 +174,7 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
     _sgd(model, 0.0)  # as the timed steps (lr 0): the same pass over weights and gradients
     _sync(device)
     update_us = (time.perf_counter() - t) * 1e6
-    for p in model.parameters():
-        p.grad = None
+    _zero_grads(model)
     return {k: v / counts[k] for k, v in sums.items()}, update_us
 
 

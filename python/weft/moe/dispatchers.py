@@ -331,8 +331,9 @@ class AllToAllDispatcher:
         in_rank = in_rank[:, :R]
         # Per destination, its rows and its entries (selections of its experts), exchanged, then
         # read to the host in one sync: the sizes all_to_all_single needs and the entry count.
+        dests = dest.flatten()
         entries = torch.zeros(R + 1, dtype=torch.int64, device=x.device)
-        entries.scatter_add_(0, dest.flatten(), torch.ones_like(dest.flatten()))
+        entries.scatter_add_(0, dests, torch.ones_like(dests))
         sizes = torch.stack([in_rank.sum(0), entries[:R]], dim=1)
         host = torch.cat([sizes, self._a2a(sizes, [1] * R, [1] * R)]).tolist()
         send_split = [rows for rows, _ in host[:R]]
