@@ -3,7 +3,12 @@ every variant: weft.pipeline's Engine (host backend) beside a pure-Python execut
 mechanics of the HSTU benchmark's engine (python_executor.py), in the same run. Prints the median
 microseconds per progress() of each and their ratio.
 
-    python3 bench/python/engine_overhead.py [--steps 2000] [--rounds 3]
+--backend torch (a GPU): weft's Engine alone on its torch backend, each no-op body run as a
+task's body runs there (its stream current, the Engine's device, grad mode and autocast state
+set and put back): the host cost per progress() and per task that a GPU schedule adds to its
+bodies' own.
+
+    python3 bench/python/engine_overhead.py [--steps 2000] [--rounds 3] [--backend torch]
 """
 
 from __future__ import annotations
@@ -42,8 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backend", choices=("host", "torch"), default="host")
     args = parser.parse_args()
     bodies = {name: noop for name in HSTU_TASK_NAMES}
+    if args.backend == "torch":
+        torch_backend(args, bodies)
+        return
     print(f"{'variant':26s} {'weft us':>10s} {'python us':>10s} {'ratio':>7s}   "
           f"(medians over {args.steps} steps; range over {args.rounds} rounds)")
     for v in hstu_variants():
@@ -60,6 +69,25 @@ def main() -> None:
               f"weft {min(weft_us):.1f}-{max(weft_us):.1f}, "
               f"python {min(python_us):.1f}-{max(python_us):.1f}",
               flush=True)
+
+
+def torch_backend(args, bodies) -> None:
+    import torch
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'variant':26s} {'weft us':>10s} {'us per task':>12s}   (medians over {args.steps} "
+          f"steps; range over {args.rounds} rounds)")
+    num_tasks = len(HSTU_TASK_NAMES)
+    for v in hstu_variants():
+        weft_us = []
+        for _ in range(args.rounds):
+            engine = Engine(hstu_schedule(bodies, cascade=v.cascade), v.thread_map,
+                            backend="torch")
+            weft_us.append(median_us(engine.progress, args.steps))
+            engine.close()
+        w = statistics.median(weft_us)
+        print(f"{v.name:26s} {w:10.1f} {w / num_tasks:12.2f}   weft {min(weft_us):.1f}-"
+              f"{max(weft_us):.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ Schedules, each with --micro-batches micro-batches per step:
 The compute floor is the faster of "no comm" and "(a) weft.ep local": the step whose
 communication is a local copy (the local dispatcher's torch ops may cost more than weft.ep's).
 Depth d: max = 4 x layers (every communication, forward and backward, beside another
-micro-batch's compute); 2 x layers hides the forward communication only. (b) and (c) run on two
-engine threads, compute and comm (moe_thread_map), which share the GIL; --threads 1 puts every
-task on one thread, and --switch-interval-ms sets how soon a thread waiting for the GIL gets it
+micro-batch's compute); 2 x layers hides the forward communication only. (b) and (c) run on
+the engine threads PipelinedStep picks (moe.default_num_threads: one over weft.ep's native
+dispatcher, which never waits on the host in a comm task; two, compute and comm, which share the
+GIL, over a dispatcher that does: the all_to_all one, weft.ep's DeepEP API); --threads 1 or 2
+sets them for both, and --switch-interval-ms sets how soon a thread waiting for the GIL gets it
 (sys.setswitchinterval; Python's default is 5 ms): the two ways to tell the GIL's share of a
 pipelined step's time.
 Step time: wall time of --iters steps after --warmup (synchronised), ranges over --repeats runs,
@@ -235,9 +237,10 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--threads", type=int, default=2, choices=(1, 2),
+    p.add_argument("--threads", type=int, default=None, choices=(1, 2),
                    help="engine threads of (b) and (c): 2, compute and comm (moe_thread_map); "
-                        "1, every task on one thread")
+                        "1, every task on one thread (default: PipelinedStep's choice, "
+                        "moe.default_num_threads)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="sys.setswitchinterval: how soon a thread that waits for the GIL gets it")
     p.add_argument("--suggest", action="store_true",
@@ -279,15 +282,15 @@ def main():
     M = a.micro_batches
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     out(f"# {name} x {world}, torch {torch.__version__}, {a.layers} layers, {M} micro-batches, "
-        f"{a.iters} steps per run, {a.repeats} runs, weft.ep API {a.ep}, {a.threads} engine "
-        f"thread{'s' if a.threads > 1 else ''}", flush=True)
+        f"{a.iters} steps per run, {a.repeats} runs, weft.ep API {a.ep}, "
+        f"engine threads {a.threads or 'as PipelinedStep picks'}", flush=True)
     if a.comm == "emulated":
         modelled = " (a MODEL of the target, no measurement)" if "model" in a.target else ""
         out(f"# EMULATED communication: {a.target} call times{modelled} (weft.moe.emulated) as SM "
             f"holds on one GPU; rows marked emu are emulated figures", flush=True)
     backend = "torch" if device == "cuda" else "host"
-    # The depth rows' map; a suggestion runs on its config's.
-    thread_map = moe.moe_thread_map(a.layers, a.threads)
+    # The depth rows' map (None: PipelinedStep's); a suggestion runs on its config's.
+    thread_map = moe.moe_thread_map(a.layers, a.threads) if a.threads else None
     traced = False
     mismatches = 0
     for shape in a.shapes.split(","):
@@ -334,6 +337,7 @@ def main():
                 f"{'vs ' + base_name:>20s}", flush=True)
             # The first config's first step is the reference of every config's bits.
             times, same, reference = {}, {}, None
+            num_threads = {}  # family of (b) and (c) rows -> the engine threads it ran on
             for cname, make_slots, depth, config in configs:
                 slots = make_slots()
                 model = make_model()
@@ -344,6 +348,8 @@ def main():
                     piped = moe.PipelinedStep(model, slots, M, depth=depth, backend=backend,
                                               config=config,
                                               thread_map=None if config else thread_map)
+                    if config is None:
+                        num_threads[cname.split(" d")[0]] = len(piped.engine.threads)
 
                     def step(x, t):
                         return piped(x, t, 0.0)
@@ -377,12 +383,14 @@ def main():
                 f"across schedules: {not different}"
                 + (f" (DIFFERENT from {base_name}: {', '.join(different)})" if different else ""),
                 flush=True)
+            out(f"{shape:6s} {T:6d} engine threads: "
+                + ", ".join(f"{k} {n}" for k, n in num_threads.items()), flush=True)
             _print_hidden(out, shape, T, times, emu)
             if a.suggest:
                 _print_plan_table(out, a, plan_state, times, same)
             if emu and "no comm" in times:
                 _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths,
-                                  times)
+                                  times, num_threads)
     # A rank whose bits differ fails the run on every rank (rank 0 prints its own bits only).
     same_everywhere = every_rank(mismatches == 0, group)
     if not same_everywhere:
@@ -397,7 +405,8 @@ def _traced_run(a, make_model, slots, x, target, depth, backend, device):
     PipelinedStep after --warmup untraced-for-the-costs steps."""
     model = make_model()
     step = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
-                             trace=True)
+                             trace=True, thread_map=moe.moe_thread_map(a.layers, a.threads)
+                             if a.threads else None)
     for _ in range(a.warmup):
         step(x, target, 0.0)
     _sync(device)
@@ -409,9 +418,9 @@ def _traced_run(a, make_model, slots, x, target, depth, backend, device):
         _sync(device)
         total_s += time.perf_counter() - start
         traces.append(step.engine.take_trace())
-    schedule = step.schedule
+    schedule, num_threads = step.schedule, len(step.engine.threads)
     step.close()
-    return total_s * 1e3 / a.iters, traces, schedule
+    return total_s * 1e3 / a.iters, traces, schedule, num_threads
 
 
 def _plan_family(a, family, family_slots, make_model, x, target, depths, backend, device, tag,
@@ -426,16 +435,17 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
     L, M = a.layers, a.micro_batches
 
     def trace(depth, name):
-        ms, traces, schedule = _traced_run(a, make_model, family_slots(num_slots), x, target,
+        ms, traces, schedule, num_threads = _traced_run(a, make_model, family_slots(num_slots), x, target,
                                            depth, backend, device)
         if a.trace_dir and rank == 0:
             os.makedirs(a.trace_dir, exist_ok=True)
             traces[-1].write_chrome_json(os.path.join(a.trace_dir,
                                                       f"moe_{tag}_{name}.trace.json"))
         log(f"traced {prefix} {name}: {ms:.2f} ms/step")
-        return ms, merged_trace(traces), schedule
+        return ms, merged_trace(traces), schedule, num_threads
 
-    ms0, trace0, schedule0 = trace(0, "d0")
+    # The traced runs' engine threads are the family's own (PipelinedStep's or --threads).
+    ms0, trace0, schedule0, num_threads = trace(0, "d0")
     # weft.ep's native dispatcher finishes its dispatch (the count wait) in the experts stage.
     waits = count_waits(L) if prefix.endswith("weft.ep") and a.ep == "native" else None
     costs = rank0_value(plan.trace_costs(trace0, schedule0, gpu=a.gpu_costs, gpu_waits=waits),
@@ -447,10 +457,10 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
         f"{' (the experts stages waiting for their count left out)' if waits else ''} and "
         f"{gpu_ms:.2f} ms of GPU {a.gpu_costs} "
         "time", flush=True)
-    variants = depth_variants(L, depths, M)
+    variants = depth_variants(L, depths, M, num_threads)
     fit = None
     if a.calibrate:
-        fitted = depth_variants(L, sorted({0, *depths}), M)
+        fitted = depth_variants(L, sorted({0, *depths}), M, num_threads)
         traced_ms = rank0_value({v.name: ms0 if v.depth == 0 else trace(v.depth, v.name)[0]
                                  for v in fitted}, group)
         # On a GPU the compute stream's work may run slower beside the communication's (the
@@ -463,7 +473,7 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
             f"{rms_error_pct(traced_ms, fitted, costs):.1f}%)", flush=True)
     found = suggest_variant(costs, L, M, num_slots=num_slots, max_threads=a.max_threads,
                             calibration=fit, min_gain_pct=a.min_gain_pct,
-                            own_thread_map=moe.moe_thread_map(L, a.threads))
+                            own_thread_map=moe.moe_thread_map(L, num_threads))
     mine = found.variant.config.to_json()
     if not every_rank(rank0_value(mine, group) == mine, group):
         raise RuntimeError("a rank found another schedule than rank 0 from rank 0's costs")
@@ -559,17 +569,20 @@ def _print_hidden(out, shape, T, times, emu):
             out(line + " (medians)", flush=True)
 
 
-def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, times):
+def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, times,
+                      num_threads):
     """The planner's step on each target from the compute stages and the update measured without
-    communication and the target's call table; on --target, beside the emulated measurement
+    communication and the target's call table, on the engine threads each family ran on
+    (num_threads: "(b) emu pipe+weft.ep" -> count); on --target, beside the emulated measurement
     (medians)."""
     tokens = -(-T // a.micro_batches)
     for target, tables in moe.emulated.TARGETS.items():
         for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
             comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
+            threads = num_threads.get(f"{prefix} emu pipe+{kind}", 2)
             predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us,
                                                      num_micro_batches=a.micro_batches,
-                                                     update_us=update_us)
+                                                     update_us=update_us, num_threads=threads)
             measured = target == a.target
             rows = [("serial", 0, f"(a) emu {kind}")] + [
                 (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in depths]
@@ -590,10 +603,12 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
     measured one. Every rank runs the steps (they are collective); rank 0 writes and prints."""
     L = len(model.moe)
     traced = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
-                               trace=True)
+                               trace=True, thread_map=moe.moe_thread_map(L, a.threads)
+                               if a.threads else None)
     traced(x, target, 0.0)
     _sync(device)
     trace = traced.engine.take_trace()
+    num_threads = len(traced.engine.threads)
     traced.close()
     costs_us, update_us = stage_costs_us(model, slots, x, target, a.micro_batches, device)
     if rank != 0:
@@ -601,7 +616,8 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
     trace_path = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_d{depth}.trace.json")
     trace.write_chrome_json(trace_path)
     costs = moe.moe_costs(L, costs_us)
-    variants = [(f"moe_depth{d}", moe.moe_schedule(L, d), moe.moe_thread_map(L))
+    thread_map = moe.moe_thread_map(L, num_threads)
+    variants = [(f"moe_depth{d}", moe.moe_schedule(L, d), thread_map)
                 for d in range(moe.max_depth(L) + 1)]
     page = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_plan.html")
     drawn = plan.write_report(page, variants, costs=costs)
@@ -609,7 +625,7 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
           + ", ".join(f"{k} {v:.0f}" for k, v in costs_us.items()), flush=True)
     print("# planner's step per micro-batch (us): "
           + ", ".join(f"{v.name} {v.timeline.step_us:.0f}" for v in drawn), flush=True)
-    source = plan.simulate(moe.moe_schedule(L, depth), moe.moe_thread_map(L), costs,
+    source = plan.simulate(moe.moe_schedule(L, depth), thread_map, costs,
                            num_batches=a.micro_batches)
     step_ms = (source.timeline.step_us + update_us) / 1e3
     print(f"# depth {depth}: planner {step_ms:.2f} ms per step (a source of {a.micro_batches} "

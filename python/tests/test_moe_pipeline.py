@@ -144,6 +144,47 @@ def test_every_task_on_one_engine_thread_agrees_with_the_serial_step(depth):
     step.close()
 
 
+class NeverWaitingDispatcher(moe.LocalDispatcher):
+    """Says its comm calls never wait on the host, as weft.ep's native dispatcher does."""
+
+    comm_waits_on_host = False
+
+
+def test_the_engine_threads_follow_whether_a_comm_call_waits_on_the_host():
+    """One engine thread where no dispatcher's comm call waits on the host (two would hand the
+    GIL back and forth at every torch op), compute and comm where one does, or may (a
+    dispatcher that does not say); an emulated dispatcher says what its inner one does; the
+    bits are the serial step's either way."""
+    never = moe.LayoutSlots.shared(NeverWaitingDispatcher(8), 2)
+    assert moe.default_num_threads(never) == 1
+    assert moe.default_num_threads(moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)) == 2
+    assert moe.default_num_threads(moe.LayoutSlots.shared(ThreeCallDispatcher(8), 2)) == 2
+    assert moe.default_num_threads(moe.LayoutSlots.shared(
+        moe.AllToAllDispatcher(None, 8), 2)) == 2
+    mixed = moe.LayoutSlots(lambda layer, s: NeverWaitingDispatcher(8) if layer else
+                            moe.LocalDispatcher(8), [1, 1])
+    assert moe.default_num_threads(mixed) == 2
+    for inner, want in ((NeverWaitingDispatcher(8), False), (moe.LocalDispatcher(8), True)):
+        emulated = moe.EmulatedDispatcher(inner, moe.EP_2XH200, num_sms=4,
+                                          hold=lambda *_: None)
+        assert emulated.comm_waits_on_host is want
+    serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=9, **SMALL)
+    piped = copy.deepcopy(serial)
+    ref = copy.deepcopy(serial)
+    step = moe.PipelinedStep(piped, never, num_micro_batches=4, depth=moe.max_depth(2))
+    assert list(step.engine.threads) == ["host"]
+    _check_steps(serial, piped, ref, step, [_inputs(i) for i in range(2)], lr=0.05)
+    step.close()
+    waits = moe.PipelinedStep(copy.deepcopy(serial),
+                              moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2), 4, depth=1)
+    assert sorted(waits.engine.threads) == ["comm", "compute"]
+    waits.close()
+    given = moe.PipelinedStep(copy.deepcopy(serial), never, 4, depth=1,
+                              thread_map=moe.moe_thread_map(2, 2))
+    assert sorted(given.engine.threads) == ["comm", "compute"]  # a given map wins
+    given.close()
+
+
 class ThreeCallDispatcher:
     """A user's dispatcher of the three calls alone (no dispatch_begin, no weft base class)."""
 
@@ -450,10 +491,13 @@ def test_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("depth", [0, 1, 4, moe.max_depth(2)])
-def test_native_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth):
+@pytest.mark.parametrize("depth,num_threads", [(0, None), (1, None), (4, None),
+                                               (moe.max_depth(2), None), (1, 2),
+                                               (moe.max_depth(2), 2)])
+def test_native_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(depth, num_threads):
     """NativeEpDispatcher: the dispatch stage begins, the experts stage finishes (on another
-    thread, stream and progress() at depth >= 1); the bits of the serial step with it and of
+    stream and, at depth >= 1, in a later progress(); with two engine threads on another
+    thread: None is PipelinedStep's choice, one); the bits of the serial step with it and of
     the serial step with the DeepEP-compatible EpDispatcher."""
     T, M = 512, 4
     native_slots = moe.LayoutSlots.native_ep(None, 16, [1, 1], max_tokens=T // M)
@@ -465,7 +509,9 @@ def test_native_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(dep
     deepep_slots = _ep_slots([1, 1], T // M)
     ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(16), seed=5, **GPU_SHAPE)
     step = moe.PipelinedStep(piped, piped_slots, num_micro_batches=M, depth=depth,
-                             backend="torch")
+                             backend="torch", thread_map=moe.moe_thread_map(2, num_threads)
+                             if num_threads else None)
+    assert len(step.engine.threads) == (num_threads or 1)
     inputs = [_inputs(i, tokens=T, hidden=256, device="cuda") for i in range(5)]
     _check_steps(serial, piped, ref, step, inputs, lr=0.02, serial_slots=native_slots)
     for x, target in inputs:

@@ -30,6 +30,67 @@ def test_the_tasks_stream_is_current_in_its_body():
     assert not seen["a"][2] and not seen["b"][2]  # the caller's no_grad holds on engine threads
 
 
+def test_the_callers_state_is_put_back_after_bodies_on_its_own_thread():
+    # The sequential executor runs the bodies on the caller's thread: what a body's task sets
+    # (its stream, the Engine's grad mode) and what a body changes itself (grad mode) must not
+    # outlive the body there, nor reach the next task's body.
+    import torch
+
+    seen = []
+
+    def first(ctx):
+        seen.append(("first", torch.is_grad_enabled(), torch.cuda.current_stream().cuda_stream))
+        torch.set_grad_enabled(True)  # left on: the next body must not see it
+
+    def second(ctx):
+        seen.append(("second", torch.is_grad_enabled(), torch.cuda.current_stream().cuda_stream))
+
+    s = Schedule([Task.from_fn("a", first, stream="side", reads=["batch_cpu"]),
+                  Task.from_fn("b", second)])
+    with torch.no_grad():
+        engine = Engine(s, "legacy", backend="torch")
+    mine = torch.cuda.Stream()
+    with torch.cuda.stream(mine):
+        drain(engine, [0, 1])
+        assert torch.cuda.current_stream() == mine
+    assert torch.is_grad_enabled()
+    side, default = engine.stream_handle("side"), engine.stream_handle("default")
+    assert seen == [("first", False, side), ("second", False, default)] * 2
+    engine.close()
+
+
+@pytest.mark.parametrize("thread_map", ["legacy", "per_task"])
+def test_the_engines_autocast_holds_in_the_bodies_and_the_callers_is_left_as_found(thread_map):
+    # Bodies see the autocast state of the Engine's builder, whatever the caller of progress()
+    # has on (on "legacy" the bodies run on that caller's thread), and the caller keeps its own.
+    import torch
+
+    seen = []
+
+    def body(ctx):
+        a = torch.ones(8, 8, device="cuda")
+        seen.append((torch.is_autocast_enabled("cuda"), (a @ a).dtype))
+
+    def engine():
+        return Engine(Schedule([Task.from_fn("t", body, reads=["batch_cpu"])]), thread_map,
+                      backend="torch")
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        on = engine()
+    off = engine()
+    drain(on, [0])
+    assert not torch.is_autocast_enabled("cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        drain(off, [0])
+        drain(on, [0])
+        assert torch.is_autocast_enabled("cuda")
+        assert (torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")).dtype == \
+            torch.float16
+    assert seen == [(True, torch.bfloat16), (False, torch.float32), (True, torch.bfloat16)]
+    on.close()
+    off.close()
+
+
 @pytest.mark.parametrize("thread_map", ["legacy", "per_task", "by_stream"])
 def test_a_tensor_read_on_another_stream_outlives_its_slot(thread_map):
     # The producer's tensor is read on another stream behind a long sleep kernel; meanwhile the

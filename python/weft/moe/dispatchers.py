@@ -12,6 +12,11 @@ device tensor instead.
     out, combined_w = d.combine(y, handle, weights=None)
     recv_grad = d.dispatch_cached(grad_out, handle)
 
+Each has comm_waits_on_host: whether one of its three calls (a dispatch, or its begin, a combine,
+a cached dispatch) waits on the host for the device (a count or sizes read back); the
+micro-batched step runs its communication on a thread of its own only for such a dispatcher
+(step.default_num_threads).
+
 A dispatch also comes in two halves, begin_dispatch(d, x, topk_idx, topk_weights).finish()
 (what the micro-batched step calls: its dispatch stage begins, its experts stage finishes).
 NativeEpDispatcher splits the work (its dispatch_begin launches the kernel and returns, its
@@ -56,6 +61,7 @@ class LocalDispatcher:
     """One rank, every expert local, in plain torch: the reference of the others."""
 
     keeps_layouts = False  # a handle carries its whole layout
+    comm_waits_on_host = True  # its dispatch reads the entry count (count_entries)
     num_ranks = 1
     rank = 0
 
@@ -103,6 +109,8 @@ class EpDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
         self.num_worst_tokens = num_worst_tokens
+        # A host-synced dispatch waits for its counts; a worst-case one never waits.
+        self.comm_waits_on_host = not num_worst_tokens
 
     def dispatch(self, x, topk_idx, topk_weights):
         per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_idx,
@@ -157,6 +165,7 @@ class NativeEpDispatcher:
     weft.Error)."""
 
     keeps_layouts = True  # the Buffer's window holds the latest layout only
+    comm_waits_on_host = False  # the count wait is finish()'s, in the experts stage
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int, max_tokens: int, *,
                  timeout_s: float = 20.0) -> None:
@@ -303,6 +312,7 @@ class AllToAllDispatcher:
     of rows, indices and weights; combine sends the rows back the same way."""
 
     keeps_layouts = False  # a handle carries its whole layout
+    comm_waits_on_host = True  # the dispatch reads its sizes
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int) -> None:
         self.group = group

@@ -86,11 +86,12 @@ def count_waits(num_layers: int) -> Dict[str, str]:
     return {f"experts_{layer}": f"dispatch_{layer}" for layer in range(num_layers)}
 
 
-def depth_variants(num_layers: int, depths: Sequence[int],
-                   num_micro_batches: int) -> List[MoeVariant]:
-    """One variant per depth, under moe_thread_map, named "d{depth}"."""
-    return [MoeVariant(f"d{d}", num_layers, d, num_micro_batches, moe_thread_map(num_layers))
-            for d in depths]
+def depth_variants(num_layers: int, depths: Sequence[int], num_micro_batches: int,
+                   num_threads: int = 2) -> List[MoeVariant]:
+    """One variant per depth, under moe_thread_map(num_layers, num_threads), named
+    "d{depth}"."""
+    thread_map = moe_thread_map(num_layers, num_threads)
+    return [MoeVariant(f"d{d}", num_layers, d, num_micro_batches, thread_map) for d in depths]
 
 
 def check_layouts(variant: MoeVariant, num_slots: Optional[Sequence[int]]) -> None:

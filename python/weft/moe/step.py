@@ -349,8 +349,8 @@ def moe_schedule(num_layers: int, depth: int,
 def moe_thread_map(num_layers: int, num_threads: int = 2) -> Dict[str, List[str]]:
     """Two engine threads: compute (dense, router, experts, loss, their backward) and comm (the
     dispatches and combines, forward and backward, whose host waits, a count read by weft.ep's
-    dispatch or the all_to_all dispatcher's sizes, then block only that thread). num_threads=1:
-    every task on one thread, "host" (no GIL shared between engine threads)."""
+    DeepEP-API dispatch or the all_to_all dispatcher's sizes, then block only that thread).
+    num_threads=1: every task on one thread, "host" (no GIL shared between engine threads)."""
     if num_threads == 1:
         return {"host": stage_task_names(num_layers)}
     if num_threads != 2:
@@ -359,6 +359,16 @@ def moe_thread_map(num_layers: int, num_threads: int = 2) -> Dict[str, List[str]
     for name, stage, _ in chain(num_layers):
         threads["comm" if stage in COMM_STAGES else "compute"].append(name)
     return threads
+
+
+def default_num_threads(slots) -> int:
+    """The engine threads PipelinedStep runs on by default: 2 (moe_thread_map's compute and comm)
+    where a dispatcher of the slots has comm_waits_on_host (a dispatcher without the attribute
+    counts as one), so that its waits block the comm thread only; else 1. Two threads that both
+    issue torch ops hand the GIL to each other at every op (each op releases and retakes it);
+    with nothing to wait for on the host that costs more than the second thread gives."""
+    waits = any(getattr(d, "comm_waits_on_host", True) for d in slots.dispatchers())
+    return 2 if waits else 1
 
 
 def moe_costs(num_layers: int, gpu_us: Mapping[str, float], host_us: float = 20.0) -> dict:
@@ -386,9 +396,11 @@ class PipelinedStep:
     "default" stream is the caller's current torch stream unless streams= says otherwise, so
     the SGD step and the next step's work order after the backward without a host wait).
 
+    thread_map: the engine's threads (default: the config's thread map if it has one, else
+    moe_thread_map with default_num_threads(slots): one thread over weft.ep's native dispatcher,
+    compute and comm over one that waits on the host).
     config: a weft.pipeline ScheduleConfig (what weft.plan.suggest and weft.moe.planning write)
-    applied over the depth's lookaheads; its thread map, if any, is the engine's unless
-    thread_map is given. The slots must hold the layouts of the lookaheads that result
+    applied over the depth's lookaheads. The slots must hold the layouts of the lookaheads that result
     (layouts_of; ValueError before any engine starts).
     """
 
@@ -415,7 +427,9 @@ class PipelinedStep:
         self.slots = slots
         if backend == "torch" and streams is None:
             streams = {"default": torch.cuda.current_stream()}
-        self.engine = Engine(self.schedule, thread_map or moe_thread_map(self.num_layers),
+        if thread_map is None:
+            thread_map = moe_thread_map(self.num_layers, default_num_threads(slots))
+        self.engine = Engine(self.schedule, thread_map,
                              backend=backend, trace=trace, streams=streams, device=device)
 
     def _bodies(self, stages: _Stages) -> Dict[str, Callable]:

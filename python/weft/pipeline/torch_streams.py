@@ -61,11 +61,32 @@ class TorchStreams:
         autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
         stream_of = self.stream
 
+        # Per task this is host time on the engine's critical path, so the state is set with
+        # plain calls and put back as found (the sequential executor runs bodies on the
+        # caller's thread), not with a context manager each. Autocast keeps its context where
+        # either side has it on: leaving it clears its cache of casts.
         def body(ctx):
-            with torch.cuda.device(device), torch.cuda.stream(stream_of(ctx.stream_handle())), \
-                    torch.set_grad_enabled(grad), \
-                    torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_enabled):
-                fn(ctx)
+            stream = stream_of(ctx.stream_handle())
+            prev_device = torch.cuda.current_device()
+            if prev_device != device:
+                torch.cuda.set_device(device)
+            prev_stream = torch.cuda.current_stream(device)
+            torch.cuda.set_stream(stream)
+            prev_grad = torch.is_grad_enabled()
+            if prev_grad != grad:
+                torch.set_grad_enabled(grad)
+            try:
+                if autocast_enabled or torch.is_autocast_enabled("cuda"):
+                    with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_enabled):
+                        fn(ctx)
+                else:
+                    fn(ctx)
+            finally:
+                if torch.is_grad_enabled() != prev_grad:
+                    torch.set_grad_enabled(prev_grad)
+                torch.cuda.set_stream(prev_stream)
+                if prev_device != device:
+                    torch.cuda.set_device(prev_device)
 
         body.__name__ = getattr(fn, "__name__", task.name)
         return body
