@@ -155,27 +155,44 @@ def time_step(step, model, x, target, a, device, reference):
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device):
     """({stage: the mean time of one micro-batch's stage in a serial step}, the time of the
-    step's optimizer update after its last micro-batch), each synchronised around (on a GPU
-    mostly its GPU time): the planner's cost model."""
+    step's optimizer update after its last micro-batch): the planner's cost model. On a GPU each
+    is the time between two CUDA events recorded around it on the step's stream, the host
+    running ahead as in a step (no sync between stages, whose latency would count in every
+    stage); on the CPU the host's time."""
     from weft.moe.step import _Stages, _sgd, _zero_grads, chain, micro_batches
 
+    if device == "cuda":
+        def mark():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+
+        def elapsed_us(begin, end):
+            return begin.elapsed_time(end) * 1e3
+    else:
+        mark = time.perf_counter
+
+        def elapsed_us(begin, end):
+            return (end - begin) * 1e6
     stages = _Stages(model, slots)
     _zero_grads(model)  # as a step starts: the timed steps' gradients freed
-    sums = dict.fromkeys(moe.STAGES, 0.0)
-    counts = dict.fromkeys(moe.STAGES, 0)
+    spans = []
+    _sync(device)
     for mb in micro_batches(x, target, num_micro_batches, len(model.moe)):
         for _, stage, layer in chain(len(model.moe)):
-            _sync(device)
-            t = time.perf_counter()
+            begin = mark()
             stages.run(mb, stage, layer)
-            _sync(device)
-            sums[stage] += (time.perf_counter() - t) * 1e6
-            counts[stage] += 1
-    _sync(device)
-    t = time.perf_counter()
+            spans.append((stage, begin, mark()))
+    begin = mark()
     _sgd(model, 0.0)  # as the timed steps (lr 0): the same pass over weights and gradients
+    end = mark()
     _sync(device)
-    update_us = (time.perf_counter() - t) * 1e6
+    sums = dict.fromkeys(moe.STAGES, 0.0)
+    counts = dict.fromkeys(moe.STAGES, 0)
+    for stage, b, e in spans:
+        sums[stage] += elapsed_us(b, e)
+        counts[stage] += 1
+    update_us = elapsed_us(begin, end)
     _zero_grads(model)
     return {k: v / counts[k] for k, v in sums.items()}, update_us
 
