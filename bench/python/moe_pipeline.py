@@ -452,8 +452,8 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
     L, M = a.layers, a.micro_batches
 
     def trace(depth, name):
-        ms, traces, schedule, num_threads = _traced_run(a, make_model, family_slots(num_slots), x, target,
-                                           depth, backend, device)
+        ms, traces, schedule, num_threads = _traced_run(a, make_model, family_slots(num_slots),
+                                                        x, target, depth, backend, device)
         if a.trace_dir and rank == 0:
             os.makedirs(a.trace_dir, exist_ok=True)
             traces[-1].write_chrome_json(os.path.join(a.trace_dir,

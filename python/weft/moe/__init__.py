@@ -26,5 +26,5 @@ from .step import (STAGES, PipelinedStep, default_num_threads, max_depth, moe_co
 __all__ = ["A2A_2XH200", "AllToAllDispatcher", "CallCost", "DenseBlock", "EP_2XH200",
            "EmulatedDispatcher", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
            "MoELayer", "MoEModel", "NativeEpDispatcher", "PipelinedStep", "STAGES", "combine",
-           "default_num_threads", "dispatch", "max_depth", "moe_costs", "moe_schedule", "moe_thread_map",
-           "num_layout_slots", "serial_step", "stage_lookaheads", "train_step"]
+           "default_num_threads", "dispatch", "max_depth", "moe_costs", "moe_schedule",
+           "moe_thread_map", "num_layout_slots", "serial_step", "stage_lookaheads", "train_step"]

@@ -400,8 +400,8 @@ class PipelinedStep:
     moe_thread_map with default_num_threads(slots): one thread over weft.ep's native dispatcher,
     compute and comm over one that waits on the host).
     config: a weft.pipeline ScheduleConfig (what weft.plan.suggest and weft.moe.planning write)
-    applied over the depth's lookaheads. The slots must hold the layouts of the lookaheads that result
-    (layouts_of; ValueError before any engine starts).
+    applied over the depth's lookaheads. The slots must hold the layouts of the lookaheads that
+    result (layouts_of; ValueError before any engine starts).
     """
 
     def __init__(self, model, slots, num_micro_batches: int, *, depth: int = 1,
