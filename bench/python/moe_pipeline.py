@@ -596,7 +596,7 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, t
     for target, tables in moe.emulated.TARGETS.items():
         for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
             comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
-            threads = num_threads.get(f"{prefix} emu pipe+{kind}", 2)
+            threads = num_threads[f"{prefix} emu pipe+{kind}"]
             predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us,
                                                      num_micro_batches=a.micro_batches,
                                                      update_us=update_us, num_threads=threads)

@@ -284,7 +284,8 @@ def test_trace_shows_backward_communication_under_another_micro_batchs_gemms():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("depth", [0, moe.max_depth(2)])
-def test_trace_shows_the_deferred_wgrad_under_its_backward_dispatch(depth, num_threads):
+def test_trace_shows_the_deferred_wgrad_does_not_wait_for_its_backward_dispatch(depth,
+                                                                                num_threads):
     """The step's expert weight gradients (experts_wgrad_l of the last micro-batch: the grouped
     GEMMs over every micro-batch) do not wait for that micro-batch's dispatch_bwd_l: on the GPU
     they begin before it ends, while dense_router_bwd_l, which reads it, begins after; at depth 0
@@ -311,9 +312,11 @@ def test_trace_shows_the_deferred_wgrad_under_its_backward_dispatch(depth, num_t
         after = spans[f"dense_router_bwd_{layer}", last]
         seen = {n: (spans[n, last].begin_us, spans[n, last].end_us) for n, b in spans
                 if b == last}
-        assert wgrad.end_us > wgrad.begin_us and wgrad.begin_us < comm.end_us, (layer, seen)
-        # The consumer's span begins behind its wait for the record event that ends the
-        # producer's run, just before the producer's own end-of-span event: a few us of clock.
+        # A span that waited for the comm begins behind the record event that ends the comm's
+        # run, just before the comm's own end-of-span event: a few us of clock, where the
+        # wgrad, not waiting, begins with the comm at the latest, 500 us before its end.
+        assert wgrad.end_us > wgrad.begin_us and wgrad.begin_us < comm.end_us - 100.0, (
+            layer, seen)
         assert after.begin_us >= comm.end_us - 10.0, (layer, seen)
 
 

@@ -155,6 +155,9 @@ def test_the_engine_threads_follow_whether_a_comm_call_waits_on_the_host():
     GIL back and forth at every torch op), compute and comm where one does, or may (a
     dispatcher that does not say); an emulated dispatcher says what its inner one does; the
     bits are the serial step's either way."""
+    assert not moe.NativeEpDispatcher(None, 8, 16).comm_waits_on_host
+    assert moe.EpDispatcher(OneLayoutBuffer(8), 8).comm_waits_on_host
+    assert not moe.EpDispatcher(OneLayoutBuffer(8), 8, num_worst_tokens=64).comm_waits_on_host
     never = moe.LayoutSlots.shared(NeverWaitingDispatcher(8), 2)
     assert moe.default_num_threads(never) == 1
     assert moe.default_num_threads(moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2)) == 2
@@ -354,7 +357,8 @@ def test_deferred_wgrad_runs_while_its_backward_dispatch_is_in_flight(depth):
     serial = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=5, **SMALL)
     piped = copy.deepcopy(serial)
     slow = SlowBackwardCombine(8, hold_s=0.05)
-    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(slow, 2), M, depth=depth, trace=True)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(slow, 2), M, depth=depth, trace=True,
+                             thread_map=moe.moe_thread_map(2, 2))  # the comm on a thread apart
     x, target = _inputs(0)
     assert torch.equal(step(x, target, lr=0.05), moe.serial_step(serial, x, target, 0.05, M))
     assert _same_bits(serial.parameters(), piped.parameters())

@@ -31,32 +31,49 @@ def test_the_tasks_stream_is_current_in_its_body():
 
 
 def test_the_callers_state_is_put_back_after_bodies_on_its_own_thread():
-    # The sequential executor runs the bodies on the caller's thread: what a body's task sets
-    # (its stream, the Engine's grad mode) and what a body changes itself (grad mode) must not
-    # outlive the body there, nor reach the next task's body.
+    # The sequential executor runs the bodies on the caller's thread. Neither what the wrapper
+    # sets for a task (its stream) nor what a body changes itself (grad mode, the current stream,
+    # autocast) may outlive the body there or reach the next task's body; nor after a body
+    # raises. The Engine and the caller both have grad off, so only a body turns it on.
     import torch
 
     seen = []
+    other = torch.cuda.Stream()
+    fail = [False]
 
     def first(ctx):
         seen.append(("first", torch.is_grad_enabled(), torch.cuda.current_stream().cuda_stream))
-        torch.set_grad_enabled(True)  # left on: the next body must not see it
+        torch.set_grad_enabled(True)
+        torch.cuda.set_stream(other)
+        torch.set_autocast_enabled("cuda", True)
+        if fail[0]:
+            raise ValueError("a body's error")
 
     def second(ctx):
-        seen.append(("second", torch.is_grad_enabled(), torch.cuda.current_stream().cuda_stream))
+        seen.append(("second", torch.is_grad_enabled(), torch.cuda.current_stream().cuda_stream,
+                     torch.is_autocast_enabled("cuda")))
 
-    s = Schedule([Task.from_fn("a", first, stream="side", reads=["batch_cpu"]),
-                  Task.from_fn("b", second)])
-    with torch.no_grad():
-        engine = Engine(s, "legacy", backend="torch")
+    def engine():
+        return Engine(Schedule([Task.from_fn("a", first, stream="side", reads=["batch_cpu"]),
+                                Task.from_fn("b", second)]), "legacy", backend="torch")
+
     mine = torch.cuda.Stream()
-    with torch.cuda.stream(mine):
-        drain(engine, [0, 1])
+    with torch.no_grad(), torch.cuda.stream(mine):
+        e = engine()
+        drain(e, [0, 1])
         assert torch.cuda.current_stream() == mine
-    assert torch.is_grad_enabled()
-    side, default = engine.stream_handle("side"), engine.stream_handle("default")
-    assert seen == [("first", False, side), ("second", False, default)] * 2
-    engine.close()
+        assert not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
+    side, default = e.stream_handle("side"), e.stream_handle("default")
+    assert seen == [("first", False, side), ("second", False, default, False)] * 2
+    e.close()
+    fail[0] = True
+    with torch.no_grad(), torch.cuda.stream(mine):
+        e = engine()
+        with pytest.raises(ValueError, match="a body's error"):
+            drain(e, [0])
+        assert torch.cuda.current_stream() == mine
+        assert not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
+    e.close()
 
 
 @pytest.mark.parametrize("thread_map", ["legacy", "per_task"])

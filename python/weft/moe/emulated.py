@@ -104,7 +104,7 @@ class EmulatedDispatcher:
     costs[call].us(rows, hidden) on the current stream, rows x hidden the shape of the call's
     input (a dispatch's tokens, a combine's received rows). hold(num_sms, us, device) replaces
     the kernel (a test's recorder). held_us sums the holds so far (emulated communication time,
-    for one thread's calls: a step's comm thread)."""
+    for one dispatcher's calls)."""
 
     def __init__(self, inner, costs: Mapping[str, CallCost], num_sms: int,
                  hold: Optional[Callable[[int, float, torch.device], None]] = None) -> None:

@@ -9,8 +9,10 @@ bench/python/moe_pipeline.py --suggest is the command line over it.
         step(x, target, lr); traces.append(step.engine.take_trace())
     costs = weft.plan.trace_costs(merged_trace(traces), step.schedule,   # per task, each layer's
                                   gpu_waits=count_waits(num_layers))     # (native dispatcher)
-    variants = depth_variants(num_layers, [1, 8], num_micro_batches=4)
-    found = suggest_variant(costs, num_layers, 4, num_slots=[8, 4])   # .variant, .step_ms
+    threads = step.engine.threads             # the step's own map (PipelinedStep's choice)
+    variants = depth_variants(num_layers, [1, 8], 4, num_threads=len(threads))
+    found = suggest_variant(costs, num_layers, 4, num_slots=[8, 4],   # .variant, .step_ms
+                            own_thread_map=threads)
     found.write_config("suggested.json")      # variant_from_config() reads it back
     PipelinedStep(model, slots, 4, depth=found.variant.depth, config=found.variant.config)
     ms = predicted_ms(variant, costs)         # weft.step_planning's, on MoeVariants
@@ -139,7 +141,8 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     - weft.plan.suggest over the depth-B schedule, B = min(max_depth, min(num_slots) - 1):
       thread maps and every lookahead in [0, B], from moe_thread_map and the presets;
     - the depth family: every depth whose layouts fit, under the step's own thread map
-      (``own_thread_map``, a thread -> tasks dict; None: moe_thread_map), one thread (legacy)
+      (``own_thread_map``, a thread -> tasks dict, e.g. the step's ``engine.threads``; None:
+      moe_thread_map's two threads), one thread (legacy)
       and each map the first search found, those of at most max_threads threads.
     The pick is the step's own schedule (the best depth under its own map) unless the lowest
     prediction is more than ``min_gain_pct`` % below it (a gain inside the model's error is no

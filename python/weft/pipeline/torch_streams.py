@@ -7,8 +7,10 @@ them. Each body runs with
  - its task's stream as torch's current stream: a ``torch.cuda.ExternalStream`` over the
    engine's ``cudaStream_t``, so the kernels torch launches in the body land on it, and a
    ``torch.cuda.Event`` recorded there orders against the engine's events like any other work;
- - the caller's device, grad mode and CUDA autocast state as they were when the Engine was
-   built (torch keeps them per thread; an engine thread would otherwise see torch's defaults).
+ - the Engine's device (the CUDA backend selects it on the thread), and the caller's grad
+   mode and CUDA autocast state as they were when the Engine was built (torch keeps them per
+   thread; an engine thread would otherwise see torch's defaults); set before the body and put
+   back after it, what the body changed included.
 
 A tensor made on one stream and read on another is safe: the engine keeps a slot's value until
 a fence taken after its last reader has completed on every stream, so the caching allocator
@@ -63,15 +65,13 @@ class TorchStreams:
 
         # Per task this is host time on the engine's critical path, so the state is set with
         # plain calls and put back as found (the sequential executor runs bodies on the
-        # caller's thread), not with a context manager each. Autocast keeps its context where
-        # either side has it on: leaving it clears its cache of casts.
+        # caller's thread), not with a context manager each; what a body changes itself is
+        # put back too. The device needs nothing here: the engine's CUDA backend selects it on
+        # the thread before any body runs. Autocast keeps its context where either side has it
+        # on: leaving it clears its cache of casts.
         def body(ctx):
-            stream = stream_of(ctx.stream_handle())
-            prev_device = torch.cuda.current_device()
-            if prev_device != device:
-                torch.cuda.set_device(device)
             prev_stream = torch.cuda.current_stream(device)
-            torch.cuda.set_stream(stream)
+            torch.cuda.set_stream(stream_of(ctx.stream_handle()))
             prev_grad = torch.is_grad_enabled()
             if prev_grad != grad:
                 torch.set_grad_enabled(grad)
@@ -80,13 +80,16 @@ class TorchStreams:
                     with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_enabled):
                         fn(ctx)
                 else:
-                    fn(ctx)
+                    try:
+                        fn(ctx)
+                    finally:  # a body that turned it on with plain calls
+                        if torch.is_autocast_enabled("cuda"):
+                            torch.set_autocast_enabled("cuda", False)
+                            torch.clear_autocast_cache()
             finally:
                 if torch.is_grad_enabled() != prev_grad:
                     torch.set_grad_enabled(prev_grad)
                 torch.cuda.set_stream(prev_stream)
-                if prev_device != device:
-                    torch.cuda.set_device(prev_device)
 
         body.__name__ = getattr(fn, "__name__", task.name)
         return body
