@@ -116,9 +116,11 @@ figures_ep_bench() {  # ep_bench.py's table: GPU us per call (range) of the Deep
        END {line = "GPU us/call:"; for (i = 1; i <= 6; i++) if (i in f) line = line " " f[i] ",";
             sub(/,$/, "", line); print line}' "$1/log"
 }
-figures_moe() {  # moe_pipeline.py's rows: shape, T, schedule, step ms (range); the bits check
+figures_moe() {  # moe_pipeline.py's rows: shape, T, schedule, step ms (range); the bits check;
+  # the engine threads each pipelined family ran on
   sed -nE 's/^(comm|dsv3) +([0-9]+) +(.*[^ ]) +([0-9.]+-[0-9.]+) +[0-9.]+-[0-9.]+x$/\1 T=\2 \3 \4 ms/p
-           s/^(comm|dsv3) +([0-9]+) +the first step.s loss and every gradient bit-identical across schedules: (.*)$/\1 T=\2 bits identical: \3/p' \
+           s/^(comm|dsv3) +([0-9]+) +the first step.s loss and every gradient bit-identical across schedules: (.*)$/\1 T=\2 bits identical: \3/p
+           s/^(comm|dsv3) +([0-9]+) engine threads: (.*)$/\1 T=\2 engine threads: \3/p' \
     "$1/log" | paste -sd'|' -
 }
 figures_deepep_build() {  # which kernels were built (an internode*.cu among them: NVSHMEM was on)
