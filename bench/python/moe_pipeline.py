@@ -38,7 +38,11 @@ GIL, over a dispatcher that does: the all_to_all one, weft.ep's DeepEP API); --t
 sets them for both, and --switch-interval-ms sets how soon a thread waiting for the GIL gets it
 (sys.setswitchinterval; Python's default is 5 ms): the two ways to tell the GIL's share of a
 pipelined step's time.
-Step time: wall time of --iters steps after --warmup (synchronised), ranges over --repeats runs,
+Step time: wall time of --iters steps after --warmup (synchronised), ranges over --repeats runs
+(one schedule's runs after another's; --interleave: every schedule of a shape and T built first,
+then run r of each after run r - 1 of all, so that a drift of the machine's speed over the
+minutes of a run falls on every schedule alike; every model then lives at once, which the comm
+shape fits and the DeepSeek-V3 shape does not),
 ratios against (a) weft.ep of the same run ((a) a2a on the CPU). Every schedule's first step,
 its loss and every gradient, is compared bit for bit with the first schedule's (kept on the
 host); the exit status is 1 if any differ. hidden = (step(a) - step(b)) /
@@ -130,10 +134,10 @@ def same_bits(loss, model, reference, chunk_bytes=1 << 28):
     return True
 
 
-def time_step(step, model, x, target, a, device, reference):
-    """(whether the first step's loss and gradients equal reference bit for bit, [ms per step for
-    each repeat], reference). reference: host_bits of an earlier config's first step, or None:
-    then this first step's bits become the reference (and the result is True)."""
+def first_steps(step, model, x, target, a, reference):
+    """(whether the first step's loss and gradients equal reference bit for bit, reference), then
+    --warmup more steps. reference: host_bits of an earlier config's first step, or None: then
+    this first step's bits become the reference (and the result is True)."""
     loss = step(x, target)
     if reference is None:
         same, reference = True, host_bits(loss, model)
@@ -142,15 +146,20 @@ def time_step(step, model, x, target, a, device, reference):
     del loss
     for _ in range(a.warmup):
         step(x, target)
+    return same, reference
+
+
+def timed_runs(step, x, target, a, device, num_runs):
+    """[ms per step of each run of --iters steps], num_runs runs."""
     runs = []
-    for _ in range(a.repeats):
+    for _ in range(num_runs):
         _sync(device)
         start = time.perf_counter()
         for _ in range(a.iters):
             step(x, target)
         _sync(device)
         runs.append((time.perf_counter() - start) * 1e3 / a.iters)
-    return same, runs, reference
+    return runs
 
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device):
@@ -253,6 +262,9 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--interleave", action="store_true",
+                   help="build every schedule of a shape and T first, then time run r of each "
+                        "after run r - 1 of all (every model lives at once)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--threads", type=int, default=None, choices=(1, 2),
                    help="engine threads of (b) and (c): 2, compute and comm (moe_thread_map); "
@@ -355,45 +367,83 @@ def main():
             # The first config's first step is the reference of every config's bits.
             times, same, reference = {}, {}, None
             num_threads = {}  # family of (b) and (c) rows -> the engine threads it ran on
-            for cname, make_slots, depth, config in configs:
-                slots = make_slots()
-                model = make_model()
+            state = {"traced": traced}
+
+            def build(cname, make_slots, depth, config):
+                run = {"name": cname, "depth": depth, "config": config, "piped": None,
+                       "slots": make_slots(), "model": make_model()}
+                model, slots = run["model"], run["slots"]
                 if depth is None:
                     def step(x, t):
                         return moe.serial_step(model, x, t, 0.0, M, slots)
                 else:
-                    piped = moe.PipelinedStep(model, slots, M, depth=depth, backend=backend,
-                                              config=config,
-                                              thread_map=None if config else thread_map)
+                    piped = run["piped"] = moe.PipelinedStep(
+                        model, slots, M, depth=depth, backend=backend, config=config,
+                        thread_map=None if config else thread_map)
                     if config is None:
                         num_threads[cname.split(" d")[0]] = len(piped.engine.threads)
 
                     def step(x, t):
                         return piped(x, t, 0.0)
-                same[cname], times[cname], reference = time_step(step, model, x, target, a,
-                                                                 device, reference)
-                base = times[base_name]
-                runs = times[cname]
+                run["step"] = step
+                return run
+
+            def row(cname):
+                base, runs = times[base_name], times[cname]
                 ratio = f"{min(runs) / max(base):.2f}-{max(runs) / min(base):.2f}x"
                 out(f"{shape:6s} {T:6d} {cname:24s} {min(runs):8.2f}-{max(runs):<8.2f} "
                     f"{ratio:>20s}", flush=True)
-                if depth is not None and config is None and not traced and draw:
+
+            def finish(run):
+                """The traced step and the planner's page (the first pipelined row), the stage
+                costs ("no comm", emulated), then every reference to the run's model dropped."""
+                nonlocal compute_us, update_us
+                model, slots, depth = run["model"], run["slots"], run["depth"]
+                if depth is not None and run["config"] is None and not state["traced"] and draw:
                     _trace_and_plan(model, slots, x, target, a, depth, backend, device,
-                                    f"{shape}_T{T}{'_emu' if emu else ''}", times[cname], rank)
-                    traced = True
-                if depth is not None:
-                    piped.close()
-                if cname == "no comm" and emu:
+                                    f"{shape}_T{T}{'_emu' if emu else ''}", times[run["name"]],
+                                    rank)
+                    state["traced"] = True
+                if run["piped"] is not None:
+                    run["piped"].close()
+                if run["name"] == "no comm" and emu:
                     stage_us, update_us = stage_costs_us(model, slots, x, target, M, device)
                     compute_us = {k: v for k, v in stage_us.items() if k not in COMM_STAGES}
                 # The step closure and the pipelined step hold the model too: drop every
                 # reference before the next config builds its own (a DeepSeek-V3-sized model
                 # and its gradients take most of a GPU).
-                del model, slots, step
-                piped = None
+                run.clear()
                 gc.collect()
                 if device == "cuda":
                     torch.cuda.empty_cache()
+
+            compute_us = update_us = None
+            if a.interleave:
+                # Every config's model at once; run r of each config after run r - 1 of all.
+                runs = []
+                for cname, make_slots, depth, config in configs:
+                    runs.append(build(cname, make_slots, depth, config))
+                    same[cname], reference = first_steps(runs[-1]["step"], runs[-1]["model"],
+                                                         x, target, a, reference)
+                    times[cname] = []
+                for _ in range(a.repeats):
+                    for run in runs:
+                        times[run["name"]] += timed_runs(run["step"], x, target, a, device, 1)
+                for run in runs:
+                    row(run["name"])
+                for run in runs:
+                    finish(run)
+                del runs
+            else:
+                for cname, make_slots, depth, config in configs:
+                    run = build(cname, make_slots, depth, config)
+                    same[cname], reference = first_steps(run["step"], run["model"], x, target,
+                                                         a, reference)
+                    times[cname] = timed_runs(run["step"], x, target, a, device, a.repeats)
+                    row(cname)
+                    finish(run)
+                    del run
+            traced = state["traced"]
             different = [k for k, v in same.items() if not v]
             mismatches += len(different)
             out(f"{shape:6s} {T:6d} the first step's loss and every gradient bit-identical "
