@@ -265,6 +265,32 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
     assert (tmp_path / "moe_tiny_T64_d0.trace.json").is_file()
 
 
+@pytest.mark.timeout(300)
+def test_moe_pipeline_interleave_times_every_schedule_each_run(tmp_path):
+    """--interleave: every schedule built first, then run r of each after run r - 1 of all; each
+    row has its --repeats runs, the bits check and the engine threads as without it."""
+    env = dict(os.environ)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
+    env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
+    args = ["--device", "cpu", "--shapes", "tiny", "--tokens", "64", "--layers", "1",
+            "--micro-batches", "2", "--depth", "1,max", "--warmup", "0", "--iters", "1",
+            "--repeats", "3", "--interleave"]
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "python" / "moe_pipeline.py"),
+                          *args], env=env, capture_output=True, text=True, timeout=280,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    rows = [line.split() for line in lines if line.startswith("tiny") and line.endswith("x")]
+    assert [" ".join(r[2:-2]) for r in rows] == ["(a) a2a", "(c) pipe+a2a d1",
+                                                 "(c) pipe+a2a d4", "no comm"]
+    for r in rows:
+        low, high = map(float, r[-2].split("-"))
+        assert 0 < low <= high, r
+    assert "tiny       64 the first step's loss and every gradient bit-identical across " \
+           "schedules: True" in lines
+    assert "tiny       64 engine threads: (c) pipe+a2a 2" in lines
+
+
 @pytest.mark.timeout(60)
 def test_moe_pipeline_bits_tell_one_flipped_gradient_bit():
     # The bench compares every schedule's first step with the first schedule's, kept on the host
