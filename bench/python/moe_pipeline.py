@@ -319,7 +319,7 @@ def main():
             f"holds on one GPU; rows marked emu are emulated figures", flush=True)
     backend = "torch" if device == "cuda" else "host"
     # The depth rows' map (None: PipelinedStep's); a suggestion runs on its config's.
-    thread_map = moe.moe_thread_map(a.layers, a.threads) if a.threads else None
+    thread_map = _given_thread_map(a)
     traced = False
     mismatches = 0
     for shape in a.shapes.split(","):
@@ -367,9 +367,10 @@ def main():
             # The first config's first step is the reference of every config's bits.
             times, same, reference = {}, {}, None
             num_threads = {}  # family of (b) and (c) rows -> the engine threads it ran on
-            state = {"traced": traced}
 
             def build(cname, make_slots, depth, config):
+                """The config's model and step, its first step's bits checked, warmed up."""
+                nonlocal reference
                 run = {"name": cname, "depth": depth, "config": config, "piped": None,
                        "slots": make_slots(), "model": make_model()}
                 model, slots = run["model"], run["slots"]
@@ -386,6 +387,8 @@ def main():
                     def step(x, t):
                         return piped(x, t, 0.0)
                 run["step"] = step
+                same[cname], reference = first_steps(step, model, x, target, a, reference)
+                times[cname] = []
                 return run
 
             def row(cname):
@@ -397,13 +400,13 @@ def main():
             def finish(run):
                 """The traced step and the planner's page (the first pipelined row), the stage
                 costs ("no comm", emulated), then every reference to the run's model dropped."""
-                nonlocal compute_us, update_us
+                nonlocal compute_us, update_us, traced
                 model, slots, depth = run["model"], run["slots"], run["depth"]
-                if depth is not None and run["config"] is None and not state["traced"] and draw:
+                if depth is not None and run["config"] is None and not traced and draw:
                     _trace_and_plan(model, slots, x, target, a, depth, backend, device,
                                     f"{shape}_T{T}{'_emu' if emu else ''}", times[run["name"]],
                                     rank)
-                    state["traced"] = True
+                    traced = True
                 if run["piped"] is not None:
                     run["piped"].close()
                 if run["name"] == "no comm" and emu:
@@ -420,12 +423,7 @@ def main():
             compute_us = update_us = None
             if a.interleave:
                 # Every config's model at once; run r of each config after run r - 1 of all.
-                runs = []
-                for cname, make_slots, depth, config in configs:
-                    runs.append(build(cname, make_slots, depth, config))
-                    same[cname], reference = first_steps(runs[-1]["step"], runs[-1]["model"],
-                                                         x, target, a, reference)
-                    times[cname] = []
+                runs = [build(*c) for c in configs]
                 for _ in range(a.repeats):
                     for run in runs:
                         times[run["name"]] += timed_runs(run["step"], x, target, a, device, 1)
@@ -435,15 +433,12 @@ def main():
                     finish(run)
                 del runs
             else:
-                for cname, make_slots, depth, config in configs:
-                    run = build(cname, make_slots, depth, config)
-                    same[cname], reference = first_steps(run["step"], run["model"], x, target,
-                                                         a, reference)
-                    times[cname] = timed_runs(run["step"], x, target, a, device, a.repeats)
-                    row(cname)
+                for c in configs:
+                    run = build(*c)
+                    times[run["name"]] += timed_runs(run["step"], x, target, a, device, a.repeats)
+                    row(run["name"])
                     finish(run)
                     del run
-            traced = state["traced"]
             different = [k for k, v in same.items() if not v]
             mismatches += len(different)
             out(f"{shape:6s} {T:6d} the first step's loss and every gradient bit-identical "
@@ -467,13 +462,17 @@ def main():
     return 0 if same_everywhere else 1
 
 
+def _given_thread_map(a):
+    """--threads' map of the pipelined steps, or None: PipelinedStep's choice."""
+    return moe.moe_thread_map(a.layers, a.threads) if a.threads else None
+
+
 def _traced_run(a, make_model, slots, x, target, depth, backend, device):
     """(ms per step, the merged trace of the --iters traced steps, the schedule): a traced
     PipelinedStep after --warmup untraced-for-the-costs steps."""
     model = make_model()
     step = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
-                             trace=True, thread_map=moe.moe_thread_map(a.layers, a.threads)
-                             if a.threads else None)
+                             trace=True, thread_map=_given_thread_map(a))
     for _ in range(a.warmup):
         step(x, target, 0.0)
     _sync(device)
@@ -670,8 +669,7 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
     measured one. Every rank runs the steps (they are collective); rank 0 writes and prints."""
     L = len(model.moe)
     traced = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
-                               trace=True, thread_map=moe.moe_thread_map(L, a.threads)
-                               if a.threads else None)
+                               trace=True, thread_map=_given_thread_map(a))
     traced(x, target, 0.0)
     _sync(device)
     trace = traced.engine.take_trace()
