@@ -206,12 +206,12 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
     return {k: v / counts[k] for k, v in sums.items()}, update_us
 
 
-def _dispatcher_factories(a, group, experts, T, M):
+def _dispatcher_factories(a, group, layout_group, experts, T, M):
     """(ep_slots(num_slots), a2a_slots(), name prefix, local_ep_slots(num_slots) or None): the
     weft.ep and all_to_all layout slots of this run, emulated or not; emulated, also weft.ep's
     without the emulation."""
     num_layers = a.layers
-    a2a = moe.AllToAllDispatcher(group, experts)
+    a2a = moe.AllToAllDispatcher(group, experts, layout_group=layout_group)
     max_tokens = -(-T // M)
 
     def ep_dispatcher():
@@ -301,6 +301,8 @@ def main():
         group = world_group(torch.device(device))
     world = group.size() if group else 1
     rank = group.rank() if group else 0
+    # The all_to_all dispatcher's sizes on a group of their own (AllToAllDispatcher).
+    layout_group = dist.new_group(list(range(world))) if group else None
     if a.comm == "emulated" and world != 1:
         p.error("--comm emulated runs at one rank (it stands in for the other GPUs)")
     out = print if rank == 0 else (lambda *_, **__: None)
@@ -328,8 +330,8 @@ def main():
             g = torch.Generator(device=device).manual_seed(rank)
             x = torch.randn((T, hidden), generator=g, device=device).bfloat16()
             target = torch.randn((T, hidden), generator=g, device=device).bfloat16()
-            ep_slots, a2a_slots, emu, local_ep_slots = _dispatcher_factories(a, group, experts,
-                                                                             T, M)
+            ep_slots, a2a_slots, emu, local_ep_slots = _dispatcher_factories(
+                a, group, layout_group, experts, T, M)
             configs = []  # (name, slots factory, depth or None for serial, config or None)
             if device == "cuda":
                 configs.append((f"(a) {emu}weft.ep", lambda: ep_slots([1] * a.layers), None,

@@ -8,6 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import weft.moe as moe  # noqa: E402
+from weft import Error  # noqa: E402
 from conftest import needs_gpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,6 +75,88 @@ def test_all_to_all_dispatch_and_combine_match_the_local_ones_with_dropped_selec
     combined = [d.combine(y, r[3], weights=r[2]) for d, r in ((local, want), (a2a, got))]
     assert torch.equal(combined[0][0], combined[1][0])
     assert torch.equal(combined[0][1], combined[1][1])
+
+
+def _selections(num_tokens, num_experts, top_k, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((num_tokens, 32), generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(num_experts, generator=g)[:top_k]
+                       for _ in range(num_tokens)])
+    idx = torch.where(torch.rand((num_tokens, top_k), generator=g) < 0.3, -1, idx)
+    w = torch.rand((num_tokens, top_k), generator=g)
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def _assert_same_dispatch(want, got):
+    for a, b in zip(want[:3], got[:3]):
+        assert torch.equal(a, b)
+    assert got[4] == want[4]
+    for a, b in zip(want[3][0], got[3][0]):  # the tokens sent to each rank
+        assert torch.equal(a, b)
+    assert got[3][1:] == want[3][1:]
+
+
+def test_all_to_all_dispatch_of_a_layout_begun_before_it_is_the_whole_dispatch():
+    # layout_begin (the router stage's half) then dispatch(layout): the same rows, handle and
+    # count as one dispatch; a layout of other selections, or a layout group without a group,
+    # is refused.
+    d = moe.AllToAllDispatcher(None, 16)
+    for seed in range(3):
+        x, idx, w = _selections(41, 16, 4, seed)
+        layout = d.layout_begin(idx)
+        _assert_same_dispatch(d.dispatch(x, idx, w), d.dispatch(x, idx, w, layout=layout))
+        _assert_same_dispatch(d.dispatch(x, idx, w),
+                              moe.dispatchers.begin_dispatch(d, x, idx, w, layout).finish())
+    with pytest.raises(Error, match="the layout is of selections"):
+        d.dispatch(x[:40], idx[:40], w[:40], layout=layout)
+    with pytest.raises(ValueError, match="layout_group"):
+        moe.AllToAllDispatcher(None, 16, layout_group=object())
+
+
+def test_the_emulated_all_to_all_dispatcher_passes_its_layout_on():
+    holds = []
+    inner = moe.AllToAllDispatcher(None, 16)
+    d = moe.EmulatedDispatcher(inner, moe.emulated.A2A_2XH200, num_sms=4,
+                               hold=lambda sms, us, dev: holds.append(us))
+    x, idx, w = _selections(20, 16, 4, 7)
+    layout = d.layout_begin(idx)
+    assert not holds  # a layout moves nothing
+    _assert_same_dispatch(inner.dispatch(x, idx, w), d.dispatch(x, idx, w, layout=layout))
+    _assert_same_dispatch(inner.dispatch(x, idx, w),
+                          d.dispatch_begin(x, idx, w, d.layout_begin(idx)).finish())
+    assert len(holds) == 2
+    with pytest.raises(Error, match="the layout is of selections"):
+        d.dispatch(x[:4], idx[:4], w[:4], layout=layout)
+
+
+@needs_gpus(1)
+def test_all_to_all_dispatch_waits_for_its_layout_not_for_its_stream():
+    # A 300 ms hold on the dispatch's stream, queued before it: a dispatch whose layout was
+    # begun on another stream returns while the hold still runs, and its results are the whole
+    # dispatch's once the stream is done; one that makes its layout on that stream (no layout
+    # given) waits the hold out.
+    from weft.moe.emulated import hold_on_current_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    d = moe.AllToAllDispatcher(None, 16)
+    x, idx, w = _selections(512, 16, 4, 11, device=dev)
+    want = d.dispatch(x, idx, w)
+    router, comm = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    router.wait_stream(torch.cuda.current_stream(dev))
+    comm.wait_stream(torch.cuda.current_stream(dev))
+    for given in (True, False):
+        held = torch.cuda.Event()
+        with torch.cuda.stream(router):
+            layout = d.layout_begin(idx) if given else None
+        router.synchronize()
+        with torch.cuda.stream(comm):
+            hold_on_current_stream(1, 300_000.0, dev)
+            held.record(comm)
+            got = d.dispatch(x, idx, w, layout=layout)
+            returned_during_the_hold = not held.query()
+        comm.synchronize()
+        assert returned_during_the_hold == given
+        _assert_same_dispatch(want, got)
 
 
 def test_gradients_match_autograd_through_the_dense_reference():

@@ -423,7 +423,8 @@ def _gloo_rank(rank, world_size):
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    d = moe.AllToAllDispatcher(group, 8)
+    # The sizes on a group of their own: the router stage's layout, the comm thread's exchange.
+    d = moe.AllToAllDispatcher(group, 8, layout_group=dist.new_group([0, 1]))
     serial = moe.MoEModel(dispatcher=d, seed=3, **SMALL)    # this rank's 4 experts
     piped = moe.MoEModel(dispatcher=d, seed=3, **SMALL)
     ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=3, **SMALL)  # all 8
@@ -462,6 +463,42 @@ def _gloo_rank(rank, world_size):
 @pytest.mark.timeout(100)
 def test_all_to_all_over_gloo_two_ranks(tmp_path):
     run_ranks(_gloo_rank, 2, tmp_path / "store", timeout_s=90)
+
+
+class LayoutRecordingDispatcher(moe.AllToAllDispatcher):
+    """The all_to_all dispatcher at one rank, recording whether each dispatch came with the
+    layout that layout_begin made for its own selections."""
+
+    def __init__(self, num_experts):
+        super().__init__(None, num_experts)
+        self.begun, self.calls = [], []
+
+    def layout_begin(self, topk_idx):
+        layout = super().layout_begin(topk_idx)
+        self.begun.append((topk_idx, layout))
+        return layout
+
+    def dispatch(self, x, topk_idx, topk_weights, layout=None):
+        self.calls.append(any(t is topk_idx and b is layout for t, b in self.begun))
+        return super().dispatch(x, topk_idx, topk_weights, layout)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("depth", [0, 8])
+def test_each_dispatch_takes_the_layout_its_router_stage_began(depth):
+    serial = moe.MoEModel(dispatcher=moe.AllToAllDispatcher(None, 8), seed=4, **SMALL)
+    d = LayoutRecordingDispatcher(8)
+    piped = moe.MoEModel(dispatcher=d, seed=4, **SMALL)
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=3,
+                             depth=depth)
+    for i in range(2):
+        x, target = _inputs(i)
+        a = moe.serial_step(serial, x, target, lr=0.05, num_micro_batches=3)
+        c = step(x, target, lr=0.05)
+        assert torch.equal(a, c) and _same_bits(serial.parameters(), piped.parameters()), i
+    step.close()
+    # 2 steps x 3 micro-batches x 2 layers, each dispatch with the layout begun for it
+    assert d.calls == [True] * 12 and len(d.begun) == 12
 
 
 # -- on a GPU (world size 1: every expert local) --------------------------------------------------
@@ -544,13 +581,13 @@ def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dispatcher", ["weft.ep", "weft.ep native", "local"])
+@pytest.mark.parametrize("dispatcher", ["weft.ep", "weft.ep native", "local", "all_to_all"])
 def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
     """torch's sync debug mode raises in every stage but the dispatch (weft.ep's DeepEP API
     reads the layout's counts to the host once, as weft.ep's dispatch does anyway; the local
-    one its rows); the experts take their group offsets on the device. NativeEpDispatcher's
-    count wait (in the experts stage, on the count the kernel publishes) is no torch sync: no
-    stage is exempt."""
+    one its rows; the all_to_all one its sizes, counted in the router stage); the experts take
+    their group offsets on the device. NativeEpDispatcher's count wait (in the experts stage, on
+    the count the kernel publishes) is no torch sync: no stage is exempt."""
     from weft.moe.experts import uses_grouped_mm
     from weft.moe.step import _Stages, chain, micro_batches
 
@@ -563,7 +600,9 @@ def test_no_stage_but_the_dispatch_waits_for_the_device(dispatcher):
     slots = {"weft.ep": lambda: _ep_slots([1, 1], T // M),
              "weft.ep native": lambda: moe.LayoutSlots.native_ep(None, 16, [1, 1],
                                                                  max_tokens=T // M),
-             "local": lambda: moe.LayoutSlots.shared(moe.LocalDispatcher(16), 2)}[dispatcher]()
+             "local": lambda: moe.LayoutSlots.shared(moe.LocalDispatcher(16), 2),
+             "all_to_all": lambda: moe.LayoutSlots.shared(moe.AllToAllDispatcher(None, 16),
+                                                          2)}[dispatcher]()
     exempt = None if dispatcher == "weft.ep native" else "dispatch"
     stages = _Stages(model, slots)
     x, target = _inputs(0, tokens=T, hidden=256, device="cuda")

@@ -22,6 +22,11 @@ A dispatch also comes in two halves, begin_dispatch(d, x, topk_idx, topk_weights
 NativeEpDispatcher splits the work (its dispatch_begin launches the kernel and returns, its
 finish waits for the count, published to the host while the rows move, and copies the rows
 out); for a dispatcher without dispatch_begin the begin is its whole dispatch.
+
+A dispatcher may also take its layout ahead of the dispatch: layout = d.layout_begin(topk_idx),
+on the router's stream (the step's router stage calls it), then begin_dispatch(d, x, topk_idx,
+topk_weights, layout). AllToAllDispatcher counts its sizes there, so that its dispatch's host wait
+ends with the router's work rather than with every call queued before it on the comm stream.
 """
 
 from __future__ import annotations
@@ -36,13 +41,15 @@ from weft import Error
 from .experts import count_entries
 
 
-def begin_dispatch(dispatcher, x, topk_idx, topk_weights):
+def begin_dispatch(dispatcher, x, topk_idx, topk_weights, layout=None):
     """dispatcher.dispatch_begin(...), or for a dispatcher without it (the three calls alone:
-    dispatch, combine, dispatch_cached) its whole dispatch, Dispatched."""
+    dispatch, combine, dispatch_cached) its whole dispatch, Dispatched. layout: what the
+    dispatcher's layout_begin(topk_idx) gave, if it has one (passed on as layout=)."""
+    kw = {} if layout is None else {"layout": layout}
     begin = getattr(dispatcher, "dispatch_begin", None)
     if begin is None:
-        return Dispatched(dispatcher.dispatch(x, topk_idx, topk_weights))
-    return begin(x, topk_idx, topk_weights)
+        return Dispatched(dispatcher.dispatch(x, topk_idx, topk_weights, **kw))
+    return begin(x, topk_idx, topk_weights, **kw)
 
 
 class Dispatched:
@@ -306,46 +313,119 @@ class _PendingNativeDispatch:
         return self.dispatcher._finish(self)
 
 
+class AllToAllLayout:
+    """AllToAllDispatcher.layout_begin's result: which selections are valid ([T, top_k]), which
+    tokens go to which rank (in_rank [T, R]) and the sizes per destination (sizes [R, 2]: rows,
+    entries), made on the stream that was current, and ready, an event recorded there after them
+    (None on the CPU)."""
+
+    __slots__ = ("valid", "in_rank", "sizes", "ready")
+
+    def __init__(self, valid, in_rank, sizes, ready) -> None:
+        self.valid, self.in_rank, self.sizes, self.ready = valid, in_rank, sizes, ready
+
+
 class AllToAllDispatcher:
     """The dispatcher MoE users have today: sizes exchanged with an all_to_all and read to the host
-    (one sync a dispatch), rows permuted by destination, then torch.distributed.all_to_all_single
-    of rows, indices and weights; combine sends the rows back the same way."""
+    (one wait a dispatch), rows permuted by destination, then torch.distributed.all_to_all_single
+    of rows, indices and weights; combine sends the rows back the same way.
+
+    Its layout comes in a half of its own: layout_begin(topk_idx), on the router's stream (the
+    micro-batched step calls it in its router stage), counts the rows and entries per destination
+    and records an event; dispatch(x, topk_idx, topk_weights, layout) exchanges those sizes on a
+    stream of its own that waits for that event alone, and waits on the host for them there. So
+    the dispatch's one wait ends when the router's work is done, not when every call queued
+    before it on the dispatch's stream (earlier micro-batches' communication) has run. A dispatch
+    without a layout makes its own. layout_group: the group the sizes travel on (default: group).
+    torch.distributed runs a group's NCCL calls on one stream in the order they are issued, so on
+    the rows' group the sizes queue behind every row all_to_all issued before them; a second group
+    of the same ranks (torch.distributed.new_group) lets them pass."""
 
     keeps_layouts = False  # a handle carries its whole layout
     comm_waits_on_host = True  # the dispatch reads its sizes
 
-    def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int, *,
+                 layout_group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
+        self.layout_group = group if layout_group is None else layout_group
         self.num_ranks = group.size() if group is not None else 1
         self.rank = group.rank() if group is not None else 0
+        if (self.layout_group is not None) != (group is not None) or (
+                group is not None and self.layout_group.size() != self.num_ranks):
+            raise ValueError("layout_group must have the ranks of group")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
+        self._sizes_streams = {}  # device index -> the stream the sizes are exchanged on
 
-    def _a2a(self, send: torch.Tensor, send_split: List[int], recv_split: List[int]):
+    def _a2a(self, send: torch.Tensor, send_split: List[int], recv_split: List[int],
+             group: Optional[dist.ProcessGroup] = None):
         out = torch.empty((sum(recv_split), *send.shape[1:]), dtype=send.dtype,
                           device=send.device)
         if self.group is None:
             out.copy_(send)
         else:
             dist.all_to_all_single(out, send.contiguous(), recv_split, send_split,
-                                   group=self.group)
+                                   group=self.group if group is None else group)
         return out
 
-    def dispatch(self, x, topk_idx, topk_weights):
+    def layout_begin(self, topk_idx) -> AllToAllLayout:
+        """Per destination rank, its rows (tokens with an expert there) and entries (selections of
+        its experts), on the current stream; no wait, no collective."""
         R, epr = self.num_ranks, self.num_local_experts
-        num_tokens = x.shape[0]
         valid = topk_idx >= 0
         dest = torch.where(valid, topk_idx // epr, R)
-        in_rank = torch.zeros((num_tokens, R + 1), dtype=torch.bool, device=x.device)
+        in_rank = torch.zeros((topk_idx.shape[0], R + 1), dtype=torch.bool,
+                              device=topk_idx.device)
         in_rank.scatter_(1, dest, True)
         in_rank = in_rank[:, :R]
-        # Per destination, its rows and its entries (selections of its experts), exchanged, then
-        # read to the host in one sync: the sizes all_to_all_single needs and the entry count.
         dests = dest.flatten()
-        entries = torch.zeros(R + 1, dtype=torch.int64, device=x.device)
+        entries = torch.zeros(R + 1, dtype=torch.int64, device=topk_idx.device)
         entries.scatter_add_(0, dests, torch.ones_like(dests))
         sizes = torch.stack([in_rank.sum(0), entries[:R]], dim=1)
-        host = torch.cat([sizes, self._a2a(sizes, [1] * R, [1] * R)]).tolist()
+        ready = None
+        if sizes.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(sizes.device))
+        return AllToAllLayout(valid, in_rank, sizes, ready)
+
+    def _exchange_sizes(self, layout: AllToAllLayout) -> List[List[int]]:
+        """The sizes sent (R rows) then received (R rows), [rows, entries] each, on the host: on
+        the CPU at once; on a GPU on the sizes' own stream after layout.ready, copied to pinned
+        memory and waited for there."""
+        R = self.num_ranks
+        ones = [1] * R
+        if layout.ready is None:
+            return torch.cat([layout.sizes,
+                              self._a2a(layout.sizes, ones, ones, self.layout_group)]).tolist()
+        device = layout.sizes.device
+        stream = self._sizes_streams.get(device.index)
+        if stream is None:
+            stream = self._sizes_streams[device.index] = torch.cuda.Stream(device)
+        stream.wait_event(layout.ready)
+        with torch.cuda.stream(stream):
+            both = torch.cat([layout.sizes,
+                              self._a2a(layout.sizes, ones, ones, self.layout_group)])
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        copied.synchronize()  # the stream's work on layout.sizes and both is done too
+        return host.tolist()
+
+    def dispatch(self, x, topk_idx, topk_weights, layout: Optional[AllToAllLayout] = None):
+        R = self.num_ranks
+        num_tokens = x.shape[0]
+        if layout is None:
+            layout = self.layout_begin(topk_idx)
+        elif layout.valid.shape != topk_idx.shape:
+            raise Error(f"AllToAllDispatcher: the layout is of selections "
+                        f"{tuple(layout.valid.shape)}, the dispatch's are "
+                        f"{tuple(topk_idx.shape)}")
+        valid, in_rank = layout.valid, layout.in_rank
+        if in_rank.is_cuda:  # made on the router's stream, read on this one below
+            for t in (valid, in_rank):
+                t.record_stream(torch.cuda.current_stream(t.device))
+        host = self._exchange_sizes(layout)
         send_split = [rows for rows, _ in host[:R]]
         recv_split = [rows for rows, _ in host[R:]]
         num_entries = sum(n for _, n in host[R:])
@@ -356,6 +436,7 @@ class AllToAllDispatcher:
         order = picked % num_tokens
         rows_dest = picked // num_tokens
         send_tokens = list(order.split(send_split))
+        epr = self.num_local_experts
         local = (topk_idx[order] // epr == rows_dest[:, None]) & valid[order]
         send_idx = torch.where(local, topk_idx[order] - rows_dest[:, None] * epr, -1)
         send_w = torch.where(local, topk_weights[order], torch.zeros_like(topk_weights[order]))

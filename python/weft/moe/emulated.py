@@ -120,19 +120,21 @@ class EmulatedDispatcher:
         self.comm_waits_on_host = getattr(inner, "comm_waits_on_host", True)
         self.num_ranks, self.rank = inner.num_ranks, inner.rank
         self.num_local_experts = inner.num_local_experts
+        if hasattr(inner, "layout_begin"):  # the layout is the inner's (no hold: no transfer)
+            self.layout_begin = inner.layout_begin
 
     def _hold(self, call: str, rows_of: torch.Tensor) -> None:
         us = self.costs[call].us(rows_of.shape[0], rows_of.shape[1])
         self.held_us += us
         self.hold(self.num_sms, us, rows_of.device)
 
-    def dispatch(self, x, topk_idx, topk_weights):
-        out = self.inner.dispatch(x, topk_idx, topk_weights)
+    def dispatch(self, x, topk_idx, topk_weights, layout=None):
+        out = begin_dispatch(self.inner, x, topk_idx, topk_weights, layout).finish()
         self._hold("dispatch", x)
         return out
 
-    def dispatch_begin(self, x, topk_idx, topk_weights):
-        begun = begin_dispatch(self.inner, x, topk_idx, topk_weights)
+    def dispatch_begin(self, x, topk_idx, topk_weights, layout=None):
+        begun = begin_dispatch(self.inner, x, topk_idx, topk_weights, layout)
         self._hold("dispatch", x)
         return begun
 

@@ -81,6 +81,8 @@ class MicroBatch:
         self.x_in = per_layer()          # l > 0: the layer's input, a leaf (its .grad: backward)
         self.h = per_layer()             # dense block output (graph from x_in)
         self.route = per_layer()         # (topk_idx, topk_weights), the weights' graph from h
+        self.layout = per_layer()        # the dispatcher's layout_begin, if it has one, until
+                                         # the dispatch
         # (recv_x, recv_idx, recv_w, handle, num_entries); from dispatch to experts the
         # dispatch begun (dispatchers.Dispatched or its like), which experts finishes
         self.recv = per_layer()
@@ -166,12 +168,17 @@ class _Stages:
             mb.x_in[layer] = x
         mb.h[layer] = self.model.dense[layer](x)
         mb.route[layer] = self.model.moe[layer].route(mb.h[layer])
+        layout_begin = getattr(self._dispatcher(mb, layer), "layout_begin", None)
+        if layout_begin is not None:  # on this stream, so that the dispatch waits for it alone
+            with torch.no_grad():
+                mb.layout[layer] = layout_begin(mb.route[layer][0])
 
     def dispatch(self, mb: MicroBatch, layer: int) -> None:
         idx, weights = mb.route[layer]
         with torch.no_grad():
             mb.recv[layer] = begin_dispatch(self._dispatcher(mb, layer), mb.h[layer].detach(),
-                                            idx, weights.detach())
+                                            idx, weights.detach(), mb.layout[layer])
+        mb.layout[layer] = None
 
     def experts(self, mb: MicroBatch, layer: int) -> None:
         mb.recv[layer] = mb.recv[layer].finish()  # the dispatch's count wait, if it has one
