@@ -28,13 +28,8 @@ Schedules, each with --micro-batches micro-batches per step:
   no comm              serial_step with the local dispatcher (one rank only)
   (a) weft.ep local    --comm emulated: (a) without the emulated holds (at one rank weft.ep's
                        communication is a local copy)
-  (a) a2a local        --comm emulated: (a) a2a without the emulated holds (the dispatcher's
-                       permutation, sizes wait and local copies at one rank)
 The compute floor is the faster of "no comm" and "(a) weft.ep local": the step whose
 communication is a local copy (the local dispatcher's torch ops may cost more than weft.ep's).
-Emulated, (c)'s floor is "(a) a2a local": the 2-GPU times its holds stand for are whole calls,
-the permutation and the sizes wait included, which the one-rank data path then adds again; (c)'s
-line also gives the share of all that (a) a2a spends over the compute floor.
 Depth d: max = 4 x layers (every communication, forward and backward, beside another
 micro-batch's compute); 2 x layers hides the forward communication only. (b) and (c) run on
 the engine threads PipelinedStep picks (moe.default_num_threads: one over weft.ep's native
@@ -212,9 +207,9 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
 
 
 def _dispatcher_factories(a, group, layout_group, experts, T, M):
-    """(ep_slots(num_slots), a2a_slots(), name prefix, local_ep_slots(num_slots) or None,
-    local_a2a_slots() or None): the weft.ep and all_to_all layout slots of this run, emulated or
-    not; emulated, also both without the emulation."""
+    """(ep_slots(num_slots), a2a_slots(), name prefix, local_ep_slots(num_slots) or None): the
+    weft.ep and all_to_all layout slots of this run, emulated or not; emulated, also weft.ep's
+    without the emulation."""
     num_layers = a.layers
     a2a = moe.AllToAllDispatcher(group, experts, layout_group=layout_group)
     max_tokens = -(-T // M)
@@ -229,7 +224,7 @@ def _dispatcher_factories(a, group, layout_group, experts, T, M):
         return moe.LayoutSlots(lambda layer, s: ep_dispatcher(), num_slots)
     if a.comm == "local":
         shared_a2a = moe.LayoutSlots.shared(a2a, num_layers)
-        return local_ep_slots, lambda: shared_a2a, "", None, None
+        return local_ep_slots, lambda: shared_a2a, "", None
     import weft.ep
 
     tables = moe.emulated.TARGETS[a.target]
@@ -243,8 +238,7 @@ def _dispatcher_factories(a, group, layout_group, experts, T, M):
 
     emulated_a2a = moe.LayoutSlots.shared(
         moe.EmulatedDispatcher(a2a, tables["a2a"], a2a_sms), num_layers)
-    return (ep_slots, lambda: emulated_a2a, "emu ", local_ep_slots,
-            lambda: moe.LayoutSlots.shared(a2a, num_layers))
+    return ep_slots, lambda: emulated_a2a, "emu ", local_ep_slots
 
 
 def main():
@@ -336,7 +330,7 @@ def main():
             g = torch.Generator(device=device).manual_seed(rank)
             x = torch.randn((T, hidden), generator=g, device=device).bfloat16()
             target = torch.randn((T, hidden), generator=g, device=device).bfloat16()
-            ep_slots, a2a_slots, emu, local_ep_slots, local_a2a_slots = _dispatcher_factories(
+            ep_slots, a2a_slots, emu, local_ep_slots = _dispatcher_factories(
                 a, group, layout_group, experts, T, M)
             configs = []  # (name, slots factory, depth or None for serial, config or None)
             if device == "cuda":
@@ -353,8 +347,6 @@ def main():
             if local_ep_slots is not None and device == "cuda":
                 configs.append(("(a) weft.ep local", lambda: local_ep_slots([1] * a.layers), None,
                                 None))
-            if local_a2a_slots is not None:
-                configs.append(("(a) a2a local", local_a2a_slots, None, None))
 
             def make_model():
                 # The model's dispatcher sets its share of the experts (the step uses slots).
@@ -621,39 +613,25 @@ def _print_hidden(out, shape, T, times, emu):
     """hidden = (serial - pipelined) / (serial - floor), from the medians of the runs, and the
     issue's goals: local comm, pipelined <= 1.02 x serial; emulated, hidden >= 0.8, i.e.
     step(b) <= floor + 0.2 x (step(a) - floor). floor: the faster of "no comm" and "(a) weft.ep
-    local" (the steps whose communication is a local copy); emulated, (c)'s is "(a) a2a local",
-    the same dispatcher's step without the emulated transfers (its permutation and host wait
-    at one rank are in the 2-GPU call times the holds stand for), and (c)'s line also gives the
-    share of everything (a) a2a spends over the compute floor."""
+    local" (the steps whose communication is a local copy)."""
     med = {k: _median(v) for k, v in times.items()}
     floors = [k for k in ("no comm", "(a) weft.ep local") if k in med]
-    compute_floor = min(floors, key=med.get) if floors else None
-
-    def hidden(serial, v, floor_key):
-        comm_ms = med[serial] - med[floor_key]
-        share = f"{(med[serial] - v) / comm_ms:.2f}" if comm_ms > 0 else "n/a"
-        return comm_ms, (f"hidden {share} = ({med[serial]:.2f} - {v:.2f}) / ({med[serial]:.2f}"
-                         f" - {med[floor_key]:.2f} {floor_key}) ms")
-
+    floor_key = min(floors, key=med.get) if floors else None
     for serial, prefix in ((f"(a) {emu}weft.ep", "(b)"), (f"(a) {emu}a2a", "(c)")):
         if serial not in med:
             continue
-        floor_key = compute_floor
-        if emu and prefix == "(c)" and "(a) a2a local" in med:
-            floor_key = "(a) a2a local"
         for k, v in med.items():
             if not k.startswith(prefix):
                 continue
             line = f"{shape:6s} {T:6d} {k}: {v / med[serial]:.3f} x {serial}"
             if floor_key is not None:
-                comm_ms, text = hidden(serial, v, floor_key)
-                line += ", " + text
+                comm_ms = med[serial] - med[floor_key]
+                share = f"{(med[serial] - v) / comm_ms:.2f}" if comm_ms > 0 else "n/a"
+                line += (f", hidden {share} = ({med[serial]:.2f} - {v:.2f}) / ({med[serial]:.2f}"
+                         f" - {med[floor_key]:.2f} {floor_key}) ms")
                 if emu and comm_ms > 0:
                     goal = v <= med[floor_key] + 0.2 * comm_ms
                     line += f"; goal hidden >= 0.80: {'met' if goal else 'NOT met'}"
-                if floor_key != compute_floor and compute_floor is not None:
-                    line += "; of all over the compute floor: " + hidden(serial, v,
-                                                                         compute_floor)[1]
             if not emu:
                 line += f"; goal <= 1.02x: {'met' if v <= 1.02 * med[serial] else 'NOT met'}"
             out(line + " (medians)", flush=True)

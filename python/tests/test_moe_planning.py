@@ -291,27 +291,6 @@ def test_moe_pipeline_interleave_times_every_schedule_each_run(tmp_path):
     assert "tiny       64 engine threads: (c) pipe+a2a 2" in lines
 
 
-def test_moe_pipeline_hidden_share_of_the_all_to_all_is_of_its_emulated_transfers():
-    # Emulated, (c)'s share is of (a) emu a2a over "(a) a2a local" (the holds alone), its line
-    # also giving the share of all over the compute floor; (b)'s is over the compute floor.
-    sys.path.insert(0, str(REPO / "bench" / "python"))
-    try:
-        import moe_pipeline
-    finally:
-        sys.path.pop(0)
-    times = {"(a) emu weft.ep": [30.0], "(b) emu pipe+weft.ep d8": [25.5],
-             "(a) emu a2a": [40.0], "(c) emu pipe+a2a d8": [36.5], "no comm": [26.0],
-             "(a) weft.ep local": [25.0], "(a) a2a local": [36.0]}
-    lines = []
-    moe_pipeline._print_hidden(lambda line, **_: lines.append(line), "comm", 4096, times, "emu ")
-    assert lines == [
-        "comm     4096 (b) emu pipe+weft.ep d8: 0.850 x (a) emu weft.ep, hidden 0.90 = (30.00 - "
-        "25.50) / (30.00 - 25.00 (a) weft.ep local) ms; goal hidden >= 0.80: met (medians)",
-        "comm     4096 (c) emu pipe+a2a d8: 0.912 x (a) emu a2a, hidden 0.88 = (40.00 - 36.50) / "
-        "(40.00 - 36.00 (a) a2a local) ms; goal hidden >= 0.80: met; of all over the compute "
-        "floor: hidden 0.23 = (40.00 - 36.50) / (40.00 - 25.00 (a) weft.ep local) ms (medians)"]
-
-
 @pytest.mark.timeout(60)
 def test_moe_pipeline_bits_tell_one_flipped_gradient_bit():
     # The bench compares every schedule's first step with the first schedule's, kept on the host
