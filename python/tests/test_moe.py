@@ -98,8 +98,8 @@ def _assert_same_dispatch(want, got):
 
 def test_all_to_all_dispatch_of_a_layout_begun_before_it_is_the_whole_dispatch():
     # layout_begin (the router stage's half) then dispatch(layout): the same rows, handle and
-    # count as one dispatch; a layout of other selections, or a layout group without a group,
-    # is refused.
+    # count as one dispatch; a layout of other selections (even of their shape and values), or
+    # a layout group without a group, is refused.
     d = moe.AllToAllDispatcher(None, 16)
     for seed in range(3):
         x, idx, w = _selections(41, 16, 4, seed)
@@ -107,8 +107,9 @@ def test_all_to_all_dispatch_of_a_layout_begun_before_it_is_the_whole_dispatch()
         _assert_same_dispatch(d.dispatch(x, idx, w), d.dispatch(x, idx, w, layout=layout))
         _assert_same_dispatch(d.dispatch(x, idx, w),
                               moe.dispatchers.begin_dispatch(d, x, idx, w, layout).finish())
-    with pytest.raises(Error, match="the layout is of selections"):
-        d.dispatch(x[:40], idx[:40], w[:40], layout=layout)
+    for other in (idx[:40], idx.clone()):
+        with pytest.raises(Error, match="made of other selections"):
+            d.dispatch(x[:other.shape[0]], other, w[:other.shape[0]], layout=layout)
     with pytest.raises(ValueError, match="layout_group"):
         moe.AllToAllDispatcher(None, 16, layout_group=object())
 
@@ -125,16 +126,17 @@ def test_the_emulated_all_to_all_dispatcher_passes_its_layout_on():
     _assert_same_dispatch(inner.dispatch(x, idx, w),
                           d.dispatch_begin(x, idx, w, d.layout_begin(idx)).finish())
     assert len(holds) == 2
-    with pytest.raises(Error, match="the layout is of selections"):
-        d.dispatch(x[:4], idx[:4], w[:4], layout=layout)
+    with pytest.raises(Error, match="made of other selections"):
+        d.dispatch(x, idx.clone(), w, layout=layout)
 
 
 @needs_gpus(1)
 def test_all_to_all_dispatch_waits_for_its_layout_not_for_its_stream():
-    # A 300 ms hold on the dispatch's stream, queued before it: a dispatch whose layout was
-    # begun on another stream returns while the hold still runs, and its results are the whole
-    # dispatch's once the stream is done; one that makes its layout on that stream (no layout
-    # given) waits the hold out.
+    # A 100 ms hold on the router's stream before its layout, a 600 ms hold on the dispatch's
+    # stream before the dispatch: a dispatch of that layout returns after the router's hold
+    # (its sizes are the layout's) and while the dispatch stream's hold still runs, and its
+    # results are the whole dispatch's once the stream is done; one that makes its layout on
+    # its own stream (no layout given) waits that stream's hold out.
     from weft.moe.emulated import hold_on_current_stream
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -145,17 +147,19 @@ def test_all_to_all_dispatch_waits_for_its_layout_not_for_its_stream():
     router.wait_stream(torch.cuda.current_stream(dev))
     comm.wait_stream(torch.cuda.current_stream(dev))
     for given in (True, False):
-        held = torch.cuda.Event()
+        routed, held = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(router):
+            hold_on_current_stream(1, 100_000.0, dev)
+            routed.record(router)
             layout = d.layout_begin(idx) if given else None
-        router.synchronize()
         with torch.cuda.stream(comm):
-            hold_on_current_stream(1, 300_000.0, dev)
+            hold_on_current_stream(1, 600_000.0, dev)
             held.record(comm)
             got = d.dispatch(x, idx, w, layout=layout)
-            returned_during_the_hold = not held.query()
+            after_the_router, during_the_hold = routed.query(), not held.query()
         comm.synchronize()
-        assert returned_during_the_hold == given
+        assert after_the_router
+        assert during_the_hold == given
         _assert_same_dispatch(want, got)
 
 

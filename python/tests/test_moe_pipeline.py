@@ -418,13 +418,18 @@ def _is_expert(name):
     return name.startswith("moe.") and not name.endswith("router")
 
 
-def _gloo_rank(rank, world_size):
+def _gloo_rank(rank, world_size, own_layout_group):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
-    # The sizes on a group of their own: the router stage's layout, the comm thread's exchange.
-    d = moe.AllToAllDispatcher(group, 8, layout_group=dist.new_group([0, 1]))
+    # The sizes on the rows' group or on one of their own (the router stage makes the layout,
+    # the comm thread exchanges it).
+    layout_group = dist.new_group([0, 1]) if own_layout_group else None
+    d = moe.AllToAllDispatcher(group, 8, layout_group=layout_group)
+    if own_layout_group:  # a group of other ranks: rank 0's is [0], rank 1 is in none
+        with pytest.raises(ValueError, match="layout_group must be a process group of group"):
+            moe.AllToAllDispatcher(group, 8, layout_group=dist.new_group([0]))
     serial = moe.MoEModel(dispatcher=d, seed=3, **SMALL)    # this rank's 4 experts
     piped = moe.MoEModel(dispatcher=d, seed=3, **SMALL)
     ref = moe.MoEModel(dispatcher=moe.LocalDispatcher(8), seed=3, **SMALL)  # all 8
@@ -461,8 +466,9 @@ def _gloo_rank(rank, world_size):
 
 
 @pytest.mark.timeout(100)
-def test_all_to_all_over_gloo_two_ranks(tmp_path):
-    run_ranks(_gloo_rank, 2, tmp_path / "store", timeout_s=90)
+@pytest.mark.parametrize("own_layout_group", [False, True])
+def test_all_to_all_over_gloo_two_ranks(tmp_path, own_layout_group):
+    run_ranks(_gloo_rank, 2, tmp_path / "store", own_layout_group, timeout_s=90)
 
 
 class LayoutRecordingDispatcher(moe.AllToAllDispatcher):

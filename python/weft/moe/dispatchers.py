@@ -26,7 +26,8 @@ out); for a dispatcher without dispatch_begin the begin is its whole dispatch.
 A dispatcher may also take its layout ahead of the dispatch: layout = d.layout_begin(topk_idx),
 on the router's stream (the step's router stage calls it), then begin_dispatch(d, x, topk_idx,
 topk_weights, layout). AllToAllDispatcher counts its sizes there, so that its dispatch's host wait
-ends with the router's work rather than with every call queued before it on the comm stream.
+is for the router's work and the sizes' exchange, not for every call queued before it on the
+comm stream.
 """
 
 from __future__ import annotations
@@ -314,15 +315,16 @@ class _PendingNativeDispatch:
 
 
 class AllToAllLayout:
-    """AllToAllDispatcher.layout_begin's result: which selections are valid ([T, top_k]), which
-    tokens go to which rank (in_rank [T, R]) and the sizes per destination (sizes [R, 2]: rows,
-    entries), made on the stream that was current, and ready, an event recorded there after them
-    (None on the CPU)."""
+    """AllToAllDispatcher.layout_begin's result: the selections it was made of (topk_idx), which
+    of them are valid ([T, top_k]), which tokens go to which rank (in_rank [T, R]) and the sizes
+    per destination (sizes [R, 2]: rows, entries), made on the stream that was current, and
+    ready, an event recorded there after them (None on the CPU)."""
 
-    __slots__ = ("valid", "in_rank", "sizes", "ready")
+    __slots__ = ("topk_idx", "valid", "in_rank", "sizes", "ready")
 
-    def __init__(self, valid, in_rank, sizes, ready) -> None:
-        self.valid, self.in_rank, self.sizes, self.ready = valid, in_rank, sizes, ready
+    def __init__(self, topk_idx, valid, in_rank, sizes, ready) -> None:
+        self.topk_idx, self.valid, self.in_rank = topk_idx, valid, in_rank
+        self.sizes, self.ready = sizes, ready
 
 
 class AllToAllDispatcher:
@@ -336,10 +338,14 @@ class AllToAllDispatcher:
     stream of its own that waits for that event alone, and waits on the host for them there. So
     the dispatch's one wait ends when the router's work is done, not when every call queued
     before it on the dispatch's stream (earlier micro-batches' communication) has run. A dispatch
-    without a layout makes its own. layout_group: the group the sizes travel on (default: group).
-    torch.distributed runs a group's NCCL calls on one stream in the order they are issued, so on
-    the rows' group the sizes queue behind every row all_to_all issued before them; a second group
-    of the same ranks (torch.distributed.new_group) lets them pass."""
+    without a layout makes its own; one with a layout takes only the layout of its own topk_idx
+    (the same tensor). layout_group: a group of group's ranks that the sizes travel on (default:
+    group). Whether the sizes' all_to_all on group waits for the rows' all_to_alls issued before
+    it on the dispatch's stream is up to torch.distributed and NCCL (how they order one
+    communicator's calls on two streams); on a second group of the same ranks
+    (torch.distributed.new_group) it does not. Both groups' calls are issued by the dispatch
+    alone, in the same order on every rank (the micro-batched step's collective tasks run in
+    ticket order), which NCCL needs of two communicators in use at once."""
 
     keeps_layouts = False  # a handle carries its whole layout
     comm_waits_on_host = True  # the dispatch reads its sizes
@@ -347,12 +353,15 @@ class AllToAllDispatcher:
     def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int, *,
                  layout_group: Optional[dist.ProcessGroup] = None) -> None:
         self.group = group
-        self.layout_group = group if layout_group is None else layout_group
         self.num_ranks = group.size() if group is not None else 1
         self.rank = group.rank() if group is not None else 0
-        if (self.layout_group is not None) != (group is not None) or (
-                group is not None and self.layout_group.size() != self.num_ranks):
-            raise ValueError("layout_group must have the ranks of group")
+        if layout_group is not None and (
+                group is None or not isinstance(layout_group, dist.ProcessGroup)
+                or dist.get_process_group_ranks(layout_group)
+                != dist.get_process_group_ranks(group)):
+            raise ValueError("layout_group must be a process group of group's ranks, in "
+                             "group's order")
+        self.layout_group = group if layout_group is None else layout_group
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
         self._sizes_streams = {}  # device index -> the stream the sizes are exchanged on
@@ -386,7 +395,7 @@ class AllToAllDispatcher:
         if sizes.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(sizes.device))
-        return AllToAllLayout(valid, in_rank, sizes, ready)
+        return AllToAllLayout(topk_idx, valid, in_rank, sizes, ready)
 
     def _exchange_sizes(self, layout: AllToAllLayout) -> List[List[int]]:
         """The sizes sent (R rows) then received (R rows), [rows, entries] each, on the host: on
@@ -399,8 +408,9 @@ class AllToAllDispatcher:
                               self._a2a(layout.sizes, ones, ones, self.layout_group)]).tolist()
         device = layout.sizes.device
         stream = self._sizes_streams.get(device.index)
-        if stream is None:
-            stream = self._sizes_streams[device.index] = torch.cuda.Stream(device)
+        if stream is None:  # as urgent as the stream it takes the wait off
+            priority = torch.cuda.current_stream(device).priority
+            stream = self._sizes_streams[device.index] = torch.cuda.Stream(device, priority)
         stream.wait_event(layout.ready)
         with torch.cuda.stream(stream):
             both = torch.cat([layout.sizes,
@@ -417,10 +427,9 @@ class AllToAllDispatcher:
         num_tokens = x.shape[0]
         if layout is None:
             layout = self.layout_begin(topk_idx)
-        elif layout.valid.shape != topk_idx.shape:
-            raise Error(f"AllToAllDispatcher: the layout is of selections "
-                        f"{tuple(layout.valid.shape)}, the dispatch's are "
-                        f"{tuple(topk_idx.shape)}")
+        elif layout.topk_idx is not topk_idx:
+            raise Error("AllToAllDispatcher: the layout was made of other selections than the "
+                        "dispatch's topk_idx (layout_begin(topk_idx) of the same tensor)")
         valid, in_rank = layout.valid, layout.in_rank
         if in_rank.is_cuda:  # made on the router's stream, read on this one below
             for t in (valid, in_rank):

@@ -81,8 +81,9 @@ class MicroBatch:
         self.x_in = per_layer()          # l > 0: the layer's input, a leaf (its .grad: backward)
         self.h = per_layer()             # dense block output (graph from x_in)
         self.route = per_layer()         # (topk_idx, topk_weights), the weights' graph from h
-        self.layout = per_layer()        # the dispatcher's layout_begin, if it has one, until
-                                         # the dispatch
+        # the dispatcher's layout_begin, if it has one, until the dispatch takes it (a dispatcher
+        # keeps what its stream still reads: AllToAllDispatcher records it on that stream)
+        self.layout = per_layer()
         # (recv_x, recv_idx, recv_w, handle, num_entries); from dispatch to experts the
         # dispatch begun (dispatchers.Dispatched or its like), which experts finishes
         self.recv = per_layer()
