@@ -401,11 +401,13 @@ class AllToAllDispatcher:
         """The sizes sent (R rows) then received (R rows), [rows, entries] each, on the host: on
         the CPU at once; on a GPU on the sizes' own stream after layout.ready, copied to pinned
         memory and waited for there."""
-        R = self.num_ranks
-        ones = [1] * R
-        if layout.ready is None:
+        ones = [1] * self.num_ranks
+
+        def sent_and_received():
             return torch.cat([layout.sizes,
-                              self._a2a(layout.sizes, ones, ones, self.layout_group)]).tolist()
+                              self._a2a(layout.sizes, ones, ones, self.layout_group)])
+        if layout.ready is None:
+            return sent_and_received().tolist()
         device = layout.sizes.device
         stream = self._sizes_streams.get(device.index)
         if stream is None:  # as urgent as the stream it takes the wait off
@@ -413,8 +415,7 @@ class AllToAllDispatcher:
             stream = self._sizes_streams[device.index] = torch.cuda.Stream(device, priority)
         stream.wait_event(layout.ready)
         with torch.cuda.stream(stream):
-            both = torch.cat([layout.sizes,
-                              self._a2a(layout.sizes, ones, ones, self.layout_group)])
+            both = sent_and_received()
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
             host.copy_(both, non_blocking=True)
             copied = torch.cuda.Event()
