@@ -247,7 +247,12 @@ def main():
     p.add_argument("--tokens", default="4096,8192", help="tokens per rank and step")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--depth", default="1,max", help="depths of (b) and (c); max = 4 x layers")
+    p.add_argument("--depth", default="1,max",
+                   help="depths of (b) and (c); max: the family's deepest, 4 x layers for (b), "
+                        "5 x layers for (c) (its dispatch a progress after its router)")
+    p.add_argument("--a2a-with-router", action="store_true",
+                   help="also (c) with each dispatch in its router's progress (the family of "
+                        "(b), on the threads PipelinedStep picks for it)")
     p.add_argument("--comm", default="local", choices=("local", "emulated"),
                    help="emulated: one GPU, each call followed by a hold of the target's time")
     p.add_argument("--ep", default="native", choices=("native", "deepep"),
@@ -308,8 +313,15 @@ def main():
     out = print if rank == 0 else (lambda *_, **__: None)
     # Rank 0's folder decides whether the ranks trace and draw a step (a collective).
     draw = rank0_value(os.path.isdir(OUT_DIR), group)
-    max_depth = moe.max_depth(a.layers)
-    depths = sorted({max_depth if d == "max" else int(d) for d in a.depth.split(",")})
+
+    def family_depths(dispatch_after_router):
+        deepest = moe.max_depth(a.layers, dispatch_after_router)
+        return sorted({deepest if d == "max" else int(d) for d in a.depth.split(",")})
+    depths = family_depths(False)
+    # (c)'s families: (row label, dispatch_after_router, depths); PipelinedStep's default first.
+    a2a_families = [("", True, family_depths(True))]
+    if a.a2a_with_router:
+        a2a_families.append(("with-router ", False, depths))
     M = a.micro_batches
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     out(f"# {name} x {world}, torch {torch.__version__}, {a.layers} layers, {M} micro-batches, "
@@ -340,7 +352,8 @@ def main():
                              lambda d=d: ep_slots(moe.num_layout_slots(a.layers, d)), d, None)
                             for d in depths]
             configs.append((f"(a) {emu}a2a", a2a_slots, None, None))
-            configs += [(f"(c) {emu}pipe+a2a d{d}", a2a_slots, d, None) for d in depths]
+            configs += [(f"(c) {emu}pipe+a2a {label}d{d}", a2a_slots, d, None, apart)
+                        for label, apart, family in a2a_families for d in family]
             if world == 1:
                 configs.append(("no comm", lambda: moe.LayoutSlots.shared(
                     moe.LocalDispatcher(experts), a.layers), None, None))
@@ -357,11 +370,14 @@ def main():
                     family = (f"(b) {emu}pipe+weft.ep", f"(a) {emu}weft.ep",
                               moe.num_layout_slots(a.layers, depths[-1]))
                     family_slots = ep_slots
+                    family_depths_ = depths
                 else:
                     family = (f"(c) {emu}pipe+a2a", f"(a) {emu}a2a", None)
                     family_slots = (lambda num_slots: a2a_slots())
-                plan_state = _plan_family(a, family, family_slots, make_model, x, target, depths,
-                                          backend, device, f"{shape}_T{T}", out, group)
+                    family_depths_ = a2a_families[0][2]
+                plan_state = _plan_family(a, family, family_slots, make_model, x, target,
+                                          family_depths_, backend, device, f"{shape}_T{T}", out,
+                                          group)
                 configs.append(plan_state["config"])
             base_name = configs[0][0]
             out(f"{'shape':6s} {'T':>6s} {'schedule':24s} {'step ms':>17s} "
@@ -370,11 +386,12 @@ def main():
             times, same, reference = {}, {}, None
             num_threads = {}  # family of (b) and (c) rows -> the engine threads it ran on
 
-            def build(cname, make_slots, depth, config):
+            def build(cname, make_slots, depth, config, dispatch_after_router=None):
                 """The config's model and step, its first step's bits checked, warmed up."""
                 nonlocal reference
                 run = {"name": cname, "depth": depth, "config": config, "piped": None,
-                       "slots": make_slots(), "model": make_model()}
+                       "slots": make_slots(), "model": make_model(),
+                       "apart": dispatch_after_router}
                 model, slots = run["model"], run["slots"]
                 if depth is None:
                     def step(x, t):
@@ -382,9 +399,10 @@ def main():
                 else:
                     piped = run["piped"] = moe.PipelinedStep(
                         model, slots, M, depth=depth, backend=backend, config=config,
-                        thread_map=None if config else thread_map)
+                        thread_map=None if config else thread_map,
+                        dispatch_after_router=dispatch_after_router)
                     if config is None:
-                        num_threads[cname.split(" d")[0]] = len(piped.engine.threads)
+                        num_threads[cname.rsplit(" d", 1)[0]] = len(piped.engine.threads)
 
                     def step(x, t):
                         return piped(x, t, 0.0)
@@ -405,9 +423,9 @@ def main():
                 nonlocal compute_us, update_us, traced
                 model, slots, depth = run["model"], run["slots"], run["depth"]
                 if depth is not None and run["config"] is None and not traced and draw:
-                    _trace_and_plan(model, slots, x, target, a, depth, backend, device,
-                                    f"{shape}_T{T}{'_emu' if emu else ''}", times[run["name"]],
-                                    rank)
+                    _trace_and_plan(model, slots, x, target, a, depth, run["apart"], backend,
+                                    device, f"{shape}_T{T}{'_emu' if emu else ''}",
+                                    times[run["name"]], rank)
                     traced = True
                 if run["piped"] is not None:
                     run["piped"].close()
@@ -454,7 +472,7 @@ def main():
                 _print_plan_table(out, a, plan_state, times, same)
             if emu and "no comm" in times:
                 _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths,
-                                  times, num_threads)
+                                  a2a_families[0][2], times, num_threads)
     # A rank whose bits differ fails the run on every rank (rank 0 prints its own bits only).
     same_everywhere = every_rank(mismatches == 0, group)
     if not same_everywhere:
@@ -470,8 +488,9 @@ def _given_thread_map(a):
 
 
 def _traced_run(a, make_model, slots, x, target, depth, backend, device):
-    """(ms per step, the merged trace of the --iters traced steps, the schedule): a traced
-    PipelinedStep after --warmup untraced-for-the-costs steps."""
+    """(ms per step, the merged trace of the --iters traced steps, the schedule, its engine
+    threads, its dispatch_after_router): a traced PipelinedStep after --warmup
+    untraced-for-the-costs steps."""
     model = make_model()
     step = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
                              trace=True, thread_map=_given_thread_map(a))
@@ -487,8 +506,9 @@ def _traced_run(a, make_model, slots, x, target, depth, backend, device):
         total_s += time.perf_counter() - start
         traces.append(step.engine.take_trace())
     schedule, num_threads = step.schedule, len(step.engine.threads)
+    apart = step.dispatch_after_router
     step.close()
-    return total_s * 1e3 / a.iters, traces, schedule, num_threads
+    return total_s * 1e3 / a.iters, traces, schedule, num_threads, apart
 
 
 def _plan_family(a, family, family_slots, make_model, x, target, depths, backend, device, tag,
@@ -503,17 +523,17 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
     L, M = a.layers, a.micro_batches
 
     def trace(depth, name):
-        ms, traces, schedule, num_threads = _traced_run(a, make_model, family_slots(num_slots),
-                                                        x, target, depth, backend, device)
+        ms, traces, schedule, num_threads, apart = _traced_run(
+            a, make_model, family_slots(num_slots), x, target, depth, backend, device)
         if a.trace_dir and rank == 0:
             os.makedirs(a.trace_dir, exist_ok=True)
             traces[-1].write_chrome_json(os.path.join(a.trace_dir,
                                                       f"moe_{tag}_{name}.trace.json"))
         log(f"traced {prefix} {name}: {ms:.2f} ms/step")
-        return ms, merged_trace(traces), schedule, num_threads
+        return ms, merged_trace(traces), schedule, num_threads, apart
 
     # The traced runs' engine threads are the family's own (PipelinedStep's or --threads).
-    ms0, trace0, schedule0, num_threads = trace(0, "d0")
+    ms0, trace0, schedule0, num_threads, apart = trace(0, "d0")
     # weft.ep's native dispatcher finishes its dispatch (the count wait) in the experts stage.
     waits = count_waits(L) if prefix.endswith("weft.ep") and a.ep == "native" else None
     costs = rank0_value(plan.trace_costs(trace0, schedule0, gpu=a.gpu_costs, gpu_waits=waits),
@@ -525,10 +545,10 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
         f"{' (the experts stages waiting for their count left out)' if waits else ''} and "
         f"{gpu_ms:.2f} ms of GPU {a.gpu_costs} "
         "time", flush=True)
-    variants = depth_variants(L, depths, M, num_threads)
+    variants = depth_variants(L, depths, M, num_threads, apart)
     fit = None
     if a.calibrate:
-        fitted = depth_variants(L, sorted({0, *depths}), M, num_threads)
+        fitted = depth_variants(L, sorted({0, *depths}), M, num_threads, apart)
         traced_ms = rank0_value({v.name: ms0 if v.depth == 0 else trace(v.depth, v.name)[0]
                                  for v in fitted}, group)
         # On a GPU the compute stream's work may run slower beside the communication's (the
@@ -541,7 +561,8 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
             f"{rms_error_pct(traced_ms, fitted, costs):.1f}%)", flush=True)
     found = suggest_variant(costs, L, M, num_slots=num_slots, max_threads=a.max_threads,
                             calibration=fit, min_gain_pct=a.min_gain_pct,
-                            own_thread_map=moe.moe_thread_map(L, num_threads))
+                            own_thread_map=moe.moe_thread_map(L, num_threads),
+                            dispatch_after_router=apart)
     mine = found.variant.config.to_json()
     if not every_rank(rank0_value(mine, group) == mine, group):
         raise RuntimeError("a rank found another schedule than rank 0 from rank 0's costs")
@@ -637,23 +658,24 @@ def _print_hidden(out, shape, T, times, emu):
             out(line + " (medians)", flush=True)
 
 
-def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, times,
-                      num_threads):
+def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, a2a_depths,
+                      times, num_threads):
     """The planner's step on each target from the compute stages and the update measured without
     communication and the target's call table, on the engine threads each family ran on
-    (num_threads: "(b) emu pipe+weft.ep" -> count); on --target, beside the emulated measurement
-    (medians)."""
+    (num_threads: "(b) emu pipe+weft.ep" -> count) and its schedule family ((c): each dispatch a
+    progress after its router); on --target, beside the emulated measurement (medians)."""
     tokens = -(-T // a.micro_batches)
     for target, tables in moe.emulated.TARGETS.items():
-        for kind, prefix in (("weft.ep", "(b)"), ("a2a", "(c)")):
+        for kind, prefix, apart, family in (("weft.ep", "(b)", False, depths),
+                                            ("a2a", "(c)", True, a2a_depths)):
             comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
             threads = num_threads[f"{prefix} emu pipe+{kind}"]
-            predicted = moe.emulated.predict_step_us(a.layers, [0] + depths, compute_us, comm_us,
-                                                     num_micro_batches=a.micro_batches,
-                                                     update_us=update_us, num_threads=threads)
+            predicted = moe.emulated.predict_step_us(
+                a.layers, [0] + family, compute_us, comm_us, num_micro_batches=a.micro_batches,
+                update_us=update_us, num_threads=threads, dispatch_after_router=apart)
             measured = target == a.target
             rows = [("serial", 0, f"(a) emu {kind}")] + [
-                (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in depths]
+                (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in family]
             parts = []
             for label, d, name in rows:
                 ms = predicted[d] / 1e3
@@ -665,17 +687,22 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, t
                 + ", ".join(parts), flush=True)
 
 
-def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, measured_ms, rank):
-    """One traced (b) step (Chrome JSON), and the planner's page of depths 0 .. 4 x layers with
-    stage costs measured from a serial step, into bench-out/; the planner's step beside the
-    measured one. Every rank runs the steps (they are collective); rank 0 writes and prints."""
+def _trace_and_plan(model, slots, x, target, a, depth, dispatch_after_router, backend, device,
+                    tag, measured_ms, rank):
+    """One traced step of the first pipelined row (Chrome JSON), and the planner's page of its
+    family's depths (0 .. 4 x layers, or 5 x layers with each dispatch a progress after its
+    router) with stage costs measured from a serial step, into bench-out/; the planner's step
+    beside the measured one. Every rank runs the steps (they are collective); rank 0 writes and
+    prints."""
     L = len(model.moe)
     traced = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
-                               trace=True, thread_map=_given_thread_map(a))
+                               trace=True, thread_map=_given_thread_map(a),
+                               dispatch_after_router=dispatch_after_router)
     traced(x, target, 0.0)
     _sync(device)
     trace = traced.engine.take_trace()
     num_threads = len(traced.engine.threads)
+    apart = traced.dispatch_after_router
     traced.close()
     costs_us, update_us = stage_costs_us(model, slots, x, target, a.micro_batches, device)
     if rank != 0:
@@ -684,15 +711,16 @@ def _trace_and_plan(model, slots, x, target, a, depth, backend, device, tag, mea
     trace.write_chrome_json(trace_path)
     costs = moe.moe_costs(L, costs_us)
     thread_map = moe.moe_thread_map(L, num_threads)
-    variants = [(f"moe_depth{d}", moe.moe_schedule(L, d), thread_map)
-                for d in range(moe.max_depth(L) + 1)]
+    variants = [(f"moe_depth{d}", moe.moe_schedule(L, d, dispatch_after_router=apart),
+                 thread_map) for d in range(moe.max_depth(L, apart) + 1)]
     page = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_plan.html")
     drawn = plan.write_report(page, variants, costs=costs)
     print(f"# wrote {trace_path} and {page}; stage us per micro-batch: "
           + ", ".join(f"{k} {v:.0f}" for k, v in costs_us.items()), flush=True)
     print("# planner's step per micro-batch (us): "
           + ", ".join(f"{v.name} {v.timeline.step_us:.0f}" for v in drawn), flush=True)
-    source = plan.simulate(moe.moe_schedule(L, depth), thread_map, costs,
+    source = plan.simulate(moe.moe_schedule(L, depth, dispatch_after_router=apart), thread_map,
+                           costs,
                            num_batches=a.micro_batches)
     step_ms = (source.timeline.step_us + update_us) / 1e3
     print(f"# depth {depth}: planner {step_ms:.2f} ms per step (a source of {a.micro_batches} "

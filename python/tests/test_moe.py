@@ -114,6 +114,23 @@ def test_all_to_all_dispatch_of_a_layout_begun_before_it_is_the_whole_dispatch()
         moe.AllToAllDispatcher(None, 16, layout_group=object())
 
 
+def test_all_to_all_dispatch_refuses_expert_ids_past_its_experts():
+    # An id of no rank's expert would go nowhere: the dispatch counts the selections that are
+    # not negative beside those that reached a rank, and refuses the difference before any row
+    # moves (-1, or any negative id, selects no expert).
+    d = moe.AllToAllDispatcher(None, 16)
+    x, idx, w = _selections(20, 16, 4, 3)
+    for bad in (16, 1000):
+        wrong = idx.clone()
+        wrong[5, 0] = bad
+        with pytest.raises(Error, match=r"selects experts outside \[0, 16\)"):
+            d.dispatch(x, wrong, w)
+    fewer = idx.clone()
+    fewer[5, 0] = -7
+    got = d.dispatch(x, fewer, w)
+    assert got[4] == int((fewer >= 0).sum())
+
+
 def test_the_emulated_all_to_all_dispatcher_passes_its_layout_on():
     holds = []
     inner = moe.AllToAllDispatcher(None, 16)

@@ -333,6 +333,84 @@ def test_lookaheads_layout_slots_and_bad_arguments():
         moe.LayoutSlots(lambda layer, s: None, [1, 0])
 
 
+def test_lookaheads_with_each_dispatch_a_progress_after_its_router():
+    """dispatch_after_router: each dispatch_l a position of its own after dense_router_l's, the
+    positions after it one on (max_depth 5L); where dense_router_l's lookahead is above 0 its
+    dispatch runs a progress later."""
+    assert moe.max_depth(2, True) == 10 and moe.max_depth(3, True) == 15
+    la = moe.stage_lookaheads(2, 10, True)
+    assert [la[n] for n in ("dense_router_0", "dispatch_0", "experts_0", "combine_0",
+                            "dense_router_1", "dispatch_1", "experts_1", "combine_1", "loss",
+                            "combine_bwd_1", "experts_bwd_1", "dispatch_bwd_1",
+                            "experts_wgrad_1", "dense_router_bwd_1", "combine_bwd_0",
+                            "experts_bwd_0", "dispatch_bwd_0", "experts_wgrad_0",
+                            "dense_router_bwd_0")] == \
+        [10, 9, 8, 8, 7, 6, 5, 5, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1, 0]
+    assert moe.stage_lookaheads(2, 0, True) == moe.stage_lookaheads(2, 0)
+    for depth in range(11):
+        la = moe.stage_lookaheads(2, depth, True)
+        apart = [la[f"dense_router_{l}"] > la[f"dispatch_{l}"] for l in range(2)]
+        assert apart == [depth > 0, depth > 3], depth
+        assert moe.num_layout_slots(2, depth, True) == [
+            la[f"dispatch_{l}"] - la[f"dispatch_bwd_{l}"] + 1 for l in range(2)]
+    assert moe.num_layout_slots(2, 10, True) == [9, 4]
+    assert moe.moe_schedule(2, 10, dispatch_after_router=True).run_order() == list(
+        moe.stage_lookaheads(2, 10, True))
+    with pytest.raises(ValueError, match=r"depth must be in \[0, 10\]"):
+        moe.stage_lookaheads(2, 11, True)
+    with pytest.raises(ValueError, match=r"depth must be in \[0, 8\]"):
+        moe.PipelinedStep(moe.MoEModel(dispatcher=moe.LocalDispatcher(8), **SMALL),
+                          moe.LayoutSlots.shared(moe.LocalDispatcher(8), 2), 4, depth=10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("depth", [0, 1, 4, moe.max_depth(2, True)])
+def test_all_to_all_step_runs_each_dispatch_a_progress_after_its_router(depth):
+    """The all_to_all dispatcher's dispatch waits on the host for the sizes its layout counted in
+    the router stage: PipelinedStep's default family for it puts each dispatch a progress after
+    its router (where the depth parts them) and runs on one engine thread; the bits are the
+    serial step's. The other dispatchers keep the family of shared positions."""
+    d = moe.AllToAllDispatcher(None, 8)
+    slots = moe.LayoutSlots.shared(d, 2)
+    assert d.dispatch_waits_for_layout and moe.default_dispatch_after_router(slots)
+    assert moe.default_num_threads(slots, dispatch_after_router=True) == 1
+    assert moe.default_num_threads(slots) == 2
+    for other in (moe.LocalDispatcher(8), NeverWaitingDispatcher(8), ThreeCallDispatcher(8)):
+        assert not moe.default_dispatch_after_router(moe.LayoutSlots.shared(other, 2))
+    mixed = moe.LayoutSlots(lambda layer, s: moe.LocalDispatcher(8) if layer else d, [1, 1])
+    assert not moe.default_dispatch_after_router(mixed)
+    assert moe.default_num_threads(mixed, dispatch_after_router=True) == 2
+    emulated = moe.EmulatedDispatcher(d, moe.A2A_2XH200, num_sms=4, hold=lambda *_: None)
+    assert emulated.dispatch_waits_for_layout
+    assert not moe.EmulatedDispatcher(moe.LocalDispatcher(8), moe.A2A_2XH200, num_sms=4,
+                                      hold=lambda *_: None).dispatch_waits_for_layout
+    M = 4
+    serial = moe.MoEModel(dispatcher=d, seed=11, **SMALL)
+    piped = copy.deepcopy(serial)
+    step = moe.PipelinedStep(piped, slots, M, depth=depth, trace=True)
+    assert step.dispatch_after_router and list(step.engine.threads) == ["host"]
+    for i in range(2):
+        x, target = _inputs(i)
+        assert torch.equal(step(x, target, lr=0.05), moe.serial_step(serial, x, target, 0.05, M))
+        assert _same_bits(serial.parameters(), piped.parameters()), i
+        trace = step.engine.take_trace()  # a step's batches are 0 .. M - 1
+        spans = {(trace.task_names[s.task], s.batch): s for s in trace.host_spans}
+        assert sorted({b for _, b in spans}) == list(range(M))
+        for layer, parted in enumerate([depth > 0, depth > 3]):
+            for b in range(M):
+                router = spans[f"dense_router_{layer}", b]
+                dispatch = spans[f"dispatch_{layer}", b]
+                assert (dispatch.iteration > router.iteration) is parted, (i, layer, b)
+                assert dispatch.begin_us >= router.end_us
+                assert dispatch.iteration <= spans[f"experts_{layer}", b].iteration
+    step.close()
+    with_router = moe.PipelinedStep(copy.deepcopy(serial), slots, M, depth=min(depth, 8),
+                                    dispatch_after_router=False)
+    assert not with_router.dispatch_after_router
+    assert sorted(with_router.engine.threads) == ["comm", "compute"]
+    with_router.close()
+
+
 class SlowBackwardCombine(moe.LocalDispatcher):
     """LocalDispatcher whose combine of gradients (dispatch_bwd's call, the only combine with
     weights) holds the comm thread for hold_s first: a backward dispatch that takes long."""
@@ -569,13 +647,19 @@ def test_native_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(dep
 
 @needs_gpus(1)
 @pytest.mark.timeout(300)
-def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu():
+@pytest.mark.parametrize("depth,after_router,num_threads", [
+    (1, None, 1), (moe.max_depth(2, True), None, 1), (moe.max_depth(2), False, 2)])
+def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu(depth, after_router, num_threads):
+    """PipelinedStep's default family for the all_to_all dispatcher (each dispatch a progress
+    after its router, one engine thread) and the family of the others (two threads)."""
     T, M = 512, 4
     d = moe.AllToAllDispatcher(None, 16)
     serial = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)
     piped = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)
-    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=M, depth=8,
-                             backend="torch")
+    step = moe.PipelinedStep(piped, moe.LayoutSlots.shared(d, 2), num_micro_batches=M,
+                             depth=depth, backend="torch", dispatch_after_router=after_router)
+    assert step.dispatch_after_router is (after_router is None)
+    assert len(step.engine.threads) == num_threads
     for i in range(3):
         x, target = _inputs(i, tokens=T, hidden=256, device="cuda")
         a = moe.serial_step(serial, x, target, 0.02, M)

@@ -142,6 +142,21 @@ def test_the_search_is_deterministic_and_keeps_to_the_layouts(num_slots):
 
 
 @pytest.mark.timeout(120)
+def test_the_search_of_the_family_with_each_dispatch_after_its_router():
+    """dispatch_after_router: the variants are that family's (depth up to 5L) and the search
+    simulates its depths; its pick is no worse than any of them."""
+    deepest = moe.max_depth(L, True)
+    family = depth_variants(L, range(deepest + 1), M, dispatch_after_router=True)
+    for v in family:
+        assert {t.name: t.lookahead for t in v.schedule().tasks} == \
+            moe.stage_lookaheads(L, v.depth, True)
+    found = suggest_variant(FIXED_COSTS, L, M, dispatch_after_router=True)
+    assert f"d{deepest}" in found.describe() and found.variant.dispatch_after_router
+    assert all(found.step_ms <= predicted_ms(v, FIXED_COSTS) + 1e-9 for v in family)
+    assert suggest_variant(FIXED_COSTS, L, M).variant.dispatch_after_router is False
+
+
+@pytest.mark.timeout(120)
 def test_a_gain_inside_min_gain_pct_keeps_the_steps_own_schedule():
     # With [2, 2] layouts the lookahead search finds a schedule 0.1 ms (0.3%) below the best
     # depth that fits: a gain the default min_gain_pct (1%) does not take.
@@ -241,12 +256,12 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "# costs: (c) pipe+a2a d0's traced run (2 steps), 19 tasks" in out
-    assert "# calibration, fitted on the traced runs of 3 depths (d0, d1, d8): wake-up" in out
+    assert "# calibration, fitted on the traced runs of 3 depths (d0, d1, d10): wake-up" in out
     assert "#   not searched: more than 2 threads" in out
     assert "fill and drain" not in out.split("# suggested")[1].split("schedule ")[0]
     header, rows = _table_rows(out)
     assert "planner ms" in header and "err %" in header and "fit err %" in header
-    assert list(rows) == ["(a) a2a", "(c) pipe+a2a d1", "(c) pipe+a2a d8",
+    assert list(rows) == ["(a) a2a", "(c) pipe+a2a d1", "(c) pipe+a2a d10",
                           "(c) pipe+a2a suggested"]
     for name, fields in rows.items():
         assert fields[-1] == "identical", name
@@ -268,7 +283,8 @@ def test_moe_pipeline_suggest_runs_the_suggestion_and_prints_each_error(tmp_path
 @pytest.mark.timeout(300)
 def test_moe_pipeline_interleave_times_every_schedule_each_run(tmp_path):
     """--interleave: every schedule built first, then run r of each after run r - 1 of all; each
-    row has its --repeats runs, the bits check and the engine threads as without it."""
+    row has its --repeats runs, the bits check and the engine threads as without it ((c)'s max
+    is 5 x layers, each dispatch a progress after its router, on one thread)."""
     env = dict(os.environ)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(weft.__file__)))
     env["PYTHONPATH"] = package_parent + os.pathsep + env.get("PYTHONPATH", "")
@@ -282,13 +298,13 @@ def test_moe_pipeline_interleave_times_every_schedule_each_run(tmp_path):
     lines = run.stdout.splitlines()
     rows = [line.split() for line in lines if line.startswith("tiny") and line.endswith("x")]
     assert [" ".join(r[2:-2]) for r in rows] == ["(a) a2a", "(c) pipe+a2a d1",
-                                                 "(c) pipe+a2a d4", "no comm"]
+                                                 "(c) pipe+a2a d5", "no comm"]
     for r in rows:
         low, high = map(float, r[-2].split("-"))
         assert 0 < low <= high, r
     assert "tiny       64 the first step's loss and every gradient bit-identical across " \
            "schedules: True" in lines
-    assert "tiny       64 engine threads: (c) pipe+a2a 2" in lines
+    assert "tiny       64 engine threads: (c) pipe+a2a 1" in lines
 
 
 @pytest.mark.timeout(60)

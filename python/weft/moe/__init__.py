@@ -20,11 +20,13 @@ from .emulated import A2A_2XH200, EP_2XH200, CallCost, EmulatedDispatcher
 from .layer import MoELayer, combine, dispatch
 from .model import DenseBlock, MoEModel, train_step
 from .slots import LayoutSlots
-from .step import (STAGES, PipelinedStep, default_num_threads, max_depth, moe_costs,
-                   moe_schedule, moe_thread_map, num_layout_slots, serial_step, stage_lookaheads)
+from .step import (STAGES, PipelinedStep, default_dispatch_after_router, default_num_threads,
+                   max_depth, moe_costs, moe_schedule, moe_thread_map, num_layout_slots,
+                   serial_step, stage_lookaheads)
 
 __all__ = ["A2A_2XH200", "AllToAllDispatcher", "CallCost", "DenseBlock", "EP_2XH200",
            "EmulatedDispatcher", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
            "MoELayer", "MoEModel", "NativeEpDispatcher", "PipelinedStep", "STAGES", "combine",
-           "default_num_threads", "dispatch", "max_depth", "moe_costs", "moe_schedule",
-           "moe_thread_map", "num_layout_slots", "serial_step", "stage_lookaheads", "train_step"]
+           "default_dispatch_after_router", "default_num_threads", "dispatch", "max_depth",
+           "moe_costs", "moe_schedule", "moe_thread_map", "num_layout_slots", "serial_step",
+           "stage_lookaheads", "train_step"]

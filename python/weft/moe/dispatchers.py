@@ -15,7 +15,10 @@ device tensor instead.
 Each has comm_waits_on_host: whether one of its three calls (a dispatch, or its begin, a combine,
 a cached dispatch) waits on the host for the device (a count or sizes read back); the
 micro-batched step runs its communication on a thread of its own only for such a dispatcher
-(step.default_num_threads).
+(step.default_num_threads), unless the dispatcher's one wait is for its layout
+(dispatch_waits_for_layout: AllToAllDispatcher, whose sizes layout_begin counts in the router
+stage) and every dispatch runs a progress after its router (step.stage_lookaheads'
+dispatch_after_router, the micro-batched step's default for such a dispatcher).
 
 A dispatch also comes in two halves, begin_dispatch(d, x, topk_idx, topk_weights).finish()
 (what the micro-batched step calls: its dispatch stage begins, its experts stage finishes).
@@ -315,16 +318,20 @@ class _PendingNativeDispatch:
 
 
 class AllToAllLayout:
-    """AllToAllDispatcher.layout_begin's result: the selections it was made of (topk_idx), which
-    of them are valid ([T, top_k]), which tokens go to which rank (in_rank [T, R]) and the sizes
-    per destination (sizes [R, 2]: rows, entries), made on the stream that was current, and
-    ready, an event recorded there after them (None on the CPU)."""
+    """AllToAllDispatcher.layout_begin's result, made on the stream that was current: the
+    selections it was made of (topk_idx); sizes [R, 2] (rows, entries per destination rank);
+    num_valid, the selections that are not negative (a 0-dim tensor: the dispatch checks that
+    every one of them went to a rank); every (destination, token) pair in destination-major
+    order, the pairs whose token has an expert at the destination first: order [R * T] (the
+    token), mine [R * T, top_k] (which of its selections are that destination's) and send_idx
+    [R * T, top_k] (their local expert ids, -1 elsewhere), of which a dispatch sends the first
+    sum(rows); and ready, an event recorded after them (None on the CPU)."""
 
-    __slots__ = ("topk_idx", "valid", "in_rank", "sizes", "ready")
+    __slots__ = ("topk_idx", "sizes", "num_valid", "order", "mine", "send_idx", "ready")
 
-    def __init__(self, topk_idx, valid, in_rank, sizes, ready) -> None:
-        self.topk_idx, self.valid, self.in_rank = topk_idx, valid, in_rank
-        self.sizes, self.ready = sizes, ready
+    def __init__(self, topk_idx, sizes, num_valid, order, mine, send_idx, ready) -> None:
+        self.topk_idx, self.sizes, self.num_valid = topk_idx, sizes, num_valid
+        self.order, self.mine, self.send_idx, self.ready = order, mine, send_idx, ready
 
 
 class AllToAllDispatcher:
@@ -349,6 +356,9 @@ class AllToAllDispatcher:
 
     keeps_layouts = False  # a handle carries its whole layout
     comm_waits_on_host = True  # the dispatch reads its sizes
+    # ... counted by layout_begin in the router stage: the step puts the dispatch a progress
+    # after its router (step.default_dispatch_after_router)
+    dispatch_waits_for_layout = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_experts: int, *,
                  layout_group: Optional[dist.ProcessGroup] = None) -> None:
@@ -365,116 +375,132 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
         self._sizes_streams = {}  # device index -> the stream the sizes are exchanged on
+        self._rank_ids = {}  # device -> arange(R) there
 
     def _a2a(self, send: torch.Tensor, send_split: List[int], recv_split: List[int],
              group: Optional[dist.ProcessGroup] = None):
+        if self.group is None:  # one rank: its all_to_all is a copy
+            return send.clone(memory_format=torch.contiguous_format)
         out = torch.empty((sum(recv_split), *send.shape[1:]), dtype=send.dtype,
                           device=send.device)
-        if self.group is None:
-            out.copy_(send)
-        else:
-            dist.all_to_all_single(out, send.contiguous(), recv_split, send_split,
-                                   group=self.group if group is None else group)
+        dist.all_to_all_single(out, send.contiguous(), recv_split, send_split,
+                               group=self.group if group is None else group)
         return out
 
+    def _ranks(self, device) -> torch.Tensor:
+        """arange(R) on device, made once per device."""
+        ranks = self._rank_ids.get(device)
+        if ranks is None:
+            ranks = self._rank_ids[device] = torch.arange(self.num_ranks, device=device)
+        return ranks
+
     def layout_begin(self, topk_idx) -> AllToAllLayout:
-        """Per destination rank, its rows (tokens with an expert there) and entries (selections of
-        its experts), on the current stream; no wait, no collective."""
-        R, epr = self.num_ranks, self.num_local_experts
-        valid = topk_idx >= 0
-        dest = torch.where(valid, topk_idx // epr, R)
-        in_rank = torch.zeros((topk_idx.shape[0], R + 1), dtype=torch.bool,
-                              device=topk_idx.device)
-        in_rank.scatter_(1, dest, True)
-        in_rank = in_rank[:, :R]
-        dests = dest.flatten()
-        entries = torch.zeros(R + 1, dtype=torch.int64, device=topk_idx.device)
-        entries.scatter_add_(0, dests, torch.ones_like(dests))
-        sizes = torch.stack([in_rank.sum(0), entries[:R]], dim=1)
+        """The sizes per destination rank, its rows (tokens with an expert there) and entries
+        (selections of its experts), and the rows' order and local expert ids, on the current
+        stream: no wait, no collective. Each is one torch op over all of the selections (the
+        dispatcher's host time is a torch op's launch each, which a step pays for every call)."""
+        num_tokens, epr = topk_idx.shape[0], self.num_local_experts
+        dest = topk_idx.div(epr, rounding_mode="floor")  # a negative selection: a negative rank
+        hit = dest.unsqueeze(-1) == self._ranks(topk_idx.device)  # [T, top_k, R]
+        in_rank = hit.any(dim=1)  # [T, R]
+        sizes = torch.stack([in_rank.sum(dim=0), hit.sum(dim=(0, 1))], dim=1)
+        num_valid = (topk_idx >= 0).sum()
+        # (destination, token) pairs, destination-major; a stable sort puts the set ones first
+        # in that order, so that a dispatch slices the rows it sends without a count of them.
+        pairs = in_rank.T.reshape(-1).view(torch.uint8)
+        picked = torch.sort(pairs, descending=True, stable=True).indices
+        order = picked.remainder(num_tokens)
+        pair_dest = picked.div(num_tokens, rounding_mode="floor")
+        mine = dest[order] == pair_dest.unsqueeze(-1)
+        send_idx = torch.where(mine, topk_idx[order].remainder(epr), -1)
         ready = None
         if sizes.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(sizes.device))
-        return AllToAllLayout(topk_idx, valid, in_rank, sizes, ready)
+        return AllToAllLayout(topk_idx, sizes, num_valid, order, mine, send_idx, ready)
 
-    def _exchange_sizes(self, layout: AllToAllLayout) -> List[List[int]]:
-        """The sizes sent (R rows) then received (R rows), [rows, entries] each, on the host: on
-        the CPU at once; on a GPU on the sizes' own stream after layout.ready, copied to pinned
-        memory and waited for there."""
-        ones = [1] * self.num_ranks
+    def _exchange_sizes(self, layout: AllToAllLayout):
+        """(sent, received, num_valid): the sizes sent (R rows) and received (R rows), [rows,
+        entries] each, and the layout's num_valid, on the host: on the CPU at once; on a GPU on
+        the sizes' own stream after layout.ready, copied to pinned memory and waited for there."""
+        R = self.num_ranks
+        ones = [1] * R
 
-        def sent_and_received():
-            return torch.cat([layout.sizes,
-                              self._a2a(layout.sizes, ones, ones, self.layout_group)])
+        def on_host_order():
+            received = self._a2a(layout.sizes, ones, ones, self.layout_group)
+            return torch.cat([layout.sizes.view(-1), received.view(-1),
+                              layout.num_valid.view(1)])
         if layout.ready is None:
-            return sent_and_received().tolist()
-        device = layout.sizes.device
-        stream = self._sizes_streams.get(device.index)
-        if stream is None:  # as urgent as the stream it takes the wait off
-            priority = torch.cuda.current_stream(device).priority
-            stream = self._sizes_streams[device.index] = torch.cuda.Stream(device, priority)
-        stream.wait_event(layout.ready)
-        with torch.cuda.stream(stream):
-            both = sent_and_received()
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host.copy_(both, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        copied.synchronize()  # the stream's work on layout.sizes and both is done too
-        return host.tolist()
+            flat = on_host_order().tolist()
+        else:
+            device = layout.sizes.device
+            stream = self._sizes_streams.get(device.index)
+            if stream is None:  # as urgent as the stream it takes the wait off
+                priority = torch.cuda.current_stream(device).priority
+                stream = self._sizes_streams[device.index] = torch.cuda.Stream(device, priority)
+            stream.wait_event(layout.ready)
+            with torch.cuda.stream(stream):
+                both = on_host_order()
+                host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+                host.copy_(both, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            copied.synchronize()  # the stream's work on the layout and both is done too
+            flat = host.tolist()
+        pairs = [flat[2 * i:2 * i + 2] for i in range(2 * R)]
+        return pairs[:R], pairs[R:], flat[-1]
 
     def dispatch(self, x, topk_idx, topk_weights, layout: Optional[AllToAllLayout] = None):
-        R = self.num_ranks
         num_tokens = x.shape[0]
         if layout is None:
             layout = self.layout_begin(topk_idx)
         elif layout.topk_idx is not topk_idx:
             raise Error("AllToAllDispatcher: the layout was made of other selections than the "
                         "dispatch's topk_idx (layout_begin(topk_idx) of the same tensor)")
-        valid, in_rank = layout.valid, layout.in_rank
-        if in_rank.is_cuda:  # made on the router's stream, read on this one below
-            for t in (valid, in_rank):
+        if layout.ready is not None:  # made on the router's stream, read on this one below
+            for t in (layout.order, layout.mine, layout.send_idx):
                 t.record_stream(torch.cuda.current_stream(t.device))
-        host = self._exchange_sizes(layout)
-        send_split = [rows for rows, _ in host[:R]]
-        recv_split = [rows for rows, _ in host[R:]]
-        num_entries = sum(n for _, n in host[R:])
-        # Rows grouped by destination, tokens ascending within each: in_rank's set entries in
-        # (destination, token) order, by a stable sort (no second sync for their number).
-        flat = torch.logical_not(in_rank.T.reshape(-1)).to(torch.int8)
-        picked = torch.argsort(flat, stable=True)[:sum(send_split)]
-        order = picked % num_tokens
-        rows_dest = picked // num_tokens
-        send_tokens = list(order.split(send_split))
-        epr = self.num_local_experts
-        local = (topk_idx[order] // epr == rows_dest[:, None]) & valid[order]
-        send_idx = torch.where(local, topk_idx[order] - rows_dest[:, None] * epr, -1)
-        send_w = torch.where(local, topk_weights[order], torch.zeros_like(topk_weights[order]))
+        sent, received, num_valid = self._exchange_sizes(layout)
+        if sum(n for _, n in sent) != num_valid:
+            raise Error(f"AllToAllDispatcher: topk_idx selects experts outside [0, "
+                        f"{self.num_experts}) ({num_valid} selections >= 0, "
+                        f"{sum(n for _, n in sent)} of them of an expert of a rank); -1 "
+                        "selects none")
+        send_split = [rows for rows, _ in sent]
+        recv_split = [rows for rows, _ in received]
+        num_entries = sum(n for _, n in received)
+        num_rows = sum(send_split)
+        order = layout.order[:num_rows]
+        send_w = torch.where(layout.mine[:num_rows], topk_weights[order], 0.0)
         recv_x = self._a2a(x[order], send_split, recv_split)
-        recv_idx = self._a2a(send_idx, send_split, recv_split)
+        recv_idx = self._a2a(layout.send_idx[:num_rows], send_split, recv_split)
         recv_w = self._a2a(send_w, send_split, recv_split)
-        return (recv_x, recv_idx, recv_w, (send_tokens, send_split, recv_split, num_tokens),
+        return (recv_x, recv_idx, recv_w, (order, send_split, recv_split, num_tokens),
                 num_entries)
 
-    def combine(self, y, handle, weights=None):
-        send_tokens, send_split, recv_split, num_tokens = handle
-        back = self._a2a(y.contiguous(), recv_split, send_split)  # rows grouped by rank
-        out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
+    @staticmethod
+    def _sum_back(rows, order, send_split, num_tokens, dtype):
+        """Per token, the sum in dtype of its rows (rows [sum(send_split), ...], grouped by rank
+        as order's tokens), rank by rank in ascending order: weft's reduction order. A rank's
+        rows are of distinct tokens, so each index_add_ adds one value to each of its tokens."""
+        out = torch.zeros((num_tokens, *rows.shape[1:]), dtype=dtype, device=rows.device)
+        rows = rows.to(dtype)
         start = 0
-        for d, tokens in enumerate(send_tokens):  # ascending rank: weft's reduction order
-            out[tokens] += back[start:start + len(tokens)].float()
-            start += len(tokens)
+        for n in send_split:
+            out.index_add_(0, order[start:start + n], rows[start:start + n])
+            start += n
+        return out
+
+    def combine(self, y, handle, weights=None):
+        order, send_split, recv_split, num_tokens = handle
+        back = self._a2a(y, recv_split, send_split)  # rows grouped by rank
+        out = self._sum_back(back, order, send_split, num_tokens, torch.float32).bfloat16()
         combined_w = None
         if weights is not None:
-            wback = self._a2a(weights.contiguous(), recv_split, send_split)
-            combined_w = torch.zeros((num_tokens, weights.shape[1]), dtype=weights.dtype,
-                                     device=weights.device)
-            start = 0
-            for tokens in send_tokens:
-                combined_w[tokens] += wback[start:start + len(tokens)]
-                start += len(tokens)
-        return out.bfloat16(), combined_w
+            wback = self._a2a(weights, recv_split, send_split)
+            combined_w = self._sum_back(wback, order, send_split, num_tokens, weights.dtype)
+        return out, combined_w
 
     def dispatch_cached(self, x, handle):
-        send_tokens, send_split, recv_split, _ = handle
-        return self._a2a(x[torch.cat(send_tokens)], send_split, recv_split)
+        order, send_split, recv_split, _ = handle
+        return self._a2a(x[order], send_split, recv_split)

@@ -49,9 +49,10 @@ __all__ = ["MoeVariant", "Suggested", "check_layouts", "count_waits", "depth_var
 
 
 class MoeVariant(NamedTuple):
-    """A depth of the stage_lookaheads family, a thread map (as weft.pipeline.Engine takes it)
-    and, optionally, a ScheduleConfig applied over the depth's lookaheads (what PipelinedStep's
-    ``depth``, ``thread_map`` and ``config`` take)."""
+    """A depth of the stage_lookaheads family (with each dispatch a progress after its router
+    where dispatch_after_router), a thread map (as weft.pipeline.Engine takes it) and,
+    optionally, a ScheduleConfig applied over the depth's lookaheads (what PipelinedStep's
+    ``depth``, ``thread_map``, ``config`` and ``dispatch_after_router`` take)."""
 
     name: str
     num_layers: int
@@ -59,6 +60,7 @@ class MoeVariant(NamedTuple):
     num_micro_batches: int
     thread_map: Union[str, ThreadMap, Dict[str, List[str]]]
     config: Optional[ScheduleConfig] = None
+    dispatch_after_router: bool = False
 
     @property
     def source_batches(self) -> int:
@@ -67,7 +69,8 @@ class MoeVariant(NamedTuple):
 
     def schedule(self, bodies=None):
         """moe_schedule of this depth with ``bodies``, the config applied."""
-        schedule = moe_schedule(self.num_layers, self.depth, bodies)
+        schedule = moe_schedule(self.num_layers, self.depth, bodies,
+                                dispatch_after_router=self.dispatch_after_router)
         if self.config is not None:
             self.config.apply(schedule)
         return schedule
@@ -89,11 +92,12 @@ def count_waits(num_layers: int) -> Dict[str, str]:
 
 
 def depth_variants(num_layers: int, depths: Sequence[int], num_micro_batches: int,
-                   num_threads: int = 2) -> List[MoeVariant]:
+                   num_threads: int = 2, dispatch_after_router: bool = False) -> List[MoeVariant]:
     """One variant per depth, under moe_thread_map(num_layers, num_threads), named
     "d{depth}"."""
     thread_map = moe_thread_map(num_layers, num_threads)
-    return [MoeVariant(f"d{d}", num_layers, d, num_micro_batches, thread_map) for d in depths]
+    return [MoeVariant(f"d{d}", num_layers, d, num_micro_batches, thread_map, None,
+                       dispatch_after_router) for d in depths]
 
 
 def check_layouts(variant: MoeVariant, num_slots: Optional[Sequence[int]]) -> None:
@@ -131,7 +135,8 @@ class Suggested(NamedTuple):
 def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                     num_slots: Optional[Sequence[int]] = None, max_threads: int = 2,
                     calibration: Optional[Calibration] = None, min_gain_pct: float = 1.0,
-                    own_thread_map=None, name: str = "suggested") -> Suggested:
+                    own_thread_map=None, name: str = "suggested",
+                    dispatch_after_router: bool = False) -> Suggested:
     """The best schedule for the step with ``costs`` (as weft.plan.simulate takes them) and
     ``calibration`` that keeps to ``num_slots`` layouts per layer (the step's LayoutSlots; None:
     a dispatcher that keeps no layout, any lookahead fits), at most ``max_threads`` threads.
@@ -149,11 +154,13 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     reason to leave the schedule the step was built with; ties go to the step's own schedule;
     0 takes any lower prediction). Where the own map has more threads than max_threads it is
     not a candidate and the lowest prediction is the pick. The same costs give the same
-    suggestion; its layouts fit num_slots (check_layouts)."""
+    suggestion; its layouts fit num_slots (check_layouts). dispatch_after_router: the depth family
+    is the step's with each dispatch a progress after its router (stage_lookaheads)."""
     if not min_gain_pct >= 0:
         raise ValueError(f"min_gain_pct must be >= 0, got {min_gain_pct!r}")
     calibration = calibration or Calibration()
-    deepest = max_depth(num_layers)
+    apart = dispatch_after_router
+    deepest = max_depth(num_layers, apart)
     bound = deepest if num_slots is None else min(deepest, min(num_slots) - 1)
     candidates = []  # (step ms, order, variant, source, under the step's own map)
     searched, not_searched = [], []
@@ -163,7 +170,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
     maps = [({"groups": own}, True), ("legacy", False)]
     num_evaluated = 0
     if bound > 0 or max_threads > 1:
-        result = plan.suggest(moe_schedule(num_layers, bound),
+        result = plan.suggest(moe_schedule(num_layers, bound, dispatch_after_router=apart),
                               calibrated_costs(costs, calibration), max_threads=max_threads,
                               min_lookahead=0, max_lookahead=bound, num_best=3,
                               num_batches=num_micro_batches,
@@ -171,7 +178,7 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
                               start_maps=[ThreadMap.of(own)])
         num_evaluated += result.num_evaluated
         for k, s in enumerate(result.suggestions):
-            v = _variant(name, num_layers, num_micro_batches, bound, s.config)
+            v = _variant(name, num_layers, num_micro_batches, bound, s.config, apart)
             candidates.append((s.step_us / 1e3, (0, 0, k), v, "lookahead search", False))
             maps.append((json.loads(s.config.to_json())["thread_map"], False))
         searched.append(f"weft.plan.suggest ({result.method}, {result.num_evaluated} schedules "
@@ -181,12 +188,12 @@ def suggest_variant(costs, num_layers: int, num_micro_batches: int, *,
         not_searched += result.not_searched
     maps = [(m, is_own) for m, is_own in maps if _num_threads(num_layers, m) <= max_threads]
     fitting = [d for d in range(deepest + 1)
-               if _fits(num_layout_slots(num_layers, d), num_slots)]
+               if _fits(num_layout_slots(num_layers, d, apart), num_slots)]
     for d in fitting:
-        lookaheads = stage_lookaheads(num_layers, d)
+        lookaheads = stage_lookaheads(num_layers, d, apart)
         for k, (m, is_own) in enumerate(maps):
             config = ScheduleConfig.from_dict({"thread_map": m, "lookahead": lookaheads})
-            v = _variant(name, num_layers, num_micro_batches, d, config)
+            v = _variant(name, num_layers, num_micro_batches, d, config, apart)
             ms = predicted_ms(v, costs, calibration)
             candidates.append((ms, (1, d, k), v, f"depth family d{d}", is_own))
             num_evaluated += 1
@@ -230,9 +237,10 @@ def _num_threads(num_layers: int, thread_map) -> int:
 
 
 def _variant(name: str, num_layers: int, num_micro_batches: int, depth: int,
-             config: ScheduleConfig) -> MoeVariant:
+             config: ScheduleConfig, dispatch_after_router: bool) -> MoeVariant:
     """A variant whose config holds its thread map and every lookahead."""
-    return MoeVariant(name, num_layers, depth, num_micro_batches, config.thread_map, config)
+    return MoeVariant(name, num_layers, depth, num_micro_batches, config.thread_map, config,
+                      dispatch_after_router)
 
 
 def variant_from_config(path: Union[str, os.PathLike], num_layers: int, num_micro_batches: int,

@@ -281,46 +281,58 @@ def serial_step(model, x: torch.Tensor, target: torch.Tensor, lr: float,
     return total
 
 
-def _chain_positions(num_layers: int) -> Dict[str, int]:
+def _chain_positions(num_layers: int, dispatch_after_router: bool = False) -> Dict[str, int]:
     """Task -> its position k in the chain of (compute, comm) pairs: a comm task shares the
     position of the compute task before it, so that at lookahead depth - k its consumer, one
     position on, runs in a later progress() than it; experts_wgrad_l shares experts_bwd_l's
-    (it reads that, and runs under dispatch_bwd_l's communication)."""
+    (it reads that, and runs under dispatch_bwd_l's communication). dispatch_after_router: each
+    dispatch_l has a position of its own, one after dense_router_l's (see stage_lookaheads)."""
     out, k = {}, -1
     for name, stage, layer in chain(num_layers):
         if stage in SHARES_POSITION:
             out[name] = out[f"{SHARES_POSITION[stage]}_{layer}"]
             continue
-        if stage not in COMM_STAGES:
+        if stage not in COMM_STAGES or (dispatch_after_router and stage == "dispatch"):
             k += 1
         out[name] = k
     return out
 
 
-def max_depth(num_layers: int) -> int:
-    """The deepest schedule: every communication's consumer runs in a later progress()."""
-    return 4 * num_layers
+def max_depth(num_layers: int, dispatch_after_router: bool = False) -> int:
+    """The deepest schedule: every communication's consumer runs in a later progress() (and with
+    dispatch_after_router every dispatch in a later one than its router)."""
+    return (5 if dispatch_after_router else 4) * num_layers
 
 
-def stage_lookaheads(num_layers: int, depth: int) -> Dict[str, int]:
+def stage_lookaheads(num_layers: int, depth: int,
+                     dispatch_after_router: bool = False) -> Dict[str, int]:
     """Task -> lookahead. Position k of the chain (dense_router_0 + dispatch_0 = 0, experts_0 +
     combine_0 = 1, ..., loss + combine_bwd_{L-1} = 2L, experts_bwd_{L-1} + dispatch_bwd_{L-1} =
     2L + 1, dense_router_bwd_{L-1} + combine_bwd_{L-2} = 2L + 2, ..., dense_router_bwd_0 = 4L)
     runs at lookahead max(0, depth - k): a comm task at k < depth has its consumer in the next
     progress(), after compute of other micro-batches. depth 0: every task at lookahead 0 (the
     serial order on the engine); 2L: every forward communication runs beside another
-    micro-batch's compute; 4L (max_depth): every backward one too."""
-    if not 0 <= depth <= max_depth(num_layers):
-        raise ValueError(f"depth must be in [0, {max_depth(num_layers)}] for {num_layers} "
-                         f"layers, got {depth}")
-    return {name: max(0, depth - k) for name, k in _chain_positions(num_layers).items()}
+    micro-batch's compute; 4L (max_depth): every backward one too.
+
+    dispatch_after_router: dispatch_l gets a position of its own after dense_router_l's (the
+    positions after it move one on; max_depth 5L), so that at a depth above dense_router_l's
+    position the dispatch runs a progress after its router, with a progress of other
+    micro-batches' work queued behind the router: a dispatch that waits on the host for what
+    the router stage queued (AllToAllDispatcher's sizes, begun by its layout_begin there) then
+    waits for work the device has done or is past, without draining it."""
+    deepest = max_depth(num_layers, dispatch_after_router)
+    if not 0 <= depth <= deepest:
+        raise ValueError(f"depth must be in [0, {deepest}] for {num_layers} layers, got {depth}")
+    return {name: max(0, depth - k)
+            for name, k in _chain_positions(num_layers, dispatch_after_router).items()}
 
 
-def num_layout_slots(num_layers: int, depth: int) -> List[int]:
+def num_layout_slots(num_layers: int, depth: int,
+                     dispatch_after_router: bool = False) -> List[int]:
     """Per layer, the layouts live at once on weft.pipeline at this depth: a micro-batch's layout
     of layer l lives from its dispatch_l to its dispatch_bwd_l (the layout's last use), so
     lookahead(dispatch_l) - lookahead(dispatch_bwd_l) + 1 micro-batches hold one."""
-    return layouts_of(stage_lookaheads(num_layers, depth), num_layers)
+    return layouts_of(stage_lookaheads(num_layers, depth, dispatch_after_router), num_layers)
 
 
 def layouts_of(lookaheads: Mapping[str, int], num_layers: int) -> List[int]:
@@ -332,15 +344,16 @@ def layouts_of(lookaheads: Mapping[str, int], num_layers: int) -> List[int]:
 
 
 def moe_schedule(num_layers: int, depth: int,
-                 bodies: Optional[Mapping[str, Callable]] = None):
+                 bodies: Optional[Mapping[str, Callable]] = None, *,
+                 dispatch_after_router: bool = False):
     """The weft.pipeline Schedule of the step: the tasks in chain order (the run order), compute
     on stream "default", the communication, forward and backward, as collective tasks on stream
     "comm"; each task reads the slot of the task stage_reads names and writes its own (the
     MicroBatch), the last (dense_router_bwd_0) writes step_result. bodies: task name -> fn(ctx)
-    (None: no bodies, for the planner)."""
+    (None: no bodies, for the planner). dispatch_after_router: stage_lookaheads'."""
     from weft.pipeline import Schedule, Task
 
-    la = stage_lookaheads(num_layers, depth)
+    la = stage_lookaheads(num_layers, depth, dispatch_after_router)
     bodies = bodies or {}
     tasks = []
     names = stage_task_names(num_layers)
@@ -369,14 +382,30 @@ def moe_thread_map(num_layers: int, num_threads: int = 2) -> Dict[str, List[str]
     return threads
 
 
-def default_num_threads(slots) -> int:
+def default_dispatch_after_router(slots) -> bool:
+    """Whether PipelinedStep puts each dispatch a progress after its router (stage_lookaheads'
+    dispatch_after_router) by default: where every dispatcher of the slots has
+    dispatch_waits_for_layout, i.e. its dispatch's one host wait is for what its layout_begin
+    queued in the router stage and the exchange of its sizes (AllToAllDispatcher)."""
+    return all(getattr(d, "dispatch_waits_for_layout", False) for d in slots.dispatchers())
+
+
+def default_num_threads(slots, dispatch_after_router: bool = False) -> int:
     """The engine threads PipelinedStep runs on by default: 2 (moe_thread_map's compute and comm)
     where a dispatcher of the slots has comm_waits_on_host (a dispatcher without the attribute
     counts as one), so that its waits block the comm thread only; else 1. Two threads that both
     issue torch ops hand the GIL to each other at every op (each op releases and retakes it);
-    with nothing to wait for on the host that costs more than the second thread gives."""
-    waits = any(getattr(d, "comm_waits_on_host", True) for d in slots.dispatchers())
-    return 2 if waits else 1
+    with nothing to wait for on the host that costs more than the second thread gives.
+    dispatch_after_router: the step's schedule family puts each dispatch a progress after its
+    router (stage_lookaheads); a dispatcher whose one wait is for that router's work
+    (dispatch_waits_for_layout) then waits for work queued a progress ago, which needs no thread
+    of its own (at a depth too shallow to part a layer's dispatch from its router, the wait
+    finds the device drained, as the serial step's does)."""
+    def waits(d):
+        if dispatch_after_router and getattr(d, "dispatch_waits_for_layout", False):
+            return False
+        return getattr(d, "comm_waits_on_host", True)
+    return 2 if any(waits(d) for d in slots.dispatchers()) else 1
 
 
 def moe_costs(num_layers: int, gpu_us: Mapping[str, float], host_us: float = 20.0) -> dict:
@@ -404,9 +433,14 @@ class PipelinedStep:
     "default" stream is the caller's current torch stream unless streams= says otherwise, so
     the SGD step and the next step's work order after the backward without a host wait).
 
+    dispatch_after_router: the depth family with each dispatch a progress after its router
+    (stage_lookaheads; depth up to max_depth(L, True)); default: default_dispatch_after_router
+    (slots), i.e. for the all_to_all dispatcher, whose dispatch waits on the host for the sizes
+    its layout counted in the router stage.
     thread_map: the engine's threads (default: the config's thread map if it has one, else
-    moe_thread_map with default_num_threads(slots): one thread over weft.ep's native dispatcher,
-    compute and comm over one that waits on the host).
+    moe_thread_map with default_num_threads(slots, dispatch_after_router): one thread over
+    weft.ep's native dispatcher, and over the all_to_all one in the family with each dispatch a
+    progress after its router; compute and comm over one that waits on the host otherwise).
     config: a weft.pipeline ScheduleConfig (what weft.plan.suggest and weft.moe.planning write)
     applied over the depth's lookaheads. The slots must hold the layouts of the lookaheads that
     result (layouts_of; ValueError before any engine starts).
@@ -415,7 +449,7 @@ class PipelinedStep:
     def __init__(self, model, slots, num_micro_batches: int, *, depth: int = 1,
                  backend: str = "host", thread_map=None, trace: bool = False,
                  streams: Optional[dict] = None, device: Optional[int] = None,
-                 config=None) -> None:
+                 config=None, dispatch_after_router: Optional[bool] = None) -> None:
         from weft.pipeline import Engine
 
         self.model = model
@@ -424,8 +458,12 @@ class PipelinedStep:
         if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
         self.num_micro_batches = num_micro_batches
+        if dispatch_after_router is None:
+            dispatch_after_router = default_dispatch_after_router(slots)
+        self.dispatch_after_router = dispatch_after_router
         self.stages = stages = _Stages(model, slots)
-        self.schedule = moe_schedule(self.num_layers, depth, self._bodies(stages))
+        self.schedule = moe_schedule(self.num_layers, depth, self._bodies(stages),
+                                     dispatch_after_router=dispatch_after_router)
         if config is not None:
             config.apply(self.schedule)
             if thread_map is None:
@@ -436,7 +474,8 @@ class PipelinedStep:
         if backend == "torch" and streams is None:
             streams = {"default": torch.cuda.current_stream()}
         if thread_map is None:
-            thread_map = moe_thread_map(self.num_layers, default_num_threads(slots))
+            thread_map = moe_thread_map(self.num_layers,
+                                        default_num_threads(slots, dispatch_after_router))
         self.engine = Engine(self.schedule, thread_map,
                              backend=backend, trace=trace, streams=streams, device=device)
 
