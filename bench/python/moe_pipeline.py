@@ -23,18 +23,22 @@ Schedules, each with --micro-batches micro-batches per step:
                        reads the count; --ep deepep: EpDispatcher, DeepEP's Buffer, whose
                        dispatch stage waits for the count)
   (b) pipe+weft.ep d   PipelinedStep at depth d (moe_schedule), one Buffer per live layout
-  (c) pipe+a2a d       PipelinedStep with the all_to_all dispatcher
+  (c) pipe+a2a d       PipelinedStep with the all_to_all dispatcher, each dispatch a progress
+                       after its router (its family, moe.stage_lookaheads); --a2a-with-router
+                       also runs it in (b)'s family ("(c) pipe+a2a with-router d")
   (a) a2a              serial_step with the all_to_all dispatcher
   no comm              serial_step with the local dispatcher (one rank only)
   (a) weft.ep local    --comm emulated: (a) without the emulated holds (at one rank weft.ep's
                        communication is a local copy)
 The compute floor is the faster of "no comm" and "(a) weft.ep local": the step whose
 communication is a local copy (the local dispatcher's torch ops may cost more than weft.ep's).
-Depth d: max = 4 x layers (every communication, forward and backward, beside another
-micro-batch's compute); 2 x layers hides the forward communication only. (b) and (c) run on
-the engine threads PipelinedStep picks (moe.default_num_threads: one over weft.ep's native
-dispatcher, which never waits on the host in a comm task; two, compute and comm, which share the
-GIL, over a dispatcher that does: the all_to_all one, weft.ep's DeepEP API); --threads 1 or 2
+Depth d: max = the family's deepest, 4 x layers for (b) (every communication, forward and
+backward, beside another micro-batch's compute; 2 x layers hides the forward communication
+only), 5 x layers for (c). (b) and (c) run on the engine threads PipelinedStep picks
+(moe.default_num_threads: one over weft.ep's native dispatcher, which never waits on the host
+in a comm task, and over the all_to_all one where every dispatch runs a progress after its
+router; two, compute and comm, which share the GIL, over a dispatcher that waits elsewhere:
+the all_to_all one beside its router, weft.ep's DeepEP API); --threads 1 or 2
 sets them for both, and --switch-interval-ms sets how soon a thread waiting for the GIL gets it
 (sys.setswitchinterval; Python's default is 5 ms): the two ways to tell the GIL's share of a
 pipelined step's time.

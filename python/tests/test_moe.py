@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import weft.moe as moe  # noqa: E402
 from weft import Error  # noqa: E402
-from conftest import needs_gpus  # noqa: E402
+from conftest import needs_gpus, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,8 +54,10 @@ def test_local_and_all_to_all_dispatchers_agree_bit_for_bit():
         assert torch.equal(pa, pb)
 
 
-@pytest.mark.parametrize("num_tokens", [0, 1, 33])
-def test_all_to_all_dispatch_and_combine_match_the_local_ones_with_dropped_selections(num_tokens):
+@pytest.mark.parametrize("num_tokens,idx_dtype", [(0, torch.int64), (1, torch.int64),
+                                                  (33, torch.int64), (33, torch.int32)])
+def test_all_to_all_dispatch_and_combine_match_the_local_ones_with_dropped_selections(
+        num_tokens, idx_dtype):
     # Selections of -1 (a token may have none), so that some tokens go nowhere: the all_to_all
     # dispatcher's rows (picked by a sort, their number and the entry count exchanged with its
     # sizes) equal the local dispatcher's, element by element, and so do the combined rows.
@@ -65,16 +67,20 @@ def test_all_to_all_dispatch_and_combine_match_the_local_ones_with_dropped_selec
         if num_tokens else torch.empty((0, 4), dtype=torch.int64)
     idx = torch.where(torch.rand((num_tokens, 4), generator=g) < 0.4, -1, idx)
     idx[0:1] = -1  # the first token (if any) selects nothing
+    idx = idx.to(idx_dtype)
     w = torch.rand((num_tokens, 4), generator=g)
     local, a2a = moe.LocalDispatcher(16), moe.AllToAllDispatcher(None, 16)
     want, got = local.dispatch(x, idx, w), a2a.dispatch(x, idx, w)
     for a, b in zip(want[:3], got[:3]):
         assert torch.equal(a, b)
     assert got[4] == want[4] == int((idx >= 0).sum())
+    assert got[1].dtype == want[1].dtype == idx_dtype
     y = torch.randn(want[0].shape, generator=g).bfloat16()
-    combined = [d.combine(y, r[3], weights=r[2]) for d, r in ((local, want), (a2a, got))]
-    assert torch.equal(combined[0][0], combined[1][0])
-    assert torch.equal(combined[0][1], combined[1][1])
+    # Rows and weights of -0.0: a sum into zeros gives +0.0, and every dispatcher sums.
+    y[::3] = -0.0
+    combined = [d.combine(y, r[3], weights=-r[2]) for d, r in ((local, want), (a2a, got))]
+    for a, b in zip(combined[0], combined[1]):  # bit for bit: -0.0 differs from +0.0
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _selections(num_tokens, num_experts, top_k, seed, device="cpu"):
@@ -129,6 +135,30 @@ def test_all_to_all_dispatch_refuses_expert_ids_past_its_experts():
     fewer[5, 0] = -7
     got = d.dispatch(x, fewer, w)
     assert got[4] == int((fewer >= 0).sum())
+
+
+def _one_rank_selects_no_experts_expert(rank, world_size):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    d = moe.AllToAllDispatcher(dist.group.WORLD, 16)
+    x, idx, w = _selections(12, 16, 4, 20 + rank)
+    wrong = idx.clone()
+    if rank == 1:
+        wrong[3, 0] = 16
+    with pytest.raises(Error, match=r"outside \[0, 16\).*per rank \{1: 1\}; no row moved"):
+        d.dispatch(x, wrong, w)
+    got = d.dispatch(x, idx, w)  # both ranks go on in step
+    assert got[4] == int((got[1] >= 0).sum()) > 0 and got[1].shape[0] == got[0].shape[0]
+
+
+@pytest.mark.timeout(100)
+def test_every_rank_refuses_a_selection_of_no_experts_expert_together(tmp_path):
+    # One rank's id of no expert: its sizes carry the count to every rank, so every rank raises
+    # before the rows' all_to_all (none waits in it for a rank that stopped), then all go on.
+    run_ranks(_one_rank_selects_no_experts_expert, 2, tmp_path / "store", timeout_s=90)
+    with pytest.raises(ValueError, match="multiple of the ranks"):
+        moe.AllToAllDispatcher(None, 0)
 
 
 def test_the_emulated_all_to_all_dispatcher_passes_its_layout_on():

@@ -351,6 +351,7 @@ def test_lookaheads_with_each_dispatch_a_progress_after_its_router():
         la = moe.stage_lookaheads(2, depth, True)
         apart = [la[f"dense_router_{l}"] > la[f"dispatch_{l}"] for l in range(2)]
         assert apart == [depth > 0, depth > 3], depth
+        assert moe.dispatches_after_routers(la, 2) is (depth > 3)
         assert moe.num_layout_slots(2, depth, True) == [
             la[f"dispatch_{l}"] - la[f"dispatch_bwd_{l}"] + 1 for l in range(2)]
     assert moe.num_layout_slots(2, 10, True) == [9, 4]
@@ -368,7 +369,8 @@ def test_lookaheads_with_each_dispatch_a_progress_after_its_router():
 def test_all_to_all_step_runs_each_dispatch_a_progress_after_its_router(depth):
     """The all_to_all dispatcher's dispatch waits on the host for the sizes its layout counted in
     the router stage: PipelinedStep's default family for it puts each dispatch a progress after
-    its router (where the depth parts them) and runs on one engine thread; the bits are the
+    its router (where the depth parts them), on one engine thread where the depth parts every
+    layer's and on two (compute and comm) where one waits beside its router; the bits are the
     serial step's. The other dispatchers keep the family of shared positions."""
     d = moe.AllToAllDispatcher(None, 8)
     slots = moe.LayoutSlots.shared(d, 2)
@@ -388,7 +390,8 @@ def test_all_to_all_step_runs_each_dispatch_a_progress_after_its_router(depth):
     serial = moe.MoEModel(dispatcher=d, seed=11, **SMALL)
     piped = copy.deepcopy(serial)
     step = moe.PipelinedStep(piped, slots, M, depth=depth, trace=True)
-    assert step.dispatch_after_router and list(step.engine.threads) == ["host"]
+    assert step.dispatch_after_router
+    assert sorted(step.engine.threads) == (["host"] if depth > 3 else ["comm", "compute"])
     for i in range(2):
         x, target = _inputs(i)
         assert torch.equal(step(x, target, lr=0.05), moe.serial_step(serial, x, target, 0.05, M))
@@ -648,10 +651,11 @@ def test_native_weft_ep_pipelined_step_agrees_with_serial_bit_for_bit_on_gpu(dep
 @needs_gpus(1)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("depth,after_router,num_threads", [
-    (1, None, 1), (moe.max_depth(2, True), None, 1), (moe.max_depth(2), False, 2)])
+    (1, None, 2), (moe.max_depth(2, True), None, 1), (moe.max_depth(2), False, 2)])
 def test_all_to_all_pipelined_step_agrees_with_serial_on_gpu(depth, after_router, num_threads):
     """PipelinedStep's default family for the all_to_all dispatcher (each dispatch a progress
-    after its router, one engine thread) and the family of the others (two threads)."""
+    after its router: one engine thread at a depth that parts every layer's, two at depth 1,
+    where layer 1's waits beside its router) and the family of the others (two threads)."""
     T, M = 512, 4
     d = moe.AllToAllDispatcher(None, 16)
     serial = moe.MoEModel(dispatcher=d, seed=6, **GPU_SHAPE)

@@ -21,12 +21,13 @@ from .layer import MoELayer, combine, dispatch
 from .model import DenseBlock, MoEModel, train_step
 from .slots import LayoutSlots
 from .step import (STAGES, PipelinedStep, default_dispatch_after_router, default_num_threads,
-                   max_depth, moe_costs, moe_schedule, moe_thread_map, num_layout_slots,
-                   serial_step, stage_lookaheads)
+                   dispatches_after_routers, max_depth, moe_costs, moe_schedule, moe_thread_map,
+                   num_layout_slots, serial_step, stage_lookaheads)
 
 __all__ = ["A2A_2XH200", "AllToAllDispatcher", "CallCost", "DenseBlock", "EP_2XH200",
            "EmulatedDispatcher", "EpDispatcher", "LayoutSlots", "LocalDispatcher",
            "MoELayer", "MoEModel", "NativeEpDispatcher", "PipelinedStep", "STAGES", "combine",
-           "default_dispatch_after_router", "default_num_threads", "dispatch", "max_depth",
+           "default_dispatch_after_router", "default_num_threads", "dispatch",
+           "dispatches_after_routers", "max_depth",
            "moe_costs", "moe_schedule", "moe_thread_map", "num_layout_slots", "serial_step",
            "stage_lookaheads", "train_step"]

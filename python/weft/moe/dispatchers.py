@@ -87,14 +87,15 @@ class LocalDispatcher:
         return x[tokens], recv_idx, recv_w, (tokens, x.shape[0]), count_entries(recv_idx)
 
     def combine(self, y, handle, weights=None):
+        # A sum of each token's one row into zeros, as the other dispatchers' (-0.0 gives +0.0).
         tokens, num_tokens = handle
         out = torch.zeros((num_tokens, y.shape[1]), dtype=torch.float32, device=y.device)
-        out[tokens] = y.float()
+        out.index_add_(0, tokens, y.float())
         combined_w = None
         if weights is not None:
             combined_w = torch.zeros((num_tokens, weights.shape[1]), dtype=weights.dtype,
                                      device=weights.device)
-            combined_w[tokens] = weights
+            combined_w.index_add_(0, tokens, weights)
         return out.bfloat16(), combined_w
 
     def dispatch_cached(self, x, handle):
@@ -319,18 +320,18 @@ class _PendingNativeDispatch:
 
 class AllToAllLayout:
     """AllToAllDispatcher.layout_begin's result, made on the stream that was current: the
-    selections it was made of (topk_idx); sizes [R, 2] (rows, entries per destination rank);
-    num_valid, the selections that are not negative (a 0-dim tensor: the dispatch checks that
-    every one of them went to a rank); every (destination, token) pair in destination-major
-    order, the pairs whose token has an expert at the destination first: order [R * T] (the
-    token), mine [R * T, top_k] (which of its selections are that destination's) and send_idx
-    [R * T, top_k] (their local expert ids, -1 elsewhere), of which a dispatch sends the first
-    sum(rows); and ready, an event recorded after them (None on the CPU)."""
+    selections it was made of (topk_idx); sizes [R, 3], per destination rank its rows, its
+    entries and, in every row, this rank's selections of no rank's expert (so that every rank
+    refuses them together); every (destination, token) pair in destination-major order, the
+    pairs whose token has an expert at the destination first: order [R * T] (the token), mine
+    [R * T, top_k] (which of its selections are that destination's) and send_idx [R * T, top_k]
+    (their local expert ids, -1 elsewhere), of which a dispatch sends the first sum(rows); and
+    ready, an event recorded after them (None on the CPU)."""
 
-    __slots__ = ("topk_idx", "sizes", "num_valid", "order", "mine", "send_idx", "ready")
+    __slots__ = ("topk_idx", "sizes", "order", "mine", "send_idx", "ready")
 
-    def __init__(self, topk_idx, sizes, num_valid, order, mine, send_idx, ready) -> None:
-        self.topk_idx, self.sizes, self.num_valid = topk_idx, sizes, num_valid
+    def __init__(self, topk_idx, sizes, order, mine, send_idx, ready) -> None:
+        self.topk_idx, self.sizes = topk_idx, sizes
         self.order, self.mine, self.send_idx, self.ready = order, mine, send_idx, ready
 
 
@@ -365,6 +366,9 @@ class AllToAllDispatcher:
         self.group = group
         self.num_ranks = group.size() if group is not None else 1
         self.rank = group.rank() if group is not None else 0
+        if num_experts < 1 or num_experts % self.num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a positive multiple of the "
+                             f"ranks ({self.num_ranks})")
         if layout_group is not None and (
                 group is None or not isinstance(layout_group, dist.ProcessGroup)
                 or dist.get_process_group_ranks(layout_group)
@@ -397,14 +401,19 @@ class AllToAllDispatcher:
     def layout_begin(self, topk_idx) -> AllToAllLayout:
         """The sizes per destination rank, its rows (tokens with an expert there) and entries
         (selections of its experts), and the rows' order and local expert ids, on the current
-        stream: no wait, no collective. Each is one torch op over all of the selections (the
-        dispatcher's host time is a torch op's launch each, which a step pays for every call)."""
-        num_tokens, epr = topk_idx.shape[0], self.num_local_experts
+        stream: no wait, no collective. Each is one torch op over all of the selections, the
+        order and ids of every (destination, token) pair, R x T of them, not only the rows a
+        dispatch sends (their number is known on the host only after the sizes' exchange): the
+        dispatcher's host time is a torch op's launch each, which a step pays for every call,
+        and at R <= 8 ranks the pairs are a few top_k-wide rows per token."""
+        R, epr = self.num_ranks, self.num_local_experts
+        num_tokens = topk_idx.shape[0]
         dest = topk_idx.div(epr, rounding_mode="floor")  # a negative selection: a negative rank
         hit = dest.unsqueeze(-1) == self._ranks(topk_idx.device)  # [T, top_k, R]
         in_rank = hit.any(dim=1)  # [T, R]
-        sizes = torch.stack([in_rank.sum(dim=0), hit.sum(dim=(0, 1))], dim=1)
-        num_valid = (topk_idx >= 0).sum()
+        entries = hit.sum(dim=(0, 1))
+        no_rank = (topk_idx >= 0).sum() - entries.sum()  # ids >= num_experts
+        sizes = torch.stack([in_rank.sum(dim=0), entries, no_rank.expand(R)], dim=1)
         # (destination, token) pairs, destination-major; a stable sort puts the set ones first
         # in that order, so that a dispatch slices the rows it sends without a count of them.
         pairs = in_rank.T.reshape(-1).view(torch.uint8)
@@ -417,21 +426,21 @@ class AllToAllDispatcher:
         if sizes.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(sizes.device))
-        return AllToAllLayout(topk_idx, sizes, num_valid, order, mine, send_idx, ready)
+        return AllToAllLayout(topk_idx, sizes, order, mine, send_idx, ready)
 
     def _exchange_sizes(self, layout: AllToAllLayout):
-        """(sent, received, num_valid): the sizes sent (R rows) and received (R rows), [rows,
-        entries] each, and the layout's num_valid, on the host: on the CPU at once; on a GPU on
-        the sizes' own stream after layout.ready, copied to pinned memory and waited for there."""
+        """(sent, received): the sizes sent and received, R rows each, [rows, entries, the
+        sender's selections of no rank's expert] each, on the host: on the CPU at once; on a GPU
+        on the sizes' own stream after layout.ready, copied to pinned memory and waited for
+        there."""
         R = self.num_ranks
         ones = [1] * R
 
-        def on_host_order():
-            received = self._a2a(layout.sizes, ones, ones, self.layout_group)
-            return torch.cat([layout.sizes.view(-1), received.view(-1),
-                              layout.num_valid.view(1)])
+        def sent_and_received():
+            return torch.cat([layout.sizes,
+                              self._a2a(layout.sizes, ones, ones, self.layout_group)])
         if layout.ready is None:
-            flat = on_host_order().tolist()
+            both = sent_and_received().tolist()
         else:
             device = layout.sizes.device
             stream = self._sizes_streams.get(device.index)
@@ -440,15 +449,14 @@ class AllToAllDispatcher:
                 stream = self._sizes_streams[device.index] = torch.cuda.Stream(device, priority)
             stream.wait_event(layout.ready)
             with torch.cuda.stream(stream):
-                both = on_host_order()
+                both = sent_and_received()
                 host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
                 host.copy_(both, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(stream)
             copied.synchronize()  # the stream's work on the layout and both is done too
-            flat = host.tolist()
-        pairs = [flat[2 * i:2 * i + 2] for i in range(2 * R)]
-        return pairs[:R], pairs[R:], flat[-1]
+            both = host.tolist()
+        return both[:R], both[R:]
 
     def dispatch(self, x, topk_idx, topk_weights, layout: Optional[AllToAllLayout] = None):
         num_tokens = x.shape[0]
@@ -460,15 +468,15 @@ class AllToAllDispatcher:
         if layout.ready is not None:  # made on the router's stream, read on this one below
             for t in (layout.order, layout.mine, layout.send_idx):
                 t.record_stream(torch.cuda.current_stream(t.device))
-        sent, received, num_valid = self._exchange_sizes(layout)
-        if sum(n for _, n in sent) != num_valid:
+        sent, received = self._exchange_sizes(layout)
+        refused = {src: bad for src, (_, _, bad) in enumerate(received) if bad}
+        if refused:  # every rank has every rank's count: all refuse before any row moves
             raise Error(f"AllToAllDispatcher: topk_idx selects experts outside [0, "
-                        f"{self.num_experts}) ({num_valid} selections >= 0, "
-                        f"{sum(n for _, n in sent)} of them of an expert of a rank); -1 "
-                        "selects none")
-        send_split = [rows for rows, _ in sent]
-        recv_split = [rows for rows, _ in received]
-        num_entries = sum(n for _, n in received)
+                        f"{self.num_experts}) (-1 selects none): selections of no rank's expert "
+                        f"per rank {refused}; no row moved")
+        send_split = [rows for rows, _, _ in sent]
+        recv_split = [rows for rows, _, _ in received]
+        num_entries = sum(n for _, n, _ in received)
         num_rows = sum(send_split)
         order = layout.order[:num_rows]
         send_w = torch.where(layout.mine[:num_rows], topk_weights[order], 0.0)

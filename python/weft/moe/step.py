@@ -390,17 +390,23 @@ def default_dispatch_after_router(slots) -> bool:
     return all(getattr(d, "dispatch_waits_for_layout", False) for d in slots.dispatchers())
 
 
+def dispatches_after_routers(lookaheads: Mapping[str, int], num_layers: int) -> bool:
+    """Whether under these lookaheads every dispatch_l runs a progress after its dense_router_l
+    (stage_lookaheads' dispatch_after_router at a depth of 3L - 2 or more)."""
+    return all(lookaheads[f"dense_router_{layer}"] > lookaheads[f"dispatch_{layer}"]
+               for layer in range(num_layers))
+
+
 def default_num_threads(slots, dispatch_after_router: bool = False) -> int:
     """The engine threads PipelinedStep runs on by default: 2 (moe_thread_map's compute and comm)
     where a dispatcher of the slots has comm_waits_on_host (a dispatcher without the attribute
     counts as one), so that its waits block the comm thread only; else 1. Two threads that both
     issue torch ops hand the GIL to each other at every op (each op releases and retakes it);
     with nothing to wait for on the host that costs more than the second thread gives.
-    dispatch_after_router: the step's schedule family puts each dispatch a progress after its
-    router (stage_lookaheads); a dispatcher whose one wait is for that router's work
+    dispatch_after_router: every dispatch of the schedule runs a progress after its router
+    (dispatches_after_routers); a dispatcher whose one wait is for that router's work
     (dispatch_waits_for_layout) then waits for work queued a progress ago, which needs no thread
-    of its own (at a depth too shallow to part a layer's dispatch from its router, the wait
-    finds the device drained, as the serial step's does)."""
+    of its own."""
     def waits(d):
         if dispatch_after_router and getattr(d, "dispatch_waits_for_layout", False):
             return False
@@ -438,9 +444,11 @@ class PipelinedStep:
     (slots), i.e. for the all_to_all dispatcher, whose dispatch waits on the host for the sizes
     its layout counted in the router stage.
     thread_map: the engine's threads (default: the config's thread map if it has one, else
-    moe_thread_map with default_num_threads(slots, dispatch_after_router): one thread over
-    weft.ep's native dispatcher, and over the all_to_all one in the family with each dispatch a
-    progress after its router; compute and comm over one that waits on the host otherwise).
+    moe_thread_map with default_num_threads(slots, dispatches_after_routers(lookaheads)): one
+    thread over weft.ep's native dispatcher, and over the all_to_all one where every dispatch
+    runs a progress after its router; compute and comm over one that waits on the host
+    otherwise, the all_to_all one at a depth that leaves a dispatch beside its router
+    included).
     config: a weft.pipeline ScheduleConfig (what weft.plan.suggest and weft.moe.planning write)
     applied over the depth's lookaheads. The slots must hold the layouts of the lookaheads that
     result (layouts_of; ValueError before any engine starts).
@@ -474,8 +482,8 @@ class PipelinedStep:
         if backend == "torch" and streams is None:
             streams = {"default": torch.cuda.current_stream()}
         if thread_map is None:
-            thread_map = moe_thread_map(self.num_layers,
-                                        default_num_threads(slots, dispatch_after_router))
+            apart = dispatches_after_routers(self.lookaheads, self.num_layers)
+            thread_map = moe_thread_map(self.num_layers, default_num_threads(slots, apart))
         self.engine = Engine(self.schedule, thread_map,
                              backend=backend, trace=trace, streams=streams, device=device)
 
