@@ -379,7 +379,6 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
         self._sizes_streams = {}  # device index -> the stream the sizes are exchanged on
-        self._rank_ids = {}  # device -> arange(R) there
 
     def _a2a(self, send: torch.Tensor, send_split: List[int], recv_split: List[int],
              group: Optional[dist.ProcessGroup] = None):
@@ -390,13 +389,6 @@ class AllToAllDispatcher:
         dist.all_to_all_single(out, send.contiguous(), recv_split, send_split,
                                group=self.group if group is None else group)
         return out
-
-    def _ranks(self, device) -> torch.Tensor:
-        """arange(R) on device, made once per device."""
-        ranks = self._rank_ids.get(device)
-        if ranks is None:
-            ranks = self._rank_ids[device] = torch.arange(self.num_ranks, device=device)
-        return ranks
 
     def layout_begin(self, topk_idx) -> AllToAllLayout:
         """The sizes per destination rank, its rows (tokens with an expert there) and entries
@@ -409,7 +401,9 @@ class AllToAllDispatcher:
         R, epr = self.num_ranks, self.num_local_experts
         num_tokens = topk_idx.shape[0]
         dest = topk_idx.div(epr, rounding_mode="floor")  # a negative selection: a negative rank
-        hit = dest.unsqueeze(-1) == self._ranks(topk_idx.device)  # [T, top_k, R]
+        # [T, top_k, R]; the ranks made on this stream (a tensor kept from an earlier call might
+        # be one another stream has not yet written)
+        hit = dest.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)
         in_rank = hit.any(dim=1)  # [T, R]
         entries = hit.sum(dim=(0, 1))
         no_rank = (topk_idx >= 0).sum() - entries.sum()  # ids >= num_experts
