@@ -374,13 +374,13 @@ def main():
                     family = (f"(b) {emu}pipe+weft.ep", f"(a) {emu}weft.ep",
                               moe.num_layout_slots(a.layers, depths[-1]))
                     family_slots = ep_slots
-                    family_depths_ = depths
+                    plan_depths = depths
                 else:
                     family = (f"(c) {emu}pipe+a2a", f"(a) {emu}a2a", None)
                     family_slots = (lambda num_slots: a2a_slots())
-                    family_depths_ = a2a_families[0][2]
+                    plan_depths = a2a_families[0][2]
                 plan_state = _plan_family(a, family, family_slots, make_model, x, target,
-                                          family_depths_, backend, device, f"{shape}_T{T}", out,
+                                          plan_depths, backend, device, f"{shape}_T{T}", out,
                                           group)
                 configs.append(plan_state["config"])
             base_name = configs[0][0]

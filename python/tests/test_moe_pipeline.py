@@ -291,6 +291,14 @@ def test_expert_weight_gradients_are_written_once_per_layer_and_step():
         assert names == ["_grouped_mm"] * 2 * SMALL["num_layers"], (num_micro_batches, names)
 
 
+# The tasks of a two-layer step in chain order, spelled out (stage_task_names(2) gives them).
+TWO_LAYER_CHAIN = ("dense_router_0", "dispatch_0", "experts_0", "combine_0", "dense_router_1",
+                   "dispatch_1", "experts_1", "combine_1", "loss", "combine_bwd_1",
+                   "experts_bwd_1", "dispatch_bwd_1", "experts_wgrad_1", "dense_router_bwd_1",
+                   "combine_bwd_0", "experts_bwd_0", "dispatch_bwd_0", "experts_wgrad_0",
+                   "dense_router_bwd_0")
+
+
 def test_lookaheads_layout_slots_and_bad_arguments():
     assert moe.stage_lookaheads(2, 1) == {
         "dense_router_0": 1, "dispatch_0": 1, "experts_0": 0, "combine_0": 0,
@@ -301,12 +309,7 @@ def test_lookaheads_layout_slots_and_bad_arguments():
     la = moe.stage_lookaheads(2, 8)
     # Each comm task shares the lookahead of the compute task before it; its consumer is one less.
     # The deferred wgrad shares its experts_bwd's (it runs under that layer's dispatch_bwd).
-    assert [la[n] for n in ("dense_router_0", "dispatch_0", "experts_0", "combine_0",
-                            "dense_router_1", "dispatch_1", "experts_1", "combine_1", "loss",
-                            "combine_bwd_1", "experts_bwd_1", "dispatch_bwd_1",
-                            "experts_wgrad_1", "dense_router_bwd_1", "combine_bwd_0",
-                            "experts_bwd_0", "dispatch_bwd_0", "experts_wgrad_0",
-                            "dense_router_bwd_0")] == \
+    assert [la[n] for n in TWO_LAYER_CHAIN] == \
         [8, 8, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1, 0]
     assert moe.stage_lookaheads(2, 4)["combine_bwd_1"] == 0
     assert moe.stage_lookaheads(2, 5)["combine_bwd_1"] == 1
@@ -339,12 +342,7 @@ def test_lookaheads_with_each_dispatch_a_progress_after_its_router():
     dispatch runs a progress later."""
     assert moe.max_depth(2, True) == 10 and moe.max_depth(3, True) == 15
     la = moe.stage_lookaheads(2, 10, True)
-    assert [la[n] for n in ("dense_router_0", "dispatch_0", "experts_0", "combine_0",
-                            "dense_router_1", "dispatch_1", "experts_1", "combine_1", "loss",
-                            "combine_bwd_1", "experts_bwd_1", "dispatch_bwd_1",
-                            "experts_wgrad_1", "dense_router_bwd_1", "combine_bwd_0",
-                            "experts_bwd_0", "dispatch_bwd_0", "experts_wgrad_0",
-                            "dense_router_bwd_0")] == \
+    assert [la[n] for n in TWO_LAYER_CHAIN] == \
         [10, 9, 8, 8, 7, 6, 5, 5, 4, 4, 3, 3, 3, 2, 2, 1, 1, 1, 0]
     assert moe.stage_lookaheads(2, 0, True) == moe.stage_lookaheads(2, 0)
     for depth in range(11):
