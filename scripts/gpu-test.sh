@@ -175,6 +175,7 @@ sanitize_tests=(
   "weft_ep_async_gpu_tests -*ThousandsOf*"
   "weft_ep_expanded_gpu_tests -*ThousandsOf*"
   "weft_ep_copy_out_gpu_tests *"
+  "weft_ep_all_to_all_layout_gpu_tests *"
 )
 sanitizer_report_status=86  # compute-sanitizer's exit status when it reported anything
 if ((run_cpp_tests && run_sanitize)) && [[ -z "$only" ]]; then

@@ -30,6 +30,7 @@
 #include "weft/cuda/check.hpp"
 #include "weft/cuda/device_guard.hpp"
 #include "weft/cuda/nccl.hpp"
+#include "weft/ep/all_to_all_layout.hpp"
 #include "weft/ep/buffer.hpp"
 
 namespace nb = nanobind;
@@ -775,6 +776,30 @@ void bind_ep(nb::module_& m) {
   m.def(
       "fp8_row_bytes", [](int64_t hidden) { return ep::fp8_row_layout(hidden).row_bytes; },
       nb::arg("hidden"));
+  m.def(
+      "all_to_all_layout",
+      [](std::uintptr_t topk_idx, ep::DType idx_dtype, int64_t num_tokens, int top_k,
+         int num_ranks, int64_t num_local_experts, std::uintptr_t sizes, std::uintptr_t order,
+         std::uintptr_t mine, std::uintptr_t send_idx, std::uintptr_t stream, int device) {
+        ep::AllToAllLayoutParams p;
+        p.topk_idx = reinterpret_cast<const void*>(topk_idx);
+        p.idx_dtype = idx_dtype;
+        p.num_tokens = num_tokens;
+        p.top_k = top_k;
+        p.num_ranks = num_ranks;
+        p.num_local_experts = num_local_experts;
+        p.sizes = reinterpret_cast<int64_t*>(sizes);
+        p.order = reinterpret_cast<int64_t*>(order);
+        p.mine = reinterpret_cast<uint8_t*>(mine);
+        p.send_idx = reinterpret_cast<void*>(send_idx);
+        DeviceGuard guard(device);
+        ep::all_to_all_layout(p, reinterpret_cast<cudaStream_t>(stream));
+      },
+      nb::arg("topk_idx"), nb::arg("idx_dtype"), nb::arg("num_tokens"), nb::arg("top_k"),
+      nb::arg("num_ranks"), nb::arg("num_local_experts"), nb::arg("sizes"), nb::arg("order"),
+      nb::arg("mine"), nb::arg("send_idx"), nb::arg("stream"), nb::arg("device"),
+      "Enqueues the all_to_all dispatcher's layout kernel on stream (a cudaStream_t as an int, "
+      "of device); the arrays are device addresses (weft/ep/all_to_all_layout.hpp).");
 
   nb::enum_<ep::DType>(m, "DType")
       .value("bfloat16", ep::DType::kBFloat16)

@@ -210,6 +210,41 @@ def test_all_to_all_dispatch_waits_for_its_layout_not_for_its_stream():
         _assert_same_dispatch(want, got)
 
 
+@needs_gpus(1)
+def test_the_layout_kernel_gives_the_torch_layout_in_every_element():
+    # The all_to_all dispatcher's layout on a GPU is one kernel (layout_on_gpu); elsewhere it is
+    # torch ops (layout_in_torch). Fresh random selections with dropped (-1), other negative and
+    # no rank's ids, int32 and int64, 1 to 64 ranks, token counts around the kernel's block
+    # size, and a topk_idx that is a strided view: all four tensors equal, element by element,
+    # in dtype and shape too.
+    from weft.moe.dispatchers import can_layout_on_gpu, layout_in_torch, layout_on_gpu
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(5)
+    for dtype in (torch.int64, torch.int32):
+        for num_ranks in (1, 2, 3, 8, 64):
+            epr = 4
+            num_experts = num_ranks * epr
+            for num_tokens in (0, 1, 511, 1024, 1025, 4099):
+                for top_k in (1, 8):
+                    idx = torch.randint(0, num_experts, (num_tokens, top_k), generator=g,
+                                        device=dev)
+                    kind = torch.randint(0, 20, idx.shape, generator=g, device=dev)
+                    idx = torch.where(kind == 0, -1, torch.where(kind == 1, -9, idx))
+                    idx = torch.where(kind == 2, idx + num_experts, idx).to(dtype)
+                    assert can_layout_on_gpu(idx, num_ranks)
+                    want = layout_in_torch(idx, num_ranks, epr)
+                    got = layout_on_gpu(idx, num_ranks, epr)
+                    for name, a, b in zip(("sizes", "order", "mine", "send_idx"), want, got):
+                        assert a.dtype == b.dtype and torch.equal(a, b), \
+                            (name, dtype, num_ranks, num_tokens, top_k)
+    wide = torch.randint(0, 16, (300, 16), generator=g, device=dev)[:, ::2]  # not contiguous
+    for a, b in zip(layout_in_torch(wide, 4, 4), layout_on_gpu(wide, 4, 4)):
+        assert torch.equal(a, b)
+    assert not can_layout_on_gpu(wide, 65)
+    assert not can_layout_on_gpu(wide.float(), 4)
+
+
 def test_gradients_match_autograd_through_the_dense_reference():
     torch.manual_seed(1)
     layer = moe.MoELayer(16, 4, 2, 8, moe.LocalDispatcher(4), dtype=torch.float32, seed=5)

@@ -40,7 +40,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from weft import Error
+from weft import Error, _weft
 
 from .experts import count_entries
 
@@ -318,6 +318,62 @@ class _PendingNativeDispatch:
         return self.dispatcher._finish(self)
 
 
+def layout_in_torch(topk_idx, num_ranks: int, num_local_experts: int):
+    """AllToAllLayout's (sizes, order, mine, send_idx) of topk_idx [T, top_k] in torch ops, on
+    topk_idx's device and the current stream. The dispatcher's host time is a torch op's launch
+    each, which a step pays for every call; layout_on_gpu is the same in one kernel."""
+    R, epr = num_ranks, num_local_experts
+    num_tokens = topk_idx.shape[0]
+    dest = topk_idx.div(epr, rounding_mode="floor")  # a negative selection: a negative rank
+    # [T, top_k, R]; the ranks made on this stream (a tensor kept from an earlier call might
+    # be one another stream has not yet written)
+    hit = dest.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)
+    in_rank = hit.any(dim=1)  # [T, R]
+    entries = hit.sum(dim=(0, 1))
+    no_rank = (topk_idx >= 0).sum() - entries.sum()  # ids >= num_experts
+    sizes = torch.stack([in_rank.sum(dim=0), entries, no_rank.expand(R)], dim=1)
+    # (destination, token) pairs, destination-major; a stable sort puts the set ones first
+    # in that order, so that a dispatch slices the rows it sends without a count of them.
+    pairs = in_rank.T.reshape(-1).view(torch.uint8)
+    picked = torch.sort(pairs, descending=True, stable=True).indices
+    order = picked.remainder(num_tokens)
+    pair_dest = picked.div(num_tokens, rounding_mode="floor")
+    mine = dest[order] == pair_dest.unsqueeze(-1)
+    send_idx = torch.where(mine, topk_idx[order].remainder(epr), -1)
+    return sizes, order, mine, send_idx
+
+
+# The layout kernel (a CUDA build of weft) and the index dtypes it reads.
+_EP = getattr(_weft, "ep", None)
+_GPU_LAYOUT_DTYPES = ({torch.int64: _EP.DType.int64, torch.int32: _EP.DType.int32}
+                      if hasattr(_EP, "all_to_all_layout") else {})
+
+
+def can_layout_on_gpu(topk_idx, num_ranks: int) -> bool:
+    """Whether layout_on_gpu takes these selections: a CUDA build of weft, int32 or int64 ids,
+    a 2-D topk_idx and at most 64 ranks (a token's destinations are one 64-bit mask)."""
+    return (topk_idx.dtype in _GPU_LAYOUT_DTYPES and topk_idx.dim() == 2
+            and topk_idx.shape[1] >= 1 and 1 <= num_ranks <= 64)
+
+
+def layout_on_gpu(topk_idx, num_ranks: int, num_local_experts: int):
+    """layout_in_torch's four tensors, in one kernel on the current stream (topk_idx a CUDA
+    tensor that can_layout_on_gpu takes; include/weft/ep/all_to_all_layout.hpp)."""
+    idx = topk_idx.contiguous()  # a copy, if made, is freed in the kernel's stream order
+    num_tokens, top_k = idx.shape
+    pairs = num_ranks * num_tokens
+    device = idx.device
+    sizes = torch.empty((num_ranks, 3), dtype=torch.int64, device=device)
+    order = torch.empty(pairs, dtype=torch.int64, device=device)
+    mine = torch.empty((pairs, top_k), dtype=torch.bool, device=device)
+    send_idx = torch.empty((pairs, top_k), dtype=idx.dtype, device=device)
+    _EP.all_to_all_layout(idx.data_ptr(), _GPU_LAYOUT_DTYPES[idx.dtype], num_tokens, top_k,
+                          num_ranks, num_local_experts, sizes.data_ptr(), order.data_ptr(),
+                          mine.data_ptr(), send_idx.data_ptr(),
+                          torch.cuda.current_stream(device).cuda_stream, device.index)
+    return sizes, order, mine, send_idx
+
+
 class AllToAllLayout:
     """AllToAllDispatcher.layout_begin's result, made on the stream that was current: the
     selections it was made of (topk_idx); sizes [R, 3], per destination rank its rows, its
@@ -393,34 +449,19 @@ class AllToAllDispatcher:
     def layout_begin(self, topk_idx) -> AllToAllLayout:
         """The sizes per destination rank, its rows (tokens with an expert there) and entries
         (selections of its experts), and the rows' order and local expert ids, on the current
-        stream: no wait, no collective. Each is one torch op over all of the selections, the
-        order and ids of every (destination, token) pair, R x T of them, not only the rows a
-        dispatch sends (their number is known on the host only after the sizes' exchange): the
-        dispatcher's host time is a torch op's launch each, which a step pays for every call,
-        and at R <= 8 ranks the pairs are a few top_k-wide rows per token."""
-        R, epr = self.num_ranks, self.num_local_experts
-        num_tokens = topk_idx.shape[0]
-        dest = topk_idx.div(epr, rounding_mode="floor")  # a negative selection: a negative rank
-        # [T, top_k, R]; the ranks made on this stream (a tensor kept from an earlier call might
-        # be one another stream has not yet written)
-        hit = dest.unsqueeze(-1) == torch.arange(R, device=topk_idx.device)
-        in_rank = hit.any(dim=1)  # [T, R]
-        entries = hit.sum(dim=(0, 1))
-        no_rank = (topk_idx >= 0).sum() - entries.sum()  # ids >= num_experts
-        sizes = torch.stack([in_rank.sum(dim=0), entries, no_rank.expand(R)], dim=1)
-        # (destination, token) pairs, destination-major; a stable sort puts the set ones first
-        # in that order, so that a dispatch slices the rows it sends without a count of them.
-        pairs = in_rank.T.reshape(-1).view(torch.uint8)
-        picked = torch.sort(pairs, descending=True, stable=True).indices
-        order = picked.remainder(num_tokens)
-        pair_dest = picked.div(num_tokens, rounding_mode="floor")
-        mine = dest[order] == pair_dest.unsqueeze(-1)
-        send_idx = torch.where(mine, topk_idx[order].remainder(epr), -1)
+        stream: no wait, no collective. Made for every (destination, token) pair, R x T of them,
+        not only the rows a dispatch sends (their number is known on the host only after the
+        sizes' exchange): on a GPU in one kernel (layout_on_gpu), elsewhere in torch ops over
+        all of the selections (layout_in_torch); the same values either way."""
+        if topk_idx.is_cuda and can_layout_on_gpu(topk_idx, self.num_ranks):
+            tensors = layout_on_gpu(topk_idx, self.num_ranks, self.num_local_experts)
+        else:
+            tensors = layout_in_torch(topk_idx, self.num_ranks, self.num_local_experts)
         ready = None
-        if sizes.is_cuda:
+        if topk_idx.is_cuda:
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(sizes.device))
-        return AllToAllLayout(topk_idx, sizes, order, mine, send_idx, ready)
+            ready.record(torch.cuda.current_stream(topk_idx.device))
+        return AllToAllLayout(topk_idx, *tensors, ready)
 
     def _exchange_sizes(self, layout: AllToAllLayout):
         """(sent, received): the sizes sent and received, R rows each, [rows, entries, the
