@@ -84,6 +84,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,8 @@ import torch.distributed as dist
 import weft.moe as moe
 from launch import every_rank, rank0_value, world_group
 from weft import plan
-from weft.moe.planning import count_waits, depth_variants, merged_trace, suggest_variant
+from weft.moe.planning import (count_waits, depth_variants, layout_waits, merged_trace,
+                               suggest_variant)
 from weft.moe.step import COMM_STAGES
 from weft.step_planning import error_pct, fit_calibration, predicted_ms, rms_error_pct
 
@@ -166,12 +168,23 @@ def timed_runs(step, x, target, a, device, num_runs):
     return runs
 
 
-def stage_costs_us(model, slots, x, target, num_micro_batches, device):
-    """({stage: the mean time of one micro-batch's stage in a serial step}, the time of the
-    step's optimizer update after its last micro-batch): the planner's cost model. On a GPU each
-    is the time between two CUDA events recorded around it on the step's stream, the host
-    running ahead as in a step (no sync between stages, whose latency would count in every
-    stage); on the CPU the host's time."""
+class StageCosts(NamedTuple):
+    """stage_costs_us' figures, per micro-batch and stage (the mean over a serial step's)."""
+
+    gpu_us: dict  # its time on the step's stream (on the CPU the host's time)
+    host_us: Optional[dict]  # the wall time of its call on the host (a GPU only; else None)
+    update_us: float  # the optimizer's update after the last micro-batch
+
+
+def stage_costs_us(model, slots, x, target, num_micro_batches, device,
+                   waits=None) -> StageCosts:
+    """The planner's cost model from a serial step. On a GPU each stage's time is the time
+    between two CUDA events recorded around it on the step's stream, the host running ahead as
+    in a step (no sync between stages, whose latency would count in every stage), and its host
+    time the wall time of its call in that step; on the CPU the host's time. waits (moe_costs'
+    task -> producer): a stage that waits on the host for GPU work would count, in a step, how
+    far the GPU is behind; its host time comes from a second serial step with a sync before
+    each stage instead, where the wait lasts only as long as the stage's own work takes."""
     from weft.moe.step import _Stages, _sgd, _zero_grads, chain, micro_batches
 
     if device == "cuda":
@@ -187,27 +200,61 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device):
 
         def elapsed_us(begin, end):
             return (end - begin) * 1e6
+    L = len(model.moe)
     stages = _Stages(model, slots)
     _zero_grads(model)  # as a step starts: the timed steps' gradients freed
-    spans = []
+    spans, host_spans = [], []
     _sync(device)
-    for mb in micro_batches(x, target, num_micro_batches, len(model.moe)):
-        for _, stage, layer in chain(len(model.moe)):
-            begin = mark()
+    for mb in micro_batches(x, target, num_micro_batches, L):
+        for _, stage, layer in chain(L):
+            begin, host_begin = mark(), time.perf_counter()
             stages.run(mb, stage, layer)
+            host_spans.append((stage, (time.perf_counter() - host_begin) * 1e6))
             spans.append((stage, begin, mark()))
     begin = mark()
     _sgd(model, 0.0)  # as the timed steps (lr 0): the same pass over weights and gradients
     end = mark()
     _sync(device)
+    update_us = elapsed_us(begin, end)
+    gpu_us = _stage_means((stage, elapsed_us(b, e)) for stage, b, e in spans)
+    host_us = None
+    if device == "cuda":
+        host_us = _stage_means(host_spans)
+        waiting = {task.rsplit("_", 1)[0] for task in waits or {}}
+        if waiting:
+            _zero_grads(model)
+            stages.begin_step()
+            synced = []
+            for mb in micro_batches(x, target, num_micro_batches, L):
+                for _, stage, layer in chain(L):
+                    _sync(device)
+                    host_begin = time.perf_counter()
+                    stages.run(mb, stage, layer)
+                    synced.append((stage, (time.perf_counter() - host_begin) * 1e6))
+            _sync(device)
+            host_us.update((k, v) for k, v in _stage_means(synced).items() if k in waiting)
+    _zero_grads(model)
+    return StageCosts(gpu_us, host_us, update_us)
+
+
+def _stage_means(pairs) -> dict:
+    """(stage, us) pairs -> stage -> the mean of its figures."""
     sums = dict.fromkeys(moe.STAGES, 0.0)
     counts = dict.fromkeys(moe.STAGES, 0)
-    for stage, b, e in spans:
-        sums[stage] += elapsed_us(b, e)
+    for stage, us in pairs:
+        sums[stage] += us
         counts[stage] += 1
-    update_us = elapsed_us(begin, end)
-    _zero_grads(model)
-    return {k: v / counts[k] for k, v in sums.items()}, update_us
+    return {k: v / counts[k] for k, v in sums.items()}
+
+
+def _host_waits(a, name):
+    """The host waits for GPU work of the family a row's name belongs to, as moe_costs and
+    trace_costs take them: weft.ep's native dispatcher finishes its dispatch (the count wait)
+    in the experts stage; on a GPU the all_to_all dispatcher's dispatch waits for the sizes its
+    layout counted in the router stage (on the CPU its layout's work is the router's host time)."""
+    if "a2a" in name:
+        return layout_waits(a.layers) if a.device == "cuda" else None
+    return count_waits(a.layers) if a.ep == "native" else None
 
 
 def _dispatcher_factories(a, group, layout_group, experts, T, M):
@@ -423,19 +470,21 @@ def main():
 
             def finish(run):
                 """The traced step and the planner's page (the first pipelined row), the stage
-                costs ("no comm", emulated), then every reference to the run's model dropped."""
-                nonlocal compute_us, update_us, traced
+                costs (emulated: each family's serial step), then every reference to the run's
+                model dropped."""
+                nonlocal traced
                 model, slots, depth = run["model"], run["slots"], run["depth"]
                 if depth is not None and run["config"] is None and not traced and draw:
                     _trace_and_plan(model, slots, x, target, a, depth, run["apart"], backend,
                                     device, f"{shape}_T{T}{'_emu' if emu else ''}",
-                                    times[run["name"]], rank)
+                                    times[run["name"]], rank, _host_waits(a, run["name"]))
                     traced = True
                 if run["piped"] is not None:
                     run["piped"].close()
-                if run["name"] == "no comm" and emu:
-                    stage_us, update_us = stage_costs_us(model, slots, x, target, M, device)
-                    compute_us = {k: v for k, v in stage_us.items() if k not in COMM_STAGES}
+                kind = serial_rows.get(run["name"]) if emu else None
+                if kind is not None:
+                    family_costs[kind] = stage_costs_us(model, slots, x, target, M, device,
+                                                        _host_waits(a, kind))
                 # The step closure and the pipelined step hold the model too: drop every
                 # reference before the next config builds its own (a DeepSeek-V3-sized model
                 # and its gradients take most of a GPU).
@@ -444,7 +493,9 @@ def main():
                 if device == "cuda":
                     torch.cuda.empty_cache()
 
-            compute_us = update_us = None
+            # The serial emulated rows, whose stage costs the planner's prediction starts from.
+            serial_rows = {f"(a) {emu}weft.ep": "weft.ep", f"(a) {emu}a2a": "a2a"}
+            family_costs = {}
             if a.interleave:
                 # Every config's model at once; run r of each config after run r - 1 of all.
                 runs = [build(*c) for c in configs]
@@ -474,8 +525,8 @@ def main():
             _print_hidden(out, shape, T, times, emu)
             if a.suggest:
                 _print_plan_table(out, a, plan_state, times, same)
-            if emu and "no comm" in times:
-                _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths,
+            if len(family_costs) == len(serial_rows):
+                _print_prediction(out, a, shape, T, hidden, family_costs, depths,
                                   a2a_families[0][2], times, num_threads)
     # A rank whose bits differ fails the run on every rank (rank 0 prints its own bits only).
     same_everywhere = every_rank(mismatches == 0, group)
@@ -538,15 +589,14 @@ def _plan_family(a, family, family_slots, make_model, x, target, depths, backend
 
     # The traced runs' engine threads are the family's own (PipelinedStep's or --threads).
     ms0, trace0, schedule0, num_threads, apart = trace(0, "d0")
-    # weft.ep's native dispatcher finishes its dispatch (the count wait) in the experts stage.
-    waits = count_waits(L) if prefix.endswith("weft.ep") and a.ep == "native" else None
+    waits = _host_waits(a, prefix)
     costs = rank0_value(plan.trace_costs(trace0, schedule0, gpu=a.gpu_costs, gpu_waits=waits),
                         group)
     gpu_ms = sum(g["us"] for t in costs["tasks"].values() for g in t.get("gpu", [])) / 1e3
     host_ms = sum(t["host_us"] for t in costs["tasks"].values()) / 1e3
     out(f"# costs: {prefix} d0's traced run ({a.iters} steps), {len(costs['tasks'])} tasks, per "
         f"micro-batch {host_ms:.2f} ms of host time"
-        f"{' (the experts stages waiting for their count left out)' if waits else ''} and "
+        f"{' (the waits of ' + ', '.join(sorted(waits)) + ' left out)' if waits else ''} and "
         f"{gpu_ms:.2f} ms of GPU {a.gpu_costs} "
         "time", flush=True)
     variants = depth_variants(L, depths, M, num_threads, apart)
@@ -662,21 +712,34 @@ def _print_hidden(out, shape, T, times, emu):
             out(line + " (medians)", flush=True)
 
 
-def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, a2a_depths,
-                      times, num_threads):
-    """The planner's step on each target from the compute stages and the update measured without
-    communication and the target's call table, on the engine threads each family ran on
-    (num_threads: "(b) emu pipe+weft.ep" -> count) and its schedule family ((c): each dispatch a
-    progress after its router); on --target, beside the emulated measurement (medians)."""
+def _print_prediction(out, a, shape, T, hidden, family_costs, depths, a2a_depths, times,
+                      num_threads):
+    """The planner's step on each target from each family's stage costs (family_costs: kind ->
+    StageCosts of its serial emulated step, GPU and host per stage, the update), its comm
+    stages with the run's --target holds swapped for the target's, the family's host waits, on
+    the engine threads each family ran on (num_threads: "(b) emu pipe+weft.ep" -> count) and its
+    schedule family ((c): each dispatch a progress after its router); on --target, beside the
+    emulated measurement (medians)."""
     tokens = -(-T // a.micro_batches)
+    for kind, costs in family_costs.items():
+        out(f"{shape:6s} {T:6d} stage costs of (a) emu {kind}, us per micro-batch (GPU / host): "
+            + ", ".join(f"{k} {costs.gpu_us[k]:.0f}/{costs.host_us[k]:.0f}" for k in moe.STAGES),
+            flush=True)
     for target, tables in moe.emulated.TARGETS.items():
         for kind, prefix, apart, family in (("weft.ep", "(b)", False, depths),
                                             ("a2a", "(c)", True, a2a_depths)):
-            comm_us = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
+            costs = family_costs[kind]
+            held = moe.emulated.comm_stage_us(moe.emulated.TARGETS[a.target][kind], tokens,
+                                              hidden)
+            wanted = moe.emulated.comm_stage_us(tables[kind], tokens, hidden)
+            comm_us = {k: max(0.0, costs.gpu_us[k] - held[k] + wanted[k]) for k in COMM_STAGES}
+            compute_us = {k: v for k, v in costs.gpu_us.items() if k not in COMM_STAGES}
             threads = num_threads[f"{prefix} emu pipe+{kind}"]
             predicted = moe.emulated.predict_step_us(
-                a.layers, [0] + family, compute_us, comm_us, num_micro_batches=a.micro_batches,
-                update_us=update_us, num_threads=threads, dispatch_after_router=apart)
+                a.layers, [0] + family, compute_us, comm_us, host_us=costs.host_us,
+                num_micro_batches=a.micro_batches, update_us=costs.update_us,
+                num_threads=threads, dispatch_after_router=apart,
+                waits=_host_waits(a, kind))
             measured = target == a.target
             rows = [("serial", 0, f"(a) emu {kind}")] + [
                 (f"d{d}", d, f"{prefix} emu pipe+{kind} d{d}") for d in family]
@@ -686,18 +749,18 @@ def _print_prediction(out, a, shape, T, hidden, compute_us, update_us, depths, a
                 parts.append(f"{label} {ms:.2f}" + (f" vs {_median(times[name]):.2f}"
                                                     if measured else ""))
             out(f"{shape:6s} {T:6d} planner on {target} {kind} (ms per step of {a.micro_batches} "
-                f"micro-batches, fill and drain, the update's {update_us / 1e3:.2f} included)"
-                + (" vs emulated" if measured else "") + ": "
+                f"micro-batches, fill and drain, the update's {costs.update_us / 1e3:.2f} "
+                "included)" + (" vs emulated" if measured else "") + ": "
                 + ", ".join(parts), flush=True)
 
 
 def _trace_and_plan(model, slots, x, target, a, depth, dispatch_after_router, backend, device,
-                    tag, measured_ms, rank):
+                    tag, measured_ms, rank, waits):
     """One traced step of the first pipelined row (Chrome JSON), and the planner's page of its
     family's depths (0 .. 4 x layers, or 5 x layers with each dispatch a progress after its
-    router) with stage costs measured from a serial step, into bench-out/; the planner's step
-    beside the measured one. Every rank runs the steps (they are collective); rank 0 writes and
-    prints."""
+    router) with stage costs measured from a serial step (on a GPU its host time per stage
+    too) and the family's host waits, into bench-out/; the planner's step beside the measured
+    one. Every rank runs the steps (they are collective); rank 0 writes and prints."""
     L = len(model.moe)
     traced = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
                                trace=True, thread_map=_given_thread_map(a),
@@ -708,12 +771,14 @@ def _trace_and_plan(model, slots, x, target, a, depth, dispatch_after_router, ba
     num_threads = len(traced.engine.threads)
     apart = traced.dispatch_after_router
     traced.close()
-    costs_us, update_us = stage_costs_us(model, slots, x, target, a.micro_batches, device)
+    stage = stage_costs_us(model, slots, x, target, a.micro_batches, device, waits)
+    costs_us, update_us = stage.gpu_us, stage.update_us
     if rank != 0:
         return
     trace_path = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_d{depth}.trace.json")
     trace.write_chrome_json(trace_path)
-    costs = moe.moe_costs(L, costs_us)
+    host = {} if stage.host_us is None else {"host_us": stage.host_us}
+    costs = moe.moe_costs(L, costs_us, waits=waits, **host)
     thread_map = moe.moe_thread_map(L, num_threads)
     variants = [(f"moe_depth{d}", moe.moe_schedule(L, d, dispatch_after_router=apart),
                  thread_map) for d in range(moe.max_depth(L, apart) + 1)]

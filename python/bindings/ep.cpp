@@ -800,6 +800,7 @@ void bind_ep(nb::module_& m) {
       nb::arg("mine"), nb::arg("send_idx"), nb::arg("stream"), nb::arg("device"),
       "Enqueues the all_to_all dispatcher's layout kernel on stream (a cudaStream_t as an int, "
       "of device); the arrays are device addresses (weft/ep/all_to_all_layout.hpp).");
+  m.attr("MAX_ALL_TO_ALL_LAYOUT_RANKS") = ep::kMaxAllToAllLayoutRanks;
 
   nb::enum_<ep::DType>(m, "DType")
       .value("bfloat16", ep::DType::kBFloat16)

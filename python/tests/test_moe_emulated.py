@@ -136,6 +136,57 @@ def test_the_planner_predicts_the_step_from_compute_and_the_target_tables():
         predict_step_us(2, [0], compute, comm, update_us=250.0)
 
 
+def test_the_planner_takes_a_host_time_per_stage_and_the_dispatchers_host_waits():
+    from weft import plan
+    from weft.moe.emulated import predict_step_us
+    from weft.moe.planning import count_waits, layout_waits
+    from weft.moe.step import COMM_STAGES, chain
+
+    L, M = 2, 4
+    host = {stage: 100.0 + 10 * i for i, stage in enumerate(moe.STAGES)}
+    gpu = dict.fromkeys(moe.STAGES, 1.0)
+    costs = moe.moe_costs(L, gpu, host_us=host, waits=layout_waits(L))
+    for name, stage, layer in chain(L):
+        entry = costs["tasks"][name]
+        assert entry["host_us"] == host[stage], name
+        assert entry.get("waits_for_gpu_of") == (
+            f"dense_router_{layer}" if stage == "dispatch" else None), name
+    assert "default_host_us" not in costs
+    assert moe.moe_costs(L, gpu)["default_host_us"] == 20.0
+    with pytest.raises(ValueError, match=r"host_us lacks the stages \['loss'\]"):
+        moe.moe_costs(L, gpu, host_us={k: v for k, v in host.items() if k != "loss"})
+    with pytest.raises(ValueError, match="waits name tasks the schedule does not have"):
+        moe.moe_costs(L, gpu, waits={"dispatch_2": "dense_router_2"})
+    # Host-bound (1 us of GPU a stage): the serial order on one thread takes every body's host
+    # time, one after another, and the last body's GPU microsecond.
+    compute = {k: v for k, v in gpu.items() if k not in COMM_STAGES}
+    comm = {k: v for k, v in gpu.items() if k in COMM_STAGES}
+    host_sum = M * sum(host[stage] for _, stage, _ in chain(L))
+    serial = predict_step_us(L, [0], compute, comm, host_us=host, num_micro_batches=M,
+                             num_threads=1)
+    assert serial[0] == pytest.approx(host_sum + 1.0)
+    # The router's GPU work long (the layout the dispatch's sizes wait for): the GPU-bound step
+    # without the waits keeps the GPU busy; with them each dispatch's body at depth 0 waits for
+    # its router's work, and the GPU idles while the host then issues what follows; a deeper
+    # schedule of the family with each dispatch a progress after its router queues work
+    # behind the router first.
+    slow = {**compute, "dense_router": 3000.0}
+    depths = range(moe.max_depth(L, True) + 1)
+    free, waited = (predict_step_us(L, depths, slow, comm, host_us=host, num_micro_batches=M,
+                                    num_threads=1, dispatch_after_router=True, waits=w)
+                    for w in (None, layout_waits(L)))
+    assert free[0] == pytest.approx(2 * M * 3000, rel=0.01)
+    assert waited[0] > free[0] + M * 1500
+    assert min(waited.values()) < waited[0] - M * 1500
+    report = plan.simulate(moe.moe_schedule(L, 0), moe.moe_thread_map(L, 1),
+                           moe.moe_costs(L, {**slow, **comm}, host_us=host, waits=layout_waits(L)),
+                           num_batches=M)
+    waits = {(w.producer, w.consumer) for w in report.timeline.waits if w.rule == "gpu_wait"}
+    assert waits == {(f"dense_router_{layer}", f"dispatch_{layer}") for layer in range(L)}
+    assert set(count_waits(L).items()) == {(f"experts_{layer}", f"dispatch_{layer}")
+                                           for layer in range(L)}
+
+
 def _overlaps(a, b):
     return a.begin_us < b.end_us and b.begin_us < a.end_us
 

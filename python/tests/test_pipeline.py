@@ -295,6 +295,24 @@ def test_torch_backend_without_a_gpu_says_so():
         Engine(two_stage(), "legacy", backend="torch")
 
 
+def test_the_torch_backends_stream_calls_are_in_this_torch():
+    # The "torch" backend sets each body's stream with torch's calls under
+    # torch.cuda.current_stream and set_stream; every supported torch (a CUDA build) has them,
+    # and one without them is refused by name.
+    from types import SimpleNamespace
+
+    from weft.pipeline.torch_streams import stream_state_calls
+
+    torch = pytest.importorskip("torch")
+    if not torch.backends.cuda.is_built():
+        pytest.skip("a torch built without CUDA has no CUDA streams")
+    get, put = stream_state_calls(torch)
+    assert callable(get) and callable(put)
+    with pytest.raises(RuntimeError, match="_cuda_getCurrentStream and _cuda_setStream, which "
+                                           "torch 0.0 lacks"):
+        stream_state_calls(SimpleNamespace(_C=SimpleNamespace(), __version__="0.0"))
+
+
 def test_adopted_streams_need_the_torch_backend():
     with pytest.raises(ValueError, match="streams= needs backend='torch'"):
         Engine(two_stage(), "legacy", streams={"memcpy": object()})

@@ -351,9 +351,10 @@ _GPU_LAYOUT_DTYPES = ({torch.int64: _EP.DType.int64, torch.int32: _EP.DType.int3
 
 def can_layout_on_gpu(topk_idx, num_ranks: int) -> bool:
     """Whether layout_on_gpu takes these selections: a CUDA build of weft, int32 or int64 ids,
-    a 2-D topk_idx and at most 64 ranks (a token's destinations are one 64-bit mask)."""
+    a 2-D topk_idx and at most MAX_ALL_TO_ALL_LAYOUT_RANKS ranks (64: a token's destinations
+    are one 64-bit mask)."""
     return (topk_idx.dtype in _GPU_LAYOUT_DTYPES and topk_idx.dim() == 2
-            and topk_idx.shape[1] >= 1 and 1 <= num_ranks <= 64)
+            and topk_idx.shape[1] >= 1 and 1 <= num_ranks <= _EP.MAX_ALL_TO_ALL_LAYOUT_RANKS)
 
 
 def layout_on_gpu(topk_idx, num_ranks: int, num_local_experts: int):

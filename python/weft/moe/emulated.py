@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 
@@ -162,23 +162,26 @@ def comm_stage_us(costs: Mapping[str, CallCost], tokens: int, hidden: int) -> di
 
 
 def predict_step_us(num_layers: int, depths, compute_us: Mapping[str, float],
-                    comm_us: Mapping[str, float], host_us: float = 20.0,
+                    comm_us: Mapping[str, float],
+                    host_us: Union[float, Mapping[str, float]] = 20.0,
                     num_micro_batches: int = 0, update_us: float = 0.0,
-                    num_threads: int = 2, dispatch_after_router: bool = False) -> dict:
+                    num_threads: int = 2, dispatch_after_router: bool = False,
+                    waits: Optional[Mapping[str, str]] = None) -> dict:
     """Depth -> the planner's time (weft.plan.simulate over moe_schedule with moe_costs) of a
     step of num_micro_batches micro-batches, its fill and drain included (0: of one micro-batch
-    in steady state): compute_us the compute stages' times (measured without communication),
-    comm_us the comm stages' (comm_stage_us). update_us: the optimizer's update, which every
-    schedule runs after its last micro-batch, alone (a whole step's tail: num_micro_batches > 0);
-    at a large model it is a pass over every weight and gradient, no small part of the step.
-    num_threads: the engine threads of the pipelined step (moe_thread_map).
-    dispatch_after_router: the schedule family's (stage_lookaheads)."""
+    in steady state): compute_us the compute stages' GPU times, comm_us the comm stages'
+    (comm_stage_us, or measured). host_us and waits: moe_costs' (one host time for every task
+    or one per stage; the host waits for GPU work). update_us: the optimizer's update, which
+    every schedule runs after its last micro-batch, alone (a whole step's tail:
+    num_micro_batches > 0); at a large model it is a pass over every weight and gradient, no
+    small part of the step. num_threads: the engine threads of the pipelined step
+    (moe_thread_map). dispatch_after_router: the schedule family's (stage_lookaheads)."""
     from weft import plan
     from .step import moe_costs, moe_schedule, moe_thread_map
 
     if update_us and not num_micro_batches:
         raise ValueError("update_us is a whole step's tail: give num_micro_batches")
-    costs = moe_costs(num_layers, {**compute_us, **comm_us}, host_us)
+    costs = moe_costs(num_layers, {**compute_us, **comm_us}, host_us, waits)
     thread_map = moe_thread_map(num_layers, num_threads)
     return {d: plan.simulate(moe_schedule(num_layers, d,
                                           dispatch_after_router=dispatch_after_router),

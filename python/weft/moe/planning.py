@@ -45,7 +45,7 @@ from .step import (layouts_of, max_depth, moe_schedule, moe_thread_map, num_layo
                    stage_lookaheads)
 
 __all__ = ["MoeVariant", "Suggested", "check_layouts", "count_waits", "depth_variants",
-           "merged_trace", "suggest_variant", "variant_from_config"]
+           "layout_waits", "merged_trace", "suggest_variant", "variant_from_config"]
 
 
 class MoeVariant(NamedTuple):
@@ -89,6 +89,15 @@ def count_waits(num_layers: int) -> Dict[str, str]:
     that a schedule is weighed by where the count is on the GPU, not by the wait of the traced
     run. (A dispatcher that waits inside its dispatch call, EpDispatcher, has no such split.)"""
     return {f"experts_{layer}": f"dispatch_{layer}" for layer in range(num_layers)}
+
+
+def layout_waits(num_layers: int) -> Dict[str, str]:
+    """The step's host waits for GPU work with AllToAllDispatcher (dispatch_waits_for_layout):
+    dispatch_l's body waits for the sizes that layout_begin counted in dense_router_l (and
+    their exchange, a small part), so for dense_router_l's GPU work of the same micro-batch.
+    As count_waits: costs read with them leave the wait out of dispatch_l's host time, and the
+    simulator waits where the schedule puts the router's work."""
+    return {f"dispatch_{layer}": f"dense_router_{layer}" for layer in range(num_layers)}
 
 
 def depth_variants(num_layers: int, depths: Sequence[int], num_micro_batches: int,

@@ -40,7 +40,7 @@ router and dense block only in dense_router_bwd_l): the same bits.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -414,16 +414,34 @@ def default_num_threads(slots, dispatch_after_router: bool = False) -> int:
     return 2 if any(waits(d) for d in slots.dispatchers()) else 1
 
 
-def moe_costs(num_layers: int, gpu_us: Mapping[str, float], host_us: float = 20.0) -> dict:
+def moe_costs(num_layers: int, gpu_us: Mapping[str, float],
+              host_us: Union[float, Mapping[str, float]] = 20.0,
+              waits: Optional[Mapping[str, str]] = None) -> dict:
     """A planner cost file (docs/planner.md "Cost files") for moe_schedule: gpu_us gives each
-    stage's GPU time per micro-batch (every name of STAGES; the same for every layer), each task
-    host_us on its thread."""
+    stage's GPU time per micro-batch (every name of STAGES; the same for every layer); host_us
+    each task's host time on its thread, one figure for every task or one per stage (every name
+    of STAGES). waits: task -> the task whose GPU work of the same micro-batch its body waits
+    for on the host (weft.moe.planning's count_waits and layout_waits), the cost's
+    "waits_for_gpu_of"; host_us is then the body's work besides that wait."""
+    per_stage = isinstance(host_us, Mapping)
+    if per_stage and set(STAGES) - set(host_us):
+        raise ValueError(f"host_us lacks the stages {sorted(set(STAGES) - set(host_us))}")
+    waits = dict(waits or {})
+    names = set(stage_task_names(num_layers))
+    unknown = sorted(n for pair in waits.items() for n in pair if n not in names)
+    if unknown:
+        raise ValueError(f"waits name tasks the schedule does not have: {unknown}")
     tasks = {}
     for name, stage, _ in chain(num_layers):
-        tasks[name] = {"host_us": host_us,
+        tasks[name] = {"host_us": float(host_us[stage] if per_stage else host_us),
                        "gpu": [{"stream": "comm" if stage in COMM_STAGES else "default",
                                 "us": float(gpu_us[stage])}]}
-    return {"default_host_us": host_us, "tasks": tasks}
+        if name in waits:
+            tasks[name]["waits_for_gpu_of"] = waits[name]
+    out = {"tasks": tasks}
+    if not per_stage:
+        out["default_host_us"] = float(host_us)
+    return out
 
 
 def _no_body(ctx) -> None:

@@ -21,7 +21,22 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-__all__ = ["TorchStreams"]
+__all__ = ["TorchStreams", "stream_state_calls"]
+
+
+def stream_state_calls(torch):
+    """(get, put): torch's current stream of a device as its (stream_id, device_index,
+    device_type) triple, and making such a triple current. These are the calls under
+    torch.cuda.current_stream and torch.cuda.set_stream, without the Python layer that checks
+    the device and builds a Stream object on every call: a body pays for them on the engine's
+    critical path. RuntimeError where a torch lacks them (weft's supported torch versions have
+    them, checked by the CPU suite under each)."""
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    put = getattr(torch._C, "_cuda_setStream", None)
+    if get is None or put is None:
+        raise RuntimeError(f"backend='torch' needs torch._C._cuda_getCurrentStream and "
+                           f"_cuda_setStream, which torch {torch.__version__} lacks")
+    return get, put
 
 
 class TorchStreams:
@@ -31,8 +46,10 @@ class TorchStreams:
         if not torch.cuda.is_available():
             raise RuntimeError("backend='torch' needs a CUDA device (torch.cuda.is_available())")
         self._torch = torch
+        self._get_stream, self._put_stream = stream_state_calls(torch)
         self.device_index = torch.cuda.current_device() if device is None else int(device)
         self._streams: Dict[int, object] = {}
+        self._stream_ids: Dict[int, tuple] = {}  # handle -> its stream's triple (put's arguments)
         self._grad_enabled = torch.is_grad_enabled()
         self._autocast_enabled = torch.is_autocast_enabled("cuda")
         self._autocast_dtype = torch.get_autocast_dtype("cuda")
@@ -57,11 +74,19 @@ class TorchStreams:
             self._streams[handle] = s
         return s
 
+    def _ids_of(self, handle: int) -> tuple:
+        """The triple of the torch stream over an engine stream (stream_state_calls' put takes)."""
+        ids = self._stream_ids.get(handle)
+        if ids is None:
+            s = self.stream(handle)
+            ids = self._stream_ids[handle] = (s.stream_id, s.device_index, s.device_type)
+        return ids
+
     def wrap(self, task, fn: Callable) -> Callable:
         torch = self._torch
         device, grad = self.device_index, self._grad_enabled
         autocast_enabled, autocast_dtype = self._autocast_enabled, self._autocast_dtype
-        stream_of = self.stream
+        ids_of, get_stream, put_stream = self._ids_of, self._get_stream, self._put_stream
 
         # Per task this is host time on the engine's critical path, so the state is set with
         # plain calls and put back as found (the sequential executor runs bodies on the
@@ -70,8 +95,8 @@ class TorchStreams:
         # the thread before any body runs. Autocast keeps its context where either side has it
         # on: leaving it clears its cache of casts.
         def body(ctx):
-            prev_stream = torch.cuda.current_stream(device)
-            torch.cuda.set_stream(stream_of(ctx.stream_handle()))
+            prev_stream = get_stream(device)
+            put_stream(*ids_of(ctx.stream_handle()))
             prev_grad = torch.is_grad_enabled()
             if prev_grad != grad:
                 torch.set_grad_enabled(grad)
@@ -89,7 +114,7 @@ class TorchStreams:
             finally:
                 if torch.is_grad_enabled() != prev_grad:
                     torch.set_grad_enabled(prev_grad)
-                torch.cuda.set_stream(prev_stream)
+                put_stream(*prev_stream)
 
         body.__name__ = getattr(fn, "__name__", task.name)
         return body

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "weft/core/error.hpp"
@@ -187,33 +189,23 @@ TEST(AllToAllLayout, RefusesBadParameters) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  AllToAllLayoutParams p = valid();
-  p.idx_dtype = DType::kFloat32;
-  refused(p, "int32 or int64");
-  p = valid();
-  p.num_ranks = 65;
-  refused(p, "num_ranks must be in [1, 64]");
-  p = valid();
-  p.num_ranks = 0;
-  refused(p, "num_ranks must be in [1, 64]");
-  p = valid();
-  p.num_tokens = -1;
-  refused(p, "num_tokens must be >= 0");
-  p = valid();
-  p.top_k = 0;
-  refused(p, "top_k must be >= 1");
-  p = valid();
-  p.num_local_experts = 0;
-  refused(p, "num_local_experts must be >= 1");
-  p = valid();
-  p.num_tokens = int64_t{1} << 62;  // x 2 ranks x top-2 = 2^64
-  refused(p, "overflows int64");
-  p = valid();
-  p.sizes = nullptr;
-  refused(p, "sizes is null");
-  p = valid();
-  p.order = nullptr;
-  refused(p, "a null array");
+  // One bad field each; the rest valid.
+  const std::vector<std::pair<std::function<void(AllToAllLayoutParams&)>, std::string>> cases = {
+      {[](auto& p) { p.idx_dtype = DType::kFloat32; }, "int32 or int64"},
+      {[](auto& p) { p.num_ranks = 65; }, "num_ranks must be in [1, 64]"},
+      {[](auto& p) { p.num_ranks = 0; }, "num_ranks must be in [1, 64]"},
+      {[](auto& p) { p.num_tokens = -1; }, "num_tokens must be >= 0"},
+      {[](auto& p) { p.top_k = 0; }, "top_k must be >= 1"},
+      {[](auto& p) { p.num_local_experts = 0; }, "num_local_experts must be >= 1"},
+      {[](auto& p) { p.num_tokens = int64_t{1} << 62; }, "overflows int64"},  // x 2 x 2 = 2^64
+      {[](auto& p) { p.sizes = nullptr; }, "sizes is null"},
+      {[](auto& p) { p.order = nullptr; }, "a null array"},
+  };
+  for (const auto& [mutate, needle] : cases) {
+    AllToAllLayoutParams p = valid();
+    mutate(p);
+    refused(p, needle);
+  }
 }
 
 }  // namespace
