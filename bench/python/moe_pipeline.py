@@ -14,8 +14,8 @@ the engine's cost. --comm emulated (one GPU): every dispatcher call is followed,
 by weft's hold_sms kernel holding --num-sms SMs for the time the call takes on --target (tables
 in weft.moe.emulated: 2xh200 from 2x H200 measurements, 8xh200-model a model scaled from them by
 the rows each GPU sends); every row is then labelled "emu", an EMULATED figure, not a multi-GPU
-measurement. The planner's prediction from the measured compute stages is printed for every
-target.
+measurement. The planner's prediction for every target is printed from each family's serial
+emulated step (its stages' GPU and host times, the run's holds swapped for the target's).
 
 Schedules, each with --micro-batches micro-batches per step:
   (a) weft.ep          serial_step, one stream, one weft.ep Buffer per layer (--ep native:
@@ -177,14 +177,14 @@ class StageCosts(NamedTuple):
 
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device,
-                   waits=None) -> StageCosts:
+                   synced=()) -> StageCosts:
     """The planner's cost model from a serial step. On a GPU each stage's time is the time
     between two CUDA events recorded around it on the step's stream, the host running ahead as
     in a step (no sync between stages, whose latency would count in every stage), and its host
-    time the wall time of its call in that step; on the CPU the host's time. waits (moe_costs'
-    task -> producer): a stage that waits on the host for GPU work would count, in a step, how
-    far the GPU is behind; its host time comes from a second serial step with a sync before
-    each stage instead, where the wait lasts only as long as the stage's own work takes."""
+    time the wall time of its call in that step; on the CPU the host's time. synced: the stages
+    that wait on the host for GPU work (_synced_stages), whose wait in a step lasts as long as
+    the GPU is behind; their host time comes from a second serial step with a sync before each
+    stage instead, where the wait lasts only as long as the stage's own work takes."""
     from weft.moe.step import _Stages, _sgd, _zero_grads, chain, micro_batches
 
     if device == "cuda":
@@ -220,19 +220,18 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device,
     host_us = None
     if device == "cuda":
         host_us = _stage_means(host_spans)
-        waiting = {task.rsplit("_", 1)[0] for task in waits or {}}
-        if waiting:
+        if synced:
             _zero_grads(model)
             stages.begin_step()
-            synced = []
+            spans = []
             for mb in micro_batches(x, target, num_micro_batches, L):
                 for _, stage, layer in chain(L):
                     _sync(device)
                     host_begin = time.perf_counter()
                     stages.run(mb, stage, layer)
-                    synced.append((stage, (time.perf_counter() - host_begin) * 1e6))
+                    spans.append((stage, (time.perf_counter() - host_begin) * 1e6))
             _sync(device)
-            host_us.update((k, v) for k, v in _stage_means(synced).items() if k in waiting)
+            host_us.update((k, v) for k, v in _stage_means(spans).items() if k in synced)
     _zero_grads(model)
     return StageCosts(gpu_us, host_us, update_us)
 
@@ -255,6 +254,16 @@ def _host_waits(a, name):
     if "a2a" in name:
         return layout_waits(a.layers) if a.device == "cuda" else None
     return count_waits(a.layers) if a.ep == "native" else None
+
+
+def _synced_stages(a, name):
+    """The stages of a row's family that wait on the host for GPU work (stage_costs_us' synced):
+    those of its host waits, and with --ep deepep weft.ep's dispatch, which waits for its own
+    count inside the call (no wait the planner models)."""
+    stages = {task.rsplit("_", 1)[0] for task in _host_waits(a, name) or {}}
+    if "weft.ep" in name and a.ep == "deepep":
+        stages.add("dispatch")
+    return stages
 
 
 def _dispatcher_factories(a, group, layout_group, experts, T, M):
@@ -477,14 +486,14 @@ def main():
                 if depth is not None and run["config"] is None and not traced and draw:
                     _trace_and_plan(model, slots, x, target, a, depth, run["apart"], backend,
                                     device, f"{shape}_T{T}{'_emu' if emu else ''}",
-                                    times[run["name"]], rank, _host_waits(a, run["name"]))
+                                    times[run["name"]], rank, run["name"])
                     traced = True
                 if run["piped"] is not None:
                     run["piped"].close()
                 kind = serial_rows.get(run["name"]) if emu else None
                 if kind is not None:
                     family_costs[kind] = stage_costs_us(model, slots, x, target, M, device,
-                                                        _host_waits(a, kind))
+                                                        _synced_stages(a, kind))
                 # The step closure and the pipelined step hold the model too: drop every
                 # reference before the next config builds its own (a DeepSeek-V3-sized model
                 # and its gradients take most of a GPU).
@@ -755,12 +764,13 @@ def _print_prediction(out, a, shape, T, hidden, family_costs, depths, a2a_depths
 
 
 def _trace_and_plan(model, slots, x, target, a, depth, dispatch_after_router, backend, device,
-                    tag, measured_ms, rank, waits):
+                    tag, measured_ms, rank, row):
     """One traced step of the first pipelined row (Chrome JSON), and the planner's page of its
     family's depths (0 .. 4 x layers, or 5 x layers with each dispatch a progress after its
     router) with stage costs measured from a serial step (on a GPU its host time per stage
     too) and the family's host waits, into bench-out/; the planner's step beside the measured
-    one. Every rank runs the steps (they are collective); rank 0 writes and prints."""
+    one. row: that row's name (its family's host waits). Every rank runs the steps (they are
+    collective); rank 0 writes and prints."""
     L = len(model.moe)
     traced = moe.PipelinedStep(model, slots, a.micro_batches, depth=depth, backend=backend,
                                trace=True, thread_map=_given_thread_map(a),
@@ -771,14 +781,15 @@ def _trace_and_plan(model, slots, x, target, a, depth, dispatch_after_router, ba
     num_threads = len(traced.engine.threads)
     apart = traced.dispatch_after_router
     traced.close()
-    stage = stage_costs_us(model, slots, x, target, a.micro_batches, device, waits)
+    stage = stage_costs_us(model, slots, x, target, a.micro_batches, device,
+                           _synced_stages(a, row))
     costs_us, update_us = stage.gpu_us, stage.update_us
     if rank != 0:
         return
     trace_path = os.path.join(OUT_DIR, f"moe_pipeline_{tag}_d{depth}.trace.json")
     trace.write_chrome_json(trace_path)
     host = {} if stage.host_us is None else {"host_us": stage.host_us}
-    costs = moe.moe_costs(L, costs_us, waits=waits, **host)
+    costs = moe.moe_costs(L, costs_us, waits=_host_waits(a, row), **host)
     thread_map = moe.moe_thread_map(L, num_threads)
     variants = [(f"moe_depth{d}", moe.moe_schedule(L, d, dispatch_after_router=apart),
                  thread_map) for d in range(moe.max_depth(L, apart) + 1)]

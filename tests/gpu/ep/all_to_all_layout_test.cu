@@ -202,6 +202,7 @@ TEST(AllToAllLayout, RefusesBadParameters) {
       {[](auto& p) { p.order = nullptr; }, "a null array"},
   };
   for (const auto& [mutate, needle] : cases) {
+    SCOPED_TRACE(needle);
     AllToAllLayoutParams p = valid();
     mutate(p);
     refused(p, needle);
