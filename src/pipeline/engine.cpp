@@ -279,30 +279,30 @@ void EngineCore::set_source(Source source) {
 }
 
 void EngineCore::reset() {
-  // With no batch in flight, no value held and no failure (e.g. a new source after a clean end
-  // of data, whose values went when it ended) there is no work to discard: the streams are
-  // joined on the device instead of waited for, so that the caller's work queued since (an
-  // optimizer step) overlaps the new source's first tasks on the host and still precedes them
-  // on every stream.
+  // With no batch in flight, no value held but retired ones and no failure (e.g. a new source
+  // after a clean end of data, which retired its values) there is no work to discard: the
+  // streams are joined on the device instead of waited for, so that the caller's work queued
+  // since (an optimizer step) overlaps the new source's first tasks on the host and still
+  // precedes them on every stream. Retired values keep their fences and go when those complete.
   const auto holds = [](const Batch& b) {
     return std::any_of(b.values_.begin(), b.values_.end(),
                        [](const std::any& v) { return v.has_value(); });
   };
   const bool discards = failed_ || (!ended_ && num_pulled_ != num_returned_) ||
-                        !retired_.empty() || holds(result_) ||
-                        std::any_of(ring_.begin(), ring_.end(), holds);
+                        holds(result_) || std::any_of(ring_.begin(), ring_.end(), holds);
   if (!discards) {
     backend_->join_streams();
+    release_retired();
   } else {
     try {
       backend_->synchronize();
     } catch (const std::exception&) {
       // Errors of discarded work are discarded with it (see Engine's error contract).
     }
+    retired_.clear();
   }
   for (Batch& b : ring_) b.clear();
   result_.clear();
-  retired_.clear();
   iteration_ = 0;
   num_pulled_ = 0;
   num_returned_ = 0;
@@ -347,12 +347,16 @@ void EngineCore::retire(Batch& batch) {
   retired_.push_back(std::move(retired));
 }
 
-void EngineCore::release_all() {
+void EngineCore::retire_all() {
+  backend_->join_streams();
   retire(result_);
   for (Batch& b : ring_) retire(b);
-  if (retired_.empty()) return;
+  release_retired();
+}
+
+void EngineCore::synchronize() {
   backend_->synchronize();
-  retired_.clear();
+  release_retired();
 }
 
 void EngineCore::for_each_value(const std::function<void(const std::any&)>& visit) const {
@@ -461,12 +465,13 @@ std::optional<Step> EngineCore::progress() {
       if (watchdog) watchdog->disarm();
     }
   } disarm{watchdog_.get()};
+  if (ended_) release_retired();  // a call after the end of data frees what has finished
   while (!ended_) {
     release_retired();
     pull();
     if (exhausted_ && (num_pulled_ == 0 || iteration_ >= num_pulled_ + max_lookahead_)) {
       ended_ = true;
-      release_all();
+      retire_all();
       break;
     }
     prepare_iteration();

@@ -126,7 +126,8 @@ class EngineCore {
   void set_source(Source source);
   std::optional<Step> progress();
   void reset();
-  void synchronize() { backend_->synchronize(); }
+  // Waits for the backend's streams, then destroys the retired values (their work is done).
+  void synchronize();
   Trace take_trace();
   std::vector<MeasuredCollective> collective_inventory() const;
   void for_each_value(const std::function<void(const std::any&)>& visit) const;
@@ -172,8 +173,12 @@ class EngineCore {
   // progress() (or construction), timed from its start.
   void wait_for_workers();
   void report_stall(double seconds) const;
-  // At the end of data: the last result and every retired value go now, after the streams.
-  void release_all();
+  // At the end of data: the streams are joined on the device (the caller's work queued next on
+  // any of them comes after all of the source's), and the last result and every batch's values
+  // are retired, without waiting for the streams (a step's end does not drain the device);
+  // they go when their fences complete, in a later call (progress(), a new source,
+  // synchronize()) or with the engine.
+  void retire_all();
   void mark_done(TaskId task, std::uint32_t epoch) noexcept;
   void fail(std::exception_ptr error) noexcept;
   [[noreturn]] void throw_failure() const;

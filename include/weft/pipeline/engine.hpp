@@ -11,12 +11,13 @@
 //    batches in give exactly M results.
 //  - A slot's value lives until every task that reads it has completed its work on its stream
 //    (Backend::fence); values are destroyed on the caller's thread, never on an engine thread.
-//    At the end of data the progress() that returns std::nullopt waits for the streams and
-//    destroys every value the engine still holds.
+//    At the end of data the progress() that returns std::nullopt does not wait for the streams:
+//    the values it still holds go behind a fence, destroyed by a later call once the streams
+//    are done with them (progress(), a new source, synchronize(), the destructor).
 //  - set_source() starts a new data source and resets the ring; calling it while batches of the
 //    previous source are in flight (not all results returned) is an error: drain first, or reset().
 //    It waits for the streams only where it discards values, batches in flight or an error;
-//    otherwise (e.g. after a clean end of data, every value already gone) it joins them on the
+//    otherwise (e.g. after a clean end of data, whose values are retired) it joins them on the
 //    device (Backend::join_streams: every stream after the work queued on every stream), so
 //    that work the caller queued since overlaps the new source's first tasks on the host and
 //    still precedes them on every stream.
@@ -130,7 +131,8 @@ class Engine {
   // Discards the batches in flight and any error; the source is kept and restarts from where it
   // is (the next batch it gives is batch 0 of a new ring).
   void reset();
-  // Waits for all GPU (stream) work; rethrows the backend's first error.
+  // Waits for all GPU (stream) work, then destroys the slot values whose work is done (after
+  // the end of data: every value held); rethrows the backend's first error.
   void synchronize();
 
   const CompiledSchedule& schedule() const noexcept;

@@ -26,8 +26,9 @@ Semantics (docs/pipeline.md and docs/python.md "weft.pipeline"):
    every 20 ms of waiting), with the engine failed as after any error; a body that never returns
    keeps progress() waiting (the stall report names it).
  - Slot values are destroyed on the caller's thread with the GIL, after the backend's streams
-   have finished the work enqueued while they were live; the progress() that raises
-   StopIteration destroys the last batch's.
+   have finished the work enqueued while they were live. The progress() that raises
+   StopIteration does not wait for the streams: the last batches' values go in a later call
+   once that work is done (progress(), a new source, synchronize()), or with the engine.
  - One call at a time, from one thread at a time: a call made while another runs (from a second
    thread, from a body, or from a slot value's __del__) raises weft.Error naming both, and so
    does every call after close() ("the engine is closed") and every call in a process forked
@@ -110,7 +111,9 @@ class Engine:
         self._engine.reset()
 
     def synchronize(self) -> None:
-        """Waits for all stream work; raises the backend's first error."""
+        """Waits for all stream work, then destroys the slot values whose work is done (all of
+        them: after the end of data, every value the engine holds); raises the backend's first
+        error."""
         self._engine.synchronize()
 
     def take_trace(self):

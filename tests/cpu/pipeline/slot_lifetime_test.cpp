@@ -1,11 +1,12 @@
 // A slot's value lives until every task that reads it has completed its work on its stream:
 // the engine destroys a batch's values only after the stream work enqueued while they were live
-// has finished, also when the engine itself is destroyed; at the end of data it waits for that
-// work and destroys every value it still holds. The stream work here reads the values
+// has finished, also at the end of data (which does not wait for that work: a later call
+// destroys them) and when the engine itself is destroyed. The stream work here reads the values
 // through a pointer taken in the body, as GPU work reads a tensor's memory; under AddressSanitizer
 // a value destroyed too early is a heap-use-after-free, in any build a failed liveness check.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <any>
 #include <atomic>
 #include <chrono>
@@ -107,19 +108,71 @@ TEST(SlotLifetime, ValuesOutliveTheStreamWorkThatReadsThem) {
     engine.set_source(tracked_source(kNumBatches, &alive));
     std::int64_t num_steps = 0;
     for (; num_steps < kNumBatches; ++num_steps) ASSERT_TRUE(engine.progress().has_value());
-    // Every batch has run its tasks; their stream work has not run yet. The end of data waits
-    // for it (opened later, from another thread), then destroys every value.
-    std::thread opener([gate] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      gate->open();
-    });
+    // Every batch has run its tasks; their stream work has not run yet. The end of data does
+    // not wait for it: every value stays until it has run.
     EXPECT_FALSE(engine.progress().has_value());
-    opener.join();
+    EXPECT_EQ(reads->num_reads.load(), 0);
+    ASSERT_EQ(alive.size(), static_cast<std::size_t>(kNumBatches));
+    for (const auto& a : alive) EXPECT_TRUE(a->load()) << "a value went before its stream work";
+    EXPECT_FALSE(engine.progress().has_value());  // a later call keeps them too
+    for (const auto& a : alive) EXPECT_TRUE(a->load()) << "a value went before its stream work";
+    // Once the work has run, a later call after the end of data destroys every value.
+    gate->open();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (reads->num_reads.load() < 2 * kNumBatches &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     EXPECT_EQ(reads->num_reads.load(), 2 * kNumBatches);
     EXPECT_EQ(reads->num_dead.load(), 0);
     EXPECT_EQ(reads->num_corrupt.load(), 0);
+    // The fences queued behind the reads complete soon after them: calls that do not wait
+    // destroy the values once they have.
+    const auto any_alive = [&] {
+      return std::any_of(alive.begin(), alive.end(), [](const auto& a) { return a->load(); });
+    };
+    while (any_alive() && std::chrono::steady_clock::now() < deadline) {
+      EXPECT_FALSE(engine.progress().has_value());
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (const auto& a : alive) EXPECT_FALSE(a->load()) << "a value outlived its stream work";
+  }
+}
+
+// After the end of data, synchronize() waits for the streams and destroys every value; so does
+// a new source once the old one's work has run, without waiting for it.
+TEST(SlotLifetime, SynchronizeOrANewSourceDestroysTheLastValues) {
+  for (const bool new_source : {false, true}) {
+    SCOPED_TRACE(new_source ? "new source" : "synchronize");
+    auto reads = std::make_shared<Reads>();
+    auto gate = std::make_shared<Gate>();
+    Engine engine(reading_schedule(reads, gate), ThreadMap::preset("per_task"));
+    std::vector<std::shared_ptr<std::atomic<bool>>> alive;
+    engine.set_source(tracked_source(kNumBatches, &alive));
+    while (engine.progress()) {
+    }
     ASSERT_EQ(alive.size(), static_cast<std::size_t>(kNumBatches));
-    for (const auto& a : alive) EXPECT_FALSE(a->load()) << "a value outlived the end of data";
+    for (const auto& a : alive) EXPECT_TRUE(a->load()) << "a value went before its stream work";
+    if (new_source) {
+      // The new source joins the streams on the device; the old values wait for their work.
+      engine.set_source(tracked_source(1));
+      for (const auto& a : alive) EXPECT_TRUE(a->load()) << "a value went before its work";
+      gate->open();
+      while (engine.progress()) {
+      }
+      engine.synchronize();
+    } else {
+      std::thread opener([gate] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        gate->open();
+      });
+      engine.synchronize();
+      opener.join();
+      EXPECT_EQ(reads->num_reads.load(), 2 * kNumBatches);
+    }
+    EXPECT_EQ(reads->num_dead.load(), 0);
+    EXPECT_EQ(reads->num_corrupt.load(), 0);
+    for (const auto& a : alive) EXPECT_FALSE(a->load()) << "a value outlived synchronize()";
   }
 }
 
@@ -221,10 +274,38 @@ class SyncCountingBackend final : public testing::ForwardingBackend {
   std::shared_ptr<Counts> counts_;
 };
 
-// The end of data waits for the streams (its values go); a new source after it has nothing to
-// discard and joins the streams on the device instead of waiting for them, so that work queued
-// between two sources (an optimizer step) overlaps the next source's first tasks on the host.
-// Where values, batches in flight or an error are discarded, the streams are waited for first.
+// The end of data does not wait for the streams, but joins them: work the caller queues next on
+// any stream of the engine (an optimizer step on the default one) comes after every task's
+// stream work of the source, also after work on another stream that no task waited for.
+TEST(SlotLifetime, TheCallersWorkAfterTheEndOfDataFollowsTheSourcesOnEveryStream) {
+  auto side_done = std::make_shared<std::atomic<int>>(0);
+  Schedule s;
+  s.add_stream("side");
+  s.add_input("input");
+  s.add(Task("side_work").stream("side").reads("input").body([side_done](TaskContext& c) {
+    host_stream(c).enqueue([side_done] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      ++*side_done;
+    });
+  }));
+  s.add(Task("main_work").reads("input"));
+  Engine engine(std::move(s), ThreadMap::preset("per_task"));
+  engine.set_source(testing::counting_source(3));
+  while (engine.progress()) {
+  }
+  auto& default_stream = static_cast<HostBackend&>(engine.backend()).stream(
+      engine.schedule().find_stream("default").value());
+  auto seen = std::make_shared<std::atomic<int>>(-1);
+  default_stream.enqueue([side_done, seen] { seen->store(side_done->load()); });
+  engine.synchronize();
+  EXPECT_EQ(seen->load(), 3) << "the caller's work ran before the source's side-stream work";
+}
+
+// Neither the end of data (it joins the streams on the device and retires its values) nor a new
+// source after it waits for the streams: the new source has nothing to discard and joins the
+// streams on the device too, so that work queued between two sources (an optimizer step)
+// overlaps the next source's first tasks on the host. Where values, batches in flight or an
+// error are discarded, the streams are waited for first.
 TEST(SlotLifetime, ANewSourceWaitsForTheStreamsOnlyWhereItDiscards) {
   auto counts = std::make_shared<SyncCountingBackend::Counts>();
   Schedule s;
@@ -236,21 +317,21 @@ TEST(SlotLifetime, ANewSourceWaitsForTheStreamsOnlyWhereItDiscards) {
                 std::make_unique<SyncCountingBackend>(counts));
   for (int source = 0; source < 3; ++source) {
     engine.set_source(testing::counting_source(kNumBatches));
-    EXPECT_EQ(counts->joins.load(), source + 1);
+    EXPECT_EQ(counts->joins.load(), 2 * source + 1);  // each end of data and set_source()
     int num_steps = 0;
     while (engine.progress()) ++num_steps;
     EXPECT_EQ(num_steps, kNumBatches);
-    EXPECT_EQ(counts->syncs.load(), source + 1) << "one wait per source: its end of data";
+    EXPECT_EQ(counts->syncs.load(), 0) << "no wait: the end of data retires its values";
   }
   // Batches in flight (lookahead 1) and a result with the caller: discarded after a wait.
   engine.set_source(testing::counting_source(kNumBatches));
   ASSERT_TRUE(engine.progress().has_value());
   engine.reset();
-  EXPECT_EQ(counts->syncs.load(), 4);
+  EXPECT_EQ(counts->syncs.load(), 1);
   // A reset right after it holds nothing any more.
   engine.reset();
-  EXPECT_EQ(counts->syncs.load(), 4);
-  EXPECT_EQ(counts->joins.load(), 5);
+  EXPECT_EQ(counts->syncs.load(), 1);
+  EXPECT_EQ(counts->joins.load(), 8);
 }
 
 // The join keeps stream order across sources: work the caller queued on the default stream
@@ -272,7 +353,8 @@ TEST(SlotLifetime, ANewSourcesStreamsRunAfterWorkQueuedBetweenSources) {
   engine.set_source(testing::counting_source(2));
   while (engine.progress()) {
   }
-  num_early->store(0);  // the first source ran before any caller's work
+  engine.synchronize();  // the first source's stream work, which ran before any caller's work
+  num_early->store(0);
   auto& default_stream = static_cast<HostBackend&>(engine.backend()).stream(
       engine.schedule().find_stream("default").value());
   default_stream.enqueue([caller_done] {
@@ -282,6 +364,7 @@ TEST(SlotLifetime, ANewSourcesStreamsRunAfterWorkQueuedBetweenSources) {
   engine.set_source(testing::counting_source(2));
   while (engine.progress()) {
   }
+  engine.synchronize();  // the end of data does not wait for the streams
   EXPECT_TRUE(caller_done->load());
   EXPECT_EQ(num_early->load(), 0) << "the side stream ran the new source before the caller's work";
 }
