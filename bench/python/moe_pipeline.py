@@ -30,6 +30,10 @@ Schedules, each with --micro-batches micro-batches per step:
   no comm              serial_step with the local dispatcher (one rank only)
   (a) weft.ep local    --comm emulated: (a) without the emulated holds (at one rank weft.ep's
                        communication is a local copy)
+  (b)/(c) ... cvN      --gemm-sm-carveout N: the depth rows again with torch's SM carveout of N
+                       SMs around the pipelined step (torch._C._set_sm_carveout_experimental:
+                       cuBLAS and torch._grouped_mm then run on N fewer SMs), so that a GEMM
+                       does not fill the SMs a communication kernel (an emulated hold) waits for
 The compute floor is the faster of "no comm" and "(a) weft.ep local": the step whose
 communication is a local copy (the local dispatcher's torch ops may cost more than weft.ep's).
 Depth d: max = the family's deepest, 4 x layers for (b) (every communication, forward and
@@ -324,6 +328,9 @@ def main():
                    help="SMs an emulated weft.ep call holds (default weft.ep.Buffer.num_sms)")
     p.add_argument("--a2a-num-sms", type=int, default=None,
                    help="SMs an emulated all_to_all call holds (default --num-sms)")
+    p.add_argument("--gemm-sm-carveout", type=int, default=None, metavar="N",
+                   help="also time every (b) and (c) depth with torch's GEMMs leaving N SMs "
+                        "free during the pipelined step (rows marked cvN)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
@@ -359,6 +366,14 @@ def main():
     device = a.device
     if a.comm == "emulated" and device != "cuda":
         p.error("--comm emulated needs --device cuda")
+    if a.gemm_sm_carveout is not None:
+        if device != "cuda" or not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            p.error("--gemm-sm-carveout needs --device cuda and a torch with "
+                    "torch._C._set_sm_carveout_experimental")
+        num_device_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        if not 1 <= a.gemm_sm_carveout < num_device_sms:
+            p.error(f"--gemm-sm-carveout must be in [1, {num_device_sms}), got "
+                    f"{a.gemm_sm_carveout}")
     if device == "cpu":  # each engine thread that calls torch gets its own OpenMP team else
         torch.set_num_threads(1)
     group = None
@@ -414,6 +429,10 @@ def main():
             configs.append((f"(a) {emu}a2a", a2a_slots, None, None))
             configs += [(f"(c) {emu}pipe+a2a {label}d{d}", a2a_slots, d, None, apart)
                         for label, apart, family in a2a_families for d in family]
+            if a.gemm_sm_carveout is not None:
+                cv = a.gemm_sm_carveout
+                configs += [(f"{c[0]} cv{cv}", *c[1:4], c[4] if len(c) > 4 else None, cv)
+                            for c in configs if c[2] is not None]
             if world == 1:
                 configs.append(("no comm", lambda: moe.LayoutSlots.shared(
                     moe.LocalDispatcher(experts), a.layers), None, None))
@@ -446,8 +465,10 @@ def main():
             times, same, reference = {}, {}, None
             num_threads = {}  # family of (b) and (c) rows -> the engine threads it ran on
 
-            def build(cname, make_slots, depth, config, dispatch_after_router=None):
-                """The config's model and step, its first step's bits checked, warmed up."""
+            def build(cname, make_slots, depth, config, dispatch_after_router=None,
+                      carveout=None):
+                """The config's model and step, its first step's bits checked, warmed up.
+                carveout: SMs torch's GEMMs leave free during the pipelined step."""
                 nonlocal reference
                 run = {"name": cname, "depth": depth, "config": config, "piped": None,
                        "slots": make_slots(), "model": make_model(),
@@ -465,7 +486,13 @@ def main():
                         num_threads[cname.rsplit(" d", 1)[0]] = len(piped.engine.threads)
 
                     def step(x, t):
-                        return piped(x, t, 0.0)
+                        if carveout is None:
+                            return piped(x, t, 0.0)
+                        torch._C._set_sm_carveout_experimental(carveout)
+                        try:
+                            return piped(x, t, 0.0)
+                        finally:
+                            torch._C._set_sm_carveout_experimental(None)
                 run["step"] = step
                 same[cname], reference = first_steps(step, model, x, target, a, reference)
                 times[cname] = []
