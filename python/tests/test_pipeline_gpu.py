@@ -159,7 +159,9 @@ def test_torch_events_order_with_the_engines():
                      writes=["x", "event"]),
         Task.from_fn("consume", consume, reads=["x", "event"], writes=["step_result"]),
     ])
-    results = drain(Engine(s, "per_task", backend="torch"), range(3))
+    engine = Engine(s, "per_task", backend="torch")
+    results = drain(engine, range(3))
+    engine.synchronize()  # made on the engine's streams, read on the caller's
     assert all(r.item() == float(sum(range(1 << 16))) for r in results)
 
 
@@ -177,7 +179,9 @@ def test_the_engine_adopts_the_callers_torch_streams():
                                writes=["step_result"])])
     engine = Engine(s, "per_task", backend="torch", streams={"mine": mine})
     assert engine.stream_handle("mine") == mine.cuda_stream
-    assert [r.item() for r in drain(engine, range(3))] == [4.0] * 3
+    results = drain(engine, range(3))
+    engine.synchronize()  # made on "mine", read on the caller's current stream
+    assert [r.item() for r in results] == [4.0] * 3
     assert seen == [True] * 3
     engine.close()
     mine.synchronize()  # still a valid stream after the engine is gone

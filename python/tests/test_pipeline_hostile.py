@@ -224,7 +224,7 @@ print(drain(engine, it))
 # A slot value's __del__ calling the engine -------------------------------------------------------
 
 @pytest.mark.parametrize("thread_map", MAPS)
-@pytest.mark.parametrize("call", ["progress", "reset", "close"])
+@pytest.mark.parametrize("call", ["progress", "reset", "synchronize", "close"])
 def test_a_slot_value_whose_del_calls_the_engine_is_refused_cleanly(thread_map, call):
     r = run(f"""
 refused = []

@@ -146,6 +146,7 @@ void CudaBackend::join_streams() {
 }
 
 std::uint64_t CudaBackend::fence() {
+  reap_fences();
   std::vector<cudaEvent_t> fence;
   fence.reserve(streams_.size());
   for (cudaStream_t s : streams_) {
@@ -163,7 +164,7 @@ std::uint64_t CudaBackend::fence() {
   return num_fences_++;
 }
 
-bool CudaBackend::fence_completed(std::uint64_t fence) {
+void CudaBackend::reap_fences() {
   auto complete = [](const std::vector<cudaEvent_t>& events) {
     for (cudaEvent_t e : events) {
       const cudaError_t status = cudaEventQuery(e);
@@ -176,6 +177,10 @@ bool CudaBackend::fence_completed(std::uint64_t fence) {
     for (cudaEvent_t e : pending_fences_.front()) free_fence_events_.push_back(e);
     pending_fences_.pop_front();
   }
+}
+
+bool CudaBackend::fence_completed(std::uint64_t fence) {
+  reap_fences();
   return fence < num_fences_ - pending_fences_.size();
 }
 

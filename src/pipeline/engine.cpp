@@ -338,19 +338,20 @@ void EngineCore::pull() {
   }
 }
 
-void EngineCore::retire(Batch& batch) {
+void EngineCore::retire(Batch& batch, std::optional<std::uint64_t> fence) {
   const bool empty = std::none_of(batch.values_.begin(), batch.values_.end(),
                                   [](const std::any& v) { return v.has_value(); });
   if (empty) return;
-  Retired retired{backend_->fence(), std::vector<std::any>(batch.values_.size())};
+  Retired retired{fence ? *fence : backend_->fence(), std::vector<std::any>(batch.values_.size())};
   std::swap(retired.values, batch.values_);
   retired_.push_back(std::move(retired));
 }
 
 void EngineCore::retire_all() {
   backend_->join_streams();
-  retire(result_);
-  for (Batch& b : ring_) retire(b);
+  const std::uint64_t fence = backend_->fence();  // one for every batch: nothing is queued between
+  retire(result_, fence);
+  for (Batch& b : ring_) retire(b, fence);
   release_retired();
 }
 
@@ -470,8 +471,14 @@ std::optional<Step> EngineCore::progress() {
     release_retired();
     pull();
     if (exhausted_ && (num_pulled_ == 0 || iteration_ >= num_pulled_ + max_lookahead_)) {
+      try {
+        retire_all();
+      } catch (...) {  // the streams are not joined: the engine is failed, as after a body's error
+        failed_ = true;
+        first_error_ = std::current_exception();
+        throw;
+      }
       ended_ = true;
-      retire_all();
       break;
     }
     prepare_iteration();

@@ -158,7 +158,8 @@ class EngineCore {
   void pull();
   // Keeps the values of a batch that left the ring (and empties it) until the backend's streams
   // have finished all work enqueued so far; release_retired() destroys those whose time came.
-  void retire(Batch& batch);
+  // fence: the fence the values wait for (default: a new one).
+  void retire(Batch& batch, std::optional<std::uint64_t> fence = std::nullopt);
   void release_retired();
   void prepare_iteration();
   void run_iteration();

@@ -66,8 +66,8 @@ class Backend {
   // Blocks until all work on all streams is done; throws the first error of that work.
   virtual void synchronize() = 0;
   // Orders the work enqueued on every stream from now on after the work enqueued on every stream
-  // so far, without blocking the host (where a new source starts with nothing to discard). The
-  // default blocks: synchronize().
+  // so far, without blocking the host (at the end of data, and where a new source starts with
+  // nothing to discard). The default blocks: synchronize().
   virtual void join_streams() { synchronize(); }
 
   // Fences keep slot values alive for the stream work that reads them. fence() marks everything

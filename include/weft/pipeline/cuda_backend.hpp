@@ -83,6 +83,9 @@ class CudaBackend final : public Backend {
     cudaEvent_t end;
   };
   cudaEvent_t pooled_timing_event();
+  // Returns the events of the oldest fences that have completed to the pool (a join's fence is
+  // polled by nobody else: fence() calls this, so the pending ones stay those not yet done).
+  void reap_fences();
   void release() noexcept;
 
   int device_;

@@ -28,7 +28,9 @@ Semantics (docs/pipeline.md and docs/python.md "weft.pipeline"):
  - Slot values are destroyed on the caller's thread with the GIL, after the backend's streams
    have finished the work enqueued while they were live. The progress() that raises
    StopIteration does not wait for the streams: the last batches' values go in a later call
-   once that work is done (progress(), a new source, synchronize()), or with the engine.
+   once that work is done (progress(), a new source, synchronize()), or with the engine; a
+   result read on a stream the engine does not have needs synchronize() or an event first, and
+   errors of that work come from synchronize() or the next call.
  - One call at a time, from one thread at a time: a call made while another runs (from a second
    thread, from a body, or from a slot value's __del__) raises weft.Error naming both, and so
    does every call after close() ("the engine is closed") and every call in a process forked
