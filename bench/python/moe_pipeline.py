@@ -206,36 +206,36 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device,
             return (end - begin) * 1e6
     L = len(model.moe)
     stages = _Stages(model, slots)
-    _zero_grads(model)  # as a step starts: the timed steps' gradients freed
-    spans, host_spans = [], []
+
+    def serial_pass(before_stage):
+        """(stage, host us, GPU begin, GPU end) per stage of a serial step, before_stage()
+        called before each stage's marks; then the span of the optimizer's update."""
+        _zero_grads(model)  # as a step starts: the last step's gradients freed
+        stages.begin_step()
+        out = []
+        for mb in micro_batches(x, target, num_micro_batches, L):
+            for _, stage, layer in chain(L):
+                before_stage()
+                begin, host_begin = mark(), time.perf_counter()
+                stages.run(mb, stage, layer)
+                out.append((stage, (time.perf_counter() - host_begin) * 1e6, begin, mark()))
+        begin = mark()
+        _sgd(model, 0.0)  # as the timed steps (lr 0): the same pass over weights and gradients
+        end = mark()
+        _sync(device)
+        return out, elapsed_us(begin, end)
+
     _sync(device)
-    for mb in micro_batches(x, target, num_micro_batches, L):
-        for _, stage, layer in chain(L):
-            begin, host_begin = mark(), time.perf_counter()
-            stages.run(mb, stage, layer)
-            host_spans.append((stage, (time.perf_counter() - host_begin) * 1e6))
-            spans.append((stage, begin, mark()))
-    begin = mark()
-    _sgd(model, 0.0)  # as the timed steps (lr 0): the same pass over weights and gradients
-    end = mark()
-    _sync(device)
-    update_us = elapsed_us(begin, end)
-    gpu_us = _stage_means((stage, elapsed_us(b, e)) for stage, b, e in spans)
+    running, update_us = serial_pass(lambda: None)
+    gpu_us = _stage_means((stage, elapsed_us(b, e)) for stage, _, b, e in running)
     host_us = None
     if device == "cuda":
-        host_us = _stage_means(host_spans)
+        host_us = _stage_means((stage, us) for stage, us, _, _ in running)
         if synced:
-            _zero_grads(model)
-            stages.begin_step()
-            spans = []
-            for mb in micro_batches(x, target, num_micro_batches, L):
-                for _, stage, layer in chain(L):
-                    _sync(device)
-                    host_begin = time.perf_counter()
-                    stages.run(mb, stage, layer)
-                    spans.append((stage, (time.perf_counter() - host_begin) * 1e6))
-            _sync(device)
-            host_us.update((k, v) for k, v in _stage_means(spans).items() if k in synced)
+            waited, _ = serial_pass(lambda: _sync(device))
+            host_us.update((stage, us) for stage, us in
+                           _stage_means((st, us) for st, us, _, _ in waited).items()
+                           if stage in synced)
     _zero_grads(model)
     return StageCosts(gpu_us, host_us, update_us)
 
