@@ -182,13 +182,17 @@ class StageCosts(NamedTuple):
 
 def stage_costs_us(model, slots, x, target, num_micro_batches, device,
                    synced=()) -> StageCosts:
-    """The planner's cost model from a serial step. On a GPU each stage's time is the time
-    between two CUDA events recorded around it on the step's stream, the host running ahead as
-    in a step (no sync between stages, whose latency would count in every stage), and its host
-    time the wall time of its call in that step; on the CPU the host's time. synced: the stages
-    that wait on the host for GPU work (_synced_stages), whose wait in a step lasts as long as
-    the GPU is behind; their host time comes from a second serial step with a sync before each
-    stage instead, where the wait lasts only as long as the stage's own work takes."""
+    """The planner's cost model from serial steps. On a GPU a stage's GPU time is its busy time:
+    after a sync the step's stream is held (a hold_sms kernel on one SM) for longer than the host
+    takes to queue the stage (twice its host time, plus 200 us), and the time between two CUDA
+    events recorded after the hold and after the stage is the stage's work run back to back, not
+    the GPU's wait for launches that an event span in a host-bound step would include. Its host
+    time is the wall time of its call in a running serial step (no sync between stages, whose
+    latency would count in every stage); for the stages in synced, which wait on the host for
+    GPU work (_synced_stages) and whose wait in a step lasts as long as the GPU is behind, the wall
+    time in a serial step with a sync before each stage, where the wait lasts only as long as
+    the stage's own work takes. The update: the span of the optimizer's update in the running
+    step. On the CPU the GPU time is the host's time and host_us is None."""
     from weft.moe.step import _Stages, _sgd, _zero_grads, chain, micro_batches
 
     if device == "cuda":
@@ -208,14 +212,14 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device,
     stages = _Stages(model, slots)
 
     def serial_pass(before_stage):
-        """(stage, host us, GPU begin, GPU end) per stage of a serial step, before_stage()
-        called before each stage's marks; then the span of the optimizer's update."""
+        """(stage, host us, GPU begin, GPU end) per stage of a serial step, before_stage(stage)
+        called before each stage's marks; then the update's span."""
         _zero_grads(model)  # as a step starts: the last step's gradients freed
         stages.begin_step()
         out = []
         for mb in micro_batches(x, target, num_micro_batches, L):
             for _, stage, layer in chain(L):
-                before_stage()
+                before_stage(stage)
                 begin, host_begin = mark(), time.perf_counter()
                 stages.run(mb, stage, layer)
                 out.append((stage, (time.perf_counter() - host_begin) * 1e6, begin, mark()))
@@ -226,13 +230,19 @@ def stage_costs_us(model, slots, x, target, num_micro_batches, device,
         return out, elapsed_us(begin, end)
 
     _sync(device)
-    running, update_us = serial_pass(lambda: None)
+    running, update_us = serial_pass(lambda stage: None)
     gpu_us = _stage_means((stage, elapsed_us(b, e)) for stage, _, b, e in running)
     host_us = None
     if device == "cuda":
         host_us = _stage_means((stage, us) for stage, us, _, _ in running)
+
+        def held(stage):
+            _sync(device)
+            moe.emulated.hold_on_current_stream(1, 2 * host_us[stage] + 200.0, x.device)
+        busy, _ = serial_pass(held)
+        gpu_us = _stage_means((stage, elapsed_us(b, e)) for stage, _, b, e in busy)
         if synced:
-            waited, _ = serial_pass(lambda: _sync(device))
+            waited, _ = serial_pass(lambda stage: _sync(device))
             host_us.update((stage, us) for stage, us in
                            _stage_means((st, us) for st, us, _, _ in waited).items()
                            if stage in synced)
